@@ -1,0 +1,257 @@
+// Package api holds the wire types of the space REST API (/v1) and of the
+// WebSocket attach protocol. The server, the Go SDK and the CLI all use these
+// types, so the JSON shape is defined in exactly one place. The OpenAPI 3.1
+// description of the same shapes is openapi.yaml beside this file.
+package api
+
+import "time"
+
+// Error is the body of every non-2xx response: {"error":{"code","message"}}.
+type Error struct {
+	Error ErrorBody `json:"error"`
+}
+
+// ErrorBody names the problem. Code is stable (see internal/errdefs).
+type ErrorBody struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+// Sandbox states.
+const (
+	StateCreating  = "creating"
+	StateRunning   = "running"
+	StatePaused    = "paused"
+	StateStopping  = "stopping"
+	StateStopped   = "stopped"
+	StateStarting  = "starting"
+	StateSuspended = "suspended"
+	StateDeleting  = "deleting"
+	StateDeleted   = "deleted"
+	StateError     = "error"
+)
+
+// Operation kinds (DESIGN.md lifecycle verbs).
+const (
+	OpCreate  = "create"
+	OpDelete  = "delete"
+	OpStop    = "stop"
+	OpStart   = "start"
+	OpPause   = "pause"
+	OpResume  = "resume"
+	OpSuspend = "suspend"
+	OpRestore = "restore"
+	OpWake    = "wake"
+	OpFork    = "fork"
+)
+
+// Operation states.
+const (
+	OpPending   = "pending"
+	OpRunning   = "running"
+	OpSucceeded = "succeeded"
+	OpFailed    = "failed"
+)
+
+// Limits are the resource limits of a sandbox. Zero means "server default".
+type Limits struct {
+	CPUs      float64 `json:"cpus,omitempty"`       // CPU quota in cores (e.g. 0.5, 2)
+	MemoryMiB int64   `json:"memory_mib,omitempty"` // memory+swap limit
+	Pids      int64   `json:"pids,omitempty"`       // max tasks
+	DiskMiB   int64   `json:"disk_mib,omitempty"`   // writable layer size
+	OutputMiB int64   `json:"output_mib,omitempty"` // per-stream replay buffer of a command (reserved)
+}
+
+// IdlePolicy says what happens after a sandbox has seen no activity.
+type IdlePolicy struct {
+	AfterSeconds int64  `json:"after_seconds"`
+	Action       string `json:"action"` // "pause" | "stop" | "suspend"
+}
+
+// CreateSandboxRequest is POST /v1/sandboxes.
+type CreateSandboxRequest struct {
+	Template   string            `json:"template,omitempty"` // "name:tag" or "sha256:…"; default "base:latest"
+	Runtime    string            `json:"runtime,omitempty"`  // "auto" (default) or a registered runtime name
+	Limits     Limits            `json:"limits,omitempty"`
+	Env        map[string]string `json:"env,omitempty"`
+	Workdir    string            `json:"workdir,omitempty"`
+	Labels     map[string]string `json:"labels,omitempty"`
+	TTLSeconds int64             `json:"ttl_seconds,omitempty"` // delete after this long; 0 = never
+	Idle       *IdlePolicy       `json:"idle,omitempty"`
+}
+
+// Sandbox is the representation of one sandbox.
+type Sandbox struct {
+	ID             string            `json:"id"`
+	State          string            `json:"state"`
+	Runtime        string            `json:"runtime"`
+	Isolation      string            `json:"isolation"` // what the runtime really provides, e.g. "namespaces+seccomp+landlock"
+	Template       string            `json:"template"`  // as requested
+	TemplateDigest string            `json:"template_digest"`
+	Limits         Limits            `json:"limits"`
+	Env            map[string]string `json:"env,omitempty"`
+	Workdir        string            `json:"workdir,omitempty"`
+	Labels         map[string]string `json:"labels,omitempty"`
+	TTLSeconds     int64             `json:"ttl_seconds,omitempty"`
+	Idle           *IdlePolicy       `json:"idle,omitempty"`
+	Error          string            `json:"error,omitempty"`
+	CreatedAt      time.Time         `json:"created_at"`
+	UpdatedAt      time.Time         `json:"updated_at"`
+	LastActiveAt   time.Time         `json:"last_active_at"`
+	ExpiresAt      *time.Time        `json:"expires_at,omitempty"`
+	OperationID    string            `json:"operation_id,omitempty"` // the operation that is acting on it now, if any
+}
+
+// SandboxList is GET /v1/sandboxes.
+type SandboxList struct {
+	Sandboxes []Sandbox `json:"sandboxes"`
+}
+
+// Phase is one timed step of an operation.
+type Phase struct {
+	Name       string  `json:"name"`
+	DurationMS float64 `json:"duration_ms"`
+}
+
+// Operation is the persisted record of an asynchronous lifecycle request.
+type Operation struct {
+	ID         string     `json:"id"`
+	Kind       string     `json:"kind"`
+	SandboxID  string     `json:"sandbox_id"`
+	State      string     `json:"state"`
+	Error      *ErrorBody `json:"error,omitempty"`
+	Phases     []Phase    `json:"phases"`
+	CreatedAt  time.Time  `json:"created_at"`
+	FinishedAt *time.Time `json:"finished_at,omitempty"`
+}
+
+// Done reports whether the operation has finished (either way).
+func (o *Operation) Done() bool { return o.State == OpSucceeded || o.State == OpFailed }
+
+// ExecRequest is POST /v1/sandboxes/{id}/exec (synchronous) and the process
+// part of POST /v1/sandboxes/{id}/commands.
+type ExecRequest struct {
+	Cmd            []string          `json:"cmd"`
+	Env            map[string]string `json:"env,omitempty"`
+	Workdir        string            `json:"workdir,omitempty"`
+	User           string            `json:"user,omitempty"`  // "uid[:gid]" inside the sandbox; default 0:0
+	Stdin          string            `json:"stdin,omitempty"` // sync exec only
+	TimeoutSeconds float64           `json:"timeout_seconds,omitempty"`
+	MaxOutputBytes int64             `json:"max_output_bytes,omitempty"` // sync exec only; per stream
+	TTY            bool              `json:"tty,omitempty"`              // sessions only
+	Rows           uint16            `json:"rows,omitempty"`
+	Cols           uint16            `json:"cols,omitempty"`
+}
+
+// ExecResult is the synchronous exec response.
+type ExecResult struct {
+	ExitCode        int     `json:"exit_code"`
+	Signal          string  `json:"signal,omitempty"`
+	OOMKilled       bool    `json:"oom_killed,omitempty"`
+	TimedOut        bool    `json:"timed_out,omitempty"`
+	Stdout          string  `json:"stdout"`
+	Stderr          string  `json:"stderr"`
+	StdoutTruncated bool    `json:"stdout_truncated,omitempty"`
+	StderrTruncated bool    `json:"stderr_truncated,omitempty"`
+	DurationMS      float64 `json:"duration_ms"`
+}
+
+// Command session states.
+const (
+	CommandCreated = "created" // not yet attached, process not started
+	CommandRunning = "running"
+	CommandExited  = "exited"
+)
+
+// Command is a command session (POST /v1/sandboxes/{id}/commands).
+type Command struct {
+	ID          string      `json:"id"`
+	SandboxID   string      `json:"sandbox_id"`
+	Cmd         []string    `json:"cmd"`
+	TTY         bool        `json:"tty"`
+	State       string      `json:"state"`
+	Pid         int         `json:"pid,omitempty"` // pid inside the sandbox
+	Exit        *ExitStatus `json:"exit,omitempty"`
+	AttachURL   string      `json:"attach_url,omitempty"`   // only in the create response
+	AttachToken string      `json:"attach_token,omitempty"` // only in the create response / token refresh
+	CreatedAt   time.Time   `json:"created_at"`
+}
+
+// CommandList is GET /v1/sandboxes/{id}/commands.
+type CommandList struct {
+	Commands []Command `json:"commands"`
+}
+
+// ExitStatus is how a process ended.
+type ExitStatus struct {
+	ExitCode  int    `json:"exit_code"`
+	Signal    string `json:"signal,omitempty"`
+	OOMKilled bool   `json:"oom_killed,omitempty"`
+	Reason    string `json:"reason,omitempty"` // human words, e.g. "killed by the OOM killer (memory limit 256 MiB)"
+}
+
+// SignalRequest is POST /v1/sandboxes/{id}/commands/{cid}/signal.
+type SignalRequest struct {
+	Signal string `json:"signal"` // "TERM", "KILL", "INT", "HUP", … or a number
+}
+
+// FileInfo describes one file inside a sandbox.
+type FileInfo struct {
+	Name    string    `json:"name"`
+	Path    string    `json:"path"`
+	Type    string    `json:"type"` // "file" | "dir" | "symlink" | "other"
+	Size    int64     `json:"size"`
+	Mode    uint32    `json:"mode"` // permission bits
+	ModTime time.Time `json:"mod_time"`
+	Target  string    `json:"target,omitempty"` // symlink target
+}
+
+// FileList is GET /v1/sandboxes/{id}/files/list.
+type FileList struct {
+	Entries []FileInfo `json:"entries"`
+}
+
+// RenameRequest is POST /v1/sandboxes/{id}/files/rename.
+type RenameRequest struct {
+	From string `json:"from"`
+	To   string `json:"to"`
+}
+
+// MkdirRequest is POST /v1/sandboxes/{id}/files/mkdir (always -p).
+type MkdirRequest struct {
+	Path string `json:"path"`
+	Mode uint32 `json:"mode,omitempty"`
+}
+
+// Template is a root filesystem addressed by digest, with tags.
+type Template struct {
+	Digest    string    `json:"digest"`
+	Tags      []string  `json:"tags"`
+	SizeBytes int64     `json:"size_bytes"`
+	Source    string    `json:"source"` // "debootstrap:bookworm", "dir", "tar"
+	Parent    string    `json:"parent,omitempty"`
+	CreatedAt time.Time `json:"created_at"`
+}
+
+// TemplateList is GET /v1/templates.
+type TemplateList struct {
+	Templates []Template `json:"templates"`
+}
+
+// RuntimeInfo is one entry of GET /v1/info.
+type RuntimeInfo struct {
+	Name        string            `json:"name"`
+	Available   bool              `json:"available"`
+	Reason      string            `json:"reason,omitempty"` // why not available
+	Isolation   string            `json:"isolation"`
+	Verbs       map[string]bool   `json:"verbs"`                  // lifecycle verb -> supported here
+	VerbReasons map[string]string `json:"verb_reasons,omitempty"` // verb -> why not
+	Details     map[string]string `json:"details,omitempty"`      // e.g. landlock_abi, cgroup_version
+}
+
+// Info is GET /v1/info.
+type Info struct {
+	Version     string        `json:"version"`
+	AutoRuntime string        `json:"auto_runtime"`
+	Runtimes    []RuntimeInfo `json:"runtimes"`
+}

@@ -1,0 +1,3 @@
+module github.com/spacehq/space
+
+go 1.26.8

@@ -1,0 +1,82 @@
+// Package agentproto fixes the protocol between the host and space-agent.
+//
+// The runtime provides one byte stream (net.Conn) to the agent. The host runs
+// a yamux client session over it and the agent a yamux server session; every
+// yamux stream carries one HTTP/1.1 exchange (keep-alive allowed). Process
+// attach is a WebSocket on such a stream using the frame format of package api.
+//
+// The agent is untrusted: code in the sandbox can kill or replace it. The host
+// side (internal/agentclient) bounds every size and time it reads.
+package agentproto
+
+import "github.com/spacehq/space/api"
+
+// HTTP paths served by the agent.
+const (
+	PathHealth = "/v1/health" // GET → Health
+
+	PathExec = "/v1/exec" // POST ExecRequest → api.ExecResult (synchronous)
+
+	PathProcs = "/v1/procs" // POST ProcStart → ProcInfo; GET → []ProcInfo
+	// /v1/procs/{id}          GET → ProcInfo; DELETE → kill (if running) and forget
+	// /v1/procs/{id}/attach   GET (WebSocket) ?stdout_offset=N&stderr_offset=M
+	// /v1/procs/{id}/signal   POST api.SignalRequest
+
+	PathFiles       = "/v1/files"        // GET ?path= → content; PUT ?path=&mode= (atomic replace) body=content; DELETE ?path=&recursive=1
+	PathFilesStat   = "/v1/files/stat"   // GET ?path= → api.FileInfo
+	PathFilesList   = "/v1/files/list"   // GET ?path= → api.FileList
+	PathFilesMkdir  = "/v1/files/mkdir"  // POST api.MkdirRequest → api.FileInfo
+	PathFilesRename = "/v1/files/rename" // POST api.RenameRequest
+	PathFilesTar    = "/v1/files/tar"    // GET ?path= → tar stream of the dir/file; PUT ?path= body=tar → extracted below path
+)
+
+// Limits the agent and host both enforce.
+const (
+	MaxPathLen       = 4096
+	MaxJSONBody      = 1 << 20  // any JSON request or response body
+	MaxArgs          = 4096     // argv + env entries
+	DefaultRingBytes = 1 << 20  // replay buffer per output stream of a process
+	DefaultSyncOut   = 1 << 20  // default cap per stream for synchronous exec
+	MaxSyncOut       = 16 << 20 // max cap per stream for synchronous exec
+)
+
+// Health is the agent's answer to PathHealth.
+type Health struct {
+	Version string `json:"version"`
+	Pid     int    `json:"pid"`
+}
+
+// ExecRequest is a synchronous exec. Env is the complete environment
+// ("K=V"); the host has already merged sandbox and request env.
+type ExecRequest struct {
+	Cmd            []string `json:"cmd"`
+	Env            []string `json:"env"`
+	Workdir        string   `json:"workdir,omitempty"`
+	User           string   `json:"user,omitempty"` // "name", "uid" or "uid:gid"; default root
+	Stdin          []byte   `json:"stdin,omitempty"`
+	TimeoutSeconds float64  `json:"timeout_seconds,omitempty"`
+	MaxOutputBytes int64    `json:"max_output_bytes,omitempty"`
+}
+
+// ProcStart starts a long-lived process whose output is kept in replay
+// buffers until it is attached. ID is chosen by the host.
+type ProcStart struct {
+	ID      string   `json:"id"`
+	Cmd     []string `json:"cmd"`
+	Env     []string `json:"env"`
+	Workdir string   `json:"workdir,omitempty"`
+	User    string   `json:"user,omitempty"`
+	TTY     bool     `json:"tty,omitempty"`
+	Rows    uint16   `json:"rows,omitempty"`
+	Cols    uint16   `json:"cols,omitempty"`
+}
+
+// ProcInfo describes a process the agent started.
+type ProcInfo struct {
+	ID      string          `json:"id"`
+	Pid     int             `json:"pid"`
+	Cmd     []string        `json:"cmd"`
+	TTY     bool            `json:"tty"`
+	Running bool            `json:"running"`
+	Exit    *api.ExitStatus `json:"exit,omitempty"`
+}

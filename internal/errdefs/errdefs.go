@@ -1,0 +1,72 @@
+// Package errdefs holds the sentinel errors shared by every layer of space.
+//
+// Code anywhere wraps one of these (fmt.Errorf("...: %w", errdefs.ErrNotFound));
+// the API layer maps them to HTTP status codes and error codes in exactly one
+// place (HTTPStatus/Code below), so no handler invents its own mapping.
+package errdefs
+
+import (
+	"errors"
+	"net/http"
+)
+
+var (
+	ErrInvalidArgument = errors.New("invalid argument") // 400
+	ErrUnauthorized    = errors.New("unauthorized")     // 401
+	ErrNotFound        = errors.New("not found")        // 404
+	ErrConflict        = errors.New("conflict")         // 409: wrong state, already exists
+	ErrTooLarge        = errors.New("too large")        // 413
+	ErrUnprocessable   = errors.New("unprocessable")    // 422: well-formed but semantically impossible
+	ErrNotSupported    = errors.New("not supported")    // 422: runtime lacks a capability
+	ErrUnavailable     = errors.New("unavailable")      // 503: transient (agent not reachable)
+	ErrTimeout         = errors.New("timeout")          // 504
+)
+
+type mapping struct {
+	err    error
+	status int
+	code   string
+}
+
+var table = []mapping{
+	{ErrInvalidArgument, http.StatusBadRequest, "invalid_argument"},
+	{ErrUnauthorized, http.StatusUnauthorized, "unauthorized"},
+	{ErrNotFound, http.StatusNotFound, "not_found"},
+	{ErrConflict, http.StatusConflict, "conflict"},
+	{ErrTooLarge, http.StatusRequestEntityTooLarge, "too_large"},
+	{ErrNotSupported, http.StatusUnprocessableEntity, "not_supported"},
+	{ErrUnprocessable, http.StatusUnprocessableEntity, "unprocessable"},
+	{ErrUnavailable, http.StatusServiceUnavailable, "unavailable"},
+	{ErrTimeout, http.StatusGatewayTimeout, "timeout"},
+}
+
+// HTTPStatus returns the HTTP status for err (500 when err wraps no sentinel).
+func HTTPStatus(err error) int {
+	for _, m := range table {
+		if errors.Is(err, m.err) {
+			return m.status
+		}
+	}
+	return http.StatusInternalServerError
+}
+
+// Code returns the stable API error code for err ("internal" when unknown).
+func Code(err error) string {
+	for _, m := range table {
+		if errors.Is(err, m.err) {
+			return m.code
+		}
+	}
+	return "internal"
+}
+
+// FromCode is the inverse of Code, used by clients to rebuild a sentinel from
+// an API error so callers can errors.Is across the wire.
+func FromCode(code string) error {
+	for _, m := range table {
+		if m.code == code {
+			return m.err
+		}
+	}
+	return nil
+}

@@ -1,0 +1,185 @@
+// Package runtime defines the small interfaces every isolation backend
+// implements, and the registry through which backends make themselves known.
+//
+// A backend lives in its own package (internal/runtime/native, …) and calls
+// Register from init. Nothing outside a backend switches on runtime names:
+// the manager asks the registry, probes capabilities, and discovers optional
+// abilities (pause, suspend, fork) by type assertion on the Instance.
+package runtime
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"sort"
+	"sync"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+)
+
+// Config is what the server hands every runtime factory.
+type Config struct {
+	// DataDir is the runtime's own directory (<server data>/runtimes/<name>);
+	// everything the runtime creates on disk lives below it.
+	DataDir string
+	// AgentBinary is the host path of the static space-agent binary.
+	AgentBinary string
+	Logger      *slog.Logger
+}
+
+// Capabilities is the result of a probe: what this runtime can really do on
+// this host, measured, never assumed.
+type Capabilities struct {
+	Available bool
+	Reason    string // why not Available
+	// Isolation names what a sandbox of this runtime gets, e.g.
+	// "namespaces+seccomp+landlock". Sandboxes report it.
+	Isolation string
+	// Strength orders runtimes for "auto": the strongest available wins.
+	Strength int
+	// Verbs maps lifecycle verbs (api.Op*) to whether they work here;
+	// VerbReasons says why a verb does not.
+	Verbs       map[string]bool
+	VerbReasons map[string]string
+	// Details are facts worth showing in `space info` (landlock_abi, cgroup_version, …).
+	Details map[string]string
+}
+
+// Spec is everything a runtime needs to create one sandbox instance.
+type Spec struct {
+	ID             string // sandbox id: [a-z0-9-], ≤ 40 chars, unique on this host
+	RootFS         string // template root directory (read-only; never written)
+	TemplateDigest string
+	Limits         api.Limits // resolved: every field > 0 except OutputMiB
+	Hostname       string
+}
+
+// Stats are host-side measurements of an instance, trusted because the host
+// reads them (cgroups), not the agent.
+type Stats struct {
+	MemoryBytes int64
+	OOMKills    int64 // cumulative count of OOM kills in this instance
+	Pids        int64
+	CPUNanos    int64
+}
+
+// Runtime is one isolation backend.
+type Runtime interface {
+	Name() string
+	// Probe measures what the runtime can do here. It may be slow the first
+	// time and should cache.
+	Probe(ctx context.Context) Capabilities
+	// Create allocates host resources for a new instance (directories,
+	// writable disk, cgroup) without starting anything. On error it leaves
+	// nothing behind.
+	Create(ctx context.Context, spec Spec) (Instance, error)
+	// Open re-attaches to an instance created earlier (for example by a
+	// server that has since been restarted). Its processes may or may not
+	// still be alive: Instance.Alive tells.
+	Open(ctx context.Context, spec Spec) (Instance, error)
+	// Sweep removes every host resource (processes, mounts, cgroups,
+	// directories) of instances whose id keep rejects. It returns the ids it
+	// removed. Reconcile calls it on start and periodically.
+	Sweep(ctx context.Context, keep func(id string) bool) ([]string, error)
+}
+
+// Instance is one sandbox's isolation unit.
+type Instance interface {
+	ID() string
+	// Start boots the sandbox's init/agent. It returns once the agent's
+	// stream can be dialled (the caller then waits for agent health).
+	Start(ctx context.Context) error
+	// Alive reports whether the sandbox's processes are running (or paused).
+	Alive() bool
+	// DialAgent opens the byte stream to the in-sandbox agent.
+	DialAgent(ctx context.Context) (net.Conn, error)
+	// Stop kills every process of the sandbox and releases CPU and memory,
+	// keeping the writable disk. Idempotent.
+	Stop(ctx context.Context) error
+	// Destroy stops and removes every host resource. Idempotent.
+	Destroy(ctx context.Context) error
+	Stats(ctx context.Context) (Stats, error)
+	// Exited returns a channel closed when the sandbox's init dies on its own
+	// (crash, agent killed from inside, OOM of init). Nil if not running.
+	Exited() <-chan struct{}
+}
+
+// Pauser is implemented by instances that can stay resident without CPU.
+type Pauser interface {
+	Pause(ctx context.Context) error
+	Resume(ctx context.Context) error
+}
+
+// Factory builds a runtime from the server's configuration.
+type Factory func(cfg Config) (Runtime, error)
+
+var (
+	mu        sync.Mutex
+	factories = map[string]Factory{}
+)
+
+// Register makes a runtime available by name. Called from a backend's init.
+func Register(name string, f Factory) {
+	mu.Lock()
+	defer mu.Unlock()
+	if _, dup := factories[name]; dup {
+		panic("runtime: duplicate registration of " + name)
+	}
+	factories[name] = f
+}
+
+// Names lists the registered runtimes, sorted.
+func Names() []string {
+	mu.Lock()
+	defer mu.Unlock()
+	var out []string
+	for n := range factories {
+		out = append(out, n)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// New builds the named runtime.
+func New(name string, cfg Config) (Runtime, error) {
+	mu.Lock()
+	f, ok := factories[name]
+	mu.Unlock()
+	if !ok {
+		return nil, fmt.Errorf("unknown runtime %q (registered: %v): %w", name, Names(), errdefs.ErrInvalidArgument)
+	}
+	return f(cfg)
+}
+
+// Auto is the name of the pseudo-runtime that picks the strongest available one.
+const Auto = "auto"
+
+// PickAuto returns the strongest available runtime among rts.
+func PickAuto(ctx context.Context, rts map[string]Runtime) (Runtime, error) {
+	var best Runtime
+	bestStrength := -1
+	names := make([]string, 0, len(rts))
+	for n := range rts {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		c := rts[n].Probe(ctx)
+		if c.Available && c.Strength > bestStrength {
+			best, bestStrength = rts[n], c.Strength
+		}
+	}
+	if best == nil {
+		return nil, errors.New("no runtime is available on this host")
+	}
+	return best, nil
+}
+
+// NotSupported builds the error for a verb a runtime cannot do honestly,
+// e.g. "runtime native cannot suspend: CRIU is not usable on this host".
+func NotSupported(runtime, verb, why string) error {
+	return fmt.Errorf("runtime %s cannot %s: %s: %w", runtime, verb, why, errdefs.ErrNotSupported)
+}
