@@ -255,3 +255,22 @@ type Info struct {
 	AutoRuntime string        `json:"auto_runtime"`
 	Runtimes    []RuntimeInfo `json:"runtimes"`
 }
+
+// CreateSandboxResponse is the 202 body of POST /v1/sandboxes.
+type CreateSandboxResponse struct {
+	Sandbox   Sandbox   `json:"sandbox"`
+	Operation Operation `json:"operation"`
+}
+
+// CreateCommandRequest is POST /v1/sandboxes/{id}/commands. The process
+// starts on the first attach, or at once when Detached is set (a background
+// process that nobody needs to attach to; its output is still buffered).
+type CreateCommandRequest struct {
+	ExecRequest
+	Detached bool `json:"detached,omitempty"`
+}
+
+// ForkRequest is POST /v1/sandboxes/{id}/fork.
+type ForkRequest struct {
+	Count int `json:"count,omitempty"`
+}
