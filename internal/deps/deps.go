@@ -12,5 +12,6 @@ import (
 	_ "github.com/spf13/cobra"
 	_ "github.com/vbauerster/mpb/v8"
 	_ "golang.org/x/sys/unix"
+	_ "golang.org/x/term"
 	_ "modernc.org/sqlite"
 )

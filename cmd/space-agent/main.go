@@ -1,0 +1,26 @@
+// Command space-agent is the small static program inside every sandbox. It
+// runs processes, serves files and reaps zombies; see internal/agent.
+//
+// When a runtime starts it as a sandbox's init (internal/runtime/native),
+// nsinit.Enter first finishes building the sandbox around it (mounts,
+// pivot_root, seccomp, Landlock) and only then does the agent start serving.
+package main
+
+import (
+	"fmt"
+	"os"
+
+	"github.com/spacehq/space/internal/agent"
+	"github.com/spacehq/space/internal/runtime/native/nsinit"
+)
+
+func main() {
+	if err := nsinit.Enter(); err != nil {
+		fmt.Fprintln(os.Stderr, "space-agent: sandbox setup:", err)
+		os.Exit(125)
+	}
+	if err := agent.Main(os.Args[1:]); err != nil {
+		fmt.Fprintln(os.Stderr, "space-agent:", err)
+		os.Exit(1)
+	}
+}
