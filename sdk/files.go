@@ -1,0 +1,181 @@
+package sdk
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"io/fs"
+	"net/http"
+	"net/url"
+	"strconv"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+)
+
+func filesPath(sandboxID, suffix string) (string, error) {
+	if err := checkID("sandbox", sandboxID); err != nil {
+		return "", err
+	}
+	return "/v1/sandboxes/" + seg(sandboxID) + "/files" + suffix, nil
+}
+
+func pathQuery(p string) (url.Values, error) {
+	if p == "" {
+		return nil, fmt.Errorf("empty path: %w", errdefs.ErrInvalidArgument)
+	}
+	return url.Values{"path": {p}}, nil
+}
+
+// ReadFile is GET /v1/sandboxes/{id}/files?path=P. The caller closes the
+// returned reader.
+func (c *Client) ReadFile(ctx context.Context, sandboxID, path string) (io.ReadCloser, error) {
+	return c.getStream(ctx, sandboxID, "", path)
+}
+
+// WriteFile is PUT /v1/sandboxes/{id}/files?path=P&mode=M. A zero mode
+// leaves the choice to the server (0644 for a new file).
+func (c *Client) WriteFile(ctx context.Context, sandboxID, path string, r io.Reader, mode fs.FileMode) (*api.FileInfo, error) {
+	p, err := filesPath(sandboxID, "")
+	if err != nil {
+		return nil, err
+	}
+	q, err := pathQuery(path)
+	if err != nil {
+		return nil, err
+	}
+	if mode != 0 {
+		q.Set("mode", fmt.Sprintf("%04o", mode.Perm()))
+	}
+	var out api.FileInfo
+	if err := c.do(ctx, request{method: http.MethodPut, path: p, query: q, body: r, contentType: "application/octet-stream"}, &out); err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
+// RemoveFile is DELETE /v1/sandboxes/{id}/files?path=P[&recursive=true].
+func (c *Client) RemoveFile(ctx context.Context, sandboxID, path string, recursive bool) error {
+	p, err := filesPath(sandboxID, "")
+	if err != nil {
+		return err
+	}
+	q, err := pathQuery(path)
+	if err != nil {
+		return err
+	}
+	if recursive {
+		q.Set("recursive", "true")
+	}
+	return c.do(ctx, request{method: http.MethodDelete, path: p, query: q}, nil)
+}
+
+// StatFile is GET /v1/sandboxes/{id}/files/stat?path=P.
+func (c *Client) StatFile(ctx context.Context, sandboxID, path string) (*api.FileInfo, error) {
+	p, err := filesPath(sandboxID, "/stat")
+	if err != nil {
+		return nil, err
+	}
+	q, err := pathQuery(path)
+	if err != nil {
+		return nil, err
+	}
+	var out api.FileInfo
+	if err := c.do(ctx, request{method: http.MethodGet, path: p, query: q}, &out); err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
+// ListDir is GET /v1/sandboxes/{id}/files/list?path=P.
+func (c *Client) ListDir(ctx context.Context, sandboxID, path string) ([]api.FileInfo, error) {
+	p, err := filesPath(sandboxID, "/list")
+	if err != nil {
+		return nil, err
+	}
+	q, err := pathQuery(path)
+	if err != nil {
+		return nil, err
+	}
+	var out api.FileList
+	if err := c.do(ctx, request{method: http.MethodGet, path: p, query: q}, &out); err != nil {
+		return nil, err
+	}
+	return out.Entries, nil
+}
+
+// Mkdir is POST /v1/sandboxes/{id}/files/mkdir (parents are created too).
+func (c *Client) Mkdir(ctx context.Context, sandboxID, path string, mode fs.FileMode) (*api.FileInfo, error) {
+	p, err := filesPath(sandboxID, "/mkdir")
+	if err != nil {
+		return nil, err
+	}
+	if path == "" {
+		return nil, fmt.Errorf("mkdir: empty path: %w", errdefs.ErrInvalidArgument)
+	}
+	var out api.FileInfo
+	req := api.MkdirRequest{Path: path, Mode: uint32(mode.Perm())}
+	if err := c.do(ctx, request{method: http.MethodPost, path: p, json: req}, &out); err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
+// Rename is POST /v1/sandboxes/{id}/files/rename.
+func (c *Client) Rename(ctx context.Context, sandboxID, from, to string) error {
+	p, err := filesPath(sandboxID, "/rename")
+	if err != nil {
+		return err
+	}
+	if from == "" || to == "" {
+		return fmt.Errorf("rename %q to %q: empty path: %w", from, to, errdefs.ErrInvalidArgument)
+	}
+	return c.do(ctx, request{method: http.MethodPost, path: p, json: api.RenameRequest{From: from, To: to}}, nil)
+}
+
+// DownloadTar is GET /v1/sandboxes/{id}/files/tar?path=P: a tar archive whose
+// entries are rooted at the base name of P (a file gives one entry named
+// base(P); a directory gives base(P)/ and everything below it). The caller
+// closes the reader.
+func (c *Client) DownloadTar(ctx context.Context, sandboxID, path string) (io.ReadCloser, error) {
+	return c.getStream(ctx, sandboxID, "/tar", path)
+}
+
+// UploadTar is PUT /v1/sandboxes/{id}/files/tar?path=P: the archive is
+// extracted into the directory P (created if missing).
+func (c *Client) UploadTar(ctx context.Context, sandboxID, path string, tar io.Reader) error {
+	p, err := filesPath(sandboxID, "/tar")
+	if err != nil {
+		return err
+	}
+	q, err := pathQuery(path)
+	if err != nil {
+		return err
+	}
+	return c.do(ctx, request{method: http.MethodPut, path: p, query: q, body: tar, contentType: "application/x-tar"}, nil)
+}
+
+func (c *Client) getStream(ctx context.Context, sandboxID, suffix, path string) (io.ReadCloser, error) {
+	p, err := filesPath(sandboxID, suffix)
+	if err != nil {
+		return nil, err
+	}
+	q, err := pathQuery(path)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.send(ctx, request{method: http.MethodGet, path: p, query: q})
+	if err != nil {
+		return nil, err
+	}
+	return resp.Body, nil
+}
+
+// ParseMode parses an octal permission string such as "0644" or "755".
+func ParseMode(s string) (fs.FileMode, error) {
+	v, err := strconv.ParseUint(s, 8, 32)
+	if err != nil || v > 0o7777 {
+		return 0, fmt.Errorf("mode %q: want octal permission bits like 0644: %w", s, errdefs.ErrInvalidArgument)
+	}
+	return fs.FileMode(v), nil
+}
