@@ -1,0 +1,20 @@
+# The two commands of the README: `make run` and `make test`.
+.PHONY: setup build run test bench
+
+setup:
+	./scripts/setup.sh
+
+build:
+	go build -trimpath -o bin/space ./cmd/space
+	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-agent ./cmd/space-agent
+
+# Sets everything up (idempotent) and starts the server with its embedded defaults.
+run: setup
+	bin/space server
+
+# Sets everything up (idempotent) and runs the whole test suite.
+test: setup
+	SPACE_CI=$${SPACE_CI:-0} SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent go test -p 1 -timeout 15m -count=1 ./...
+
+bench: setup
+	go test -run '^$$' -bench . -benchtime 200x -timeout 30m ./bench/

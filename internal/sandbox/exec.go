@@ -1,0 +1,391 @@
+package sandbox
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/hex"
+	"fmt"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/coder/websocket"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/agentclient"
+	"github.com/spacehq/space/internal/agentproto"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/store"
+)
+
+type agentClient = agentclient.Client
+
+// AttachTokenTTL is how long an attach token stays valid.
+const AttachTokenTTL = 10 * time.Minute
+
+// Agent returns the live agent client of a running sandbox (waking it if
+// needed) and a release func the caller must call when its request ends; while
+// held, the sandbox counts as active for its idle policy.
+func (m *Manager) Agent(ctx context.Context, id string) (*agentclient.Client, func(), error) {
+	e, c, err := m.ensureRunning(ctx, id)
+	if err != nil {
+		return nil, nil, err
+	}
+	e.active.Add(1)
+	return c, func() {
+		e.lastActive.Store(time.Now().UnixNano())
+		e.active.Add(-1)
+	}, nil
+}
+
+func mergeEnv(base, extra map[string]string) []string {
+	all := map[string]string{}
+	for k, v := range base {
+		all[k] = v
+	}
+	for k, v := range extra {
+		all[k] = v
+	}
+	out := make([]string, 0, len(all))
+	for k, v := range all {
+		out = append(out, k+"="+v)
+	}
+	sort.Strings(out)
+	return out
+}
+
+func (m *Manager) oomKills(ctx context.Context, id string) int64 {
+	e := m.peek(id)
+	if e == nil {
+		return -1
+	}
+	e.cmu.RLock()
+	inst := e.inst
+	e.cmu.RUnlock()
+	if inst == nil {
+		return -1
+	}
+	st, err := inst.Stats(ctx)
+	if err != nil {
+		return -1
+	}
+	return st.OOMKills
+}
+
+func killedBySIGKILL(sig string, code int) bool {
+	s := strings.TrimPrefix(strings.ToUpper(sig), "SIG")
+	return s == "KILL" || s == "9" || (sig == "" && code == 137)
+}
+
+// Exec runs a command to completion (the synchronous exec endpoint).
+func (m *Manager) Exec(ctx context.Context, id string, req api.ExecRequest) (api.ExecResult, error) {
+	if err := validateExec(&req); err != nil {
+		return api.ExecResult{}, err
+	}
+	if req.TTY {
+		return api.ExecResult{}, invalid("tty needs a command session (POST …/commands), not synchronous exec")
+	}
+	c, release, err := m.Agent(ctx, id)
+	if err != nil {
+		return api.ExecResult{}, err
+	}
+	defer release()
+	sb, err := m.cfg.DB.GetSandbox(ctx, id)
+	if err != nil {
+		return api.ExecResult{}, err
+	}
+	m.obs.Exec("sync")
+	oomBefore := m.oomKills(ctx, id)
+	workdir := req.Workdir
+	if workdir == "" {
+		workdir = sb.Workdir
+	}
+	res, err := c.Exec(ctx, agentproto.ExecRequest{
+		Cmd: req.Cmd, Env: mergeEnv(sb.Env, req.Env), Workdir: workdir, User: req.User,
+		Stdin: []byte(req.Stdin), TimeoutSeconds: req.TimeoutSeconds, MaxOutputBytes: req.MaxOutputBytes,
+	})
+	if err != nil {
+		return res, err
+	}
+	if killedBySIGKILL(res.Signal, res.ExitCode) && oomBefore >= 0 && m.oomKills(ctx, id) > oomBefore {
+		res.OOMKilled = true
+	}
+	return res, nil
+}
+
+func newToken() (token, hash string) {
+	var b [24]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic(err)
+	}
+	token = "sat_" + hex.EncodeToString(b[:])
+	return token, hashToken(token)
+}
+
+func hashToken(t string) string {
+	h := sha256.Sum256([]byte(t))
+	return hex.EncodeToString(h[:])
+}
+
+func attachURL(sandboxID, cmdID string) string {
+	return "/v1/sandboxes/" + sandboxID + "/commands/" + cmdID + "/attach"
+}
+
+// CreateCommand records a command session. The process starts on first
+// attach, or now when detached.
+func (m *Manager) CreateCommand(ctx context.Context, id string, req api.CreateCommandRequest) (api.Command, error) {
+	if err := validateExec(&req.ExecRequest); err != nil {
+		return api.Command{}, err
+	}
+	if req.Stdin != "" {
+		return api.Command{}, invalid("stdin is sent as frames after attaching, not in the create request")
+	}
+	if req.Rows == 0 {
+		req.Rows = 24
+	}
+	if req.Cols == 0 {
+		req.Cols = 80
+	}
+	sb, err := m.Get(ctx, id)
+	if err != nil {
+		return api.Command{}, err
+	}
+	if req.Workdir == "" {
+		req.Workdir = sb.Workdir
+	}
+	token, hash := newToken()
+	rec := store.CommandRecord{
+		Command: api.Command{ID: newID("cmd"), SandboxID: id, Cmd: req.Cmd, TTY: req.TTY, State: api.CommandCreated, CreatedAt: time.Now().UTC()},
+		Spec:    req.ExecRequest, TokenHash: hash, TokenExpiry: time.Now().Add(AttachTokenTTL), Detached: req.Detached,
+	}
+	if err := m.cfg.DB.PutCommand(ctx, rec); err != nil {
+		return api.Command{}, err
+	}
+	if req.Detached {
+		if _, err := m.startCommand(ctx, &rec); err != nil {
+			return api.Command{}, err
+		}
+	}
+	out := rec.Command
+	out.AttachURL = attachURL(id, rec.ID)
+	out.AttachToken = token
+	return out, nil
+}
+
+// startCommand starts the recorded process in the agent if it has not started.
+func (m *Manager) startCommand(ctx context.Context, rec *store.CommandRecord) (*agentclient.Client, error) {
+	c, release, err := m.Agent(ctx, rec.SandboxID)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	if rec.State != api.CommandCreated {
+		return c, nil
+	}
+	sb, err := m.cfg.DB.GetSandbox(ctx, rec.SandboxID)
+	if err != nil {
+		return nil, err
+	}
+	m.obs.Exec("session")
+	info, err := c.StartProc(ctx, agentproto.ProcStart{
+		ID: rec.ID, Cmd: rec.Spec.Cmd, Env: mergeEnv(sb.Env, rec.Spec.Env), Workdir: rec.Spec.Workdir,
+		User: rec.Spec.User, TTY: rec.Spec.TTY, Rows: rec.Spec.Rows, Cols: rec.Spec.Cols,
+	})
+	if err != nil {
+		return nil, err
+	}
+	rec.State = api.CommandRunning
+	rec.Pid = info.Pid
+	return c, m.cfg.DB.PutCommand(ctx, *rec)
+}
+
+// GetCommand returns a command session, refreshing its state from the agent.
+func (m *Manager) GetCommand(ctx context.Context, id, cmdID string) (api.Command, error) {
+	if err := ValidID(id); err != nil {
+		return api.Command{}, err
+	}
+	if err := ValidID(cmdID); err != nil {
+		return api.Command{}, err
+	}
+	rec, err := m.cfg.DB.GetCommand(ctx, id, cmdID)
+	if err != nil {
+		return api.Command{}, err
+	}
+	m.refreshCommand(ctx, &rec)
+	return rec.Command, nil
+}
+
+// refreshCommand asks the agent (only when the sandbox is running; a status
+// read must not wake a sandbox) how a running process is doing.
+func (m *Manager) refreshCommand(ctx context.Context, rec *store.CommandRecord) {
+	if rec.State != api.CommandRunning {
+		return
+	}
+	e := m.peek(rec.SandboxID)
+	if e == nil {
+		return
+	}
+	e.cmu.RLock()
+	c := e.client
+	e.cmu.RUnlock()
+	if c == nil {
+		return
+	}
+	info, err := c.Proc(ctx, rec.ID)
+	if err != nil || info.Running || info.Exit == nil {
+		return
+	}
+	rec.State = api.CommandExited
+	rec.Exit = info.Exit
+	m.cfg.DB.PutCommand(ctx, *rec)
+}
+
+// ListCommands lists a sandbox's command sessions.
+func (m *Manager) ListCommands(ctx context.Context, id string) ([]api.Command, error) {
+	if _, err := m.Get(ctx, id); err != nil {
+		return nil, err
+	}
+	recs, err := m.cfg.DB.ListCommands(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]api.Command, 0, len(recs))
+	for i := range recs {
+		m.refreshCommand(ctx, &recs[i])
+		out = append(out, recs[i].Command)
+	}
+	return out, nil
+}
+
+// RefreshToken issues a new attach token for a command session.
+func (m *Manager) RefreshToken(ctx context.Context, id, cmdID string) (api.Command, error) {
+	if err := ValidID(id); err != nil {
+		return api.Command{}, err
+	}
+	if err := ValidID(cmdID); err != nil {
+		return api.Command{}, err
+	}
+	rec, err := m.cfg.DB.GetCommand(ctx, id, cmdID)
+	if err != nil {
+		return api.Command{}, err
+	}
+	token, hash := newToken()
+	rec.TokenHash, rec.TokenExpiry = hash, time.Now().Add(AttachTokenTTL)
+	if err := m.cfg.DB.PutCommand(ctx, rec); err != nil {
+		return api.Command{}, err
+	}
+	out := rec.Command
+	out.AttachURL = attachURL(id, cmdID)
+	out.AttachToken = token
+	return out, nil
+}
+
+// SignalCommand sends a signal to a running command session.
+func (m *Manager) SignalCommand(ctx context.Context, id, cmdID, sig string) error {
+	if sig == "" || len(sig) > 16 {
+		return invalid("signal must be a name like TERM or a number")
+	}
+	rec, err := m.cfg.DB.GetCommand(ctx, id, cmdID)
+	if err != nil {
+		return err
+	}
+	if rec.State != api.CommandRunning {
+		return fmt.Errorf("command %s is %s; only a running command can be signalled: %w", cmdID, rec.State, errdefs.ErrConflict)
+	}
+	c, release, err := m.Agent(ctx, id)
+	if err != nil {
+		return err
+	}
+	defer release()
+	return c.Signal(ctx, cmdID, sig)
+}
+
+// AuthorizeAttach checks an attach token against a command session.
+func (m *Manager) AuthorizeAttach(ctx context.Context, id, cmdID, token string) (store.CommandRecord, error) {
+	if err := ValidID(id); err != nil {
+		return store.CommandRecord{}, err
+	}
+	if err := ValidID(cmdID); err != nil {
+		return store.CommandRecord{}, err
+	}
+	rec, err := m.cfg.DB.GetCommand(ctx, id, cmdID)
+	if err != nil {
+		return rec, err
+	}
+	if token == "" || subtle.ConstantTimeCompare([]byte(hashToken(token)), []byte(rec.TokenHash)) != 1 {
+		return rec, fmt.Errorf("attach token is not valid for this command: %w", errdefs.ErrUnauthorized)
+	}
+	if time.Now().After(rec.TokenExpiry) {
+		return rec, fmt.Errorf("attach token expired; request a new one with POST …/token: %w", errdefs.ErrUnauthorized)
+	}
+	return rec, nil
+}
+
+// Attachment is a live attach to a process in a sandbox.
+type Attachment struct {
+	Conn    *websocket.Conn
+	release func()
+	m       *Manager
+	rec     store.CommandRecord
+	oom     int64
+}
+
+// Attach starts the process if needed and attaches to it in the agent.
+func (m *Manager) Attach(ctx context.Context, rec store.CommandRecord, stdoutOff, stderrOff int64) (*Attachment, error) {
+	if stdoutOff < 0 || stderrOff < 0 {
+		return nil, invalid("offsets must not be negative")
+	}
+	if _, err := m.startCommand(ctx, &rec); err != nil {
+		return nil, err
+	}
+	c, release, err := m.Agent(ctx, rec.SandboxID)
+	if err != nil {
+		return nil, err
+	}
+	oom := m.oomKills(ctx, rec.SandboxID)
+	conn, err := c.Attach(ctx, rec.ID, stdoutOff, stderrOff)
+	if err != nil {
+		release()
+		return nil, err
+	}
+	return &Attachment{Conn: conn, release: release, m: m, rec: rec, oom: oom}, nil
+}
+
+// Exited records the process's exit (with the host's OOM verdict, which the
+// agent cannot know) and returns the status to send to the client.
+func (a *Attachment) Exited(ctx context.Context, st api.ExitStatus) api.ExitStatus {
+	st.OOMKilled = false
+	if killedBySIGKILL(st.Signal, st.ExitCode) && a.oom >= 0 && a.m.oomKills(ctx, a.rec.SandboxID) > a.oom {
+		st.OOMKilled = true
+		st.Reason = "killed by the kernel OOM killer: the sandbox hit its memory limit"
+	}
+	a.rec.State = api.CommandExited
+	a.rec.Exit = &st
+	a.m.cfg.DB.PutCommand(ctx, a.rec)
+	return st
+}
+
+// Close ends the attachment (the process keeps running).
+func (a *Attachment) Close() {
+	a.Conn.CloseNow()
+	a.release()
+}
+
+func (m *Manager) markCommandsExited(id, reason string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	recs, err := m.cfg.DB.ListCommands(ctx, id)
+	if err != nil {
+		return
+	}
+	for _, r := range recs {
+		if r.State == api.CommandExited {
+			continue
+		}
+		r.State = api.CommandExited
+		r.Exit = &api.ExitStatus{ExitCode: 137, Signal: "KILL", Reason: reason}
+		m.cfg.DB.PutCommand(ctx, r)
+	}
+}

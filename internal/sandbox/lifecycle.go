@@ -1,0 +1,357 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+)
+
+func wrongState(id, state, verb string) error {
+	return fmt.Errorf("sandbox %s is %s; cannot %s it: %w", id, state, verb, errdefs.ErrConflict)
+}
+
+// instance returns the runtime instance of sb, re-opening it if this server
+// has not touched it yet (e.g. after a restart).
+func (m *Manager) instance(ctx context.Context, e *entry, sb api.Sandbox) (runtime.Instance, runtime.Runtime, error) {
+	spec, rt, err := m.spec(ctx, sb)
+	if err != nil {
+		return nil, rt, err
+	}
+	e.cmu.RLock()
+	inst := e.inst
+	e.cmu.RUnlock()
+	if inst != nil {
+		return inst, rt, nil
+	}
+	inst, err = rt.Open(ctx, spec)
+	if err != nil {
+		return nil, rt, err
+	}
+	e.cmu.Lock()
+	e.inst = inst
+	e.cmu.Unlock()
+	return inst, rt, nil
+}
+
+func (m *Manager) dropClient(e *entry) {
+	e.cmu.Lock()
+	if e.client != nil {
+		e.client.Close()
+		e.client = nil
+	}
+	e.cmu.Unlock()
+}
+
+// Lifecycle requests a verb (api.Op*) on a sandbox and returns its operation.
+func (m *Manager) Lifecycle(ctx context.Context, id, verb string, force bool) (api.Operation, error) {
+	sb, err := m.Get(ctx, id)
+	if err != nil {
+		return api.Operation{}, err
+	}
+	var fn func(ctx context.Context, p *phases) error
+	switch verb {
+	case api.OpDelete:
+		if !force {
+			switch sb.State {
+			case api.StateStopped, api.StateError:
+			default:
+				return api.Operation{}, fmt.Errorf("sandbox %s is %s; stop it first or delete with force: %w", id, sb.State, errdefs.ErrConflict)
+			}
+		}
+		fn = func(ctx context.Context, p *phases) error { return m.doDelete(ctx, p, id) }
+	case api.OpStop, api.OpStart, api.OpPause, api.OpResume, api.OpWake:
+		if err := m.checkVerb(sb, verb); err != nil {
+			return api.Operation{}, err
+		}
+		fn = func(ctx context.Context, p *phases) error { return m.doVerb(ctx, p, id, verb) }
+	case api.OpSuspend, api.OpRestore, api.OpFork:
+		rt, ok := m.cfg.Runtimes[sb.Runtime]
+		if !ok {
+			return api.Operation{}, fmt.Errorf("runtime %s is not registered: %w", sb.Runtime, errdefs.ErrUnprocessable)
+		}
+		c := rt.Probe(ctx)
+		if !c.Verbs[verb] {
+			return api.Operation{}, runtime.NotSupported(sb.Runtime, verb, c.VerbReasons[verb])
+		}
+		// No runtime registered today implements these; a runtime that
+		// claims the verb but lacks the interface is a bug, not a user error.
+		return api.Operation{}, fmt.Errorf("runtime %s claims %s but this server has no implementation for it", sb.Runtime, verb)
+	default:
+		return api.Operation{}, invalid("unknown lifecycle verb %q", truncate(verb, 32))
+	}
+	op := newOperation(verb, id)
+	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
+		return op, err
+	}
+	m.start(op, fn)
+	return op, nil
+}
+
+// checkVerb rejects verbs that make no sense in the sandbox's current state,
+// synchronously, so the caller gets a 409 instead of a failed operation.
+func (m *Manager) checkVerb(sb api.Sandbox, verb string) error {
+	ok := false
+	switch verb {
+	case api.OpStop:
+		ok = sb.State == api.StateRunning || sb.State == api.StatePaused || sb.State == api.StateStopped
+	case api.OpStart:
+		ok = sb.State == api.StateStopped || sb.State == api.StateRunning
+	case api.OpPause:
+		ok = sb.State == api.StateRunning || sb.State == api.StatePaused
+		if ok {
+			if err := m.verbSupported(sb, verb); err != nil {
+				return err
+			}
+		}
+	case api.OpResume:
+		ok = sb.State == api.StatePaused || sb.State == api.StateRunning
+	case api.OpWake:
+		ok = sb.State == api.StatePaused || sb.State == api.StateStopped || sb.State == api.StateRunning
+	}
+	if !ok {
+		return wrongState(sb.ID, sb.State, verb)
+	}
+	return nil
+}
+
+func (m *Manager) verbSupported(sb api.Sandbox, verb string) error {
+	rt, ok := m.cfg.Runtimes[sb.Runtime]
+	if !ok {
+		return fmt.Errorf("runtime %s is not registered: %w", sb.Runtime, errdefs.ErrUnprocessable)
+	}
+	c := rt.Probe(context.Background())
+	if !c.Verbs[verb] {
+		return runtime.NotSupported(sb.Runtime, verb, c.VerbReasons[verb])
+	}
+	return nil
+}
+
+// doVerb runs stop/start/pause/resume/wake; the caller holds e.mu.
+func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error {
+	e := m.entry(id)
+	sb, err := m.cfg.DB.GetSandbox(ctx, id)
+	if err != nil {
+		return err
+	}
+	if verb == api.OpWake {
+		switch sb.State {
+		case api.StateRunning:
+			return nil
+		case api.StatePaused:
+			verb = api.OpResume
+		case api.StateStopped:
+			verb = api.OpStart
+		default:
+			return wrongState(id, sb.State, "wake")
+		}
+	}
+	// Re-check under the lock: another operation may have run meanwhile.
+	if err := m.checkVerb(sb, verb); err != nil {
+		return err
+	}
+	inst, _, err := m.instance(ctx, e, sb)
+	if err != nil {
+		return err
+	}
+	switch verb {
+	case api.OpStop:
+		if sb.State == api.StateStopped {
+			return nil
+		}
+		m.setState(id, api.StateStopping, "", "")
+		e.expectExit.Store(true)
+		m.dropClient(e)
+		if err := p.run("stop_runtime", func() error { return inst.Stop(ctx) }); err != nil {
+			m.setState(id, api.StateError, err.Error(), "")
+			return err
+		}
+		m.markCommandsExited(id, "the sandbox was stopped")
+		_, err = m.setState(id, api.StateStopped, "", "")
+		return err
+	case api.OpStart:
+		if sb.State == api.StateRunning {
+			return nil
+		}
+		m.setState(id, api.StateStarting, "", "")
+		if err := m.boot(ctx, p, e, inst); err != nil {
+			e.expectExit.Store(true)
+			inst.Stop(context.Background())
+			m.setState(id, api.StateStopped, err.Error(), "")
+			return err
+		}
+		e.lastActive.Store(time.Now().UnixNano())
+		_, err = m.setState(id, api.StateRunning, "", "")
+		return err
+	case api.OpPause:
+		if sb.State == api.StatePaused {
+			return nil
+		}
+		pz, ok := inst.(runtime.Pauser)
+		if !ok {
+			return runtime.NotSupported(sb.Runtime, "pause", "the runtime has no pause support")
+		}
+		m.dropClient(e)
+		if err := p.run("freeze", func() error { return pz.Pause(ctx) }); err != nil {
+			return err
+		}
+		_, err = m.setState(id, api.StatePaused, "", "")
+		return err
+	case api.OpResume:
+		if sb.State == api.StateRunning {
+			return nil
+		}
+		pz, ok := inst.(runtime.Pauser)
+		if !ok {
+			return runtime.NotSupported(sb.Runtime, "resume", "the runtime has no pause support")
+		}
+		if err := p.run("thaw", func() error { return pz.Resume(ctx) }); err != nil {
+			return err
+		}
+		if err := p.run("agent_ready", func() error { return m.connect(ctx, e, inst) }); err != nil {
+			return err
+		}
+		e.lastActive.Store(time.Now().UnixNano())
+		_, err = m.setState(id, api.StateRunning, "", "")
+		return err
+	}
+	return invalid("unknown verb %q", verb)
+}
+
+func (m *Manager) doDelete(ctx context.Context, p *phases, id string) error {
+	e := m.entry(id)
+	sb, err := m.cfg.DB.GetSandbox(ctx, id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	m.setState(id, api.StateDeleting, "", "")
+	e.expectExit.Store(true)
+	m.dropClient(e)
+	if err := p.run("destroy", func() error {
+		inst, rt, err := m.instance(ctx, e, sb)
+		if err != nil {
+			// The template may be gone; the runtime can still sweep the id.
+			if rt != nil {
+				_, serr := rt.Sweep(ctx, func(x string) bool { return x != id })
+				return serr
+			}
+			return err
+		}
+		return inst.Destroy(ctx)
+	}); err != nil {
+		m.setState(id, api.StateError, "delete failed: "+err.Error(), "")
+		return err
+	}
+	if err := m.cfg.DB.DeleteSandbox(ctx, id); err != nil {
+		return err
+	}
+	m.forget(id)
+	return nil
+}
+
+// Wait blocks until the operation finishes or ctx ends.
+func (m *Manager) Wait(ctx context.Context, opID string) (api.Operation, error) {
+	for {
+		op, err := m.GetOperation(ctx, opID, 30*time.Second)
+		if err != nil || op.Done() {
+			return op, err
+		}
+		if ctx.Err() != nil {
+			return op, ctx.Err()
+		}
+	}
+}
+
+// ensureRunning returns the live entry of a sandbox, waking it transparently
+// when it is paused or stopped, and waiting out transitional states.
+func (m *Manager) ensureRunning(ctx context.Context, id string) (*entry, *agentClient, error) {
+	if err := ValidID(id); err != nil {
+		return nil, nil, err
+	}
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		sb, err := m.cfg.DB.GetSandbox(ctx, id)
+		if err != nil {
+			return nil, nil, err
+		}
+		e := m.entry(id)
+		switch sb.State {
+		case api.StateRunning:
+			e.cmu.RLock()
+			c := e.client
+			e.cmu.RUnlock()
+			if c != nil {
+				select {
+				case <-c.Done():
+				default:
+					e.lastActive.Store(time.Now().UnixNano())
+					return e, c, nil
+				}
+			}
+			// Running but no client: re-dial (after a restart or a dropped stream).
+			e.mu.Lock()
+			err := m.redial(ctx, e, sb)
+			e.mu.Unlock()
+			if err != nil {
+				return nil, nil, err
+			}
+			continue
+		case api.StatePaused, api.StateStopped:
+			op := newOperation(api.OpWake, id)
+			if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
+				return nil, nil, err
+			}
+			e.mu.Lock()
+			err := m.runOp(ctx, &op, func(ctx context.Context, p *phases) error { return m.doVerb(ctx, p, id, api.OpWake) })
+			e.mu.Unlock()
+			if err != nil {
+				return nil, nil, fmt.Errorf("waking sandbox %s: %w", id, err)
+			}
+			continue
+		case api.StateCreating, api.StateStarting, api.StateStopping:
+			if time.Now().After(deadline) {
+				return nil, nil, fmt.Errorf("sandbox %s stayed %s for too long: %w", id, sb.State, errdefs.ErrConflict)
+			}
+			select {
+			case <-ctx.Done():
+				return nil, nil, ctx.Err()
+			case <-time.After(20 * time.Millisecond):
+			}
+			continue
+		default:
+			msg := ""
+			if sb.Error != "" {
+				msg = " (" + sb.Error + ")"
+			}
+			return nil, nil, fmt.Errorf("sandbox %s is %s%s: %w", id, sb.State, msg, errdefs.ErrConflict)
+		}
+	}
+}
+
+func (m *Manager) redial(ctx context.Context, e *entry, sb api.Sandbox) error {
+	e.cmu.RLock()
+	c := e.client
+	e.cmu.RUnlock()
+	if c != nil {
+		select {
+		case <-c.Done():
+		default:
+			return nil
+		}
+	}
+	inst, _, err := m.instance(ctx, e, sb)
+	if err != nil {
+		return err
+	}
+	if !inst.Alive() {
+		return fmt.Errorf("sandbox %s is not alive: %w", sb.ID, errdefs.ErrUnavailable)
+	}
+	return m.connect(ctx, e, inst)
+}

@@ -1,0 +1,555 @@
+// Package sandbox is the lifecycle manager: it turns API intents into
+// persisted operations, drives runtimes through them, keeps one agent client
+// per running sandbox, wakes sandboxes on demand, applies idle policies and
+// TTLs, and reconciles the store with the host after a restart.
+//
+// Every lifecycle change follows DESIGN.md's rule: persist intent, act,
+// record the result. Actions on one sandbox are serialised by its entry lock.
+package sandbox
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base32"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/agentclient"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/store"
+	"github.com/spacehq/space/internal/template"
+)
+
+// Observer receives measurements (Prometheus in production).
+type Observer interface {
+	OperationPhase(kind, phase string, d time.Duration)
+	OperationDone(kind, state string, d time.Duration)
+	Exec(kind string)
+}
+
+type nopObserver struct{}
+
+func (nopObserver) OperationPhase(string, string, time.Duration) {}
+func (nopObserver) OperationDone(string, string, time.Duration)  {}
+func (nopObserver) Exec(string)                                  {}
+
+var _ Observer = nopObserver{}
+
+// Config wires a Manager.
+type Config struct {
+	DB        *store.DB
+	Templates *template.Store
+	Runtimes  map[string]runtime.Runtime
+	Logger    *slog.Logger
+	Observer  Observer
+	// AgentReadyTimeout bounds how long a start waits for the agent's health.
+	AgentReadyTimeout time.Duration
+	// BaseTemplateRef is built on first need when missing (default "base:latest").
+	BaseTemplateRef string
+}
+
+// Manager owns every sandbox of this server.
+type Manager struct {
+	cfg Config
+	log *slog.Logger
+	obs Observer
+
+	mu      sync.Mutex
+	entries map[string]*entry
+
+	ctx    context.Context // cancelled on Close; parent of every operation
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+// entry is the in-memory side of one sandbox.
+type entry struct {
+	id string
+	mu sync.Mutex // serialises lifecycle actions
+
+	cmu    sync.RWMutex // guards inst, client
+	inst   runtime.Instance
+	client *agentclient.Client
+
+	expectExit atomic.Bool  // set while we stop/destroy it ourselves
+	active     atomic.Int64 // in-flight attaches and file transfers
+	lastActive atomic.Int64 // unix nanos
+}
+
+// New builds a Manager. Call Reconcile before serving.
+func New(cfg Config) *Manager {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Observer == nil {
+		cfg.Observer = nopObserver{}
+	}
+	if cfg.AgentReadyTimeout == 0 {
+		cfg.AgentReadyTimeout = 20 * time.Second
+	}
+	if cfg.BaseTemplateRef == "" {
+		cfg.BaseTemplateRef = "base:latest"
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	return &Manager{cfg: cfg, log: cfg.Logger, obs: cfg.Observer, entries: map[string]*entry{}, ctx: ctx, cancel: cancel}
+}
+
+// Close stops background work and waits for running operations to notice.
+// Sandboxes keep running: a restarted server re-adopts them.
+func (m *Manager) Close() {
+	m.cancel()
+	m.wg.Wait()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, e := range m.entries {
+		e.cmu.Lock()
+		if e.client != nil {
+			e.client.Close()
+			e.client = nil
+		}
+		e.cmu.Unlock()
+	}
+}
+
+func (m *Manager) entry(id string) *entry {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e := m.entries[id]
+	if e == nil {
+		e = &entry{id: id}
+		e.lastActive.Store(time.Now().UnixNano())
+		m.entries[id] = e
+	}
+	return e
+}
+
+func (m *Manager) forget(id string) {
+	m.mu.Lock()
+	delete(m.entries, id)
+	m.mu.Unlock()
+}
+
+func newID(prefix string) string {
+	var b [10]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic(err)
+	}
+	return prefix + "-" + strings.ToLower(base32.StdEncoding.WithPadding(base32.NoPadding).EncodeToString(b[:]))
+}
+
+// Info reports every runtime's probe.
+func (m *Manager) Info(ctx context.Context) api.Info {
+	info := api.Info{Version: Version}
+	for _, name := range sortedKeys(m.cfg.Runtimes) {
+		c := m.cfg.Runtimes[name].Probe(ctx)
+		info.Runtimes = append(info.Runtimes, api.RuntimeInfo{
+			Name: name, Available: c.Available, Reason: c.Reason, Isolation: c.Isolation,
+			Verbs: c.Verbs, VerbReasons: c.VerbReasons, Details: c.Details,
+		})
+	}
+	if rt, err := runtime.PickAuto(ctx, m.cfg.Runtimes); err == nil {
+		info.AutoRuntime = rt.Name()
+	}
+	return info
+}
+
+// Version is set by the build (-ldflags) or stays "dev".
+var Version = "dev"
+
+func (m *Manager) pickRuntime(ctx context.Context, name string) (runtime.Runtime, runtime.Capabilities, error) {
+	if name == "" || name == runtime.Auto {
+		rt, err := runtime.PickAuto(ctx, m.cfg.Runtimes)
+		if err != nil {
+			return nil, runtime.Capabilities{}, fmt.Errorf("%v: %w", err, errdefs.ErrUnprocessable)
+		}
+		return rt, rt.Probe(ctx), nil
+	}
+	rt, ok := m.cfg.Runtimes[name]
+	if !ok {
+		return nil, runtime.Capabilities{}, invalid("unknown runtime %q (known: auto, %s)", truncate(name, 32), strings.Join(sortedKeys(m.cfg.Runtimes), ", "))
+	}
+	c := rt.Probe(ctx)
+	if !c.Available {
+		return nil, c, fmt.Errorf("runtime %s is not available on this host: %s: %w", name, c.Reason, errdefs.ErrUnprocessable)
+	}
+	return rt, c, nil
+}
+
+// Create validates req, persists the sandbox and its create operation, and
+// starts the operation in the background.
+func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api.Sandbox, api.Operation, error) {
+	lim, err := validateCreate(&req)
+	if err != nil {
+		return api.Sandbox{}, api.Operation{}, err
+	}
+	rt, caps, err := m.pickRuntime(ctx, req.Runtime)
+	if err != nil {
+		return api.Sandbox{}, api.Operation{}, err
+	}
+	if req.Idle != nil && !caps.Verbs[req.Idle.Action] {
+		return api.Sandbox{}, api.Operation{}, runtime.NotSupported(rt.Name(), req.Idle.Action, caps.VerbReasons[req.Idle.Action])
+	}
+	if req.Template == "" {
+		req.Template = m.cfg.BaseTemplateRef
+	}
+	now := time.Now().UTC()
+	sb := api.Sandbox{
+		ID: newID("sb"), State: api.StateCreating, Runtime: rt.Name(), Isolation: caps.Isolation,
+		Template: req.Template, Limits: lim, Env: req.Env, Workdir: req.Workdir, Labels: req.Labels,
+		TTLSeconds: req.TTLSeconds, Idle: req.Idle, CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
+	}
+	if req.TTLSeconds > 0 {
+		exp := now.Add(time.Duration(req.TTLSeconds) * time.Second)
+		sb.ExpiresAt = &exp
+	}
+	op := newOperation(api.OpCreate, sb.ID)
+	sb.OperationID = op.ID
+	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
+		return api.Sandbox{}, api.Operation{}, err
+	}
+	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
+		return api.Sandbox{}, api.Operation{}, err
+	}
+	m.start(op, func(ctx context.Context, p *phases) error { return m.doCreate(ctx, p, sb.ID) })
+	return sb, op, nil
+}
+
+func newOperation(kind, sandboxID string) api.Operation {
+	return api.Operation{ID: newID("op"), Kind: kind, SandboxID: sandboxID, State: api.OpPending, Phases: []api.Phase{}, CreatedAt: time.Now().UTC()}
+}
+
+// phases records the timing of each step of an operation.
+type phases struct {
+	kind string
+	obs  Observer
+	mu   sync.Mutex
+	list []api.Phase
+}
+
+func (p *phases) run(name string, fn func() error) error {
+	t := time.Now()
+	err := fn()
+	d := time.Since(t)
+	p.mu.Lock()
+	p.list = append(p.list, api.Phase{Name: name, DurationMS: float64(d.Microseconds()) / 1000})
+	p.mu.Unlock()
+	p.obs.OperationPhase(p.kind, name, d)
+	return err
+}
+
+// start runs fn as operation op in the background, holding the sandbox's lock.
+func (m *Manager) start(op api.Operation, fn func(ctx context.Context, p *phases) error) {
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		e := m.entry(op.SandboxID)
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		m.runOp(m.ctx, &op, fn)
+	}()
+}
+
+// runOp executes fn as op; the caller holds the entry lock.
+func (m *Manager) runOp(ctx context.Context, op *api.Operation, fn func(ctx context.Context, p *phases) error) error {
+	t0 := time.Now()
+	op.State = api.OpRunning
+	m.putOp(*op)
+	p := &phases{kind: op.Kind, obs: m.obs}
+	err := fn(ctx, p)
+	fin := time.Now().UTC()
+	op.FinishedAt = &fin
+	op.Phases = p.list
+	if op.Phases == nil {
+		op.Phases = []api.Phase{}
+	}
+	if err != nil {
+		op.State = api.OpFailed
+		op.Error = &api.ErrorBody{Code: errdefs.Code(err), Message: err.Error()}
+		m.log.Warn("operation failed", "op", op.ID, "kind", op.Kind, "sandbox", op.SandboxID, "err", err)
+	} else {
+		op.State = api.OpSucceeded
+	}
+	m.putOp(*op)
+	m.obs.OperationDone(op.Kind, op.State, time.Since(t0))
+	return err
+}
+
+func (m *Manager) putOp(op api.Operation) {
+	// Operation records must survive even when the request context is gone.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
+		m.log.Error("persisting operation", "op", op.ID, "err", err)
+	}
+}
+
+// setState persists a sandbox state change (and optional error note).
+func (m *Manager) setState(id, state, errMsg, opID string) (api.Sandbox, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	sb, err := m.cfg.DB.GetSandbox(ctx, id)
+	if err != nil {
+		return sb, err
+	}
+	sb.State = state
+	sb.Error = errMsg
+	sb.OperationID = opID
+	sb.UpdatedAt = time.Now().UTC()
+	if e := m.peek(id); e != nil {
+		sb.LastActiveAt = time.Unix(0, e.lastActive.Load()).UTC()
+	}
+	return sb, m.cfg.DB.PutSandbox(ctx, sb)
+}
+
+func (m *Manager) peek(id string) *entry {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.entries[id]
+}
+
+// Get returns a sandbox.
+func (m *Manager) Get(ctx context.Context, id string) (api.Sandbox, error) {
+	if err := ValidID(id); err != nil {
+		return api.Sandbox{}, err
+	}
+	sb, err := m.cfg.DB.GetSandbox(ctx, id)
+	if err != nil {
+		return sb, err
+	}
+	if e := m.peek(id); e != nil {
+		sb.LastActiveAt = time.Unix(0, e.lastActive.Load()).UTC()
+	}
+	return sb, nil
+}
+
+// List returns sandboxes matching the filter.
+func (m *Manager) List(ctx context.Context, state string, labels map[string]string) ([]api.Sandbox, error) {
+	if state != "" {
+		switch state {
+		case api.StateCreating, api.StateRunning, api.StatePaused, api.StateStopping, api.StateStopped,
+			api.StateStarting, api.StateSuspended, api.StateDeleting, api.StateError:
+		default:
+			return nil, invalid("unknown state %q", truncate(state, 32))
+		}
+	}
+	return m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{State: state, Labels: labels})
+}
+
+// GetOperation returns an operation, waiting up to wait for it to finish.
+func (m *Manager) GetOperation(ctx context.Context, id string, wait time.Duration) (api.Operation, error) {
+	if err := ValidID(id); err != nil {
+		return api.Operation{}, err
+	}
+	deadline := time.Now().Add(wait)
+	delay := 5 * time.Millisecond
+	for {
+		op, err := m.cfg.DB.GetOperation(ctx, id)
+		if err != nil || op.Done() || time.Now().After(deadline) {
+			return op, err
+		}
+		select {
+		case <-ctx.Done():
+			return op, nil
+		case <-time.After(delay):
+		}
+		if delay < 200*time.Millisecond {
+			delay *= 2
+		}
+	}
+}
+
+func (m *Manager) spec(ctx context.Context, sb api.Sandbox) (runtime.Spec, runtime.Runtime, error) {
+	rt, ok := m.cfg.Runtimes[sb.Runtime]
+	if !ok {
+		return runtime.Spec{}, nil, fmt.Errorf("runtime %s is not registered in this server: %w", sb.Runtime, errdefs.ErrUnprocessable)
+	}
+	ref := sb.TemplateDigest
+	if ref == "" {
+		ref = sb.Template
+	}
+	_, rootfs, err := m.cfg.Templates.Resolve(ctx, ref)
+	if err != nil {
+		return runtime.Spec{}, rt, fmt.Errorf("resolving template %s: %w", ref, err)
+	}
+	return runtime.Spec{ID: sb.ID, RootFS: rootfs, TemplateDigest: sb.TemplateDigest, Limits: sb.Limits, Hostname: sb.ID}, rt, nil
+}
+
+func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
+	e := m.entry(id)
+	sb, err := m.cfg.DB.GetSandbox(ctx, id)
+	if err != nil {
+		return err
+	}
+	fail := func(err error) error {
+		m.setState(id, api.StateError, err.Error(), "")
+		return err
+	}
+	var tmpl api.Template
+	if err := p.run("resolve_template", func() error {
+		t, _, err := m.cfg.Templates.Resolve(ctx, sb.Template)
+		if errors.Is(err, errdefs.ErrNotFound) && isBaseRef(sb.Template, m.cfg.BaseTemplateRef) {
+			m.log.Info("building the base template on first need (this takes a few minutes once)")
+			t, err = m.cfg.Templates.EnsureBase(ctx, func(pr template.Progress) {
+				m.log.Debug("base template", "phase", pr.Phase, "done", pr.Done, "total", pr.Total, "msg", pr.Message)
+			})
+		}
+		tmpl = t
+		return err
+	}); err != nil {
+		return fail(fmt.Errorf("template %s: %w", sb.Template, err))
+	}
+	sb.TemplateDigest = tmpl.Digest
+	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
+		return fail(err)
+	}
+	spec, rt, err := m.spec(ctx, sb)
+	if err != nil {
+		return fail(err)
+	}
+	var inst runtime.Instance
+	if err := p.run("prepare", func() (err error) {
+		inst, err = rt.Create(ctx, spec)
+		return err
+	}); err != nil {
+		return fail(fmt.Errorf("preparing sandbox: %w", err))
+	}
+	e.cmu.Lock()
+	e.inst = inst
+	e.cmu.Unlock()
+	if err := m.boot(ctx, p, e, inst); err != nil {
+		e.expectExit.Store(true)
+		inst.Destroy(context.Background())
+		return fail(err)
+	}
+	e.lastActive.Store(time.Now().UnixNano())
+	_, err = m.setState(id, api.StateRunning, "", "")
+	return err
+}
+
+func isBaseRef(ref, base string) bool {
+	return ref == base || ref+":latest" == base
+}
+
+// boot starts inst and waits for its agent.
+func (m *Manager) boot(ctx context.Context, p *phases, e *entry, inst runtime.Instance) error {
+	e.expectExit.Store(false)
+	if err := p.run("start_runtime", func() error { return inst.Start(ctx) }); err != nil {
+		return fmt.Errorf("starting sandbox: %w", err)
+	}
+	if err := p.run("agent_ready", func() error { return m.connect(ctx, e, inst) }); err != nil {
+		return err
+	}
+	m.watchExit(e, inst)
+	return nil
+}
+
+// connect dials the agent and waits for its health, bounded by AgentReadyTimeout.
+func (m *Manager) connect(ctx context.Context, e *entry, inst runtime.Instance) error {
+	ctx, cancel := context.WithTimeout(ctx, m.cfg.AgentReadyTimeout)
+	defer cancel()
+	var last error
+	delay := time.Millisecond
+	for {
+		c, err := m.dial(ctx, inst)
+		if err == nil {
+			e.cmu.Lock()
+			if e.client != nil {
+				e.client.Close()
+			}
+			e.client = c
+			e.cmu.Unlock()
+			return nil
+		}
+		last = err
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("agent did not become ready within %s: %v: %w", m.cfg.AgentReadyTimeout, last, errdefs.ErrUnavailable)
+		case <-inst.Exited():
+			return fmt.Errorf("sandbox init exited before its agent became ready (last error: %v): %w", last, errdefs.ErrUnavailable)
+		case <-time.After(delay):
+		}
+		if delay < 50*time.Millisecond {
+			delay *= 2
+		}
+	}
+}
+
+func (m *Manager) dial(ctx context.Context, inst runtime.Instance) (*agentclient.Client, error) {
+	conn, err := inst.DialAgent(ctx)
+	if err != nil {
+		return nil, err
+	}
+	c, err := agentclient.New(conn)
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
+	hctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	if _, err := c.Health(hctx); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// watchExit marks the sandbox stopped (with the reason) when its init dies
+// without us asking: hostile code may kill the agent; the disk is kept and
+// the next request starts it again.
+func (m *Manager) watchExit(e *entry, inst runtime.Instance) {
+	ch := inst.Exited()
+	if ch == nil {
+		return
+	}
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		select {
+		case <-m.ctx.Done():
+			return
+		case <-ch:
+		}
+		if e.expectExit.Load() {
+			return
+		}
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if e.expectExit.Load() {
+			return
+		}
+		e.cmu.Lock()
+		same := e.inst == inst
+		if same && e.client != nil {
+			e.client.Close()
+			e.client = nil
+		}
+		e.cmu.Unlock()
+		if !same {
+			return
+		}
+		inst.Stop(context.Background())
+		m.log.Warn("sandbox init exited unexpectedly", "sandbox", e.id)
+		m.markCommandsExited(e.id, "the sandbox's init exited")
+		m.setState(e.id, api.StateStopped, "sandbox init (the agent) exited unexpectedly; start or wake it to run again", "")
+	}()
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	for i := 1; i < len(out); i++ {
+		for j := i; j > 0 && out[j] < out[j-1]; j-- {
+			out[j], out[j-1] = out[j-1], out[j]
+		}
+	}
+	return out
+}

@@ -1,0 +1,203 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/store"
+)
+
+// Reconcile makes the host match the store after a (possibly unclean) start:
+// every recorded sandbox is re-adopted, restarted or cleaned, interrupted
+// operations are finished or failed, and every host resource that no record
+// owns is swept. It is safe to run at any time.
+func (m *Manager) Reconcile(ctx context.Context) error {
+	sbs, err := m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{})
+	if err != nil {
+		return err
+	}
+	known := map[string]bool{}
+	for _, sb := range sbs {
+		known[sb.ID] = true
+	}
+	// Interrupted operations: create and delete are re-driven (their intent is
+	// persisted); anything else is failed with a clear reason.
+	ops, err := m.cfg.DB.ListOperations(ctx, store.OperationFilter{Unfinished: true})
+	if err != nil {
+		return err
+	}
+	redrive := map[string]api.Operation{}
+	for _, op := range ops {
+		if known[op.SandboxID] && (op.Kind == api.OpCreate || op.Kind == api.OpDelete) {
+			redrive[op.SandboxID] = op
+			continue
+		}
+		fin := time.Now().UTC()
+		op.State, op.FinishedAt = api.OpFailed, &fin
+		op.Error = &api.ErrorBody{Code: "interrupted", Message: "the server restarted while this operation ran; retry it"}
+		m.putOp(op)
+	}
+	for _, sb := range sbs {
+		m.reconcileOne(ctx, sb, redrive)
+	}
+	for name, rt := range m.cfg.Runtimes {
+		if !rt.Probe(ctx).Available {
+			continue
+		}
+		removed, err := rt.Sweep(ctx, func(id string) bool { return m.stillKnown(ctx, id) })
+		if err != nil {
+			m.log.Warn("sweep failed", "runtime", name, "err", err)
+		}
+		for _, id := range removed {
+			m.log.Info("swept host resources no record owns", "runtime", name, "sandbox", id)
+		}
+	}
+	return nil
+}
+
+func (m *Manager) stillKnown(ctx context.Context, id string) bool {
+	_, err := m.cfg.DB.GetSandbox(ctx, id)
+	return !errors.Is(err, errdefs.ErrNotFound)
+}
+
+func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[string]api.Operation) {
+	e := m.entry(sb.ID)
+	if !sb.LastActiveAt.IsZero() {
+		e.lastActive.Store(sb.LastActiveAt.UnixNano())
+	}
+	log := m.log.With("sandbox", sb.ID, "state", sb.State)
+	if op, ok := redrive[sb.ID]; ok {
+		switch op.Kind {
+		case api.OpCreate:
+			// Throw away whatever the crashed create left, then create again.
+			if inst, _, err := m.instance(ctx, e, sb); err == nil {
+				e.expectExit.Store(true)
+				inst.Destroy(ctx)
+			}
+			e.cmu.Lock()
+			e.inst = nil
+			e.cmu.Unlock()
+			m.setState(sb.ID, api.StateCreating, "", op.ID)
+			log.Info("re-driving interrupted create", "op", op.ID)
+			m.start(op, func(ctx context.Context, p *phases) error { return m.doCreate(ctx, p, sb.ID) })
+		case api.OpDelete:
+			log.Info("re-driving interrupted delete", "op", op.ID)
+			m.start(op, func(ctx context.Context, p *phases) error { return m.doDelete(ctx, p, sb.ID) })
+		}
+		return
+	}
+	switch sb.State {
+	case api.StateRunning, api.StatePaused, api.StateStarting, api.StateStopping:
+		inst, _, err := m.instance(ctx, e, sb)
+		if err != nil {
+			log.Warn("cannot re-open sandbox", "err", err)
+			m.setState(sb.ID, api.StateError, "re-open after restart failed: "+err.Error(), "")
+			return
+		}
+		if sb.State == api.StateStopping || !inst.Alive() {
+			e.expectExit.Store(true)
+			inst.Stop(ctx)
+			m.markCommandsExited(sb.ID, "the sandbox's processes ended while the server was down")
+			note := ""
+			if sb.State != api.StateStopping {
+				note = "the sandbox's processes were gone after a server restart; its disk is kept and the next request starts it"
+			}
+			m.setState(sb.ID, api.StateStopped, note, "")
+			log.Info("sandbox not alive after restart; marked stopped")
+			return
+		}
+		if sb.State == api.StatePaused {
+			m.watchExit(e, inst)
+			log.Info("re-adopted paused sandbox")
+			return
+		}
+		if err := m.connect(ctx, e, inst); err != nil {
+			log.Warn("re-adopted sandbox but its agent does not answer; stopping it", "err", err)
+			e.expectExit.Store(true)
+			inst.Stop(ctx)
+			m.markCommandsExited(sb.ID, "the sandbox's agent stopped answering")
+			m.setState(sb.ID, api.StateStopped, "agent did not answer after a server restart: "+err.Error(), "")
+			return
+		}
+		m.watchExit(e, inst)
+		m.setState(sb.ID, api.StateRunning, "", "")
+		log.Info("re-adopted running sandbox")
+	case api.StateCreating:
+		// A create whose operation record is missing: nothing to re-drive.
+		m.setState(sb.ID, api.StateError, "create was interrupted and its operation is missing", "")
+	case api.StateDeleting:
+		op := newOperation(api.OpDelete, sb.ID)
+		m.putOp(op)
+		m.start(op, func(ctx context.Context, p *phases) error { return m.doDelete(ctx, p, sb.ID) })
+	}
+}
+
+// Run applies TTLs and idle policies, persists activity, and re-sweeps host
+// resources periodically, until the manager is closed.
+func (m *Manager) Run() {
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		tick := time.NewTicker(time.Second)
+		defer tick.Stop()
+		lastSweep := time.Now()
+		for {
+			select {
+			case <-m.ctx.Done():
+				return
+			case <-tick.C:
+			}
+			m.tick(m.ctx)
+			if time.Since(lastSweep) > time.Minute {
+				lastSweep = time.Now()
+				for _, rt := range m.cfg.Runtimes {
+					if rt.Probe(m.ctx).Available {
+						rt.Sweep(m.ctx, func(id string) bool { return m.stillKnown(m.ctx, id) })
+					}
+				}
+			}
+		}
+	}()
+}
+
+func (m *Manager) tick(ctx context.Context) {
+	sbs, err := m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{})
+	if err != nil {
+		return
+	}
+	now := time.Now()
+	for _, sb := range sbs {
+		if sb.ExpiresAt != nil && now.After(*sb.ExpiresAt) && sb.State != api.StateDeleting {
+			m.log.Info("sandbox TTL expired; deleting", "sandbox", sb.ID)
+			m.Lifecycle(ctx, sb.ID, api.OpDelete, true)
+			continue
+		}
+		if sb.Idle == nil || sb.State != api.StateRunning {
+			continue
+		}
+		e := m.peek(sb.ID)
+		if e == nil || e.active.Load() > 0 || !e.mu.TryLock() {
+			continue
+		}
+		e.mu.Unlock()
+		idleFor := now.Sub(time.Unix(0, e.lastActive.Load()))
+		if idleFor < time.Duration(sb.Idle.AfterSeconds)*time.Second {
+			continue
+		}
+		if m.hasAttachedOrRunningForeground(ctx, sb.ID) {
+			continue
+		}
+		m.log.Info("sandbox idle; applying idle policy", "sandbox", sb.ID, "action", sb.Idle.Action, "idle_for", idleFor.Round(time.Second))
+		m.Lifecycle(ctx, sb.ID, sb.Idle.Action, false)
+	}
+}
+
+// hasAttachedOrRunningForeground is true while some client is attached; the
+// active counter covers it, but this is where a later runtime may add more.
+func (m *Manager) hasAttachedOrRunningForeground(ctx context.Context, id string) bool {
+	e := m.peek(id)
+	return e != nil && e.active.Load() > 0
+}

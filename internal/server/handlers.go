@@ -1,0 +1,703 @@
+package server
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/coder/websocket"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/template"
+)
+
+func (s *Server) info(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, 200, s.mgr.Info(r.Context()))
+}
+
+func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
+	var req api.CreateSandboxRequest
+	if err := decodeJSON(w, r, &req); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	sb, op, err := s.mgr.Create(r.Context(), req)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusAccepted, api.CreateSandboxResponse{Sandbox: sb, Operation: op})
+}
+
+func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	labels := map[string]string{}
+	for _, l := range q["label"] {
+		k, v, ok := strings.Cut(l, "=")
+		if !ok || k == "" {
+			writeError(w, r, fmt.Errorf("label filter %q must be key=value: %w", l, errdefs.ErrInvalidArgument))
+			return
+		}
+		labels[k] = v
+	}
+	sbs, err := s.mgr.List(r.Context(), q.Get("state"), labels)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if sbs == nil {
+		sbs = []api.Sandbox{}
+	}
+	writeJSON(w, 200, api.SandboxList{Sandboxes: sbs})
+}
+
+func (s *Server) getSandbox(w http.ResponseWriter, r *http.Request) {
+	sb, err := s.mgr.Get(r.Context(), r.PathValue("id"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, 200, sb)
+}
+
+func parseBool(q, name string) (bool, error) {
+	if q == "" {
+		return false, nil
+	}
+	b, err := strconv.ParseBool(q)
+	if err != nil {
+		return false, fmt.Errorf("%s must be true or false, got %q: %w", name, q, errdefs.ErrInvalidArgument)
+	}
+	return b, nil
+}
+
+func (s *Server) deleteSandbox(w http.ResponseWriter, r *http.Request) {
+	force, err := parseBool(r.URL.Query().Get("force"), "force")
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	op, err := s.mgr.Lifecycle(r.Context(), r.PathValue("id"), api.OpDelete, force)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusAccepted, op)
+}
+
+func (s *Server) lifecycle(w http.ResponseWriter, r *http.Request) {
+	verb := r.PathValue("verb")
+	switch verb {
+	case api.OpStop, api.OpStart, api.OpPause, api.OpResume, api.OpWake, api.OpSuspend, api.OpRestore:
+		// These take no body; tolerate an empty JSON object.
+		if r.ContentLength > 0 {
+			var empty struct{}
+			if err := decodeJSON(w, r, &empty); err != nil {
+				writeError(w, r, err)
+				return
+			}
+		}
+	case api.OpFork:
+		var req api.ForkRequest
+		if r.ContentLength != 0 {
+			if err := decodeJSON(w, r, &req); err != nil {
+				writeError(w, r, err)
+				return
+			}
+		}
+		if req.Count < 0 || req.Count > 64 {
+			writeError(w, r, fmt.Errorf("count must be between 1 and 64: %w", errdefs.ErrInvalidArgument))
+			return
+		}
+	default:
+		writeError(w, r, fmt.Errorf("unknown lifecycle verb %q (stop, start, pause, resume, wake, suspend, restore, fork): %w", verb, errdefs.ErrNotFound))
+		return
+	}
+	op, err := s.mgr.Lifecycle(r.Context(), r.PathValue("id"), verb, false)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusAccepted, op)
+}
+
+func (s *Server) getOperation(w http.ResponseWriter, r *http.Request) {
+	var wait time.Duration
+	if ws := r.URL.Query().Get("wait"); ws != "" {
+		d, err := time.ParseDuration(ws)
+		if err != nil {
+			if secs, err2 := strconv.ParseFloat(ws, 64); err2 == nil {
+				d, err = time.Duration(secs*float64(time.Second)), nil
+			}
+		}
+		if err != nil || d < 0 || d > 60*time.Second {
+			writeError(w, r, fmt.Errorf("wait must be a duration between 0 and 60s, got %q: %w", ws, errdefs.ErrInvalidArgument))
+			return
+		}
+		wait = d
+	}
+	op, err := s.mgr.GetOperation(r.Context(), r.PathValue("id"), wait)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, 200, op)
+}
+
+func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
+	var req api.ExecRequest
+	if err := decodeJSON(w, r, &req); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	res, err := s.mgr.Exec(r.Context(), r.PathValue("id"), req)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, 200, res)
+}
+
+func (s *Server) createCommand(w http.ResponseWriter, r *http.Request) {
+	var req api.CreateCommandRequest
+	if err := decodeJSON(w, r, &req); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	cmd, err := s.mgr.CreateCommand(r.Context(), r.PathValue("id"), req)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, cmd)
+}
+
+func (s *Server) listCommands(w http.ResponseWriter, r *http.Request) {
+	cmds, err := s.mgr.ListCommands(r.Context(), r.PathValue("id"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, 200, api.CommandList{Commands: cmds})
+}
+
+func (s *Server) getCommand(w http.ResponseWriter, r *http.Request) {
+	cmd, err := s.mgr.GetCommand(r.Context(), r.PathValue("id"), r.PathValue("cid"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, 200, cmd)
+}
+
+func (s *Server) signalCommand(w http.ResponseWriter, r *http.Request) {
+	var req api.SignalRequest
+	if err := decodeJSON(w, r, &req); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if err := s.mgr.SignalCommand(r.Context(), r.PathValue("id"), r.PathValue("cid"), req.Signal); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (s *Server) refreshToken(w http.ResponseWriter, r *http.Request) {
+	cmd, err := s.mgr.RefreshToken(r.Context(), r.PathValue("id"), r.PathValue("cid"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, 200, cmd)
+}
+
+func parseOffset(q, name string) (int64, error) {
+	if q == "" {
+		return 0, nil
+	}
+	n, err := strconv.ParseInt(q, 10, 64)
+	if err != nil || n < 0 {
+		return 0, fmt.Errorf("%s must be a non-negative integer, got %q: %w", name, q, errdefs.ErrInvalidArgument)
+	}
+	return n, nil
+}
+
+// attach proxies a client WebSocket to the agent's, validating every frame in
+// both directions: the client may be buggy, the agent may be hostile.
+func (s *Server) attach(w http.ResponseWriter, r *http.Request) {
+	tok, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+	if !ok {
+		tok = r.URL.Query().Get("token")
+	}
+	rec, err := s.mgr.AuthorizeAttach(r.Context(), r.PathValue("id"), r.PathValue("cid"), tok)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	so, err := parseOffset(r.URL.Query().Get("stdout_offset"), "stdout_offset")
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	se, err := parseOffset(r.URL.Query().Get("stderr_offset"), "stderr_offset")
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	att, err := s.mgr.Attach(ctx, rec, so, se)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	defer att.Close()
+	client, err := websocket.Accept(w, r, &websocket.AcceptOptions{InsecureSkipVerify: true})
+	if err != nil {
+		return
+	}
+	defer client.CloseNow()
+	client.SetReadLimit(api.MaxFrame)
+	agent := att.Conn
+	agent.SetReadLimit(api.MaxFrame)
+
+	// client → agent
+	go func() {
+		defer cancel()
+		for {
+			typ, b, err := client.Read(ctx)
+			if err != nil {
+				return
+			}
+			if typ != websocket.MessageBinary || len(b) == 0 {
+				client.Close(websocket.StatusUnsupportedData, "frames must be binary and non-empty")
+				return
+			}
+			switch b[0] {
+			case api.FrameStdin, api.FrameCloseStdin, api.FrameResize, api.FrameSignal:
+			default:
+				client.Close(websocket.StatusPolicyViolation, fmt.Sprintf("frame type %d is not allowed from a client", b[0]))
+				return
+			}
+			if err := agent.Write(ctx, websocket.MessageBinary, b); err != nil {
+				return
+			}
+		}
+	}()
+	// agent → client
+	for {
+		typ, b, err := agent.Read(ctx)
+		if err != nil {
+			if ctx.Err() == nil {
+				client.Close(websocket.StatusGoingAway, "the sandbox's agent went away")
+			}
+			return
+		}
+		if typ != websocket.MessageBinary || len(b) == 0 {
+			client.Close(websocket.StatusInternalError, "the agent sent a malformed frame")
+			return
+		}
+		switch b[0] {
+		case api.FrameStdout, api.FrameStderr:
+			if _, _, err := api.DecodeOutput(b[1:]); err != nil {
+				client.Close(websocket.StatusInternalError, "the agent sent a malformed output frame")
+				return
+			}
+		case api.FrameStarted, api.FrameDropped:
+			if !json.Valid(b[1:]) {
+				client.Close(websocket.StatusInternalError, "the agent sent a malformed frame")
+				return
+			}
+		case api.FrameExit:
+			var st api.ExitStatus
+			if err := json.Unmarshal(b[1:], &st); err != nil {
+				client.Close(websocket.StatusInternalError, "the agent sent a malformed exit frame")
+				return
+			}
+			if len(st.Reason) > 1024 {
+				st.Reason = st.Reason[:1024]
+			}
+			if len(st.Signal) > 16 {
+				st.Signal = st.Signal[:16]
+			}
+			st = att.Exited(ctx, st)
+			out, _ := json.Marshal(st)
+			client.Write(ctx, websocket.MessageBinary, append([]byte{api.FrameExit}, out...))
+			client.Close(websocket.StatusNormalClosure, "exited")
+			return
+		default:
+			client.Close(websocket.StatusInternalError, fmt.Sprintf("the agent sent an unknown frame type %d", b[0]))
+			return
+		}
+		if err := client.Write(ctx, websocket.MessageBinary, b); err != nil {
+			return
+		}
+	}
+}
+
+func filePath(r *http.Request) (string, error) {
+	p := r.URL.Query().Get("path")
+	switch {
+	case p == "":
+		return "", fmt.Errorf("query parameter path is required: %w", errdefs.ErrInvalidArgument)
+	case strings.IndexByte(p, 0) >= 0:
+		return "", fmt.Errorf("path contains a NUL byte: %w", errdefs.ErrInvalidArgument)
+	case len(p) > 4096:
+		return "", fmt.Errorf("path is %d bytes, longer than 4096: %w", len(p), errdefs.ErrInvalidArgument)
+	case !strings.HasPrefix(p, "/"):
+		return "", fmt.Errorf("path must be absolute, got %q: %w", p, errdefs.ErrInvalidArgument)
+	}
+	return p, nil
+}
+
+func (s *Server) readFile(w http.ResponseWriter, r *http.Request) {
+	p, err := filePath(r)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	c, release, err := s.mgr.Agent(r.Context(), r.PathValue("id"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	defer release()
+	rc, err := c.ReadFile(r.Context(), p)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	defer rc.Close()
+	w.Header().Set("Content-Type", "application/octet-stream")
+	n, _ := io.Copy(w, io.LimitReader(rc, s.cfg.MaxFileBytes+1))
+	if n > s.cfg.MaxFileBytes {
+		// Headers are gone; abort the response so the client sees an error, not a silently cut file.
+		panic(http.ErrAbortHandler)
+	}
+}
+
+func (s *Server) uploadBody(w http.ResponseWriter, r *http.Request, limit int64) (io.Reader, error) {
+	if r.ContentLength > limit {
+		return nil, fmt.Errorf("body is %d bytes, more than the limit of %d: %w", r.ContentLength, limit, errdefs.ErrTooLarge)
+	}
+	return http.MaxBytesReader(w, r.Body, limit), nil
+}
+
+func tooLarge(err error, limit int64) error {
+	var mbe *http.MaxBytesError
+	if errors.As(err, &mbe) {
+		return fmt.Errorf("body is more than the limit of %d bytes: %w", limit, errdefs.ErrTooLarge)
+	}
+	return err
+}
+
+func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {
+	p, err := filePath(r)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	mode := os.FileMode(0o644)
+	if ms := r.URL.Query().Get("mode"); ms != "" {
+		v, err := strconv.ParseUint(ms, 8, 32)
+		if err != nil || v > 0o7777 {
+			writeError(w, r, fmt.Errorf("mode must be octal permission bits like 0644, got %q: %w", ms, errdefs.ErrInvalidArgument))
+			return
+		}
+		mode = os.FileMode(v)
+	}
+	body, err := s.uploadBody(w, r, s.cfg.MaxFileBytes)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	c, release, err := s.mgr.Agent(r.Context(), r.PathValue("id"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	defer release()
+	fi, err := c.WriteFile(r.Context(), p, mode, body)
+	if err != nil {
+		writeError(w, r, tooLarge(err, s.cfg.MaxFileBytes))
+		return
+	}
+	writeJSON(w, 200, fi)
+}
+
+func (s *Server) removeFile(w http.ResponseWriter, r *http.Request) {
+	p, err := filePath(r)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	rec, err := parseBool(r.URL.Query().Get("recursive"), "recursive")
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	c, release, err := s.mgr.Agent(r.Context(), r.PathValue("id"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	defer release()
+	if err := c.Remove(r.Context(), p, rec); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (s *Server) statFile(w http.ResponseWriter, r *http.Request) {
+	p, err := filePath(r)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	c, release, err := s.mgr.Agent(r.Context(), r.PathValue("id"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	defer release()
+	fi, err := c.Stat(r.Context(), p)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, 200, fi)
+}
+
+func (s *Server) listFiles(w http.ResponseWriter, r *http.Request) {
+	p, err := filePath(r)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	c, release, err := s.mgr.Agent(r.Context(), r.PathValue("id"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	defer release()
+	list, err := c.List(r.Context(), p)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if list == nil {
+		list = []api.FileInfo{}
+	}
+	writeJSON(w, 200, api.FileList{Entries: list})
+}
+
+func (s *Server) mkdir(w http.ResponseWriter, r *http.Request) {
+	var req api.MkdirRequest
+	if err := decodeJSON(w, r, &req); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	q := r.URL.Query()
+	q.Set("path", req.Path)
+	r.URL.RawQuery = q.Encode()
+	p, err := filePath(r)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if req.Mode > 0o7777 {
+		writeError(w, r, fmt.Errorf("mode must be permission bits ≤ 07777: %w", errdefs.ErrInvalidArgument))
+		return
+	}
+	mode := os.FileMode(req.Mode)
+	if mode == 0 {
+		mode = 0o755
+	}
+	c, release, err := s.mgr.Agent(r.Context(), r.PathValue("id"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	defer release()
+	fi, err := c.Mkdir(r.Context(), p, mode)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, 200, fi)
+}
+
+func (s *Server) rename(w http.ResponseWriter, r *http.Request) {
+	var req api.RenameRequest
+	if err := decodeJSON(w, r, &req); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	for _, p := range []string{req.From, req.To} {
+		q := r.URL.Query()
+		q.Set("path", p)
+		r.URL.RawQuery = q.Encode()
+		if _, err := filePath(r); err != nil {
+			writeError(w, r, err)
+			return
+		}
+	}
+	c, release, err := s.mgr.Agent(r.Context(), r.PathValue("id"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	defer release()
+	if err := c.Rename(r.Context(), req.From, req.To); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (s *Server) tarGet(w http.ResponseWriter, r *http.Request) {
+	p, err := filePath(r)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	c, release, err := s.mgr.Agent(r.Context(), r.PathValue("id"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	defer release()
+	rc, err := c.TarGet(r.Context(), p)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	defer rc.Close()
+	w.Header().Set("Content-Type", "application/x-tar")
+	n, _ := io.Copy(w, io.LimitReader(rc, s.cfg.MaxFileBytes+1))
+	if n > s.cfg.MaxFileBytes {
+		panic(http.ErrAbortHandler)
+	}
+}
+
+func (s *Server) tarPut(w http.ResponseWriter, r *http.Request) {
+	p, err := filePath(r)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	body, err := s.uploadBody(w, r, s.cfg.MaxFileBytes)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	c, release, err := s.mgr.Agent(r.Context(), r.PathValue("id"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	defer release()
+	if err := c.TarPut(r.Context(), p, body); err != nil {
+		writeError(w, r, tooLarge(err, s.cfg.MaxFileBytes))
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (s *Server) listTemplates(w http.ResponseWriter, r *http.Request) {
+	ts, err := s.tmpl.List(r.Context())
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if ts == nil {
+		ts = []api.Template{}
+	}
+	writeJSON(w, 200, api.TemplateList{Templates: ts})
+}
+
+func (s *Server) getTemplate(w http.ResponseWriter, r *http.Request) {
+	t, err := s.tmpl.Get(r.Context(), r.PathValue("ref"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, 200, t)
+}
+
+func (s *Server) untagTemplate(w http.ResponseWriter, r *http.Request) {
+	if err := s.tmpl.Untag(r.Context(), r.PathValue("ref")); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (s *Server) importTemplate(w http.ResponseWriter, r *http.Request) {
+	var tags []string
+	for _, t := range r.URL.Query()["tag"] {
+		if t != "" {
+			tags = append(tags, t)
+		}
+	}
+	body, err := s.uploadBody(w, r, s.cfg.MaxTemplateBytes)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	t, err := s.tmpl.ImportTar(r.Context(), body, template.ImportOptions{Tags: tags, Source: "tar", MaxBytes: s.cfg.MaxTemplateBytes})
+	if err != nil {
+		writeError(w, r, tooLarge(err, s.cfg.MaxTemplateBytes))
+		return
+	}
+	writeJSON(w, http.StatusCreated, t)
+}
+
+// buildBase streams the base template build's progress as NDJSON.
+func (s *Server) buildBase(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "application/x-ndjson")
+	w.WriteHeader(200)
+	enc := json.NewEncoder(w)
+	fl, _ := w.(http.Flusher)
+	progress := make(chan template.Progress, 64)
+	done := make(chan struct{})
+	var (
+		t   api.Template
+		err error
+	)
+	go func() {
+		defer close(done)
+		t, err = s.tmpl.EnsureBase(r.Context(), func(p template.Progress) {
+			select {
+			case progress <- p:
+			default: // never block the build on a slow client
+			}
+		})
+	}()
+	for {
+		select {
+		case p := <-progress:
+			enc.Encode(map[string]any{"phase": p.Phase, "done": p.Done, "total": p.Total, "message": p.Message})
+			if fl != nil {
+				fl.Flush()
+			}
+		case <-done:
+			if err != nil {
+				enc.Encode(api.Error{Error: api.ErrorBody{Code: errdefs.Code(err), Message: err.Error()}})
+			} else {
+				enc.Encode(map[string]any{"template": t})
+			}
+			return
+		}
+	}
+}

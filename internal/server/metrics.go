@@ -1,0 +1,74 @@
+package server
+
+import (
+	"context"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/spacehq/space/internal/sandbox"
+	"github.com/spacehq/space/internal/store"
+)
+
+// metrics implements sandbox.Observer with Prometheus collectors.
+type metrics struct {
+	reg        *prometheus.Registry
+	opPhase    *prometheus.HistogramVec
+	opDone     *prometheus.HistogramVec
+	execs      *prometheus.CounterVec
+	httpReqs   *prometheus.CounterVec
+}
+
+var _ sandbox.Observer = (*metrics)(nil)
+
+func newMetrics(db *store.DB) *metrics {
+	m := &metrics{reg: prometheus.NewRegistry()}
+	buckets := []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 120}
+	m.opPhase = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "space_operation_phase_seconds", Help: "Duration of each phase of lifecycle operations.", Buckets: buckets,
+	}, []string{"kind", "phase"})
+	m.opDone = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "space_operation_seconds", Help: "Duration of lifecycle operations by kind and final state.", Buckets: buckets,
+	}, []string{"kind", "state"})
+	m.execs = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "space_exec_total", Help: "Processes started in sandboxes, by kind (sync, session).",
+	}, []string{"kind"})
+	m.httpReqs = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "space_http_requests_total", Help: "API requests by method and status code.",
+	}, []string{"method", "code"})
+	m.reg.MustRegister(m.opPhase, m.opDone, m.execs, m.httpReqs, &sandboxCollector{db: db},
+		prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
+	return m
+}
+
+func (m *metrics) OperationPhase(kind, phase string, d time.Duration) {
+	m.opPhase.WithLabelValues(kind, phase).Observe(d.Seconds())
+}
+func (m *metrics) OperationDone(kind, state string, d time.Duration) {
+	m.opDone.WithLabelValues(kind, state).Observe(d.Seconds())
+}
+func (m *metrics) Exec(kind string) { m.execs.WithLabelValues(kind).Inc() }
+
+// sandboxCollector counts sandboxes by state and runtime from the store at
+// scrape time, so the gauge can never drift from the truth.
+type sandboxCollector struct{ db *store.DB }
+
+var sandboxesDesc = prometheus.NewDesc("space_sandboxes", "Sandboxes by state and runtime.", []string{"state", "runtime"}, nil)
+
+func (c *sandboxCollector) Describe(ch chan<- *prometheus.Desc) { ch <- sandboxesDesc }
+
+func (c *sandboxCollector) Collect(ch chan<- prometheus.Metric) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	sbs, err := c.db.ListSandboxes(ctx, store.SandboxFilter{})
+	if err != nil {
+		return
+	}
+	counts := map[[2]string]int{}
+	for _, s := range sbs {
+		counts[[2]string{s.State, s.Runtime}]++
+	}
+	for k, n := range counts {
+		ch <- prometheus.MustNewConstMetric(sandboxesDesc, prometheus.GaugeValue, float64(n), k[0], k[1])
+	}
+}
