@@ -1,0 +1,162 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/testenv"
+	"github.com/spacehq/space/sdk"
+)
+
+type proc struct {
+	cmd  *exec.Cmd
+	url  string
+	data string
+}
+
+func freePort(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func startServer(t *testing.T, bin, data, addr string) *proc {
+	t.Helper()
+	cmd := exec.Command(bin, "server", "--data", data, "--listen", addr, "--cache", testenv.CacheDir())
+	cmd.Env = append(os.Environ(), "SPACE_AGENT_BIN="+testenv.AgentBinary(t))
+	log, _ := os.OpenFile(filepath.Join(data, "..", "server.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
+	cmd.Stdout, cmd.Stderr = log, log
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &proc{cmd: cmd, url: "http://" + addr, data: data}
+	deadline := time.Now().Add(60 * time.Second)
+	for time.Now().Before(deadline) {
+		if resp, err := http.Get(p.url + "/healthz"); err == nil {
+			resp.Body.Close()
+			return p
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Fatalf("server did not come up; see %s", filepath.Join(data, "..", "server.log"))
+	return nil
+}
+
+func (p *proc) kill9() {
+	p.cmd.Process.Signal(syscall.SIGKILL)
+	p.cmd.Wait()
+}
+
+func (p *proc) client(t *testing.T) *sdk.Client {
+	key, err := os.ReadFile(filepath.Join(p.data, "api-key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := sdk.New(p.url, strings.TrimSpace(string(key)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// TestKill9LosesNothing kills the server with SIGKILL mid-create and
+// mid-exec; after each restart the sandbox is there, usable, with its files,
+// and after deleting it nothing of it is left on the host.
+func TestKill9LosesNothing(t *testing.T) {
+	testenv.RequireRoot(t)
+	testenv.BaseRootfs(t)
+	bin := buildSpace(t)
+	root := t.TempDir()
+	data := filepath.Join(root, "data")
+	addr := freePort(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+
+	p := startServer(t, bin, data, addr)
+	c := p.client(t)
+	// Warm the template store so the create below is quick but still racing the kill.
+	if _, err := c.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Labels: map[string]string{"warm": "1"}}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := c.CreateSandbox(ctx, api.CreateSandboxRequest{Labels: map[string]string{"crash": "create"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.kill9() // mid-create
+	p = startServer(t, bin, data, addr)
+	c = p.client(t)
+	op, err := c.WaitOperation(ctx, resp.Operation.ID)
+	if err != nil {
+		t.Fatalf("create after kill -9: %v", err)
+	}
+	if op.State != api.OpSucceeded {
+		t.Fatalf("create op after restart: %+v", op)
+	}
+	id := resp.Sandbox.ID
+	if _, err := c.WriteFile(ctx, id, "/root/before-crash", strings.NewReader("still here"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// Mid-exec kill: the exec fails for the client, the sandbox survives.
+	done := make(chan error, 1)
+	go func() {
+		_, err := c.Exec(ctx, id, api.ExecRequest{Cmd: []string{"sleep", "3"}})
+		done <- err
+	}()
+	time.Sleep(500 * time.Millisecond)
+	p.kill9()
+	<-done
+	p = startServer(t, bin, data, addr)
+	c = p.client(t)
+	sb, err := c.GetSandbox(ctx, id)
+	if err != nil || sb.State != api.StateRunning {
+		t.Fatalf("sandbox after second kill -9: %v %+v", err, sb)
+	}
+	res, err := c.Exec(ctx, id, api.ExecRequest{Cmd: []string{"cat", "/root/before-crash"}})
+	if err != nil || res.Stdout != "still here" {
+		t.Fatalf("exec after restart: %v %+v", err, res)
+	}
+	// Delete everything, stop the server, and look for leftovers.
+	sbs, err := c.ListSandboxes(ctx, sdk.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	for _, s := range sbs {
+		ids = append(ids, s.ID)
+		op, err := c.DeleteSandbox(ctx, s.ID, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if op, err := c.WaitOperation(ctx, op.ID); err != nil || op.State != api.OpSucceeded {
+			t.Fatalf("delete %s: %v %+v", s.ID, err, op)
+		}
+	}
+	p.kill9()
+	if leaks := hostLeaks(data); len(leaks) > 0 {
+		t.Fatalf("leaked: %v", leaks)
+	}
+	for _, id := range ids {
+		for _, ctrl := range []string{"memory", "pids", "freezer", "cpu", "unified"} {
+			if _, err := os.Stat(filepath.Join("/sys/fs/cgroup", ctrl, "space", id)); err == nil {
+				t.Errorf("cgroup %s/space/%s leaked", ctrl, id)
+			}
+		}
+		if out, _ := exec.Command("pgrep", "-f", id).Output(); len(out) > 0 {
+			t.Errorf("processes of %s survive: %s", id, out)
+		}
+	}
+	fmt.Fprintln(os.Stderr, "kill -9 test: sandboxes", ids)
+}

@@ -1,0 +1,137 @@
+// Package e2e drives a real space server (in-process, and as a separate
+// process for crash tests) with real native sandboxes, through the Go SDK,
+// the CLI and raw HTTP.
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/spacehq/space/internal/cli"
+	"github.com/spacehq/space/internal/server"
+	"github.com/spacehq/space/internal/testenv"
+	"github.com/spacehq/space/sdk"
+)
+
+// env is one in-process server shared by the tests of this package.
+type env struct {
+	url    string
+	key    string
+	data   string
+	srv    *server.Server
+	client *sdk.Client
+}
+
+var (
+	sharedOnce sync.Once
+	shared     *env
+	sharedErr  error
+)
+
+// setup returns the shared server, skipping (locally) or failing (CI) when
+// the host cannot run native sandboxes.
+func setup(t *testing.T) *env {
+	t.Helper()
+	testenv.RequireRoot(t)
+	testenv.BaseRootfs(t)
+	agent := testenv.AgentBinary(t)
+	sharedOnce.Do(func() {
+		data, err := os.MkdirTemp("", "space-e2e-")
+		if err != nil {
+			sharedErr = err
+			return
+		}
+		var notice bytes.Buffer
+		_ = notice
+		s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: agent, APIKeyOut: os.Stderr})
+		if err != nil {
+			sharedErr = err
+			return
+		}
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			sharedErr = err
+			return
+		}
+		go (&http.Server{Handler: s.Handler()}).Serve(l)
+		url := "http://" + l.Addr().String()
+		c, err := sdk.New(url, s.APIKey())
+		if err != nil {
+			sharedErr = err
+			return
+		}
+		shared = &env{url: url, key: s.APIKey(), data: data, srv: s, client: c}
+	})
+	if sharedErr != nil {
+		t.Fatalf("starting server: %v", sharedErr)
+	}
+	return shared
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if shared != nil {
+		// Delete whatever the tests left, then check nothing leaked.
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		sbs, _ := shared.client.ListSandboxes(ctx, sdk.ListOptions{})
+		for _, sb := range sbs {
+			if op, err := shared.client.DeleteSandbox(ctx, sb.ID, true); err == nil {
+				shared.client.WaitOperation(ctx, op.ID)
+			}
+		}
+		cancel()
+		shared.srv.Close()
+		if leaks := hostLeaks(shared.data); len(leaks) > 0 {
+			os.Stderr.WriteString("e2e: host resources leaked after deleting every sandbox:\n  " + strings.Join(leaks, "\n  ") + "\n")
+			code = 1
+		}
+		os.RemoveAll(shared.data)
+	}
+	os.Exit(code)
+}
+
+// hostLeaks lists mounts, cgroups and sandbox dirs that belong to data.
+func hostLeaks(data string) []string {
+	var out []string
+	if b, err := os.ReadFile("/proc/self/mountinfo"); err == nil {
+		for _, l := range strings.Split(string(b), "\n") {
+			if strings.Contains(l, data) {
+				out = append(out, "mount: "+l)
+			}
+		}
+	}
+	ents, _ := os.ReadDir(filepath.Join(data, "runtimes", "native", "sandboxes"))
+	for _, e := range ents {
+		out = append(out, "dir: "+e.Name())
+	}
+	return out
+}
+
+// spaceCLI runs the CLI in-process against the shared server.
+func (e *env) spaceCLI(t *testing.T, stdin string, args ...string) (stdout, stderr string, code int) {
+	t.Helper()
+	var o, s bytes.Buffer
+	all := append([]string{"--url", e.url, "--api-key", e.key}, args...)
+	code = cli.Execute(context.Background(), all, strings.NewReader(stdin), &o, &s)
+	return o.String(), s.String(), code
+}
+
+// buildSpace builds the space binary for tests that need a separate process.
+func buildSpace(t *testing.T) string {
+	t.Helper()
+	out := filepath.Join(t.TempDir(), "space")
+	cmd := exec.Command("go", "build", "-o", out, "github.com/spacehq/space/cmd/space")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("building space: %v\n%s", err, b)
+	}
+	return out
+}
