@@ -1,0 +1,174 @@
+// Package cli implements the `space` command line: thin cobra commands that
+// parse and validate flags, then call the Go SDK (package sdk). No HTTP is
+// spoken here directly.
+//
+// Execute is the whole program behind a function, so tests and the
+// integration suite run it in-process with their own streams.
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/spacehq/space/sdk"
+)
+
+// Exit codes of the space binary besides a command's own code (run, exec).
+const (
+	ExitOK    = 0
+	ExitError = 1 // the request failed
+	ExitUsage = 2 // bad flags or arguments
+	// ExitRunFailed is what run and exec exit with when space itself failed
+	// (as opposed to the process exiting non-zero), as docker does.
+	ExitRunFailed = 125
+)
+
+// exitCodeError carries an exit code out of a command without printing.
+type exitCodeError struct{ code int }
+
+func (e *exitCodeError) Error() string { return fmt.Sprintf("exit status %d", e.code) }
+
+// usageError marks an error in the command line rather than in the request.
+type usageError struct{ err error }
+
+func (e *usageError) Error() string { return e.err.Error() }
+func (e *usageError) Unwrap() error { return e.err }
+
+func usagef(format string, args ...any) error {
+	return &usageError{fmt.Errorf(format, args...)}
+}
+
+// runFailedError marks a failure of space itself inside run/exec.
+type runFailedError struct{ err error }
+
+func (e *runFailedError) Error() string { return e.err.Error() }
+func (e *runFailedError) Unwrap() error { return e.err }
+
+// app is the state one invocation shares between its commands.
+type app struct {
+	ctx    context.Context
+	in     io.Reader
+	out    io.Writer
+	errOut io.Writer
+
+	url    string
+	apiKey string
+	json   bool
+
+	client *sdk.Client
+}
+
+// Client returns the SDK client for the configured server, built once.
+func (a *app) Client() (*sdk.Client, error) {
+	if a.client != nil {
+		return a.client, nil
+	}
+	cfg, err := discoverConfig(a.url, a.apiKey)
+	if err != nil {
+		return nil, err
+	}
+	c, err := sdk.New(cfg.URL, cfg.APIKey, sdk.WithUserAgent("space-cli"))
+	if err != nil {
+		return nil, &usageError{err}
+	}
+	a.client = c
+	return c, nil
+}
+
+// Execute runs the space CLI with args (without the program name) and
+// returns the process exit code.
+func Execute(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	a := &app{ctx: ctx, in: stdin, out: stdout, errOut: stderr}
+	root := newRootCmd(a)
+	root.SetArgs(args)
+	root.SetIn(stdin)
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	err := root.ExecuteContext(ctx)
+	if err == nil {
+		return ExitOK
+	}
+	var ec *exitCodeError
+	if errors.As(err, &ec) {
+		return ec.code
+	}
+	fmt.Fprintln(stderr, "space:", err)
+	var ue *usageError
+	var rf *runFailedError
+	switch {
+	case errors.As(err, &ue) || isCobraUsageError(err):
+		return ExitUsage
+	case errors.As(err, &rf):
+		return ExitRunFailed
+	}
+	return ExitError
+}
+
+// isCobraUsageError recognises cobra's own argument errors, which it does
+// not type.
+func isCobraUsageError(err error) bool {
+	msg := err.Error()
+	for _, p := range []string{"unknown command", "unknown flag", "unknown shorthand flag", "accepts ", "requires at least", "requires at most", "flag needs an argument", "invalid argument"} {
+		if strings.HasPrefix(msg, p) {
+			return true
+		}
+	}
+	return false
+}
+
+func newRootCmd(a *app) *cobra.Command {
+	root := &cobra.Command{
+		Use:   "space",
+		Short: "Run code in isolated Linux sandboxes",
+		Long: "space creates isolated Linux sandboxes from templates, runs commands in them and manages their\n" +
+			"lifecycle (pause, stop, suspend, fork). The server is `space server`; everything else talks to it.",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		CompletionOptions: cobra.CompletionOptions{
+			DisableDefaultCmd: true,
+		},
+	}
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return &usageError{err} })
+	pf := root.PersistentFlags()
+	pf.StringVar(&a.url, "url", "", "server URL, http(s)://host:port or unix:///path (env SPACE_URL; default "+sdk.DefaultURL+")")
+	pf.StringVar(&a.apiKey, "api-key", "", "API key (env SPACE_API_KEY; default: the key file $SPACE_DATA/api-key)")
+	pf.BoolVar(&a.json, "json", false, "print API objects as JSON instead of tables")
+
+	root.AddCommand(
+		newRunCmd(a),
+		newExecCmd(a),
+		newSandboxCmd(a),
+		newCreateCmd(a), // alias of `space sandbox create`
+		newLsCmd(a),
+		newInspectCmd(a),
+		newRmCmd(a),
+		newForkCmd(a),
+		newCpCmd(a),
+		newOpCmd(a),
+		newTemplateCmd(a),
+		newInfoCmd(a),
+	)
+	for _, verb := range []string{"pause", "resume", "stop", "start", "wake", "suspend", "restore"} {
+		root.AddCommand(newLifecycleCmd(a, verb))
+	}
+	for _, add := range extraCommands {
+		root.AddCommand(add(a))
+	}
+	return root
+}
+
+// extraCommands are commands compiled in only with some build tags (the
+// server command).
+var extraCommands []func(*app) *cobra.Command
+
+// stdinFile returns the real terminal-capable stdin when there is one.
+func (a *app) stdinFile() (*os.File, bool) {
+	f, ok := a.in.(*os.File)
+	return f, ok
+}

@@ -1,0 +1,235 @@
+package cli
+
+import (
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+	"github.com/vbauerster/mpb/v8"
+	"github.com/vbauerster/mpb/v8/decor"
+	"golang.org/x/term"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/sdk"
+)
+
+func newTemplateCmd(a *app) *cobra.Command {
+	cmd := &cobra.Command{Use: "template", Aliases: []string{"templates", "tpl"}, Short: "Manage templates (root filesystems)"}
+
+	ls := &cobra.Command{
+		Use:     "ls",
+		Aliases: []string{"list"},
+		Short:   "List templates",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, err := a.Client()
+			if err != nil {
+				return err
+			}
+			list, err := c.ListTemplates(a.ctx)
+			if err != nil {
+				return err
+			}
+			if a.json {
+				return printJSON(a.out, api.TemplateList{Templates: nonNil(list)})
+			}
+			return printTemplates(a, list, time.Now())
+		},
+	}
+	inspect := &cobra.Command{
+		Use:   "inspect REF",
+		Short: "Show a template (REF is name:tag or sha256:…)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := a.Client()
+			if err != nil {
+				return err
+			}
+			t, err := c.GetTemplate(a.ctx, args[0])
+			if err != nil {
+				return err
+			}
+			return a.printTemplate(t)
+		},
+	}
+	rm := &cobra.Command{
+		Use:   "rm TAG",
+		Short: "Remove a template tag",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := a.Client()
+			if err != nil {
+				return err
+			}
+			if err := c.DeleteTemplate(a.ctx, args[0]); err != nil {
+				return err
+			}
+			if !a.json {
+				fmt.Fprintln(a.out, args[0])
+			}
+			return nil
+		},
+	}
+	var tag string
+	imp := &cobra.Command{
+		Use:   "import [--tag name:tag] DIR|TAR",
+		Short: "Import a root filesystem from a directory or a tar (optionally gzip) file",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if tag != "" && !validTag(tag) {
+				return usagef("--tag %q: want name:tag (letters, digits, . _ -)", tag)
+			}
+			c, err := a.Client()
+			if err != nil {
+				return err
+			}
+			t, err := a.importTemplate(c, tag, args[0])
+			if err != nil {
+				return err
+			}
+			return a.printTemplate(t)
+		},
+	}
+	imp.Flags().StringVar(&tag, "tag", "", "tag the template as name:tag")
+	build := &cobra.Command{
+		Use:   "build-base",
+		Short: "Build the Debian base template base:latest if it is missing",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, err := a.Client()
+			if err != nil {
+				return err
+			}
+			t, err := a.buildBase(c)
+			if err != nil {
+				return err
+			}
+			return a.printTemplate(t)
+		},
+	}
+	cmd.AddCommand(ls, inspect, rm, imp, build)
+	return cmd
+}
+
+// validTag checks "name:tag" the way users can type it; the server has the
+// final word.
+func validTag(s string) bool {
+	name, tag, ok := strings.Cut(s, ":")
+	ok2 := func(p string) bool {
+		if p == "" || len(p) > 128 {
+			return false
+		}
+		for _, r := range p {
+			if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-') {
+				return false
+			}
+		}
+		return true
+	}
+	return ok && ok2(name) && ok2(tag)
+}
+
+func (a *app) importTemplate(c *sdk.Client, tag, src string) (*api.Template, error) {
+	fi, err := os.Stat(src)
+	if err != nil {
+		return nil, err
+	}
+	if !fi.IsDir() {
+		f, err := os.Open(src)
+		if err != nil {
+			return nil, err
+		}
+		defer f.Close()
+		return c.ImportTemplate(a.ctx, tag, f)
+	}
+	// A directory is streamed as a tar of its contents, owners kept: a
+	// root filesystem's ownership is part of it.
+	pr, pw := io.Pipe()
+	go func() { pw.CloseWithError(writeTar(pw, src, "", true)) }()
+	t, err := c.ImportTemplate(a.ctx, tag, pr)
+	pr.CloseWithError(err)
+	return t, err
+}
+
+func (a *app) buildBase(c *sdk.Client) (*api.Template, error) {
+	f, isFile := a.out.(*os.File)
+	if a.json || !isFile || !term.IsTerminal(int(f.Fd())) {
+		// Plain lines for logs and pipes; in --json mode progress goes to
+		// stderr so stdout stays one JSON document.
+		w := a.out
+		if a.json {
+			w = a.errOut
+		}
+		return c.BuildBaseTemplate(a.ctx, func(p sdk.BuildProgress) {
+			fmt.Fprintln(w, progressLine(p))
+		})
+	}
+	p := mpb.NewWithContext(a.ctx, mpb.WithOutput(a.out), mpb.WithWidth(40))
+	var bar *mpb.Bar
+	phase := ""
+	t, err := c.BuildBaseTemplate(a.ctx, func(pr sdk.BuildProgress) {
+		if pr.Phase != phase || bar == nil {
+			if bar != nil {
+				bar.SetTotal(-1, true)
+			}
+			phase = pr.Phase
+			msg := pr.Message
+			bar = p.AddBar(max(pr.Total, 0),
+				mpb.PrependDecorators(decor.Name(fmt.Sprintf("%-12s", phase))),
+				mpb.AppendDecorators(decor.CountersNoUnit("%d/%d"), decor.Any(func(decor.Statistics) string { return " " + msg })),
+			)
+		}
+		if pr.Total > 0 {
+			bar.SetTotal(pr.Total, false)
+		}
+		bar.SetCurrent(pr.Done)
+	})
+	if bar != nil {
+		if err == nil {
+			bar.SetTotal(-1, true)
+		} else {
+			bar.Abort(false)
+		}
+	}
+	p.Wait()
+	return t, err
+}
+
+func progressLine(p sdk.BuildProgress) string {
+	s := p.Phase
+	if p.Total > 0 {
+		s += fmt.Sprintf(" %d/%d", p.Done, p.Total)
+	} else if p.Done > 0 {
+		s += fmt.Sprintf(" %d", p.Done)
+	}
+	if p.Message != "" {
+		s += ": " + p.Message
+	}
+	return s
+}
+
+func (a *app) printTemplate(t *api.Template) error {
+	if a.json {
+		return printJSON(a.out, t)
+	}
+	return printTemplates(a, []api.Template{*t}, time.Now())
+}
+
+func printTemplates(a *app, list []api.Template, now time.Time) error {
+	t := newTable(a.out, "DIGEST", "TAGS", "SIZE", "SOURCE", "CREATED")
+	for _, tp := range list {
+		t.row(shortDigest(tp.Digest), orDash(strings.Join(tp.Tags, ",")), humanBytes(tp.SizeBytes), orDash(tp.Source), ago(now, tp.CreatedAt))
+	}
+	return t.flush()
+}
+
+// shortDigest keeps "sha256:" and 12 hex digits, enough to be unique.
+func shortDigest(d string) string {
+	if len(d) > len("sha256:")+12 && strings.HasPrefix(d, "sha256:") {
+		return d[:len("sha256:")+12]
+	}
+	return orDash(d)
+}
