@@ -1,0 +1,197 @@
+package agent
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strconv"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/agentproto"
+	"github.com/spacehq/space/internal/errdefs"
+)
+
+func queryPath(r *http.Request, name string) (string, error) {
+	q := r.URL.Query()
+	if _, ok := q[name]; !ok {
+		return "", fmt.Errorf("missing query parameter %q: %w", name, errdefs.ErrInvalidArgument)
+	}
+	return cleanPath(q.Get(name))
+}
+
+func (a *Agent) handleReadFile(w http.ResponseWriter, r *http.Request) {
+	rel, err := queryPath(r, "path")
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	// O_NONBLOCK so a FIFO planted at the path cannot hang the open.
+	fd, err := a.root.open(rel, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY)
+	if err != nil {
+		writeError(w, fsError("read", apiPath(rel), err))
+		return
+	}
+	f := os.NewFile(uintptr(fd), rel)
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		writeError(w, fsError("read", apiPath(rel), err))
+		return
+	}
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
+	case unix.S_IFDIR:
+		writeError(w, fmt.Errorf("read %s: is a directory: %w", apiPath(rel), errdefs.ErrConflict))
+		return
+	default:
+		writeError(w, fmt.Errorf("read %s: not a regular file: %w", apiPath(rel), errdefs.ErrUnprocessable))
+		return
+	}
+	w.Header().Set("Content-Type", "application/octet-stream")
+	w.Header().Set("Content-Length", strconv.FormatInt(st.Size, 10))
+	w.WriteHeader(http.StatusOK)
+	n, _ := io.CopyN(w, f, st.Size)
+	if n != st.Size {
+		// The file shrank while being sent: abort the stream so the client
+		// sees an error instead of a silently short file.
+		panic(http.ErrAbortHandler)
+	}
+}
+
+func (a *Agent) handleWriteFile(w http.ResponseWriter, r *http.Request) {
+	rel, err := queryPath(r, "path")
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	mode := int64(-1)
+	if s := r.URL.Query().Get("mode"); s != "" {
+		m, err := strconv.ParseUint(s, 8, 32)
+		if err != nil || m > 0o7777 {
+			writeError(w, fmt.Errorf("mode %q is not an octal permission (0..7777): %w", truncate(s, 16), errdefs.ErrInvalidArgument))
+			return
+		}
+		mode = int64(m)
+	}
+	fi, err := a.root.writeFile(rel, mode, r.Body)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, fi)
+}
+
+func (a *Agent) handleRemove(w http.ResponseWriter, r *http.Request) {
+	rel, err := queryPath(r, "path")
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	recursive := false
+	switch r.URL.Query().Get("recursive") {
+	case "", "0", "false":
+	case "1", "true":
+		recursive = true
+	default:
+		writeError(w, fmt.Errorf("recursive must be 0 or 1: %w", errdefs.ErrInvalidArgument))
+		return
+	}
+	if err := a.root.remove(rel, recursive); err != nil {
+		writeError(w, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (a *Agent) handleStat(w http.ResponseWriter, r *http.Request) {
+	rel, err := queryPath(r, "path")
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	fi, err := a.root.stat(rel)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, fi)
+}
+
+func (a *Agent) handleList(w http.ResponseWriter, r *http.Request) {
+	rel, err := queryPath(r, "path")
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	entries, err := a.root.list(rel)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	b, _ := json.Marshal(api.FileList{Entries: entries})
+	if len(b) > agentproto.MaxJSONBody {
+		writeError(w, fmt.Errorf("listing %s has %d entries, more than fit in one response; use tar: %w", apiPath(rel), len(entries), errdefs.ErrTooLarge))
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
+	w.Write(b)
+}
+
+func (a *Agent) handleMkdir(w http.ResponseWriter, r *http.Request) {
+	var req api.MkdirRequest
+	if err := decodeJSON(w, r, &req); err != nil {
+		writeError(w, err)
+		return
+	}
+	rel, err := cleanPath(req.Path)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	mode := req.Mode
+	if mode == 0 {
+		mode = 0o755
+	}
+	if mode > 0o7777 {
+		writeError(w, fmt.Errorf("mode %o is not a permission: %w", mode, errdefs.ErrInvalidArgument))
+		return
+	}
+	if err := mkdirAll(a.root.fd, rel, mode); err != nil {
+		writeError(w, err)
+		return
+	}
+	fi, err := a.root.stat(rel)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, fi)
+}
+
+func (a *Agent) handleRename(w http.ResponseWriter, r *http.Request) {
+	var req api.RenameRequest
+	if err := decodeJSON(w, r, &req); err != nil {
+		writeError(w, err)
+		return
+	}
+	from, err := cleanPath(req.From)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	to, err := cleanPath(req.To)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	if err := a.root.rename(from, to); err != nil {
+		writeError(w, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}

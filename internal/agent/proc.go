@@ -1,0 +1,548 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"sort"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/coder/websocket"
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/agentproto"
+	"github.com/spacehq/space/internal/errdefs"
+)
+
+const (
+	// drainGrace is how long output is still collected after a process
+	// exits, for background children that inherited its stdout/stderr. The
+	// exiting process's own output is already in the pipe and is read at
+	// once; only late writes by such children can be cut off.
+	drainGrace = 250 * time.Millisecond
+	// maxOutputFrame bounds the data of one stdout/stderr frame.
+	maxOutputFrame = 32 << 10
+	// stdinQueue is how many stdin frames may wait for a process that is
+	// not reading; beyond it the attach applies backpressure.
+	stdinQueue = 64
+	// attachWriteTimeout drops an attach whose client stopped reading.
+	attachWriteTimeout = 2 * time.Minute
+	maxProcID          = 64
+)
+
+// proc is a long-lived process with replay buffers.
+type proc struct {
+	id  string
+	pid int
+	cmd []string
+	tty bool
+	rp  *reaper
+
+	mu      sync.Mutex
+	out     [2]*ring      // stdout, stderr (PTY output is stdout)
+	changed chan struct{} // closed and replaced on every change
+	exit    *api.ExitStatus
+	drained bool // exited and every output byte is in the rings
+
+	finished chan struct{} // closed when drained
+	stdinQ   chan []byte   // nil entry = close stdin
+	stdin    *os.File      // pipe write end, or the PTY master
+	master   *os.File      // PTY master (tty only)
+	readers  []*os.File    // read ends, closed after the drain grace
+	closeIn  sync.Once
+}
+
+// broadcast wakes every attach waiting for news. Called with p.mu held.
+func (p *proc) broadcast() {
+	close(p.changed)
+	p.changed = make(chan struct{})
+}
+
+func (p *proc) info() agentproto.ProcInfo {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return agentproto.ProcInfo{ID: p.id, Pid: p.pid, Cmd: p.cmd, TTY: p.tty, Running: p.exit == nil, Exit: p.exit}
+}
+
+func (p *proc) kill() {
+	p.rp.signalGroup(p.pid, unix.SIGKILL) // Conflict when already reaped: nothing to do
+}
+
+// startProc starts l with pipes or a PTY and begins buffering its output.
+func (a *Agent) startProc(id string, l *launch, tty bool, rows, cols uint16) (*proc, error) {
+	p := &proc{
+		id: id, cmd: l.argv, tty: tty, rp: a.reaper,
+		out:      [2]*ring{newRing(a.cfg.RingBytes), newRing(a.cfg.RingBytes)},
+		changed:  make(chan struct{}),
+		finished: make(chan struct{}),
+		stdinQ:   make(chan []byte, stdinQueue),
+	}
+	sys := &syscall.SysProcAttr{Setsid: true, Credential: l.cred}
+	var files []uintptr
+	var childEnds []func()
+	if tty {
+		master, slave, err := openPTY()
+		if err != nil {
+			return nil, fmt.Errorf("allocating a pty: %v: %w", err, errdefs.ErrUnavailable)
+		}
+		if rows == 0 {
+			rows = 24
+		}
+		if cols == 0 {
+			cols = 80
+		}
+		if err := setWinsize(master, rows, cols); err != nil {
+			master.Close()
+			unix.Close(slave)
+			return nil, fmt.Errorf("setting pty size: %w", err)
+		}
+		files = []uintptr{uintptr(slave), uintptr(slave), uintptr(slave)}
+		childEnds = append(childEnds, func() { unix.Close(slave) })
+		sys.Setctty, sys.Ctty = true, 0
+		p.master, p.stdin, p.readers = master, master, []*os.File{master}
+	} else {
+		var ends [3][2]*os.File
+		for i := range ends {
+			r, w, err := os.Pipe()
+			if err != nil {
+				for _, e := range ends[:i] {
+					e[0].Close()
+					e[1].Close()
+				}
+				return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
+			}
+			ends[i] = [2]*os.File{r, w}
+		}
+		// Fd() turns the child's ends blocking, as a child expects.
+		files = []uintptr{ends[0][0].Fd(), ends[1][1].Fd(), ends[2][1].Fd()}
+		childEnds = append(childEnds, func() { ends[0][0].Close(); ends[1][1].Close(); ends[2][1].Close() })
+		p.stdin = ends[0][1]
+		p.readers = []*os.File{ends[1][0], ends[2][0]}
+	}
+	pid, done, err := a.reaper.start(l.argv0, l.argv, &syscall.ProcAttr{Dir: l.dir, Env: l.env, Files: files, Sys: sys})
+	for _, c := range childEnds {
+		c()
+	}
+	if err != nil {
+		p.stdin.Close()
+		for _, r := range p.readers {
+			r.Close()
+		}
+		return nil, spawnError(l.argv0, err)
+	}
+	p.pid = pid
+
+	var wg sync.WaitGroup
+	for i, r := range p.readers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			p.pump(r, i)
+		}()
+	}
+	go p.feedStdin()
+	go p.wait(done, &wg)
+	return p, nil
+}
+
+// pump copies one output stream into its ring. It never waits for
+// consumers: the ring overwrites what nobody read in time.
+func (p *proc) pump(r *os.File, stream int) {
+	buf := make([]byte, maxOutputFrame)
+	for {
+		n, err := r.Read(buf)
+		if n > 0 {
+			p.mu.Lock()
+			p.out[stream].write(buf[:n])
+			p.broadcast()
+			p.mu.Unlock()
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// wait records the exit status, lets the output drain, and releases the
+// process's descriptors.
+func (p *proc) wait(done <-chan unix.WaitStatus, pumps *sync.WaitGroup) {
+	ws := <-done
+	p.mu.Lock()
+	p.exit = exitStatus(ws)
+	p.broadcast()
+	p.mu.Unlock()
+
+	pumped := make(chan struct{})
+	go func() { pumps.Wait(); close(pumped) }()
+	select {
+	case <-pumped:
+	case <-time.After(drainGrace):
+		for _, r := range p.readers {
+			r.Close()
+		}
+		<-pumped
+	}
+	for _, r := range p.readers {
+		r.Close()
+	}
+	p.closeStdin()
+	p.mu.Lock()
+	p.drained = true
+	p.broadcast()
+	p.mu.Unlock()
+	close(p.finished)
+}
+
+func (p *proc) closeStdin() {
+	p.closeIn.Do(func() {
+		if p.master == nil {
+			p.stdin.Close()
+		}
+	})
+}
+
+// feedStdin writes queued stdin frames in order, so a process that does not
+// read its input never stalls an attach's control frames (resize, signal).
+func (p *proc) feedStdin() {
+	for {
+		select {
+		case <-p.finished:
+			return
+		case b := <-p.stdinQ:
+			if b == nil {
+				if p.tty {
+					// A terminal has no half-close: send the EOF character.
+					p.stdin.Write([]byte{4})
+				} else {
+					p.closeStdin()
+				}
+				continue
+			}
+			p.stdin.Write(b) // EPIPE once the reader is gone: nothing to report to
+		}
+	}
+}
+
+func (a *Agent) lookupProc(id string) (*proc, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	p, ok := a.procs[id]
+	if !ok {
+		return nil, fmt.Errorf("process %q: %w", truncate(id, maxProcID), errdefs.ErrNotFound)
+	}
+	return p, nil
+}
+
+func validProcID(id string) error {
+	if id == "" || len(id) > maxProcID {
+		return fmt.Errorf("process id must be 1..%d characters: %w", maxProcID, errdefs.ErrInvalidArgument)
+	}
+	for _, c := range []byte(id) {
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '-' || c == '_' || c == '.') {
+			return fmt.Errorf("process id %q has characters outside [A-Za-z0-9._-]: %w", truncate(id, maxProcID), errdefs.ErrInvalidArgument)
+		}
+	}
+	return nil
+}
+
+func (a *Agent) handleStartProc(w http.ResponseWriter, r *http.Request) {
+	var req agentproto.ProcStart
+	if err := decodeJSON(w, r, &req); err != nil {
+		writeError(w, err)
+		return
+	}
+	if err := validProcID(req.ID); err != nil {
+		writeError(w, err)
+		return
+	}
+	l, err := a.prepare(req.Cmd, req.Env, req.Workdir, req.User, req.TTY)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	a.mu.Lock()
+	if _, dup := a.procs[req.ID]; dup {
+		a.mu.Unlock()
+		writeError(w, fmt.Errorf("process %q already exists: %w", req.ID, errdefs.ErrConflict))
+		return
+	}
+	if len(a.procs) >= a.cfg.MaxProcs {
+		a.mu.Unlock()
+		writeError(w, fmt.Errorf("the agent already tracks %d processes; forget exited ones first: %w", len(a.procs), errdefs.ErrConflict))
+		return
+	}
+	p, err := a.startProc(req.ID, l, req.TTY, req.Rows, req.Cols)
+	if err == nil {
+		a.procs[req.ID] = p
+	}
+	a.mu.Unlock()
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	a.log.Debug("process started", "id", req.ID, "pid", p.pid, "tty", req.TTY)
+	writeJSON(w, http.StatusCreated, p.info())
+}
+
+func (a *Agent) handleListProcs(w http.ResponseWriter, r *http.Request) {
+	a.mu.Lock()
+	procs := make([]*proc, 0, len(a.procs))
+	for _, p := range a.procs {
+		procs = append(procs, p)
+	}
+	a.mu.Unlock()
+	out := make([]agentproto.ProcInfo, 0, len(procs))
+	for _, p := range procs {
+		out = append(out, p.info())
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	writeJSON(w, http.StatusOK, out)
+}
+
+func (a *Agent) handleGetProc(w http.ResponseWriter, r *http.Request) {
+	p, err := a.lookupProc(r.PathValue("id"))
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, p.info())
+}
+
+func (a *Agent) handleForgetProc(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	a.mu.Lock()
+	p, ok := a.procs[id]
+	delete(a.procs, id)
+	a.mu.Unlock()
+	if !ok {
+		writeError(w, fmt.Errorf("process %q: %w", truncate(id, maxProcID), errdefs.ErrNotFound))
+		return
+	}
+	p.kill()
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (a *Agent) handleSignal(w http.ResponseWriter, r *http.Request) {
+	p, err := a.lookupProc(r.PathValue("id"))
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	var req api.SignalRequest
+	if err := decodeJSON(w, r, &req); err != nil {
+		writeError(w, err)
+		return
+	}
+	sig, err := parseSignal(req.Signal)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	if err := a.reaper.signalGroup(p.pid, sig); err != nil {
+		writeError(w, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func parseOffset(r *http.Request, name string) (int64, error) {
+	s := r.URL.Query().Get(name)
+	if s == "" {
+		return 0, nil
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || n < 0 || n > 1<<62 {
+		return 0, fmt.Errorf("%s must be a non-negative integer: %w", name, errdefs.ErrInvalidArgument)
+	}
+	return n, nil
+}
+
+// handleAttach streams a process's output over a WebSocket: FrameStarted,
+// the replay from the requested offsets (with FrameDropped for anything
+// already overwritten), live output, and FrameExit last.
+func (a *Agent) handleAttach(w http.ResponseWriter, r *http.Request) {
+	p, err := a.lookupProc(r.PathValue("id"))
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	var offs [2]int64
+	for i, name := range []string{"stdout_offset", "stderr_offset"} {
+		if offs[i], err = parseOffset(r, name); err != nil {
+			writeError(w, err)
+			return
+		}
+	}
+	c, err := websocket.Accept(w, r, &websocket.AcceptOptions{InsecureSkipVerify: true, CompressionMode: websocket.CompressionDisabled})
+	if err != nil {
+		return // Accept has answered the client
+	}
+	c.SetReadLimit(api.MaxFrame)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		defer cancel()
+		if err := p.readClientFrames(ctx, c); err != nil {
+			a.log.Debug("attach input ended", "id", p.id, "err", err)
+		}
+	}()
+	if err := p.streamTo(ctx, c, offs); err != nil {
+		a.log.Debug("attach output ended", "id", p.id, "err", err)
+		c.CloseNow()
+		return
+	}
+	c.Close(websocket.StatusNormalClosure, "")
+}
+
+func (p *proc) streamTo(ctx context.Context, c *websocket.Conn, offs [2]int64) error {
+	send := func(b []byte) error {
+		wctx, cancel := context.WithTimeout(ctx, attachWriteTimeout)
+		defer cancel()
+		return c.Write(wctx, websocket.MessageBinary, b)
+	}
+	sendJSON := func(typ byte, v any) error {
+		b, _ := json.Marshal(v)
+		return send(append([]byte{typ}, b...))
+	}
+	if err := sendJSON(api.FrameStarted, api.Started{Pid: p.pid}); err != nil {
+		return err
+	}
+	buf := make([]byte, maxOutputFrame)
+	names := [2]string{"stdout", "stderr"}
+	types := [2]byte{api.FrameStdout, api.FrameStderr}
+	for {
+		var frames [][]byte
+		p.mu.Lock()
+		changed := p.changed
+		for i := range p.out {
+			n, from, lost := p.out[i].read(offs[i], buf)
+			if lost {
+				b, _ := json.Marshal(api.Dropped{Stream: names[i], From: offs[i], To: from})
+				frames = append(frames, append([]byte{api.FrameDropped}, b...))
+			}
+			if n > 0 {
+				frames = append(frames, api.EncodeOutput(types[i], from, buf[:n]))
+			}
+			offs[i] = from + int64(n)
+		}
+		drained, exit := p.drained, p.exit
+		p.mu.Unlock()
+
+		for _, f := range frames {
+			if err := send(f); err != nil {
+				return err
+			}
+		}
+		if len(frames) > 0 {
+			continue
+		}
+		if drained {
+			return sendJSON(api.FrameExit, exit)
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+func (p *proc) readClientFrames(ctx context.Context, c *websocket.Conn) error {
+	for {
+		typ, data, err := c.Read(ctx)
+		if err != nil {
+			return err
+		}
+		if typ != websocket.MessageBinary || len(data) == 0 {
+			c.Close(websocket.StatusUnsupportedData, "binary frames only")
+			return fmt.Errorf("client sent a non-binary or empty frame")
+		}
+		payload := data[1:]
+		switch data[0] {
+		case api.FrameStdin:
+			if len(payload) == 0 {
+				continue
+			}
+			select {
+			case p.stdinQ <- payload:
+			case <-p.finished:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		case api.FrameCloseStdin:
+			select {
+			case p.stdinQ <- nil:
+			case <-p.finished:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		case api.FrameResize:
+			var rs api.Resize
+			if err := json.Unmarshal(payload, &rs); err != nil || rs.Rows == 0 || rs.Cols == 0 {
+				continue // a bad resize is ignored, not fatal
+			}
+			if p.master != nil {
+				p.mu.Lock()
+				drained := p.drained
+				p.mu.Unlock()
+				if !drained {
+					setWinsize(p.master, rs.Rows, rs.Cols)
+				}
+			}
+		case api.FrameSignal:
+			var sr api.SignalRequest
+			if err := json.Unmarshal(payload, &sr); err != nil {
+				continue
+			}
+			if sig, err := parseSignal(sr.Signal); err == nil {
+				p.rp.signalGroup(p.pid, sig)
+			}
+		default:
+			c.Close(websocket.StatusPolicyViolation, "unknown frame type")
+			return fmt.Errorf("client sent unknown frame type %d", data[0])
+		}
+	}
+}
+
+// openPTY allocates a pseudo-terminal. The master is non-blocking (so
+// closing it interrupts a blocked read); the slave is opened through the
+// master (TIOCGPTPEER), not by a /dev/pts path the sandbox could swap.
+func openPTY() (*os.File, int, error) {
+	mfd, err := unix.Open("/dev/ptmx", unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, -1, err
+	}
+	if err := unix.IoctlSetPointerInt(mfd, unix.TIOCSPTLCK, 0); err != nil {
+		unix.Close(mfd)
+		return nil, -1, fmt.Errorf("unlockpt: %w", err)
+	}
+	sfd, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(mfd), unix.TIOCGPTPEER, uintptr(unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC))
+	if errno != 0 {
+		unix.Close(mfd)
+		return nil, -1, fmt.Errorf("TIOCGPTPEER: %w", errno)
+	}
+	return os.NewFile(uintptr(mfd), "/dev/ptmx"), int(sfd), nil
+}
+
+// setWinsize sets the terminal size without forcing the master into
+// blocking mode (as File.Fd would).
+func setWinsize(master *os.File, rows, cols uint16) error {
+	rc, err := master.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var ierr error
+	err = rc.Control(func(fd uintptr) {
+		ierr = unix.IoctlSetWinsize(int(fd), unix.TIOCSWINSZ, &unix.Winsize{Row: rows, Col: cols})
+	})
+	if err != nil {
+		return err
+	}
+	return ierr
+}
