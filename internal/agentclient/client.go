@@ -1,0 +1,481 @@
+// Package agentclient is the host side of the agentproto protocol: it talks
+// to a space-agent over the one byte stream a runtime provides.
+//
+// The agent runs inside the sandbox and is therefore hostile: every size
+// and time this package reads is bounded. Response JSON bodies are capped
+// (agentproto.MaxJSONBody, larger only for exec output), response headers
+// are capped, non-streaming calls have a deadline, and anything malformed
+// becomes an error wrapping errdefs.ErrUnavailable — never a panic or a
+// hang. Errors the agent reports are rebuilt as errdefs sentinels from
+// their code, with the agent's message truncated.
+package agentclient
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/coder/websocket"
+	"github.com/hashicorp/yamux"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/agentproto"
+	"github.com/spacehq/space/internal/errdefs"
+)
+
+const (
+	// DefaultCallTimeout bounds a non-streaming call (and the wait for the
+	// response headers of a streaming one).
+	DefaultCallTimeout = 30 * time.Second
+	// execGrace is added to an exec's own timeout for the agent to answer.
+	execGrace = 30 * time.Second
+	// maxHeaderBytes caps the response headers the agent may send.
+	maxHeaderBytes = 64 << 10
+	// maxErrorBody caps an error response body we read.
+	maxErrorBody = 64 << 10
+	// maxMessage caps the agent's error message we pass on.
+	maxMessage = 1 << 10
+)
+
+// Client talks to one agent over one yamux session. It is safe for
+// concurrent use.
+type Client struct {
+	sess    *yamux.Session
+	hc      *http.Client // response headers bounded by timeout
+	execHC  *http.Client // no header timeout: exec answers when the process ends
+	timeout time.Duration
+}
+
+// New starts a yamux client session over conn (which the Client owns).
+func New(conn net.Conn) (*Client, error) {
+	return newClient(conn, DefaultCallTimeout)
+}
+
+func newClient(conn net.Conn, timeout time.Duration) (*Client, error) {
+	cfg := yamux.DefaultConfig()
+	// A hostile agent may open streams towards us; nobody accepts them
+	// here, so keep the backlog tiny (the session resets the excess).
+	cfg.AcceptBacklog = 4
+	cfg.MaxStreamWindowSize = 256 << 10
+	cfg.KeepAliveInterval = 10 * time.Second
+	cfg.ConnectionWriteTimeout = 10 * time.Second
+	cfg.StreamOpenTimeout = 10 * time.Second
+	cfg.StreamCloseTimeout = time.Minute
+	cfg.LogOutput = nil
+	cfg.Logger = log.New(io.Discard, "", 0)
+	sess, err := yamux.Client(conn, cfg)
+	if err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("agent session: %v: %w", err, errdefs.ErrUnavailable)
+	}
+	c := &Client{sess: sess, timeout: timeout}
+	go c.refuseStreams()
+	newTransport := func(headerTimeout time.Duration) *http.Transport {
+		return &http.Transport{
+			DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+				return sess.Open()
+			},
+			MaxResponseHeaderBytes: maxHeaderBytes,
+			ResponseHeaderTimeout:  headerTimeout,
+			DisableCompression:     true,
+			MaxIdleConns:           16,
+			MaxIdleConnsPerHost:    16,
+			IdleConnTimeout:        time.Minute,
+		}
+	}
+	noRedirect := func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	c.hc = &http.Client{Transport: newTransport(c.timeout), CheckRedirect: noRedirect}
+	c.execHC = &http.Client{Transport: newTransport(0), CheckRedirect: noRedirect}
+	return c, nil
+}
+
+// refuseStreams closes every stream the agent opens: the protocol has none
+// in that direction.
+func (c *Client) refuseStreams() {
+	for {
+		s, err := c.sess.AcceptStream()
+		if err != nil {
+			return
+		}
+		s.Close()
+	}
+}
+
+// Close ends the session and every call on it.
+func (c *Client) Close() error {
+	c.hc.CloseIdleConnections()
+	c.execHC.CloseIdleConnections()
+	return c.sess.Close()
+}
+
+// Done is closed when the session dies (agent gone, stream broken, Close).
+func (c *Client) Done() <-chan struct{} { return c.sess.CloseChan() }
+
+// call is one request. respLimit bounds a JSON response (0: none expected).
+type call struct {
+	method, path string
+	query        url.Values
+	body         io.Reader
+	contentType  string
+	exec         bool          // use the exec client
+	deadline     time.Duration // whole-call bound; 0 = c.timeout
+}
+
+// roundTrip sends the request and returns the response once its status is
+// 2xx; an error response is decoded into a sentinel error. The caller must
+// call cancel after consuming the body.
+func (c *Client) roundTrip(ctx context.Context, cl call, bounded bool) (*http.Response, context.CancelFunc, error) {
+	var cancel context.CancelFunc
+	if bounded {
+		d := cl.deadline
+		if d == 0 {
+			d = c.timeout
+		}
+		ctx, cancel = context.WithTimeout(ctx, d)
+	} else {
+		ctx, cancel = context.WithCancel(ctx)
+	}
+	u := "http://agent" + cl.path
+	if len(cl.query) > 0 {
+		u += "?" + cl.query.Encode()
+	}
+	req, err := http.NewRequestWithContext(ctx, cl.method, u, cl.body)
+	if err != nil {
+		cancel()
+		return nil, nil, fmt.Errorf("agent %s %s: %v: %w", cl.method, cl.path, err, errdefs.ErrInvalidArgument)
+	}
+	if cl.contentType != "" {
+		req.Header.Set("Content-Type", cl.contentType)
+	}
+	hc := c.hc
+	if cl.exec {
+		hc = c.execHC
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		cancel()
+		return nil, nil, c.transportError(ctx, cl, err)
+	}
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		err := c.decodeError(ctx, cl, resp)
+		resp.Body.Close()
+		cancel()
+		return nil, nil, err
+	}
+	return resp, cancel, nil
+}
+
+// transportError classifies a failure to talk to the agent.
+func (c *Client) transportError(ctx context.Context, cl call, err error) error {
+	if ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) {
+		if errors.Is(ctx.Err(), context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+			return fmt.Errorf("agent %s %s: %w", cl.method, cl.path, context.Canceled)
+		}
+		return fmt.Errorf("agent %s %s: no answer in time: %w: %w", cl.method, cl.path, errdefs.ErrTimeout, context.DeadlineExceeded)
+	}
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		return fmt.Errorf("agent %s %s: no answer in time: %w", cl.method, cl.path, errdefs.ErrTimeout)
+	}
+	return fmt.Errorf("agent %s %s: %s: %w", cl.method, cl.path, sanitize(err.Error()), errdefs.ErrUnavailable)
+}
+
+// decodeError turns a non-2xx response into a sentinel error.
+func (c *Client) decodeError(ctx context.Context, cl call, resp *http.Response) error {
+	b, err := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+	if err != nil {
+		return c.transportError(ctx, cl, err)
+	}
+	return errorFromBody(cl.method+" "+cl.path, resp.StatusCode, b)
+}
+
+func errorFromBody(what string, status int, b []byte) error {
+	var e api.Error
+	if json.Unmarshal(b, &e) != nil || e.Error.Code == "" {
+		return fmt.Errorf("agent %s: unexpected status %d: %w", what, status, errdefs.ErrUnavailable)
+	}
+	sentinel := errdefs.FromCode(e.Error.Code)
+	if sentinel == nil {
+		// "internal" or an invented code: the agent failed, the caller did
+		// nothing wrong.
+		sentinel = errdefs.ErrUnavailable
+	}
+	return fmt.Errorf("agent: %s: %w", sanitize(e.Error.Message), sentinel)
+}
+
+// sanitize truncates an untrusted message and removes control characters.
+func sanitize(s string) string {
+	cut := len(s) > maxMessage
+	if cut {
+		s = s[:maxMessage]
+	}
+	s = strings.Map(func(r rune) rune {
+		if r < 0x20 || r == 0x7f || r == utf8.RuneError {
+			return -1
+		}
+		return r
+	}, s)
+	if cut {
+		s += "…"
+	}
+	return s
+}
+
+// doJSON performs a bounded call and decodes a JSON response of at most
+// limit bytes into out (nil: discard a small body).
+func (c *Client) doJSON(ctx context.Context, cl call, in, out any, limit int64) error {
+	if in != nil {
+		b, err := json.Marshal(in)
+		if err != nil {
+			return fmt.Errorf("encoding request: %v: %w", err, errdefs.ErrInvalidArgument)
+		}
+		if len(b) > agentproto.MaxJSONBody {
+			return fmt.Errorf("request body exceeds %d bytes: %w", agentproto.MaxJSONBody, errdefs.ErrTooLarge)
+		}
+		cl.body, cl.contentType = bytes.NewReader(b), "application/json"
+	}
+	resp, cancel, err := c.roundTrip(ctx, cl, true)
+	if err != nil {
+		return err
+	}
+	defer cancel()
+	defer resp.Body.Close()
+	if out == nil {
+		limit = maxErrorBody
+	}
+	return c.readJSON(ctx, cl, resp, out, limit)
+}
+
+func (c *Client) readJSON(ctx context.Context, cl call, resp *http.Response, out any, limit int64) error {
+	b, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
+	if err != nil {
+		return c.transportError(ctx, cl, err)
+	}
+	if int64(len(b)) > limit {
+		return fmt.Errorf("agent %s %s: response exceeds %d bytes: %w", cl.method, cl.path, limit, errdefs.ErrUnavailable)
+	}
+	if out == nil {
+		return nil
+	}
+	if err := json.Unmarshal(b, out); err != nil {
+		return fmt.Errorf("agent %s %s: malformed response: %s: %w", cl.method, cl.path, sanitize(err.Error()), errdefs.ErrUnavailable)
+	}
+	return nil
+}
+
+// Health asks the agent for its version and pid.
+func (c *Client) Health(ctx context.Context) (agentproto.Health, error) {
+	var h agentproto.Health
+	err := c.doJSON(ctx, call{method: http.MethodGet, path: agentproto.PathHealth}, nil, &h, agentproto.MaxJSONBody)
+	return h, err
+}
+
+// Exec runs a process to completion. The call is bounded by the request's
+// own timeout plus a grace period; without a timeout only ctx bounds it.
+func (c *Client) Exec(ctx context.Context, req agentproto.ExecRequest) (api.ExecResult, error) {
+	var res api.ExecResult
+	maxOut := req.MaxOutputBytes
+	if maxOut <= 0 || maxOut > agentproto.MaxSyncOut {
+		maxOut = max(agentproto.DefaultSyncOut, min(maxOut, agentproto.MaxSyncOut))
+	}
+	// Two streams of output, each at most 6 bytes of JSON per byte ("\u0000").
+	limit := int64(agentproto.MaxJSONBody) + 12*maxOut
+	cl := call{method: http.MethodPost, path: agentproto.PathExec, exec: true, deadline: 365 * 24 * time.Hour}
+	if req.TimeoutSeconds > 0 && req.TimeoutSeconds < 365*24*3600 {
+		cl.deadline = time.Duration(req.TimeoutSeconds*float64(time.Second)) + execGrace
+	}
+	err := c.doJSON(ctx, cl, req, &res, limit)
+	return res, err
+}
+
+// StartProc starts a long-lived process whose output the agent buffers.
+func (c *Client) StartProc(ctx context.Context, req agentproto.ProcStart) (agentproto.ProcInfo, error) {
+	var pi agentproto.ProcInfo
+	err := c.doJSON(ctx, call{method: http.MethodPost, path: agentproto.PathProcs}, req, &pi, agentproto.MaxJSONBody)
+	return pi, err
+}
+
+// Procs lists the processes the agent tracks.
+func (c *Client) Procs(ctx context.Context) ([]agentproto.ProcInfo, error) {
+	var out []agentproto.ProcInfo
+	err := c.doJSON(ctx, call{method: http.MethodGet, path: agentproto.PathProcs}, nil, &out, 8*agentproto.MaxJSONBody)
+	return out, err
+}
+
+func procPath(id string, suffix string) string {
+	return agentproto.PathProcs + "/" + url.PathEscape(id) + suffix
+}
+
+// Proc describes one process.
+func (c *Client) Proc(ctx context.Context, id string) (agentproto.ProcInfo, error) {
+	var pi agentproto.ProcInfo
+	err := c.doJSON(ctx, call{method: http.MethodGet, path: procPath(id, "")}, nil, &pi, agentproto.MaxJSONBody)
+	return pi, err
+}
+
+// ForgetProc kills the process if it still runs and drops its buffers.
+func (c *Client) ForgetProc(ctx context.Context, id string) error {
+	return c.doJSON(ctx, call{method: http.MethodDelete, path: procPath(id, "")}, nil, nil, 0)
+}
+
+// Signal sends sig ("TERM", "KILL", a number…) to the process's group.
+func (c *Client) Signal(ctx context.Context, id, sig string) error {
+	return c.doJSON(ctx, call{method: http.MethodPost, path: procPath(id, "/signal")}, api.SignalRequest{Signal: sig}, nil, 0)
+}
+
+// Attach opens the process's attach WebSocket (frames of package api),
+// replaying output from the given offsets. ctx bounds only the handshake.
+// The connection's read limit is api.MaxFrame.
+func (c *Client) Attach(ctx context.Context, id string, stdoutOff, stderrOff int64) (*websocket.Conn, error) {
+	q := url.Values{}
+	q.Set("stdout_offset", strconv.FormatInt(stdoutOff, 10))
+	q.Set("stderr_offset", strconv.FormatInt(stderrOff, 10))
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	defer cancel()
+	path := procPath(id, "/attach")
+	conn, resp, err := websocket.Dial(ctx, "ws://agent"+path+"?"+q.Encode(), &websocket.DialOptions{
+		HTTPClient:      c.hc,
+		CompressionMode: websocket.CompressionDisabled,
+	})
+	if err != nil {
+		if resp != nil && resp.StatusCode != http.StatusSwitchingProtocols && resp.Body != nil {
+			b, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+			return nil, errorFromBody("GET "+path, resp.StatusCode, b)
+		}
+		return nil, c.transportError(ctx, call{method: http.MethodGet, path: path}, err)
+	}
+	conn.SetReadLimit(api.MaxFrame)
+	return conn, nil
+}
+
+// streamBody wraps a streaming response so Close releases the call.
+type streamBody struct {
+	io.ReadCloser
+	cancel context.CancelFunc
+}
+
+func (s *streamBody) Close() error {
+	err := s.ReadCloser.Close()
+	s.cancel()
+	return err
+}
+
+func (c *Client) stream(ctx context.Context, cl call) (io.ReadCloser, error) {
+	resp, cancel, err := c.roundTrip(ctx, cl, false)
+	if err != nil {
+		return nil, err
+	}
+	return &streamBody{ReadCloser: resp.Body, cancel: cancel}, nil
+}
+
+func pathQuery(p string) url.Values { return url.Values{"path": {p}} }
+
+// ReadFile streams a regular file. Reading is bounded by ctx only; the
+// caller must Close the reader.
+func (c *Client) ReadFile(ctx context.Context, path string) (io.ReadCloser, error) {
+	return c.stream(ctx, call{method: http.MethodGet, path: agentproto.PathFiles, query: pathQuery(path)})
+}
+
+// upload sends a streaming body and reads a bounded JSON answer.
+func (c *Client) upload(ctx context.Context, cl call, out any) error {
+	resp, cancel, err := c.roundTrip(ctx, cl, false)
+	if err != nil {
+		return err
+	}
+	defer cancel()
+	defer resp.Body.Close()
+	// The upload may take long; the answer after it may not.
+	t := time.AfterFunc(c.timeout, cancel)
+	defer t.Stop()
+	limit := int64(agentproto.MaxJSONBody)
+	if out == nil {
+		limit = maxErrorBody
+	}
+	return c.readJSON(ctx, cl, resp, out, limit)
+}
+
+// WriteFile atomically replaces path with r's content. mode 0 keeps the
+// mode of an existing file (0644 for a new one). The parent must exist.
+func (c *Client) WriteFile(ctx context.Context, path string, mode os.FileMode, r io.Reader) (api.FileInfo, error) {
+	q := pathQuery(path)
+	if m := uint32(mode.Perm()) | modeExtra(mode); m != 0 {
+		q.Set("mode", strconv.FormatUint(uint64(m), 8))
+	}
+	var fi api.FileInfo
+	err := c.upload(ctx, call{method: http.MethodPut, path: agentproto.PathFiles, query: q, body: r, contentType: "application/octet-stream"}, &fi)
+	return fi, err
+}
+
+// modeExtra converts Go's setuid/setgid/sticky bits to their Unix values.
+func modeExtra(m os.FileMode) uint32 {
+	var x uint32
+	if m&os.ModeSetuid != 0 {
+		x |= 0o4000
+	}
+	if m&os.ModeSetgid != 0 {
+		x |= 0o2000
+	}
+	if m&os.ModeSticky != 0 {
+		x |= 0o1000
+	}
+	return x
+}
+
+// Stat describes path without following a final symlink.
+func (c *Client) Stat(ctx context.Context, path string) (api.FileInfo, error) {
+	var fi api.FileInfo
+	err := c.doJSON(ctx, call{method: http.MethodGet, path: agentproto.PathFilesStat, query: pathQuery(path)}, nil, &fi, agentproto.MaxJSONBody)
+	return fi, err
+}
+
+// List describes the entries of a directory.
+func (c *Client) List(ctx context.Context, path string) ([]api.FileInfo, error) {
+	var fl api.FileList
+	err := c.doJSON(ctx, call{method: http.MethodGet, path: agentproto.PathFilesList, query: pathQuery(path)}, nil, &fl, agentproto.MaxJSONBody)
+	return fl.Entries, err
+}
+
+// Mkdir creates path and its missing parents (mode 0 means 0755).
+func (c *Client) Mkdir(ctx context.Context, path string, mode os.FileMode) (api.FileInfo, error) {
+	var fi api.FileInfo
+	req := api.MkdirRequest{Path: path, Mode: uint32(mode.Perm()) | modeExtra(mode)}
+	err := c.doJSON(ctx, call{method: http.MethodPost, path: agentproto.PathFilesMkdir}, req, &fi, agentproto.MaxJSONBody)
+	return fi, err
+}
+
+// Remove deletes path; a non-empty directory only when recursive.
+func (c *Client) Remove(ctx context.Context, path string, recursive bool) error {
+	q := pathQuery(path)
+	if recursive {
+		q.Set("recursive", "1")
+	}
+	return c.doJSON(ctx, call{method: http.MethodDelete, path: agentproto.PathFiles, query: q}, nil, nil, 0)
+}
+
+// Rename moves from to to.
+func (c *Client) Rename(ctx context.Context, from, to string) error {
+	return c.doJSON(ctx, call{method: http.MethodPost, path: agentproto.PathFilesRename}, api.RenameRequest{From: from, To: to}, nil, 0)
+}
+
+// TarGet streams a tar of path (a directory's entries relative to it, or
+// one file). The caller must Close the reader.
+func (c *Client) TarGet(ctx context.Context, path string) (io.ReadCloser, error) {
+	return c.stream(ctx, call{method: http.MethodGet, path: agentproto.PathFilesTar, query: pathQuery(path)})
+}
+
+// TarPut extracts the tar stream r below directory path (created if missing).
+func (c *Client) TarPut(ctx context.Context, path string, r io.Reader) error {
+	return c.upload(ctx, call{method: http.MethodPut, path: agentproto.PathFilesTar, query: pathQuery(path), body: r, contentType: "application/x-tar"}, nil)
+}
