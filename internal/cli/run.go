@@ -154,7 +154,13 @@ func newExecCmd(a *app) *cobra.Command {
 		Short: "Run a command in a sandbox",
 		Args:  cobra.MinimumNArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			req, err := p.request(args[1:])
+			argv := args[1:]
+			// Flags stop at the sandbox id, so a "--" after it is still
+			// in the arguments: it separates, it is not the command.
+			if len(argv) > 0 && argv[0] == "--" {
+				argv = argv[1:]
+			}
+			req, err := p.request(argv)
 			if err != nil {
 				return err
 			}
