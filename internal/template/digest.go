@@ -1,0 +1,108 @@
+package template
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"hash"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+
+	"golang.org/x/sys/unix"
+)
+
+// digestVersion is hashed first, so a future change of the canonical form
+// can never collide with today's digests.
+const digestVersion = "space-template-tree-v1\n"
+
+// treeDigest computes the content digest of the tree at root and its size
+// (bytes of regular file content, each inode once).
+//
+// The canonical description is one line per entry in the deterministic order
+// of a sorted depth-first walk:
+//
+//	<quoted path> <type> <mode octal> <uid> <gid> <size> <detail>
+//
+// where detail is the SHA-256 of a regular file's content, the quoted target
+// of a symlink, "link <quoted path>" for the second and later names of a
+// hard-linked inode (pointing at its first name in walk order), or "-".
+// Times, inode numbers and xattrs are not part of it, so the same tree
+// imported twice, from a directory or from a tar, has the same digest.
+func treeDigest(root string) (digest string, size int64, err error) {
+	h := sha256.New()
+	io.WriteString(h, digestVersion)
+	type inode struct{ dev, ino uint64 }
+	seen := map[inode]string{}
+	buf := make([]byte, 1<<20)
+	err = filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, err := filepath.Rel(root, p)
+		if err != nil {
+			return err
+		}
+		var st unix.Stat_t
+		if err := unix.Lstat(p, &st); err != nil {
+			return fmt.Errorf("stat %s: %w", p, err)
+		}
+		mode := st.Mode & 0o7777
+		var typ, detail string
+		var esize int64
+		switch st.Mode & unix.S_IFMT {
+		case unix.S_IFDIR:
+			typ, detail = "dir", "-"
+		case unix.S_IFLNK:
+			target, err := os.Readlink(p)
+			if err != nil {
+				return err
+			}
+			typ, detail = "symlink", strconv.Quote(target)
+			esize = int64(len(target))
+			mode = 0o777 // symlink modes mean nothing on Linux
+		case unix.S_IFREG:
+			typ, esize = "file", st.Size
+			key := inode{uint64(st.Dev), st.Ino}
+			if first, ok := seen[key]; ok && st.Nlink > 1 {
+				detail = "link " + strconv.Quote(first)
+				break
+			}
+			if st.Nlink > 1 {
+				seen[key] = rel
+			}
+			sum, err := fileSHA256(p, buf)
+			if err != nil {
+				return err
+			}
+			detail = sum
+			size += st.Size
+		case unix.S_IFIFO:
+			typ, detail = "fifo", "-"
+		default:
+			// The stager never creates anything else.
+			return fmt.Errorf("unexpected file type %o at %s", st.Mode&unix.S_IFMT, p)
+		}
+		fmt.Fprintf(h, "%s %s %o %d %d %d %s\n", strconv.Quote(filepath.ToSlash(rel)), typ, mode, st.Uid, st.Gid, esize, detail)
+		return nil
+	})
+	if err != nil {
+		return "", 0, fmt.Errorf("digest %s: %w", root, err)
+	}
+	return "sha256:" + hex.EncodeToString(h.Sum(nil)), size, nil
+}
+
+func fileSHA256(p string, buf []byte) (string, error) {
+	f, err := os.OpenFile(p, os.O_RDONLY|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	var fh hash.Hash = sha256.New()
+	if _, err := io.CopyBuffer(fh, f, buf); err != nil {
+		return "", fmt.Errorf("read %s: %w", p, err)
+	}
+	return hex.EncodeToString(fh.Sum(nil)), nil
+}
