@@ -439,3 +439,5 @@ func (c *Client) Run(ctx context.Context, sandboxID string, req api.ExecRequest,
 	}()
 	return sess.Wait()
 }
+
+var _ io.WriteCloser = (*stdinWriter)(nil)
