@@ -414,8 +414,14 @@ func setTimes(dirfd int, base, rel string, m meta) error {
 	if at.IsZero() {
 		at = m.mtime
 	}
-	ts := []unix.Timespec{unix.NsecToTimespec(at.UnixNano()), unix.NsecToTimespec(m.mtime.UnixNano())}
-	if err := unix.UtimesNanoAt(dirfd, base, ts, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+	// Times outside what the kernel can store (archives may claim any
+	// year) are not worth failing an import over: the entry keeps "now".
+	ats, err1 := unix.TimeToTimespec(at)
+	mts, err2 := unix.TimeToTimespec(m.mtime)
+	if err1 != nil || err2 != nil || at.Year() > 2200 || m.mtime.Year() > 2200 {
+		return nil
+	}
+	if err := unix.UtimesNanoAt(dirfd, base, []unix.Timespec{ats, mts}, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		return fmt.Errorf("set times of %q: %w", rel, err)
 	}
 	return nil

@@ -158,6 +158,7 @@ func TestImportTarPreservesTree(t *testing.T) {
 		dev,
 		fifo,
 		file("deep/implicit/parents/f", "x", 0o600), // no dir entries for the parents
+		entry{tar.Header{Typeflag: tar.TypeReg, Name: "far-future", Mode: 0o644, ModTime: time.Date(9999, 1, 1, 0, 0, 0, 0, time.UTC)}, ""},
 	)
 	tmpl, err := e.store.ImportTar(ctx, bytes.NewReader(gz(t, data)), ImportOptions{Tags: []string{"demo"}})
 	if err != nil {
