@@ -38,7 +38,7 @@ const (
 	PhaseConfigure = "configure" // dpkg --configure
 	PhaseFinalize  = "finalize"  // cleaning caches, fixing up /etc and /tmp
 	PhaseImport    = "import"    // copying the rootfs into the template store
-	PhaseDone      = "done"
+	PhaseDone      = "done"      // EnsureBase finished (the last event)
 )
 
 // Progress is one step of a long template operation.
@@ -107,12 +107,15 @@ func BuildBase(ctx context.Context, cacheDir string, progress func(Progress)) (s
 	if err := os.Rename(target, rootfs); err != nil {
 		return "", fmt.Errorf("move base rootfs into place: %w", err)
 	}
-	unix.Sync() // the marker must not reach disk before the tree does
+	// The marker must not reach disk before the tree does.
+	if err := syncFS(final); err != nil {
+		return "", err
+	}
 	stamp := fmt.Sprintf("suite=%s\nmirror=%s\npackages=%s\nbuilt=%s\n", baseSuite, mirror, basePackages, time.Now().UTC().Format(time.RFC3339))
 	if err := writeFileSync(filepath.Join(final, completeMarker), []byte(stamp), 0o644); err != nil {
 		return "", err
 	}
-	progress(Progress{Phase: PhaseDone, Message: "base rootfs ready at " + rootfs})
+	progress(Progress{Phase: PhaseFinalize, Message: "base rootfs ready at " + rootfs})
 	return rootfs, nil
 }
 

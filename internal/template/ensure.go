@@ -26,14 +26,13 @@ type baseCall struct {
 	mu      sync.Mutex // guards subs, nextSub
 }
 
+// emit runs on the single build goroutine. It holds mu while calling the
+// subscribers so that a caller who has left (and deleted its subscription
+// under mu) is never called afterwards.
 func (c *baseCall) emit(p Progress) {
 	c.mu.Lock()
-	fns := make([]func(Progress), 0, len(c.subs))
+	defer c.mu.Unlock()
 	for _, fn := range c.subs {
-		fns = append(fns, fn)
-	}
-	c.mu.Unlock()
-	for _, fn := range fns {
 		fn(p)
 	}
 }
@@ -41,7 +40,9 @@ func (c *baseCall) emit(p Progress) {
 // EnsureBase returns base:latest, building and importing it first if it is
 // missing: BuildBase into the cache (reused when already complete), then
 // ImportDir with source "debootstrap:bookworm". Concurrent callers share one
-// run and all receive its progress.
+// run and all receive its progress; progress is called from one goroutine
+// and never after EnsureBase has returned to that caller. A caller whose ctx
+// ends stops waiting; the shared run is cancelled once no caller is left.
 func (s *Store) EnsureBase(ctx context.Context, progressFn func(Progress)) (api.Template, error) {
 	if t, err := s.Get(ctx, BaseTag); err == nil {
 		return t, nil

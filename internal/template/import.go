@@ -41,7 +41,12 @@ func (s *Store) ImportDir(ctx context.Context, src string, o ImportOptions) (api
 	if o.Source == "" {
 		o.Source = "dir"
 	}
-	return s.importWith(ctx, o, func(st *stager) error { return copyTree(ctx, st, src, o.Progress) })
+	total := 0
+	if o.Progress != nil {
+		// One cheap extra walk buys progress with a known total.
+		_ = filepath.WalkDir(src, func(string, fs.DirEntry, error) error { total++; return nil })
+	}
+	return s.importWith(ctx, o, func(st *stager) error { return copyTree(ctx, st, src, total, o.Progress) })
 }
 
 // ImportTar extracts a plain or gzip-compressed tar stream into the store.
@@ -191,7 +196,7 @@ func progress(fn func(Progress), p Progress) {
 }
 
 // copyTree feeds the tree at src to st.
-func copyTree(ctx context.Context, st *stager, src string, prog func(Progress)) error {
+func copyTree(ctx context.Context, st *stager, src string, total int, prog func(Progress)) error {
 	type inode struct{ dev, ino uint64 }
 	links := map[inode]string{}
 	n := 0
@@ -203,7 +208,7 @@ func copyTree(ctx context.Context, st *stager, src string, prog func(Progress)) 
 			if err := ctx.Err(); err != nil {
 				return err
 			}
-			progress(prog, Progress{Phase: PhaseImport, Done: n, Message: "copying files"})
+			progress(prog, Progress{Phase: PhaseImport, Done: n, Total: max(total, n), Message: "copying files"})
 		}
 		rel, err := filepath.Rel(src, p)
 		if err != nil {

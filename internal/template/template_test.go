@@ -602,6 +602,27 @@ func TestEnsureBase(t *testing.T) {
 	}
 	defer s.Close()
 
+	// A caller that gives up cancels the shared run when it was the only
+	// one waiting: nothing is imported and nothing is left behind.
+	short, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	_, err = s.EnsureBase(short, nil)
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("EnsureBase with a 300ms deadline: %v", err)
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		junk, _ := os.ReadDir(filepath.Join(s.Dir(), "tmp"))
+		if len(junk) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("cancelled base import still running or left junk: %v", junk)
+		}
+	}
+	if l, _ := s.List(context.Background()); len(l) != 0 {
+		t.Fatalf("cancelled EnsureBase imported %+v", l)
+	}
+
 	start := time.Now()
 	const callers = 3
 	var wg sync.WaitGroup
