@@ -1,0 +1,393 @@
+package native
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/native/nsinit"
+)
+
+// agentOOMScoreAdj makes the OOM killer prefer the sandbox's own processes
+// over its agent. Lowering it needs CAP_SYS_RESOURCE on the host, so code in
+// the sandbox cannot copy it; children inherit it but may raise it.
+const agentOOMScoreAdj = -500
+
+// setupTimeout bounds how long the init may take to build the sandbox.
+const setupTimeout = 30 * time.Second
+
+type instance struct {
+	rt   *Runtime
+	spec runtime.Spec
+	dir  string
+	cg   cgroup
+
+	mu     sync.Mutex
+	pid    int             // init pid on the host; 0 when not running
+	exited <-chan struct{} // closed when init dies; nil when not running
+}
+
+var (
+	_ runtime.Instance = (*instance)(nil)
+	_ runtime.Pauser   = (*instance)(nil)
+)
+
+func (i *instance) diskImage() string { return filepath.Join(i.dir, "disk.img") }
+func (i *instance) rwDir() string     { return filepath.Join(i.dir, "rw") }
+func (i *instance) rootDir() string   { return filepath.Join(i.dir, "root") }
+func (i *instance) sockPath() string  { return filepath.Join(i.dir, "agent.sock") }
+func (i *instance) pidFile() string   { return filepath.Join(i.dir, "init.pid") }
+func (i *instance) logFile() string   { return filepath.Join(i.rwDir(), "init.log") }
+
+// ID implements runtime.Instance.
+func (i *instance) ID() string { return i.spec.ID }
+
+// Pid is the host pid of the sandbox's init (0 when not running), for
+// host-side checks such as the uid mapping in /proc/<pid>/status.
+func (i *instance) Pid() int {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	return i.pid
+}
+
+func (i *instance) aliveLocked() bool {
+	if i.exited == nil {
+		return false
+	}
+	select {
+	case <-i.exited:
+		return false
+	default:
+		return true
+	}
+}
+
+// Alive implements runtime.Instance.
+func (i *instance) Alive() bool {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	return i.aliveLocked()
+}
+
+// Exited implements runtime.Instance.
+func (i *instance) Exited() <-chan struct{} {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	return i.exited
+}
+
+// DialAgent implements runtime.Instance.
+func (i *instance) DialAgent(ctx context.Context) (net.Conn, error) {
+	if !i.Alive() {
+		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrUnavailable)
+	}
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unix", i.sockPath())
+	if err != nil {
+		return nil, fmt.Errorf("dial agent of %s: %v: %w", i.spec.ID, err, errdefs.ErrUnavailable)
+	}
+	return c, nil
+}
+
+// listen creates the agent's listening socket. The host owns it so that a
+// restarted server can dial a sandbox that kept running.
+func (i *instance) listen() (*os.File, error) {
+	path := i.sockPath()
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	f := os.NewFile(uintptr(fd), path)
+	if err := unix.Bind(fd, &unix.SockaddrUnix{Name: path}); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("bind %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		f.Close()
+		return nil, err
+	}
+	if err := unix.Listen(fd, 64); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
+}
+
+// Start implements runtime.Instance.
+func (i *instance) Start(ctx context.Context) (err error) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.aliveLocked() {
+		return fmt.Errorf("sandbox %s is already running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	agent, err := i.rt.agentPath()
+	if err != nil {
+		return fmt.Errorf("native runtime: %v: %w", err, errdefs.ErrUnavailable)
+	}
+	lower, err := i.rt.ensureShiftedRootfs(i.spec.RootFS, i.spec.TemplateDigest)
+	if err != nil {
+		return err
+	}
+	if err := mountDisk(i.diskImage(), i.rwDir()); err != nil {
+		return err
+	}
+	if err := i.cg.create(i.spec.Limits); err != nil {
+		return err
+	}
+	ln, err := i.listen()
+	if err != nil {
+		return err
+	}
+	defer ln.Close()
+	logf, err := os.OpenFile(i.logFile(), os.O_CREATE|os.O_TRUNC|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return err
+	}
+	defer logf.Close()
+	cfgR, cfgW, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	defer cfgW.Close()
+	defer cfgR.Close()
+	statR, statW, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	defer statR.Close()
+	defer statW.Close()
+
+	cmd := &exec.Cmd{
+		Path:   agent,
+		Args:   []string{"space-agent"},
+		Env:    []string{nsinit.EnvMarker + "=" + nsinit.StageSetup},
+		Stdout: logf,
+		Stderr: logf,
+		// fd 3, 4, 5: see nsinit.FDAgentListener, FDConfig, FDStatus.
+		ExtraFiles: []*os.File{ln, cfgR, statW},
+		SysProcAttr: &syscall.SysProcAttr{
+			Cloneflags: unix.CLONE_NEWUSER | unix.CLONE_NEWNS | unix.CLONE_NEWPID |
+				unix.CLONE_NEWNET | unix.CLONE_NEWIPC | unix.CLONE_NEWUTS,
+			UidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: hostIDBase, Size: idRange}},
+			// Become the namespace's root (host uid 100000000): the host's
+			// root is not mapped inside and would be nobody, without caps.
+			Credential:                 &syscall.Credential{Uid: 0, Gid: 0},
+			GidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: hostIDBase, Size: idRange}},
+			GidMappingsEnableSetgroups: true,
+			// Its own session: no signal from the server's terminal or
+			// process group reaches it. No Pdeathsig: sandboxes outlive a
+			// crashed server and get re-adopted.
+			Setsid: true,
+		},
+	}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("start sandbox init: %w", err)
+	}
+	pid := cmd.Process.Pid
+	// Reap it whenever it dies while this server lives.
+	go cmd.Wait()
+	cfgR.Close()
+	statW.Close()
+	defer func() {
+		if err != nil {
+			_ = unix.Kill(pid, unix.SIGKILL)
+			_ = i.cg.kill(context.WithoutCancel(ctx))
+			os.Remove(i.pidFile())
+		}
+	}()
+	pidfd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
+	if err != nil {
+		return fmt.Errorf("pidfd_open: %w", err)
+	}
+	exited := watchExit(pidfd)
+	// The child is blocked reading its config: move it into the cgroups
+	// before it can allocate or fork anything.
+	if err := i.cg.addProc(pid); err != nil {
+		return err
+	}
+	if err := os.WriteFile(fmt.Sprintf("/proc/%d/oom_score_adj", pid), []byte(strconv.Itoa(agentOOMScoreAdj)), 0); err != nil {
+		// Lowering needs CAP_SYS_RESOURCE, which a confined server (or this
+		// test host) may lack: the sandbox still works, its agent is just
+		// not protected from the OOM killer.
+		i.rt.oomWarn.Do(func() {
+			i.rt.log.Warn("cannot protect sandbox agents from the OOM killer", "err", err)
+		})
+	}
+	st, err := procStartTime(pid)
+	if err != nil {
+		return err
+	}
+	if err := writePidFile(i.pidFile(), pidRecord{Pid: pid, StartTime: st}); err != nil {
+		return err
+	}
+	conf := nsinit.Config{
+		Lower:    lower,
+		Upper:    filepath.Join(i.rwDir(), "upper"),
+		Work:     filepath.Join(i.rwDir(), "work"),
+		Root:     i.rootDir(),
+		Hostname: i.spec.Hostname,
+	}
+	if err := json.NewEncoder(cfgW).Encode(conf); err != nil {
+		return fmt.Errorf("send config to sandbox init: %w", err)
+	}
+	cfgW.Close()
+	if err := i.waitSetup(ctx, statR, exited); err != nil {
+		return err
+	}
+	i.pid = pid
+	i.exited = exited
+	return nil
+}
+
+// waitSetup waits for the init's verdict: EOF with nothing written means it
+// exec'd the agent; text is the error that made it give up.
+func (i *instance) waitSetup(ctx context.Context, statR *os.File, exited <-chan struct{}) error {
+	type result struct {
+		msg []byte
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		msg, err := io.ReadAll(io.LimitReader(statR, 4096))
+		done <- result{msg, err}
+	}()
+	timer := time.NewTimer(setupTimeout)
+	defer timer.Stop()
+	select {
+	case res := <-done:
+		if len(res.msg) > 0 {
+			return fmt.Errorf("sandbox %s setup failed: %s", i.spec.ID, bytes.TrimSpace(res.msg))
+		}
+		if res.err != nil {
+			return res.err
+		}
+		select {
+		case <-exited:
+			return fmt.Errorf("sandbox %s init exited during setup: %s", i.spec.ID, i.logTail())
+		default:
+			return nil
+		}
+	case <-ctx.Done():
+		return fmt.Errorf("sandbox %s setup: %w", i.spec.ID, ctx.Err())
+	case <-timer.C:
+		return fmt.Errorf("sandbox %s setup took over %v: %w", i.spec.ID, setupTimeout, errdefs.ErrTimeout)
+	}
+}
+
+// logTail returns the end of the init's log for error messages. It is
+// sandbox-written text, so it is bounded.
+func (i *instance) logTail() string {
+	f, err := os.Open(i.logFile())
+	if err != nil {
+		return "(no log)"
+	}
+	defer f.Close()
+	if fi, err := f.Stat(); err == nil && fi.Size() > 1024 {
+		f.Seek(-1024, io.SeekEnd)
+	}
+	b, _ := io.ReadAll(io.LimitReader(f, 1024))
+	return string(bytes.TrimSpace(b))
+}
+
+// Stop implements runtime.Instance: everything in the cgroup dies, the disk
+// is unmounted but kept.
+func (i *instance) Stop(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	return i.stopLocked(ctx)
+}
+
+func (i *instance) stopLocked(ctx context.Context) error {
+	var errs []error
+	if i.pid > 0 && i.aliveLocked() {
+		// Killing the pid namespace's init takes all its processes with it;
+		// the cgroup kill below catches anything that is not (yet) in it.
+		_ = unix.Kill(i.pid, unix.SIGKILL)
+	}
+	if err := i.cg.kill(ctx); err != nil {
+		errs = append(errs, err)
+	}
+	if i.exited != nil {
+		select {
+		case <-i.exited:
+		case <-time.After(10 * time.Second):
+			errs = append(errs, fmt.Errorf("sandbox %s init did not exit after SIGKILL", i.spec.ID))
+		}
+	}
+	if len(errs) > 0 {
+		return errors.Join(errs...)
+	}
+	i.pid = 0
+	i.exited = nil
+	if err := i.cg.remove(); err != nil {
+		errs = append(errs, err)
+	}
+	for _, p := range []string{i.sockPath(), i.pidFile()} {
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	if err := unmountAll(i.dir); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// Destroy implements runtime.Instance. It works on any partial state.
+func (i *instance) Destroy(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if err := i.stopLocked(ctx); err != nil {
+		return err
+	}
+	if mps, err := mountsUnder(i.dir); err != nil || len(mps) > 0 {
+		// Never RemoveAll through a live mount.
+		return fmt.Errorf("sandbox %s still has mounts %v (%v)", i.spec.ID, mps, err)
+	}
+	if err := os.RemoveAll(i.dir); err != nil {
+		return fmt.Errorf("remove sandbox %s: %w", i.spec.ID, err)
+	}
+	return nil
+}
+
+// Pause implements runtime.Pauser with the cgroup freezer.
+func (i *instance) Pause(ctx context.Context) error {
+	if !i.Alive() {
+		return fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	return i.cg.freeze(ctx)
+}
+
+// Resume implements runtime.Pauser.
+func (i *instance) Resume(ctx context.Context) error {
+	if !i.Alive() {
+		return fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	return i.cg.thaw(ctx)
+}
+
+// Stats implements runtime.Instance from the host's cgroup files.
+func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
+	if !i.Alive() {
+		return runtime.Stats{}, nil
+	}
+	return i.cg.stats()
+}

@@ -1,0 +1,212 @@
+// Package native is the namespaces+seccomp+landlock runtime: every sandbox
+// is a tree of ordinary host processes in their own user, mount, pid, net,
+// ipc, uts and cgroup namespaces, on an overlay of a uid-shifted template
+// and a per-sandbox ext4 disk, under cgroup limits.
+//
+// The host half (this package) prepares disks, cgroups and the agent's
+// socket and starts space-agent; the in-sandbox half (package nsinit, run
+// by space-agent before it serves) finishes the sandbox from inside. They
+// share only nsinit.Config and the file descriptor numbers.
+//
+// Layout under Config.DataDir:
+//
+//	rootfs/<digest>/          uid-shifted template copies, one per digest
+//	sandboxes/<id>/disk.img   sparse ext4 image (the writable layer)
+//	sandboxes/<id>/rw/        its mount point: upper/, work/, init.log
+//	sandboxes/<id>/root/      where the sandbox's init assembles its root
+//	sandboxes/<id>/agent.sock the agent's listening socket (host-created)
+//	sandboxes/<id>/init.pid   "pid starttime" of the running init
+package native
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"sync"
+
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+)
+
+// Name is the name the runtime registers under.
+const Name = "native"
+
+// Isolation is what a native sandbox gets when Landlock is available.
+const Isolation = "namespaces+seccomp+landlock"
+
+// strength ranks native below the VM and user-space-kernel runtimes: the
+// sandbox shares the host kernel's whole syscall surface minus the filter.
+const strength = 10
+
+func init() {
+	runtime.Register(Name, New)
+}
+
+// Runtime is the native runtime.
+type Runtime struct {
+	cfg   runtime.Config
+	log   *slog.Logger
+	probe probeCache
+
+	oomWarn sync.Once
+
+	agentOnce sync.Once
+	agentCopy string
+	agentErr  error
+}
+
+var _ runtime.Runtime = (*Runtime)(nil)
+
+// New builds the native runtime; it touches nothing until used.
+func New(cfg runtime.Config) (runtime.Runtime, error) {
+	if cfg.DataDir == "" || !filepath.IsAbs(cfg.DataDir) {
+		return nil, fmt.Errorf("native runtime needs an absolute DataDir, got %q: %w", cfg.DataDir, errdefs.ErrInvalidArgument)
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Runtime{cfg: cfg, log: log.With("runtime", Name)}, nil
+}
+
+// Name implements runtime.Runtime.
+func (r *Runtime) Name() string { return Name }
+
+var idRE = regexp.MustCompile(`^[a-z0-9][a-z0-9-]{0,39}$`)
+
+func (r *Runtime) sandboxesDir() string { return filepath.Join(r.cfg.DataDir, "sandboxes") }
+
+func (r *Runtime) newInstance(spec runtime.Spec) (*instance, error) {
+	if !idRE.MatchString(spec.ID) {
+		return nil, fmt.Errorf("sandbox id %q: %w", spec.ID, errdefs.ErrInvalidArgument)
+	}
+	dir := filepath.Join(r.sandboxesDir(), spec.ID)
+	// sockaddr_un holds 108 bytes including the NUL.
+	if n := len(filepath.Join(dir, "agent.sock")); n >= 108 {
+		return nil, fmt.Errorf("agent socket path is %d bytes, unix sockets allow 107; use a shorter DataDir: %w", n, errdefs.ErrInvalidArgument)
+	}
+	return &instance{rt: r, spec: spec, dir: dir, cg: newCgroup(spec.ID)}, nil
+}
+
+// Create implements runtime.Runtime: the sandbox directory and its
+// formatted, mounted disk. The template is never copied per sandbox.
+func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (_ runtime.Instance, err error) {
+	inst, err := r.newInstance(spec)
+	if err != nil {
+		return nil, err
+	}
+	if spec.Limits.DiskMiB <= 0 {
+		return nil, fmt.Errorf("disk limit must be set: %w", errdefs.ErrInvalidArgument)
+	}
+	if err := r.prepareDataDir(); err != nil {
+		return nil, err
+	}
+	if _, err := r.ensureShiftedRootfs(spec.RootFS, spec.TemplateDigest); err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(r.sandboxesDir(), 0o711); err != nil {
+		return nil, err
+	}
+	if err := os.Mkdir(inst.dir, 0o711); err != nil {
+		if errors.Is(err, os.ErrExist) {
+			return nil, fmt.Errorf("sandbox %s already exists: %w", spec.ID, errdefs.ErrConflict)
+		}
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			_ = inst.Destroy(context.WithoutCancel(ctx))
+		}
+	}()
+	if err := os.Mkdir(inst.rootDir(), 0o700); err != nil {
+		return nil, err
+	}
+	if err := r.takeDisk(ctx, inst.diskImage(), spec.Limits.DiskMiB); err != nil {
+		return nil, err
+	}
+	if err := mountDisk(inst.diskImage(), inst.rwDir()); err != nil {
+		return nil, err
+	}
+	return inst, nil
+}
+
+// Open implements runtime.Runtime: it re-adopts a sandbox created earlier,
+// trusting its pid file only when the pid's start time still matches.
+func (r *Runtime) Open(ctx context.Context, spec runtime.Spec) (runtime.Instance, error) {
+	inst, err := r.newInstance(spec)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := os.Stat(inst.dir); err != nil {
+		return nil, fmt.Errorf("sandbox %s: %w", spec.ID, errdefs.ErrNotFound)
+	}
+	if rec, err := readPidFile(inst.pidFile()); err == nil {
+		if pidfd, ok := liveProcess(rec); ok {
+			inst.pid = rec.Pid
+			inst.exited = watchExit(pidfd)
+		}
+	}
+	return inst, nil
+}
+
+// Sweep implements runtime.Runtime. It finds sandboxes by every trace they
+// can leave — directory, mounts, cgroups — so a half-created or
+// half-destroyed one is found too, and destroys those keep rejects.
+func (r *Runtime) Sweep(ctx context.Context, keep func(id string) bool) ([]string, error) {
+	ids := map[string]bool{}
+	if ents, err := os.ReadDir(r.sandboxesDir()); err == nil {
+		for _, e := range ents {
+			ids[e.Name()] = true
+		}
+	}
+	if mps, err := mountsUnder(r.sandboxesDir()); err == nil {
+		for _, mp := range mps {
+			rel, err := filepath.Rel(r.sandboxesDir(), mp)
+			if err == nil && rel != "." {
+				ids[firstElem(rel)] = true
+			}
+		}
+	}
+	for _, id := range sandboxCgroupIDs() {
+		ids[id] = true
+	}
+	var removed []string
+	var errs []error
+	for id := range ids {
+		if keep(id) || !idRE.MatchString(id) {
+			continue
+		}
+		inst, err := r.newInstance(runtime.Spec{ID: id})
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if rec, err := readPidFile(inst.pidFile()); err == nil {
+			if pidfd, ok := liveProcess(rec); ok {
+				inst.pid = rec.Pid
+				inst.exited = watchExit(pidfd)
+			}
+		}
+		if err := inst.Destroy(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("sweep %s: %w", id, err))
+			continue
+		}
+		removed = append(removed, id)
+	}
+	sort.Strings(removed)
+	return removed, errors.Join(errs...)
+}
+
+func firstElem(rel string) string {
+	for i := 0; i < len(rel); i++ {
+		if rel[i] == '/' {
+			return rel[:i]
+		}
+	}
+	return rel
+}

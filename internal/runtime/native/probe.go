@@ -1,0 +1,210 @@
+package native
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/native/nsinit"
+)
+
+type probeCache struct {
+	once sync.Once
+	caps runtime.Capabilities
+}
+
+// Probe implements runtime.Runtime. Everything is measured once: a user
+// namespace really mounting an overlay, loop devices and mkfs, the cgroup
+// controllers, the Landlock ABI, and whether CRIU works.
+func (r *Runtime) Probe(ctx context.Context) runtime.Capabilities {
+	r.probe.once.Do(func() { r.probe.caps = r.measure(ctx) })
+	return r.probe.caps
+}
+
+func (r *Runtime) measure(ctx context.Context) runtime.Capabilities {
+	abi := nsinit.LandlockABI()
+	isolation := Isolation
+	if abi == 0 {
+		isolation = "namespaces+seccomp"
+	}
+	c := runtime.Capabilities{
+		Isolation:   isolation,
+		Strength:    strength,
+		Verbs:       map[string]bool{},
+		VerbReasons: map[string]string{},
+		Details: map[string]string{
+			"landlock_abi":   strconv.Itoa(abi),
+			"cgroup_version": strconv.Itoa(cgroupVersion()),
+			"seccomp":        "allowlist",
+			"uid_map":        fmt.Sprintf("0-%d -> %d", idRange-1, hostIDBase),
+		},
+	}
+	if err := r.check(ctx); err != nil {
+		c.Reason = err.Error()
+	} else {
+		c.Available = true
+	}
+	for _, v := range []string{api.OpCreate, api.OpDelete, api.OpStop, api.OpStart, api.OpPause, api.OpResume, api.OpWake} {
+		c.Verbs[v] = c.Available
+		if !c.Available {
+			c.VerbReasons[v] = c.Reason
+		}
+	}
+	why := criuReason(ctx)
+	for _, v := range []string{api.OpSuspend, api.OpRestore, api.OpFork} {
+		c.Verbs[v] = false
+		c.VerbReasons[v] = why
+	}
+	return c
+}
+
+// check returns why the runtime cannot work here, or nil.
+func (r *Runtime) check(ctx context.Context) error {
+	if os.Geteuid() != 0 {
+		return fmt.Errorf("needs root (loop devices, cgroups, uid mapping)")
+	}
+	agent, err := r.agentPath()
+	if err != nil {
+		return err
+	}
+	if _, err := os.Stat("/dev/loop-control"); err != nil {
+		return fmt.Errorf("no loop devices: %v", err)
+	}
+	if _, err := exec.LookPath("mkfs.ext4"); err != nil {
+		return fmt.Errorf("mkfs.ext4 not found (install e2fsprogs)")
+	}
+	if err := checkCgroups(); err != nil {
+		return err
+	}
+	return r.probeOverlay(ctx, agent)
+}
+
+func checkCgroups() error {
+	if cgroupVersion() == 2 {
+		data, err := os.ReadFile(filepath.Join(cgroupRoot, "cgroup.controllers"))
+		if err != nil {
+			return fmt.Errorf("cgroup v2: %v", err)
+		}
+		for _, c := range []string{"memory", "pids", "cpu"} {
+			if !strings.Contains(" "+string(data)+" ", " "+c+" ") && !strings.Contains(string(data), c) {
+				return fmt.Errorf("cgroup v2 controller %s missing", c)
+			}
+		}
+		return nil
+	}
+	for _, c := range []string{"memory", "pids", "freezer"} {
+		var st unix.Statfs_t
+		if err := unix.Statfs(filepath.Join(cgroupRoot, c), &st); err != nil || st.Type != unix.CGROUP_SUPER_MAGIC {
+			return fmt.Errorf("cgroup v1 controller %s not mounted", c)
+		}
+	}
+	return nil
+}
+
+// probeOverlay starts the agent binary in a new user and mount namespace
+// (nsinit.StageProbe) and has it mount an overlay with userxattr.
+func (r *Runtime) probeOverlay(ctx context.Context, agent string) error {
+	dir, err := os.MkdirTemp(r.cfg.DataDir, ".probe-")
+	if err != nil {
+		if err := os.MkdirAll(r.cfg.DataDir, 0o711); err != nil {
+			return err
+		}
+		if dir, err = os.MkdirTemp(r.cfg.DataDir, ".probe-"); err != nil {
+			return err
+		}
+	}
+	defer os.RemoveAll(dir)
+	os.Chmod(dir, 0o755)
+	pc := nsinit.ProbeConfig{}
+	for _, p := range []*string{&pc.Lower, &pc.Upper, &pc.Work, &pc.Merged} {
+		d, err := os.MkdirTemp(dir, "")
+		if err != nil {
+			return err
+		}
+		if err := os.Chown(d, hostIDBase, hostIDBase); err != nil {
+			return err
+		}
+		*p = d
+	}
+	cfgR, cfgW, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	defer cfgR.Close()
+	defer cfgW.Close()
+	statR, statW, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	defer statR.Close()
+	defer statW.Close()
+	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, agent)
+	cmd.Env = []string{nsinit.EnvMarker + "=" + nsinit.StageProbe}
+	// fd 3 is the (absent) listener slot; the probe uses only 4 and 5.
+	devnull, err := os.Open(os.DevNull)
+	if err != nil {
+		return err
+	}
+	defer devnull.Close()
+	cmd.ExtraFiles = []*os.File{devnull, cfgR, statW}
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		Cloneflags:  unix.CLONE_NEWUSER | unix.CLONE_NEWNS,
+		UidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: hostIDBase, Size: idRange}},
+		// Become the namespace's root (host uid 100000000): the host's
+		// root is not mapped inside and would be "nobody" without caps.
+		Credential:  &syscall.Credential{Uid: 0, Gid: 0},
+		GidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: hostIDBase, Size: idRange}},
+	}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("user namespaces unusable: %v", err)
+	}
+	cfgR.Close()
+	statW.Close()
+	json.NewEncoder(cfgW).Encode(pc)
+	cfgW.Close()
+	msg, _ := io.ReadAll(io.LimitReader(statR, 4096))
+	werr := cmd.Wait()
+	if len(msg) > 0 {
+		return fmt.Errorf("probe: %s", bytes.TrimSpace(msg))
+	}
+	if werr != nil {
+		return fmt.Errorf("probe failed: %v: %s", werr, bytes.TrimSpace(out.Bytes()))
+	}
+	return nil
+}
+
+// criuReason says, measured, why this runtime offers no memory
+// checkpoint. Even where criu works the native runtime does not implement
+// it yet, and says that instead.
+func criuReason(ctx context.Context) string {
+	path, err := exec.LookPath("criu")
+	if err != nil {
+		return "CRIU is not installed on this host, so process memory cannot be checkpointed"
+	}
+	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, path, "check").CombinedOutput()
+	if err != nil {
+		first, _, _ := strings.Cut(strings.TrimSpace(string(out)), "\n")
+		return fmt.Sprintf("CRIU is not usable on this host (criu check fails: %s)", first)
+	}
+	return "the native runtime does not implement CRIU checkpoints"
+}

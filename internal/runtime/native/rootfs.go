@@ -1,0 +1,224 @@
+package native
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// Sandbox ids 0..idRange-1 map to host ids hostIDBase.. in every sandbox.
+const (
+	hostIDBase = 100000000
+	idRange    = 65536
+)
+
+// shiftID maps a template owner into the sandbox's host id range; an owner
+// the sandbox cannot represent becomes its nobody.
+func shiftID(id uint32) int {
+	if id >= idRange {
+		id = 65534
+	}
+	return hostIDBase + int(id)
+}
+
+var digestRE = regexp.MustCompile(`^[A-Za-z0-9._:-]{1,200}$`)
+
+// rootfsName turns a template digest into a directory name that is also
+// safe inside an overlay mount option (no ':' or ',').
+func rootfsName(digest string) (string, error) {
+	if !digestRE.MatchString(digest) || strings.Contains(digest, "..") {
+		return "", fmt.Errorf("template digest %q is not a valid name", digest)
+	}
+	return strings.ReplaceAll(digest, ":", "-"), nil
+}
+
+// ensureShiftedRootfs returns DataDir/rootfs/<digest>, a copy of src whose
+// owners are shifted into the sandbox id range, building it once. The copy
+// is built in a temporary directory and renamed into place, under a file
+// lock so concurrent creates (in this process or another) build it once.
+func (r *Runtime) ensureShiftedRootfs(src, digest string) (string, error) {
+	name, err := rootfsName(digest)
+	if err != nil {
+		return "", err
+	}
+	base := filepath.Join(r.cfg.DataDir, "rootfs")
+	dst := filepath.Join(base, name)
+	if _, err := os.Stat(dst); err == nil {
+		return dst, nil
+	}
+	if err := os.MkdirAll(base, 0o711); err != nil {
+		return "", err
+	}
+	lock, err := os.OpenFile(filepath.Join(base, "."+name+".lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return "", err
+	}
+	defer lock.Close()
+	if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX); err != nil {
+		return "", fmt.Errorf("lock rootfs %s: %w", name, err)
+	}
+	defer unix.Flock(int(lock.Fd()), unix.LOCK_UN)
+	if _, err := os.Stat(dst); err == nil {
+		return dst, nil
+	}
+	tmp, err := os.MkdirTemp(base, ".tmp-"+name+"-")
+	if err != nil {
+		return "", err
+	}
+	if err := copyShifted(src, tmp); err != nil {
+		os.RemoveAll(tmp)
+		return "", fmt.Errorf("shift template %s: %w", digest, err)
+	}
+	if err := os.Rename(tmp, dst); err != nil {
+		os.RemoveAll(tmp)
+		return "", err
+	}
+	return dst, nil
+}
+
+// copyShifted copies the tree at src into the existing directory dst,
+// preserving modes, times, symlinks and hard links, shifting owners, and
+// skipping device nodes and sockets (a sandbox gets its devices from /dev).
+func copyShifted(src, dst string) error {
+	type inode struct{ dev, ino uint64 }
+	links := map[inode]string{}
+	type dirTimes struct {
+		path string
+		st   *unix.Stat_t
+	}
+	var dirs []dirTimes
+
+	err := filepath.WalkDir(src, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, err := filepath.Rel(src, path)
+		if err != nil {
+			return err
+		}
+		target := filepath.Join(dst, rel)
+		var st unix.Stat_t
+		if err := unix.Lstat(path, &st); err != nil {
+			return err
+		}
+		uid, gid := shiftID(st.Uid), shiftID(st.Gid)
+		perm := uint32(st.Mode & 0o7777)
+		switch st.Mode & unix.S_IFMT {
+		case unix.S_IFDIR:
+			if rel != "." {
+				if err := os.Mkdir(target, 0o700); err != nil {
+					return err
+				}
+			}
+			if err := os.Lchown(target, uid, gid); err != nil {
+				return err
+			}
+			// chmod after chown: chown clears set-id bits.
+			if err := unix.Chmod(target, perm); err != nil {
+				return err
+			}
+			dirs = append(dirs, dirTimes{target, &st})
+			return nil
+		case unix.S_IFREG:
+			key := inode{st.Dev, st.Ino}
+			if st.Nlink > 1 {
+				if first, ok := links[key]; ok {
+					return os.Link(first, target)
+				}
+				links[key] = target
+			}
+			if err := copyFile(path, target, uid, gid, perm); err != nil {
+				return err
+			}
+		case unix.S_IFLNK:
+			dest, err := os.Readlink(path)
+			if err != nil {
+				return err
+			}
+			if err := os.Symlink(dest, target); err != nil {
+				return err
+			}
+			if err := os.Lchown(target, uid, gid); err != nil {
+				return err
+			}
+		case unix.S_IFIFO:
+			if err := unix.Mkfifo(target, perm); err != nil {
+				return err
+			}
+			if err := os.Lchown(target, uid, gid); err != nil {
+				return err
+			}
+			if err := unix.Chmod(target, perm); err != nil {
+				return err
+			}
+		default:
+			return nil // devices, sockets
+		}
+		return setTimes(target, &st)
+	})
+	if err != nil {
+		return err
+	}
+	// Directory times last: creating entries changed them.
+	for i := len(dirs) - 1; i >= 0; i-- {
+		if err := setTimes(dirs[i].path, dirs[i].st); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func setTimes(path string, st *unix.Stat_t) error {
+	ts := []unix.Timespec{st.Atim, st.Mtim}
+	return unix.UtimesNanoAt(unix.AT_FDCWD, path, ts, unix.AT_SYMLINK_NOFOLLOW)
+}
+
+func copyFile(src, dst string, uid, gid int, perm uint32) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.OpenFile(dst, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+	if err != nil {
+		return err
+	}
+	// io.Copy between files uses copy_file_range: a reflink where the
+	// filesystem can, an in-kernel copy otherwise.
+	_, err = io.Copy(out, in)
+	if err == nil {
+		err = out.Chown(uid, gid)
+	}
+	if err == nil {
+		err = out.Chmod(fs.FileMode(perm&0o777) | modeBits(perm))
+	}
+	if cerr := out.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return errors.Join(err, os.Remove(dst))
+	}
+	return nil
+}
+
+// modeBits converts set-id/sticky bits to fs.FileMode flags.
+func modeBits(perm uint32) fs.FileMode {
+	var m fs.FileMode
+	if perm&unix.S_ISUID != 0 {
+		m |= fs.ModeSetuid
+	}
+	if perm&unix.S_ISGID != 0 {
+		m |= fs.ModeSetgid
+	}
+	if perm&unix.S_ISVTX != 0 {
+		m |= fs.ModeSticky
+	}
+	return m
+}
