@@ -101,7 +101,9 @@ func BuildBase(ctx context.Context, cacheDir string, progress func(Progress)) (s
 	if err := os.RemoveAll(final); err != nil {
 		return "", fmt.Errorf("remove stale %s: %w", final, err)
 	}
-	if err := os.MkdirAll(final, 0o755); err != nil {
+	// 0700: the tree has world-writable directories (/tmp); no host user
+	// but root may plant files in what becomes every sandbox's template.
+	if err := os.MkdirAll(final, 0o700); err != nil {
 		return "", err
 	}
 	if err := os.Rename(target, rootfs); err != nil {

@@ -137,7 +137,7 @@ func (s *Store) commit(ctx context.Context, stage, digest string, size int64, so
 		if err := syncFS(stage); err != nil {
 			return api.Template{}, err
 		}
-		if err := os.Chmod(stage, 0o711); err != nil {
+		if err := os.Chmod(stage, 0o700); err != nil {
 			return api.Template{}, err
 		}
 		if err := os.Rename(stage, final); err != nil && !errors.Is(err, os.ErrExist) && !errors.Is(err, unix.ENOTEMPTY) {

@@ -90,10 +90,14 @@ func Open(db *sql.DB, dir, cacheDir string, log *slog.Logger) (*Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	// 0711: runtimes (possibly unprivileged helpers) may traverse to a
-	// rootfs they know the digest of, but nobody else may list the store.
-	if err := os.MkdirAll(filepath.Join(dir, "tmp"), 0o711); err != nil {
+	// 0700: template trees come from untrusted archives and contain
+	// world-writable directories (every /tmp); no host user but root may
+	// reach them. Runtimes read templates as root.
+	if err := os.MkdirAll(filepath.Join(dir, "tmp"), 0o700); err != nil {
 		return nil, fmt.Errorf("create template dir: %w", err)
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("restrict template dir: %w", err)
 	}
 	s := &Store{db: db, dir: dir, cacheDir: cacheDir, log: log}
 	if err := s.migrate(context.Background()); err != nil {

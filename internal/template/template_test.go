@@ -213,6 +213,12 @@ func TestImportTarPreservesTree(t *testing.T) {
 	if m := stat(t, filepath.Join(root, "deep/implicit")).Mode; m&0o7777 != 0o755 {
 		t.Errorf("implicit parent mode %o, want 0755", m&0o7777)
 	}
+	// Only root may reach template trees (they hold world-writable dirs).
+	for _, p := range []string{e.dir, filepath.Dir(root)} {
+		if m := stat(t, p).Mode & 0o777; m != 0o700 {
+			t.Errorf("%s mode %o, want 0700", p, m)
+		}
+	}
 	e.assertClean(t, 1)
 }
 
