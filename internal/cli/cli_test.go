@@ -36,6 +36,9 @@ type fake struct {
 	exit      api.ExitStatus
 	stdout    string
 	stderr    string
+	stdinSeen []byte
+	resizes   []api.Resize
+	attached  chan struct{} // closed on the first attach, if set
 }
 
 func newFakeServer(t *testing.T) (*fake, string) {
@@ -131,13 +134,33 @@ func newFakeServer(t *testing.T) (*fake, string) {
 		defer c.CloseNow()
 		ctx := r.Context()
 		c.Write(ctx, websocket.MessageBinary, append([]byte{api.FrameStarted}, `{"pid":7}`...))
-		// Wait for the client to close stdin, as a process reading it would.
+		f.mu.Lock()
+		tty := f.commands[len(f.commands)-1].TTY
+		if f.attached != nil {
+			close(f.attached)
+			f.attached = nil
+		}
+		f.mu.Unlock()
+		// Wait for the client to close stdin, as a process reading it would;
+		// a terminal session ends instead on Ctrl-C, which must arrive as a
+		// byte because the local terminal is in raw mode.
 		for {
 			_, data, err := c.Read(ctx)
-			if err != nil {
+			if err != nil || len(data) == 0 {
 				return
 			}
-			if len(data) > 0 && data[0] == api.FrameCloseStdin {
+			f.mu.Lock()
+			switch data[0] {
+			case api.FrameStdin:
+				f.stdinSeen = append(f.stdinSeen, data[1:]...)
+			case api.FrameResize:
+				var rs api.Resize
+				json.Unmarshal(data[1:], &rs)
+				f.resizes = append(f.resizes, rs)
+			}
+			done := data[0] == api.FrameCloseStdin || (tty && bytes.IndexByte(f.stdinSeen, 3) >= 0)
+			f.mu.Unlock()
+			if done {
 				break
 			}
 		}
