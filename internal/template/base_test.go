@@ -36,6 +36,9 @@ func TestBuildBase(t *testing.T) {
 	if want := filepath.Join(testenv.CacheDir(), "base-bookworm", "rootfs"); rootfs != want {
 		t.Fatalf("rootfs = %q, want %q", rootfs, want)
 	}
+	if fi, err := os.Stat(filepath.Join(testenv.CacheDir(), "base-bookworm")); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Errorf("base-bookworm must be root-only (0700): %v %v", fi.Mode(), err)
+	}
 	if _, err := os.Stat(filepath.Join(testenv.CacheDir(), "base-bookworm", "complete")); err != nil {
 		t.Fatalf("complete marker: %v", err)
 	}
