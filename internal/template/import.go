@@ -3,6 +3,7 @@ package template
 import (
 	"archive/tar"
 	"bufio"
+	"bytes"
 	"compress/flate"
 	"compress/gzip"
 	"context"
@@ -293,12 +294,31 @@ func (c *countingReader) Read(p []byte) (int, error) {
 	return n, err
 }
 
+// unsupportedCompression are formats recognised only to say so clearly.
+var unsupportedCompression = []struct {
+	name  string
+	magic []byte
+}{
+	{"zstd", []byte{0x28, 0xb5, 0x2f, 0xfd}},
+	{"xz", []byte{0xfd, '7', 'z', 'X', 'Z', 0x00}},
+	{"bzip2", []byte("BZh")},
+}
+
 // maxTrailing bounds how much of a compressed stream after the tar's end is
 // decompressed to verify the gzip checksum (tar pads to 10 KiB records).
 const maxTrailing = 1 << 20
 
 func extractTar(ctx context.Context, st *stager, r io.Reader, prog func(Progress)) error {
 	br := bufio.NewReaderSize(r, 64<<10)
+	// A tar's first member name could start with any of these magics, so
+	// only a stream without the ustar magic at offset 257 is suspected.
+	if head, _ := br.Peek(512); len(head) > 0 && !(len(head) >= 262 && string(head[257:262]) == "ustar") {
+		for _, c := range unsupportedCompression {
+			if bytes.HasPrefix(head, c.magic) {
+				return invalid("archive is %s-compressed; only plain and gzip tar are supported", c.name)
+			}
+		}
+	}
 	magic, err := br.Peek(2)
 	if len(magic) == 0 {
 		if err != nil && !errors.Is(err, io.EOF) {

@@ -220,6 +220,12 @@ func TestImportTarPreservesTree(t *testing.T) {
 		}
 	}
 	e.assertClean(t, 1)
+
+	// A plain tar whose first member's name looks like a compression magic
+	// is still a tar.
+	if _, err := e.store.ImportTar(ctx, bytes.NewReader(mktar(t, file("BZh91AY", "x", 0o644))), ImportOptions{}); err != nil {
+		t.Errorf("tar starting with a bzip2-like name: %v", err)
+	}
 }
 
 func TestDigestIsCanonicalAndDedups(t *testing.T) {
@@ -363,6 +369,7 @@ func TestHostileTar(t *testing.T) {
 		{"gzip bad crc", badCRC, 0, errdefs.ErrInvalidArgument, "gzip"},
 		{"truncated gzip", trunc(gzGood, len(gzGood)/2), 0, errdefs.ErrInvalidArgument, "gzip-compressed archive truncated"},
 		{"empty", nil, 0, errdefs.ErrInvalidArgument, "empty"},
+		{"zstd", append([]byte{0x28, 0xb5, 0x2f, 0xfd}, good...), 0, errdefs.ErrInvalidArgument, "zstd-compressed"},
 		{"not an archive", []byte(strings.Repeat("this is not a tar file\n", 100)), 0, errdefs.ErrInvalidArgument, "corrupt tar header"},
 	}
 	for _, tc := range cases {
