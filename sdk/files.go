@@ -133,10 +133,9 @@ func (c *Client) Rename(ctx context.Context, sandboxID, from, to string) error {
 	return c.do(ctx, request{method: http.MethodPost, path: p, json: api.RenameRequest{From: from, To: to}}, nil)
 }
 
-// DownloadTar is GET /v1/sandboxes/{id}/files/tar?path=P: a tar archive whose
-// entries are rooted at the base name of P (a file gives one entry named
-// base(P); a directory gives base(P)/ and everything below it). The caller
-// closes the reader.
+// DownloadTar is GET /v1/sandboxes/{id}/files/tar?path=P: a tar archive of
+// a directory's contents (entry names relative to P), or of a single file
+// (one entry named by its base name). The caller closes the reader.
 func (c *Client) DownloadTar(ctx context.Context, sandboxID, path string) (io.ReadCloser, error) {
 	return c.getStream(ctx, sandboxID, "/tar", path)
 }

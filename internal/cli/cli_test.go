@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"path"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -172,8 +173,12 @@ func newFakeServer(t *testing.T) (*fake, string) {
 	})
 	mux.HandleFunc("GET /v1/sandboxes/{id}/files/stat", auth(func(w http.ResponseWriter, r *http.Request) {
 		p := r.URL.Query().Get("path")
-		if p == "/work" {
-			reply(w, 200, api.FileInfo{Name: "work", Path: p, Type: "dir"})
+		if p == "/work" || p == "/work/proj" {
+			reply(w, 200, api.FileInfo{Name: path.Base(p), Path: p, Type: "dir"})
+			return
+		}
+		if p == "/work/proj/a.txt" {
+			reply(w, 200, api.FileInfo{Name: "a.txt", Path: p, Type: "file"})
 			return
 		}
 		fail(w, errdefs.ErrNotFound, p+": no such file")
@@ -478,8 +483,10 @@ func TestCpRoundTrip(t *testing.T) {
 		t.Fatalf("renamed upload entries %v", names)
 	}
 
-	// Out again, into a new local name.
-	f.downloads["/work/proj"] = archive
+	// Out again, into a new local name. The server's archive of a
+	// directory holds the entries below it, relative.
+	f.downloads["/work/proj"] = stripTop(t, archive)
+	f.downloads["/work/proj/a.txt"] = f.uploads["/work"]
 	dst := t.TempDir()
 	if code, _, errOut := runCLI(t, url, "", "cp", "sb-1:/work/proj", filepath.Join(dst, "copy")); code != 0 {
 		t.Fatalf("cp out: %d %s", code, errOut)
@@ -499,10 +506,49 @@ func TestCpRoundTrip(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(dst, "proj", "a.txt")); err != nil {
 		t.Fatal(err)
 	}
+	// A single file, into an existing directory and to a new name.
+	if code, _, errOut := runCLI(t, url, "", "cp", "sb-1:/work/proj/a.txt", dst); code != 0 {
+		t.Fatalf("cp file out: %d %s", code, errOut)
+	}
+	if code, _, _ := runCLI(t, url, "", "cp", "sb-1:/work/proj/a.txt", filepath.Join(dst, "b.txt")); code != 0 {
+		t.Fatal(code)
+	}
+	for _, p := range []string{"a.txt", "b.txt"} {
+		if b, err := os.ReadFile(filepath.Join(dst, p)); err != nil || string(b) != "alpha" {
+			t.Fatalf("%s: %q %v", p, b, err)
+		}
+	}
 	// `-` streams the raw archive.
-	if code, out, _ := runCLI(t, url, "", "cp", "sb-1:/work/proj", "-"); code != 0 || out != string(archive) {
+	if code, out, _ := runCLI(t, url, "", "cp", "sb-1:/work/proj", "-"); code != 0 || out != string(f.downloads["/work/proj"]) {
 		t.Fatalf("cp to stdout: %d, %d bytes", code, len(out))
 	}
+}
+
+// stripTop rewrites an archive rooted at one directory into the entries
+// below it, as the server archives a directory.
+func stripTop(t *testing.T, b []byte) []byte {
+	t.Helper()
+	var out bytes.Buffer
+	tw := tar.NewWriter(&out)
+	tr := tar.NewReader(bytes.NewReader(b))
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, rest, _ := strings.Cut(h.Name, "/")
+		if rest == "" {
+			continue
+		}
+		h.Name = rest
+		tw.WriteHeader(h)
+		io.Copy(tw, tr)
+	}
+	tw.Close()
+	return out.Bytes()
 }
 
 func tarNames(t *testing.T, b []byte) []string {
@@ -524,7 +570,6 @@ func tarNames(t *testing.T, b []byte) []string {
 // A sandbox controls what the tar endpoint returns; extraction must not
 // write outside the destination however the archive is built.
 func TestExtractTarRejectsEscapes(t *testing.T) {
-	outside := t.TempDir()
 	build := func(entries ...*tar.Header) []byte {
 		var buf bytes.Buffer
 		tw := tar.NewWriter(&buf)
@@ -537,34 +582,47 @@ func TestExtractTarRejectsEscapes(t *testing.T) {
 		tw.Close()
 		return buf.Bytes()
 	}
-	cases := map[string][]byte{
-		"dotdot":   build(&tar.Header{Name: "x/../../evil", Typeflag: tar.TypeReg, Size: 1, Mode: 0o644}),
-		"absolute": build(&tar.Header{Name: filepath.Join(outside, "evil"), Typeflag: tar.TypeReg, Size: 1, Mode: 0o644}),
-		"symlink-dir": build(
-			&tar.Header{Name: "x/", Typeflag: tar.TypeDir, Mode: 0o755},
-			&tar.Header{Name: "x/l", Typeflag: tar.TypeSymlink, Linkname: outside},
-			&tar.Header{Name: "x/l/evil", Typeflag: tar.TypeReg, Size: 1, Mode: 0o644}),
-		"symlink-file": build(
-			&tar.Header{Name: "x/", Typeflag: tar.TypeDir, Mode: 0o755},
-			&tar.Header{Name: "x/l", Typeflag: tar.TypeSymlink, Linkname: filepath.Join(outside, "evil")},
-			&tar.Header{Name: "x/l", Typeflag: tar.TypeReg, Size: 1, Mode: 0o644}),
-		"hardlink": build(
-			&tar.Header{Name: "x/", Typeflag: tar.TypeDir, Mode: 0o755},
-			&tar.Header{Name: "x/h", Typeflag: tar.TypeLink, Linkname: "../../" + filepath.Join(outside, "evil")}),
+	reg := func(name string) *tar.Header {
+		return &tar.Header{Name: name, Typeflag: tar.TypeReg, Size: 1, Mode: 0o644}
 	}
-	for name, archive := range cases {
-		dst := t.TempDir()
-		_ = extractTar(bytes.NewReader(archive), dst, "")
-		if _, err := os.Lstat(filepath.Join(outside, "evil")); err == nil {
-			t.Fatalf("%s: archive wrote outside the destination", name)
+	for name, mk := range map[string]func(base string) []byte{
+		"dotdot":     func(string) []byte { return build(reg("x/../../evil")) },
+		"deepdotdot": func(string) []byte { return build(reg("../../../evil")) },
+		"absolute":   func(base string) []byte { return build(reg(filepath.Join(base, "evil"))) },
+		"symlink-dir": func(base string) []byte {
+			return build(&tar.Header{Name: "l", Typeflag: tar.TypeSymlink, Linkname: base}, reg("l/evil"))
+		},
+		"symlink-dotdot": func(base string) []byte {
+			return build(&tar.Header{Name: "l", Typeflag: tar.TypeSymlink, Linkname: "../.."}, reg("l/evil"))
+		},
+		"symlink-file": func(base string) []byte {
+			return build(&tar.Header{Name: "l", Typeflag: tar.TypeSymlink, Linkname: filepath.Join(base, "evil")}, reg("l"))
+		},
+		"hardlink": func(base string) []byte {
+			return build(&tar.Header{Name: "h", Typeflag: tar.TypeLink, Linkname: "../../evil"})
+		},
+	} {
+		base := t.TempDir()
+		dst := filepath.Join(base, "d")
+		os.Mkdir(dst, 0o755)
+		_ = extractTar(bytes.NewReader(mk(base)), dst, "out", false)
+		ents, _ := os.ReadDir(base)
+		if len(ents) != 1 || ents[0].Name() != "d" {
+			t.Errorf("%s: archive wrote outside the destination: %v", name, ents)
+		}
+		if _, err := os.Lstat(filepath.Join(base, "evil")); err == nil {
+			t.Errorf("%s: wrote %s", name, filepath.Join(base, "evil"))
 		}
 	}
-	// setuid bits never survive.
+	// setuid bits never survive, and a file's archive holds one entry.
 	dst := t.TempDir()
-	if err := extractTar(bytes.NewReader(build(&tar.Header{Name: "s", Typeflag: tar.TypeReg, Size: 1, Mode: 0o4755})), dst, ""); err != nil {
+	if err := extractTar(bytes.NewReader(build(&tar.Header{Name: "s", Typeflag: tar.TypeReg, Size: 1, Mode: 0o4755})), dst, "s2", true); err != nil {
 		t.Fatal(err)
 	}
-	if fi, _ := os.Stat(filepath.Join(dst, "s")); fi.Mode()&os.ModeSetuid != 0 {
-		t.Fatalf("setuid kept: %v", fi.Mode())
+	if fi, _ := os.Stat(filepath.Join(dst, "s2")); fi.Mode()&os.ModeSetuid != 0 || fi.Mode().Perm() != 0o755 {
+		t.Fatalf("mode %v", fi.Mode())
+	}
+	if err := extractTar(bytes.NewReader(build(reg("a"), reg("b"))), dst, "two", true); err == nil {
+		t.Fatal("a file archive with two entries was accepted")
 	}
 }

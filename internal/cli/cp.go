@@ -108,8 +108,14 @@ func (a *app) copyIn(c *sdk.Client, local string, dst cpArg) error {
 	return err
 }
 
-// copyOut copies a sandbox path to a local path (or stdout as a tar).
+// copyOut copies a sandbox path to a local path (or stdout as a tar). The
+// server's archive of a directory holds the entries below it (relative
+// names); of a file, one entry named by its base name.
 func (a *app) copyOut(c *sdk.Client, src cpArg, local string) error {
+	st, err := c.StatFile(a.ctx, src.sandbox, src.path)
+	if err != nil {
+		return err
+	}
 	rc, err := c.DownloadTar(a.ctx, src.sandbox, src.path)
 	if err != nil {
 		return err
@@ -119,14 +125,19 @@ func (a *app) copyOut(c *sdk.Client, src cpArg, local string) error {
 		_, err := io.Copy(a.out, rc)
 		return err
 	}
-	dir, rename := local, ""
+	// Like cp: into an existing directory under the source's name,
+	// otherwise to the name given.
+	dir, name := local, path.Base(src.path)
 	if fi, err := os.Stat(local); err != nil || !fi.IsDir() {
 		if err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return err
 		}
-		dir, rename = filepath.Dir(local), filepath.Base(local)
+		dir, name = filepath.Dir(local), filepath.Base(local)
 	}
-	return extractTar(rc, dir, rename)
+	if name == "/" || name == "." || name == ".." {
+		return usagef("cp: cannot copy %s:%s to %s", src.sandbox, src.path, local)
+	}
+	return extractTar(rc, dir, name, st.Type != "dir")
 }
 
 // writeTar archives the file or directory src with its root entry named
@@ -192,62 +203,69 @@ func writeTar(w io.Writer, src, root string, keepOwner bool) error {
 	return tw.Close()
 }
 
-// extractTar unpacks a tar from a sandbox into dir. The archive is hostile
-// input: every operation goes through an os.Root, so no entry (including
-// one that travels through a symlink the archive itself created) can land
-// outside dir. If rename is set, the archive's top-level name is replaced by
-// it. Only files, directories, symlinks and hard links are created;
-// permission bits are kept without setuid/setgid/sticky, ownership is not.
-func extractTar(r io.Reader, dir, rename string) error {
+// extractTar unpacks a tar from a sandbox into dir/name. For a directory
+// the archive's entries are placed below name; for a single file
+// (single) the archive must hold exactly one entry, which becomes name.
+//
+// The archive is hostile input: every operation goes through an os.Root, so
+// no entry (including one that travels through a symlink the archive itself
+// created) can land outside dir. Only files, directories, symlinks and hard
+// links are created; permission bits are kept without setuid, setgid or
+// sticky; ownership is not kept.
+func extractTar(r io.Reader, dir, name string, single bool) error {
 	root, err := os.OpenRoot(dir)
 	if err != nil {
 		return err
 	}
 	defer root.Close()
 	tr := tar.NewReader(r)
-	top := ""
 	mapName := func(n string) (string, error) {
 		clean := path.Clean(strings.TrimPrefix(n, "./"))
-		if clean == "." || path.IsAbs(clean) || clean == ".." || strings.HasPrefix(clean, "../") {
+		if path.IsAbs(clean) || clean == ".." || strings.HasPrefix(clean, "../") {
 			return "", fmt.Errorf("cp: archive entry %q escapes the destination", n)
 		}
-		first, rest, _ := strings.Cut(clean, "/")
-		if top == "" {
-			top = first
-		} else if first != top {
-			return "", fmt.Errorf("cp: archive has more than one top-level entry (%q, %q)", top, first)
+		if single {
+			return name, nil
 		}
-		if rename != "" {
-			first = rename
-		}
-		return path.Join(first, rest), nil
+		return path.Join(name, clean), nil
 	}
-	for {
+	if !single {
+		if err := root.MkdirAll(name, 0o755); err != nil {
+			return err
+		}
+	}
+	for n := 0; ; n++ {
 		hdr, err := tr.Next()
 		if err == io.EOF {
+			if single && n != 1 {
+				return fmt.Errorf("cp: archive of a file has %d entries, want 1", n)
+			}
 			return nil
 		}
 		if err != nil {
 			return fmt.Errorf("cp: reading archive: %w", err)
 		}
-		name, err := mapName(hdr.Name)
+		if single && n > 0 {
+			return fmt.Errorf("cp: archive of a file has more than one entry")
+		}
+		target, err := mapName(hdr.Name)
 		if err != nil {
 			return err
 		}
 		perm := fs.FileMode(hdr.Mode).Perm()
 		switch hdr.Typeflag {
 		case tar.TypeDir:
-			if err := root.MkdirAll(name, 0o755); err != nil {
+			if err := root.MkdirAll(target, 0o755); err != nil {
 				return err
 			}
-			if err := root.Chmod(name, perm|0o700); err != nil {
+			if err := root.Chmod(target, perm|0o700); err != nil {
 				return err
 			}
 		case tar.TypeReg:
-			if err := replaceable(root, name); err != nil {
+			if err := replaceable(root, target); err != nil {
 				return err
 			}
-			f, err := root.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, perm)
+			f, err := root.OpenFile(target, os.O_WRONLY|os.O_CREATE|os.O_EXCL, perm)
 			if err != nil {
 				return err
 			}
@@ -256,25 +274,28 @@ func extractTar(r io.Reader, dir, rename string) error {
 				err = cerr
 			}
 			if err != nil {
-				return fmt.Errorf("cp: writing %s: %w", name, err)
+				return fmt.Errorf("cp: writing %s: %w", target, err)
 			}
-			_ = root.Chtimes(name, hdr.ModTime, hdr.ModTime)
+			_ = root.Chtimes(target, hdr.ModTime, hdr.ModTime)
 		case tar.TypeSymlink:
-			if err := replaceable(root, name); err != nil {
+			if err := replaceable(root, target); err != nil {
 				return err
 			}
-			if err := root.Symlink(hdr.Linkname, name); err != nil {
+			if err := root.Symlink(hdr.Linkname, target); err != nil {
 				return err
 			}
 		case tar.TypeLink:
-			target, err := mapName(hdr.Linkname)
+			if single {
+				return fmt.Errorf("cp: archive of a file holds a hard link")
+			}
+			old, err := mapName(hdr.Linkname)
 			if err != nil {
 				return err
 			}
-			if err := replaceable(root, name); err != nil {
+			if err := replaceable(root, target); err != nil {
 				return err
 			}
-			if err := root.Link(target, name); err != nil {
+			if err := root.Link(old, target); err != nil {
 				return err
 			}
 		default:

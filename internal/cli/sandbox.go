@@ -402,8 +402,8 @@ func newForkCmd(a *app) *cobra.Command {
 		Short: "Fork new sandboxes from a running one's memory and disk",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if count < 1 || count > 1000 {
-				return usagef("--count %d: want 1 to 1000", count)
+			if count < 1 || count > 64 {
+				return usagef("--count %d: want 1 to 64", count)
 			}
 			c, err := a.Client()
 			if err != nil {
