@@ -173,7 +173,7 @@ func (a *Agent) Serve(ln net.Listener) error {
 		backoff = 0
 		go func() {
 			if err := a.ServeConn(conn); err != nil {
-				a.log.Info("session ended", "err", err)
+				a.log.Debug("session ended", "err", err)
 			}
 		}()
 	}

@@ -65,9 +65,10 @@ func New(conn net.Conn) (*Client, error) {
 
 func newClient(conn net.Conn, timeout time.Duration) (*Client, error) {
 	cfg := yamux.DefaultConfig()
-	// A hostile agent may open streams towards us; nobody accepts them
-	// here, so keep the backlog tiny (the session resets the excess).
-	cfg.AcceptBacklog = 4
+	// The protocol has no streams opened by the agent and nothing here
+	// accepts any: with a backlog of one, a hostile agent can park at most
+	// one stream (one bounded window); yamux resets every other.
+	cfg.AcceptBacklog = 1
 	cfg.MaxStreamWindowSize = 256 << 10
 	cfg.KeepAliveInterval = 10 * time.Second
 	cfg.ConnectionWriteTimeout = 10 * time.Second
@@ -81,7 +82,6 @@ func newClient(conn net.Conn, timeout time.Duration) (*Client, error) {
 		return nil, fmt.Errorf("agent session: %v: %w", err, errdefs.ErrUnavailable)
 	}
 	c := &Client{sess: sess, timeout: timeout}
-	go c.refuseStreams()
 	newTransport := func(headerTimeout time.Duration) *http.Transport {
 		return &http.Transport{
 			DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
@@ -99,18 +99,6 @@ func newClient(conn net.Conn, timeout time.Duration) (*Client, error) {
 	c.hc = &http.Client{Transport: newTransport(c.timeout), CheckRedirect: noRedirect}
 	c.execHC = &http.Client{Transport: newTransport(0), CheckRedirect: noRedirect}
 	return c, nil
-}
-
-// refuseStreams closes every stream the agent opens: the protocol has none
-// in that direction.
-func (c *Client) refuseStreams() {
-	for {
-		s, err := c.sess.AcceptStream()
-		if err != nil {
-			return
-		}
-		s.Close()
-	}
 }
 
 // Close ends the session and every call on it.
@@ -165,8 +153,9 @@ func (c *Client) roundTrip(ctx context.Context, cl call, bounded bool) (*http.Re
 	}
 	resp, err := hc.Do(req)
 	if err != nil {
+		err = c.transportError(ctx, cl, err)
 		cancel()
-		return nil, nil, c.transportError(ctx, cl, err)
+		return nil, nil, err
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		err := c.decodeError(ctx, cl, resp)
@@ -194,7 +183,11 @@ func (c *Client) transportError(ctx context.Context, cl call, err error) error {
 
 // decodeError turns a non-2xx response into a sentinel error.
 func (c *Client) decodeError(ctx context.Context, cl call, resp *http.Response) error {
+	ctx = resp.Request.Context()
 	b, err := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+	if err == nil && ctx.Err() != nil {
+		err = ctx.Err()
+	}
 	if err != nil {
 		return c.transportError(ctx, cl, err)
 	}
@@ -259,7 +252,11 @@ func (c *Client) doJSON(ctx context.Context, cl call, in, out any, limit int64) 
 }
 
 func (c *Client) readJSON(ctx context.Context, cl call, resp *http.Response, out any, limit int64) error {
+	ctx = resp.Request.Context() // the call's own bounded context
 	b, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
+	if err == nil && ctx.Err() != nil {
+		err = ctx.Err() // a cut-off body may read as a clean EOF
+	}
 	if err != nil {
 		return c.transportError(ctx, cl, err)
 	}
