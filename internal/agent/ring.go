@@ -1,27 +1,40 @@
 package agent
 
-// ring is a fixed-size replay buffer over an unbounded byte stream. Bytes
-// are addressed by absolute offset from the start of the stream; once more
-// than len(buf) bytes have been written the oldest are overwritten. Writes
+// ring is a fixed-capacity replay buffer over an unbounded byte stream.
+// Bytes are addressed by absolute offset from the start of the stream; once
+// more than size bytes have been written the oldest are overwritten. Writes
 // never block: a slow reader loses bytes and learns which ones (see read).
-// A ring is not safe for concurrent use; its owner locks.
+// Memory grows with the output up to size, so a thousand quiet processes
+// do not cost a thousand full buffers. A ring is not safe for concurrent
+// use; its owner locks.
 type ring struct {
-	buf []byte
-	end int64 // absolute offset one past the newest byte
+	size int
+	buf  []byte // len(buf) < size: holds exactly [0, end); else byte o is at o % size
+	end  int64  // absolute offset one past the newest byte
 }
 
-func newRing(size int) *ring { return &ring{buf: make([]byte, size)} }
+func newRing(size int) *ring { return &ring{size: size} }
 
 // start is the absolute offset of the oldest byte still held.
-func (r *ring) start() int64 { return max(0, r.end-int64(len(r.buf))) }
+func (r *ring) start() int64 { return max(0, r.end-int64(r.size)) }
 
 func (r *ring) write(p []byte) {
-	n := len(r.buf)
-	if len(p) > n {
-		r.end += int64(len(p) - n)
-		p = p[len(p)-n:]
+	if len(r.buf) < r.size {
+		if len(r.buf)+len(p) < r.size {
+			r.buf = append(r.buf, p...)
+			r.end += int64(len(p))
+			return
+		}
+		// Full from now on: positions stay o % size (o < size so far).
+		full := make([]byte, r.size)
+		copy(full, r.buf)
+		r.buf = full
 	}
-	pos := int(r.end % int64(n))
+	if len(p) > r.size {
+		r.end += int64(len(p) - r.size)
+		p = p[len(p)-r.size:]
+	}
+	pos := int(r.end % int64(r.size))
 	c := copy(r.buf[pos:], p)
 	copy(r.buf, p[c:])
 	r.end += int64(len(p))
@@ -36,10 +49,11 @@ func (r *ring) read(off int64, dst []byte) (n int, from int64, lost bool) {
 	if s := r.start(); from < s {
 		from, lost = s, true
 	}
-	avail := r.end - from
-	n = int(min(avail, int64(len(dst))))
-	size := int64(len(r.buf))
-	pos := int(from % size)
+	n = int(min(r.end-from, int64(len(dst))))
+	if n == 0 {
+		return 0, from, lost
+	}
+	pos := int(from % int64(r.size))
 	c := copy(dst[:n], r.buf[pos:])
 	copy(dst[c:n], r.buf)
 	return n, from, lost
