@@ -142,9 +142,9 @@ type APIError struct {
 
 func (e *APIError) Error() string {
 	if e.Message == "" {
-		return fmt.Sprintf("space API: %s (HTTP %d)", e.Code, e.Status)
+		return fmt.Sprintf("%s (HTTP %d)", e.Code, e.Status)
 	}
-	return fmt.Sprintf("space API: %s: %s", e.Code, e.Message)
+	return fmt.Sprintf("%s (%s)", e.Message, e.Code)
 }
 
 // Unwrap returns the errdefs sentinel for e.Code, or nil for unknown codes.
