@@ -1,5 +1,24 @@
 // Package agent is space-agent: it runs inside a sandbox and serves the
 // protocol of internal/agentproto over the stream its runtime provides.
+//
+// Command line (Main):
+//
+//	--fd N        serve on an inherited listening socket (default $SPACE_AGENT_FD)
+//	--socket PATH serve on a unix socket (tests, debugging)
+//	--serial PATH serve one session at a time over a character device
+//	              (a virtio-serial port), reopening it after each session
+//	--root DIR    directory FILE operations are confined to (default "/")
+//	-v            debug logging
+//
+// Every accepted connection carries one yamux server session; each yamux
+// stream carries HTTP/1.1 (and WebSocket for attach). The host may
+// reconnect any number of times; processes and their replay buffers
+// outlive connections.
+//
+// The agent is its sandbox's PID 1 and reaps every process in it (see
+// reaper.go). File operations resolve every path in the kernel with
+// openat2(RESOLVE_IN_ROOT) against a descriptor of --root, so no path,
+// symlink or concurrent rename can reach outside it (see fsroot.go).
 package agent
 
 // Main parses the agent's flags and serves until the listener closes.

@@ -124,7 +124,8 @@ func (a *Agent) Exec(ctx context.Context, req *agentproto.ExecRequest) (*api.Exe
 
 	var deadline <-chan time.Time
 	if req.TimeoutSeconds > 0 {
-		t := time.NewTimer(time.Duration(req.TimeoutSeconds * float64(time.Second)))
+		// Clamped so an absurd timeout cannot overflow into an instant one.
+		t := time.NewTimer(time.Duration(min(req.TimeoutSeconds, 1e9) * float64(time.Second)))
 		defer t.Stop()
 		deadline = t.C
 	}
