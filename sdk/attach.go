@@ -363,7 +363,7 @@ func (s *Session) handle(frame []byte, st *api.ExitStatus) error {
 		}
 		s.mu.Unlock()
 		if n > 0 {
-			s.droppedNote(d.Stream, n)
+			s.droppedNote(n)
 		}
 		return nil
 	case api.FrameExit:
@@ -399,7 +399,7 @@ func (s *Session) output(i int, off int64, data []byte) error {
 		name, w = "stderr", s.stderr
 	}
 	if gap > 0 {
-		s.droppedNote(name, gap)
+		s.droppedNote(gap)
 	}
 	if _, err := w.Write(data); err != nil {
 		return fmt.Errorf("writing %s: %w", name, err)
@@ -407,9 +407,10 @@ func (s *Session) output(i int, off int64, data []byte) error {
 	return nil
 }
 
-func (s *Session) droppedNote(stream string, n int64) {
-	fmt.Fprintf(s.stderr, "\n[space: %d bytes of output were dropped]\n", n)
-	_ = stream // the note is the same for both streams; callers see it on stderr
+// droppedNote tells the user, on stderr, that output was lost; the same
+// words for both streams so scripts can grep for them.
+func (s *Session) droppedNote(n int64) {
+	fmt.Fprintf(s.stderr, "[space: %d bytes of output were dropped]\n", n)
 }
 
 // Run runs req in the sandbox as a command session, streams its output to
