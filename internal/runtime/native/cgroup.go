@@ -38,6 +38,8 @@ type cgroup interface {
 	stats() (runtime.Stats, error)
 	// remove deletes the (empty) cgroup(s); missing ones are fine.
 	remove() error
+	// paths lists the cgroup directories.
+	paths() []string
 }
 
 var (
@@ -336,6 +338,14 @@ func (c *cgroupV1) stats() (runtime.Stats, error) {
 	return s, nil
 }
 
+func (c *cgroupV1) paths() []string {
+	var out []string
+	for _, d := range c.dirs {
+		out = append(out, d)
+	}
+	return out
+}
+
 func (c *cgroupV1) remove() error {
 	var errs []error
 	for _, d := range c.dirs {
@@ -361,9 +371,10 @@ func (c *cgroupV2) create(l api.Limits) error {
 	if err := os.MkdirAll(parent, 0o755); err != nil {
 		return fmt.Errorf("create cgroup parent: %w", err)
 	}
-	if err := enableControllers(filepath.Dir(parent)); err != nil {
-		return err
-	}
+	// The top level may already delegate them (systemd) or refuse because
+	// it holds processes (a server in a container's cgroup namespace):
+	// then enabling them on our parent below reports the real problem.
+	_ = enableControllers(filepath.Dir(parent))
 	if err := enableControllers(parent); err != nil {
 		return err
 	}
@@ -453,9 +464,26 @@ func (c *cgroupV2) stats() (runtime.Stats, error) {
 	return s, nil
 }
 
+func (c *cgroupV2) paths() []string { return []string{c.dir} }
+
 func (c *cgroupV2) remove() error {
 	if err := unix.Rmdir(c.dir); err != nil && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("remove cgroup %s: %w", c.dir, err)
 	}
 	return nil
+}
+
+// removeStaleCgroup removes cg if it holds no process and was created more
+// than minAge ago. It reports whether it removed anything.
+func removeStaleCgroup(cg cgroup, minAge time.Duration) bool {
+	if pids, err := cg.procs(); err != nil || len(pids) > 0 {
+		return false
+	}
+	for _, d := range cg.paths() {
+		var st unix.Stat_t
+		if err := unix.Stat(d, &st); err == nil && time.Since(time.Unix(st.Ctim.Unix())) < minAge {
+			return false
+		}
+	}
+	return cg.remove() == nil
 }

@@ -54,6 +54,9 @@ func (i *instance) sockPath() string  { return filepath.Join(i.dir, "agent.sock"
 func (i *instance) pidFile() string   { return filepath.Join(i.dir, "init.pid") }
 func (i *instance) logFile() string   { return filepath.Join(i.rwDir(), "init.log") }
 
+// Dir is the sandbox's directory on the host (DataDir/sandboxes/<id>).
+func (i *instance) Dir() string { return i.dir }
+
 // ID implements runtime.Instance.
 func (i *instance) ID() string { return i.spec.ID }
 

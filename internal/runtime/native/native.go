@@ -28,6 +28,7 @@ import (
 	"regexp"
 	"sort"
 	"sync"
+	"time"
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
@@ -172,8 +173,18 @@ func (r *Runtime) Sweep(ctx context.Context, keep func(id string) bool) ([]strin
 			}
 		}
 	}
+	// Cgroups are host-global while DataDir is not: another runtime (a
+	// second server, a test) may own a cgroup with no directory here. Such
+	// an orphan is only removed when it is empty and old, so it cannot be
+	// a sandbox that is starting elsewhere; one with processes is left
+	// alone.
 	for _, id := range sandboxCgroupIDs() {
-		ids[id] = true
+		if ids[id] || keep(id) || !idRE.MatchString(id) {
+			continue
+		}
+		if removeStaleCgroup(newCgroup(id), time.Minute) {
+			r.log.Info("removed orphan cgroup", "id", id)
+		}
 	}
 	var removed []string
 	var errs []error

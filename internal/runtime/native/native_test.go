@@ -1,10 +1,19 @@
 package native_test
 
 import (
+	"context"
+	"errors"
+	"fmt"
 	"os"
+	"os/exec"
+	"sort"
+	"strings"
+	"time"
 	"path/filepath"
 	"testing"
 
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/native"
 	"github.com/spacehq/space/internal/runtime/runtimetest"
@@ -60,6 +69,187 @@ func harness(t *testing.T) runtimetest.Harness {
 	}
 }
 
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if sharedRootfs != "" {
+		os.RemoveAll(sharedRootfs)
+	}
+	os.Exit(code)
+}
+
 func TestConformance(t *testing.T) {
 	runtimetest.Run(t, harness(t))
+}
+
+func TestProbe(t *testing.T) {
+	h := harness(t)
+	caps := h.New(t).Probe(context.Background())
+	if !caps.Available {
+		t.Fatalf("native unavailable: %s", caps.Reason)
+	}
+	if caps.Isolation != native.Isolation || caps.Strength <= 0 {
+		t.Fatalf("caps %+v", caps)
+	}
+	for _, v := range []string{api.OpCreate, api.OpDelete, api.OpStop, api.OpStart, api.OpPause, api.OpResume, api.OpWake} {
+		if !caps.Verbs[v] {
+			t.Errorf("verb %s not offered", v)
+		}
+	}
+	for _, v := range []string{api.OpSuspend, api.OpRestore, api.OpFork} {
+		if caps.Verbs[v] || caps.VerbReasons[v] == "" {
+			t.Errorf("verb %s: offered=%v reason=%q", v, caps.Verbs[v], caps.VerbReasons[v])
+		}
+	}
+	if caps.Details["landlock_abi"] == "" || caps.Details["cgroup_version"] == "" {
+		t.Errorf("details %v", caps.Details)
+	}
+	t.Logf("probe: %+v", caps)
+}
+
+// TestReadopt is a server restart: a new Runtime on the same DataDir finds
+// the running sandbox, can stop it, and refuses a pid file whose start time
+// does not match (pid reuse).
+func TestReadopt(t *testing.T) {
+	h := harness(t)
+	rt := h.New(t)
+	sb := runtimetest.Start(t, h, rt, runtimetest.DefaultLimits)
+	ctx := context.Background()
+	hostPid := sb.Inst.(runtimetest.HostPider).Pid()
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", hostPid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(status), "Uid:\t100000000\t") {
+		t.Fatalf("sandbox root is not host uid 100000000:\n%s", status)
+	}
+	dataDir := filepath.Dir(filepath.Dir(sb.Inst.(interface{ Dir() string }).Dir()))
+	rt2, err := runtime.New(native.Name, runtime.Config{DataDir: dataDir, AgentBinary: testenv.AgentBinary(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst, err := rt2.Open(ctx, sb.Spec)
+	if err != nil || !inst.Alive() || inst.(runtimetest.HostPider).Pid() != hostPid {
+		t.Fatalf("re-adopt: %v alive=%v", err, inst != nil && inst.Alive())
+	}
+	re := &runtimetest.Sandbox{RT: rt2, Inst: inst, Spec: sb.Spec}
+	re.Connect(t)
+	re.MustSh(t, "true")
+	if err := inst.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-sb.Inst.Exited():
+	case <-time.After(10 * time.Second):
+		t.Fatal("original handle's Exited did not fire when the re-adopted handle stopped it")
+	}
+	// A pid file naming a live but different process (our own pid, wrong
+	// start time) must not be adopted.
+	pidFile := filepath.Join(dataDir, "sandboxes", sb.Spec.ID, "init.pid")
+	if err := os.WriteFile(pidFile, []byte(fmt.Sprintf("%d 1\n", os.Getpid())), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	inst, err = rt2.Open(ctx, sb.Spec)
+	if err != nil || inst.Alive() {
+		t.Fatalf("adopted a reused pid: %v alive=%v", err, inst.Alive())
+	}
+	if _, err := rt2.Open(ctx, runtime.Spec{ID: "sb-missing"}); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("Open of a missing sandbox: %v", err)
+	}
+}
+
+// TestSetupFailureReported: an error inside the sandbox init reaches Start
+// as a clear error, quickly, and leaves nothing running.
+func TestSetupFailureReported(t *testing.T) {
+	h := harness(t)
+	rt := h.New(t)
+	spec := runtime.Spec{ID: "sb-badhost", RootFS: h.RootFS, TemplateDigest: h.TemplateDigest,
+		Limits: runtimetest.DefaultLimits, Hostname: strings.Repeat("h", 100)}
+	ctx := context.Background()
+	inst, err := rt.Create(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Destroy(ctx)
+	t0 := time.Now()
+	err = inst.Start(ctx)
+	if err == nil || !strings.Contains(err.Error(), "sethostname") {
+		t.Fatalf("Start with an invalid hostname: %v", err)
+	}
+	if d := time.Since(t0); d > 5*time.Second {
+		t.Fatalf("failure took %v to report", d)
+	}
+	if inst.Alive() {
+		t.Fatal("Alive after a failed Start")
+	}
+	t.Logf("reported: %v", err)
+}
+
+// TestInsideView checks the native-specific parts of the sandbox's view.
+func TestInsideView(t *testing.T) {
+	h := harness(t)
+	sb := runtimetest.Start(t, h, nil, runtimetest.DefaultLimits)
+	// The cgroup namespace is rooted at the sandbox's own cgroup.
+	for _, line := range strings.Split(strings.TrimSpace(sb.MustSh(t, "cat /proc/self/cgroup")), "\n") {
+		if !strings.HasSuffix(line, ":/") {
+			t.Errorf("cgroup path visible: %q", line)
+		}
+	}
+	mounts := sb.MustSh(t, "cat /proc/mounts")
+	for _, want := range []string{"overlay / overlay", "proc /proc proc", "devpts /dev/pts devpts", " /sys "} {
+		if !strings.Contains(mounts, want) {
+			t.Errorf("mount %q missing:\n%s", want, mounts)
+		}
+	}
+	for _, line := range strings.Split(mounts, "\n") {
+		if f := strings.Fields(line); len(f) > 3 && (f[1] == "/sys" || f[1] == "/proc/sys") && !strings.HasPrefix(f[3], "ro") {
+			t.Errorf("%s is not read-only: %s", f[1], line)
+		}
+	}
+	if out := sb.MustSh(t, "ls /dev | tr '\\n' ' '"); !strings.Contains(out, "null") || strings.Contains(out, "sda") || strings.Contains(out, "vda") || strings.Contains(out, "kmsg") {
+		t.Errorf("/dev has %q", out)
+	}
+	// Seccomp is in filter mode with no_new_privs for every process.
+	st := sb.MustSh(t, "grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status")
+	if !strings.Contains(st, "Seccomp:\t2") || !strings.Contains(st, "NoNewPrivs:\t1") {
+		t.Errorf("status: %q", st)
+	}
+	// x32 syscalls kill the caller.
+	res := sb.Exec(t, "python3", "-c", "import ctypes; ctypes.CDLL(None).syscall(0x40000000 + 39)")
+	if res.Signal != "SYS" {
+		t.Errorf("x32 getpid: %+v, want SIGSYS", res)
+	}
+}
+
+// TestStartLatency measures create+start+healthy and compares with a bare
+// bwrap of the same root.
+func TestStartLatency(t *testing.T) {
+	h := harness(t)
+	rt := h.New(t)
+	runtimetest.Start(t, h, rt, runtimetest.DefaultLimits) // warm: shifted rootfs, agent copy
+	var runs []time.Duration
+	for i := 0; i < 5; i++ {
+		t0 := time.Now()
+		sb := runtimetest.Start(t, h, rt, runtimetest.DefaultLimits)
+		runs = append(runs, time.Since(t0))
+		sb.Inst.Destroy(context.Background())
+	}
+	var bw []time.Duration
+	if _, err := exec.LookPath("bwrap"); err == nil {
+		for i := 0; i < 5; i++ {
+			t0 := time.Now()
+			out, err := exec.Command("bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", h.RootFS, "/", "/bin/true").CombinedOutput()
+			if err != nil {
+				t.Fatalf("bwrap: %v %s", err, out)
+			}
+			bw = append(bw, time.Since(t0))
+		}
+	}
+	med := func(d []time.Duration) time.Duration {
+		if len(d) == 0 {
+			return 0
+		}
+		sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
+		return d[len(d)/2]
+	}
+	t.Logf("create+start+agent healthy p50 %v (runs %v); bwrap /bin/true p50 %v", med(runs), runs, med(bw))
 }
