@@ -135,6 +135,12 @@ func TestExec(t *testing.T) {
 		_, err = e.c.Exec(ctx, req)
 		wantErr(t, err, errdefs.ErrInvalidArgument)
 	})
+	t.Run("no descriptor leaks", func(t *testing.T) {
+		res, err := e.c.Exec(ctx, agentproto.ExecRequest{Cmd: []string{"sh", "-c", "ls /proc/$$/fd"}})
+		if err != nil || res.Stdout != "0\n1\n2\n" {
+			t.Fatalf("child descriptors: %q %v", res.Stdout, err)
+		}
+	})
 	t.Run("too many args", func(t *testing.T) {
 		req := agentproto.ExecRequest{Cmd: make([]string, agentproto.MaxArgs+1)}
 		for i := range req.Cmd {

@@ -3,6 +3,7 @@ package agent
 import (
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"os/signal"
 	"sync"
@@ -46,6 +47,11 @@ func startReaper(log *slog.Logger) (*reaper, error) {
 				reaperErr = fmt.Errorf("prctl(PR_SET_CHILD_SUBREAPER): %w", err)
 				return
 			}
+		}
+		// Descriptors inherited without close-on-exec (from whatever started
+		// the agent) must not reach the processes it runs.
+		if err := unix.CloseRange(3, math.MaxUint32, unix.CLOSE_RANGE_CLOEXEC); err != nil {
+			log.Warn("cannot mark inherited descriptors close-on-exec", "err", err)
 		}
 		r := &reaper{log: log, waiters: map[int]chan unix.WaitStatus{}}
 		ch := make(chan os.Signal, 1)
