@@ -70,3 +70,51 @@ func TestAgentBinary(t *testing.T) {
 		}
 	}
 }
+
+// TestAgentBinaryInheritedFD starts the agent the way nsinit leaves it: the
+// listening socket as fd 3 and SPACE_AGENT_FD=3.
+func TestAgentBinaryInheritedFD(t *testing.T) {
+	bin := testenv.AgentBinary(t)
+	dir, err := os.MkdirTemp("", "agb")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	sock := filepath.Join(dir, "s")
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln.SetUnlinkOnClose(false)
+	lf, err := ln.File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := os.StartProcess(bin, []string{"space-agent", "--root", t.TempDir()}, &os.ProcAttr{
+		Env:   []string{"SPACE_AGENT_FD=3", "PATH=/usr/bin:/bin"},
+		Files: []*os.File{nil, os.Stderr, os.Stderr, lf},
+	})
+	lf.Close()
+	ln.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		p.Kill()
+		p.Wait()
+	}()
+	conn, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := agentclient.New(conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	res, err := c.Exec(ctxT(t), agentproto.ExecRequest{Cmd: []string{"sh", "-c", "echo ${SPACE_AGENT_FD-unset}; ls /proc/$$/fd"}})
+	if err != nil || res.Stdout != "unset\n0\n1\n2\n" {
+		t.Fatalf("exec %+v %v", res, err)
+	}
+}
+
