@@ -117,4 +117,3 @@ func TestAgentBinaryInheritedFD(t *testing.T) {
 		t.Fatalf("exec %+v %v", res, err)
 	}
 }
-
