@@ -96,3 +96,44 @@ func TestExecTTY(t *testing.T) {
 		t.Fatalf("terminal not restored")
 	}
 }
+
+// TestBuildBaseProgressBars renders build-base progress with mpb on a real
+// terminal and still ends with the template.
+func TestBuildBaseProgressBars(t *testing.T) {
+	ptmx, tty, err := pty.Open()
+	if err != nil {
+		t.Skipf("no pty: %v", err)
+	}
+	defer ptmx.Close()
+	defer tty.Close()
+	pty.Setsize(ptmx, &pty.Winsize{Rows: 24, Cols: 120})
+	var screen strings.Builder
+	read := make(chan struct{})
+	go func() {
+		defer close(read)
+		buf := make([]byte, 4096)
+		for {
+			n, err := ptmx.Read(buf)
+			screen.Write(buf[:n])
+			if err != nil || strings.Contains(screen.String(), "sha256:aa") {
+				return
+			}
+		}
+	}()
+	_, url := newFakeServer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var errb strings.Builder
+	code := Execute(ctx, []string{"--url", url, "--api-key", key, "template", "build-base"}, strings.NewReader(""), tty, &errb)
+	if code != 0 {
+		t.Fatalf("code %d: %s", code, errb.String())
+	}
+	select {
+	case <-read:
+	case <-ctx.Done():
+		t.Fatalf("no template on screen; got %q", screen.String())
+	}
+	if s := screen.String(); !strings.Contains(s, "download") || !strings.Contains(s, "unpack") {
+		t.Fatalf("progress bars missing: %q", s)
+	}
+}
