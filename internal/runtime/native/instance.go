@@ -248,6 +248,9 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		Root:     i.rootDir(),
 		Hostname: i.spec.Hostname,
 	}
+	if conf.Hostname == "" {
+		conf.Hostname = i.spec.ID
+	}
 	if err := json.NewEncoder(cfgW).Encode(conf); err != nil {
 		return fmt.Errorf("send config to sandbox init: %w", err)
 	}

@@ -27,8 +27,11 @@ import (
 	"path/filepath"
 	"regexp"
 	"sort"
+	"strings"
 	"sync"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
@@ -186,6 +189,7 @@ func (r *Runtime) Sweep(ctx context.Context, keep func(id string) bool) ([]strin
 			r.log.Info("removed orphan cgroup", "id", id)
 		}
 	}
+	r.sweepScratch()
 	var removed []string
 	var errs []error
 	for id := range ids {
@@ -220,4 +224,36 @@ func firstElem(rel string) string {
 		}
 	}
 	return rel
+}
+
+// sweepScratch removes half-built template copies whose builder is gone
+// (its lock is free) and probe directories left by a crash.
+func (r *Runtime) sweepScratch() {
+	base := filepath.Join(r.cfg.DataDir, "rootfs")
+	ents, _ := os.ReadDir(base)
+	for _, e := range ents {
+		rest, ok := strings.CutPrefix(e.Name(), ".tmp-")
+		if !ok || !e.IsDir() {
+			continue
+		}
+		i := strings.LastIndexByte(rest, '-')
+		if i <= 0 {
+			continue
+		}
+		lock, err := os.OpenFile(filepath.Join(base, "."+rest[:i]+".lock"), os.O_CREATE|os.O_RDWR, 0o600)
+		if err != nil {
+			continue
+		}
+		if unix.Flock(int(lock.Fd()), unix.LOCK_EX|unix.LOCK_NB) == nil {
+			os.RemoveAll(filepath.Join(base, e.Name()))
+			unix.Flock(int(lock.Fd()), unix.LOCK_UN)
+		}
+		lock.Close()
+	}
+	ents, _ = os.ReadDir(r.cfg.DataDir)
+	for _, e := range ents {
+		if fi, err := e.Info(); err == nil && strings.HasPrefix(e.Name(), ".probe-") && time.Since(fi.ModTime()) > time.Hour {
+			os.RemoveAll(filepath.Join(r.cfg.DataDir, e.Name()))
+		}
+	}
 }

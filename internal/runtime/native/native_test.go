@@ -6,11 +6,11 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"sort"
 	"strings"
-	"time"
-	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"

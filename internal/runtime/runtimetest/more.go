@@ -407,6 +407,9 @@ c = socket.create_connection(l.getsockname(), timeout=3); print("loopback ok")
 		if out := sb.MustSh(t, "hostname"); out != sb.Spec.Hostname+"\n" {
 			t.Fatalf("hostname %q, want %q", out, sb.Spec.Hostname)
 		}
+		if res := sb.Exec(t, "python3", "-c", "import socket; socket.gethostbyname(socket.gethostname())"); res.ExitCode != 0 {
+			t.Fatalf("own hostname does not resolve: %+v", res)
+		}
 	})
 	t.Run("privileged-syscalls", func(t *testing.T) {
 		res := sb.Exec(t, "python3", "-c", probeScript)
@@ -547,4 +550,20 @@ func testPause(t *testing.T, h Harness) {
 	if c3 := read(); c3 <= c2 {
 		t.Fatalf("counter stuck at %d after Resume", c3)
 	}
+	// A paused sandbox can be stopped (and started again).
+	if err := p.Pause(ctx); err != nil {
+		t.Fatalf("second Pause: %v", err)
+	}
+	t0 := time.Now()
+	if err := sb.Inst.Stop(ctx); err != nil {
+		t.Fatalf("Stop of a paused sandbox: %v", err)
+	}
+	if d := time.Since(t0); d > 10*time.Second {
+		t.Fatalf("Stop of a paused sandbox took %v", d)
+	}
+	if err := sb.Inst.Start(ctx); err != nil {
+		t.Fatalf("Start after stopping a paused sandbox: %v", err)
+	}
+	sb.Connect(t)
+	sb.MustSh(t, "true")
 }

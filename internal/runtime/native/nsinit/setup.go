@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	goruntime "runtime"
+	"slices"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -104,6 +105,9 @@ func build() error {
 	if err := pivotRoot(cfg.Root); err != nil {
 		return err
 	}
+	// Only after pivot_root: the writable layer is the sandbox's, and a
+	// symlink it planted must resolve inside the sandbox, never on the host.
+	writeHostFiles(cfg.Hostname)
 	if err := setRlimits(cfg.NoFile); err != nil {
 		return err
 	}
@@ -144,9 +148,6 @@ func validate(cfg *Config) error {
 }
 
 func sethostname(name string) error {
-	if name == "" {
-		name = "sandbox"
-	}
 	if err := unix.Sethostname([]byte(name)); err != nil {
 		return fmt.Errorf("sethostname: %w", err)
 	}
@@ -215,4 +216,24 @@ func probe() error {
 	}
 	os.Exit(0)
 	return nil
+}
+
+// writeHostFiles makes the hostname resolve inside the sandbox. It is best
+// effort: the sandbox owns /etc and may have made these files anything.
+func writeHostFiles(hostname string) {
+	_ = os.WriteFile("/etc/hostname", []byte(hostname+"\n"), 0o644)
+	hosts, err := os.ReadFile("/etc/hosts")
+	if (err != nil && !errors.Is(err, os.ErrNotExist)) || len(hosts) > 1<<20 {
+		return
+	}
+	for _, line := range strings.Split(string(hosts), "\n") {
+		if f := strings.Fields(line); len(f) > 1 && slices.Contains(f[1:], hostname) {
+			return
+		}
+	}
+	if !strings.Contains(string(hosts), "localhost") {
+		hosts = append(hosts, "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"...)
+	}
+	hosts = append(hosts, fmt.Sprintf("127.0.1.1\t%s\n", hostname)...)
+	_ = os.WriteFile("/etc/hosts", hosts, 0o644)
 }
