@@ -15,6 +15,9 @@ import (
 	"github.com/spacehq/space/internal/errdefs"
 )
 
+// maxSizelessRead bounds a read of a file that reports size 0.
+const maxSizelessRead = 64 << 20
+
 func queryPath(r *http.Request, name string) (string, error) {
 	q := r.URL.Query()
 	if _, ok := q[name]; !ok {
@@ -51,7 +54,19 @@ func (a *Agent) handleReadFile(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fmt.Errorf("read %s: not a regular file: %w", apiPath(rel), errdefs.ErrUnprocessable))
 		return
 	}
+	// Clear O_NONBLOCK for ordinary blocking reads from here on.
+	if err := unix.SetNonblock(fd, false); err != nil {
+		writeError(w, fsError("read", apiPath(rel), err))
+		return
+	}
 	w.Header().Set("Content-Type", "application/octet-stream")
+	if st.Size == 0 {
+		// procfs and sysfs report size 0 but have content: stream what is
+		// there (bounded, since such files are generated).
+		w.WriteHeader(http.StatusOK)
+		io.Copy(w, io.LimitReader(f, maxSizelessRead))
+		return
+	}
 	w.Header().Set("Content-Length", strconv.FormatInt(st.Size, 10))
 	w.WriteHeader(http.StatusOK)
 	n, _ := io.CopyN(w, f, st.Size)

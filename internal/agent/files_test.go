@@ -17,6 +17,8 @@ import (
 	"github.com/spacehq/space/internal/agent"
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/testenv"
+	"golang.org/x/sys/unix"
 )
 
 func readAll(t *testing.T, c *agentclient.Client, p string) (string, error) {
@@ -428,4 +430,43 @@ func TestTarPutAttacks(t *testing.T) {
 	// Garbage is a clean 400.
 	err = e.c.TarPut(ctx, "/t3", strings.NewReader(strings.Repeat("garbage!", 200)))
 	wantErr(t, err, errdefs.ErrInvalidArgument)
+}
+
+// TestFilesProcMagicLinks: with a real procfs inside the root, its magic
+// links (/proc/self/root, /proc/<pid>/cwd, fd links) must not be followed
+// out of the root.
+func TestFilesProcMagicLinks(t *testing.T) {
+	testenv.RequireRoot(t)
+	e := newEnv(t, agent.Config{})
+	ctx := ctxT(t)
+	proc := filepath.Join(e.root, "proc")
+	if err := os.Mkdir(proc, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("/proc", proc, "", unix.MS_BIND, ""); err != nil {
+		testenv.Require(t, "bind-mount", false, err.Error())
+	}
+	t.Cleanup(func() { unix.Unmount(proc, unix.MNT_DETACH) })
+	host, err := os.ReadFile("/etc/hostname")
+	if err != nil {
+		t.Skip("no /etc/hostname on this host")
+	}
+	for _, p := range []string{"/proc/self/root/etc/hostname", "/proc/1/root/etc/hostname", "/proc/self/cwd/etc/hostname", "/proc/thread-self/root/etc/hostname"} {
+		got, err := readAll(t, e.c, p)
+		if err == nil || got == string(host) {
+			t.Fatalf("read %s through a magic link: %q, %v", p, got, err)
+		}
+	}
+	_, err = e.c.WriteFile(ctx, "/proc/self/root/tmp/space-magic-escape", 0, strings.NewReader("x"))
+	if err == nil {
+		t.Fatal("write through /proc/self/root succeeded")
+	}
+	if _, err := os.Stat("/tmp/space-magic-escape"); err == nil {
+		os.Remove("/tmp/space-magic-escape")
+		t.Fatal("write escaped through a magic link")
+	}
+	// Ordinary procfs files are still readable (they are not links).
+	if got, err := readAll(t, e.c, "/proc/self/status"); err == nil && got == "" {
+		t.Fatal("empty /proc/self/status")
+	}
 }
