@@ -1,5 +1,3 @@
-//go:build server
-
 package cli
 
 import (
@@ -31,10 +29,7 @@ func newServerCmd(a *app) *cobra.Command {
 			return server.Run(ctx, cfg)
 		},
 	}
-	cacheDefault := os.Getenv("SPACE_CACHE")
-	if cacheDefault == "" {
-		cacheDefault = "/var/cache/space"
-	}
+	cacheDefault := defaultCacheDir()
 	cmd.Flags().StringVar(&cfg.DataDir, "data", DataDir(), "data directory (env SPACE_DATA)")
 	cmd.Flags().StringVar(&cfg.Listen, "listen", "127.0.0.1:7070", "listen address host:port or unix:/path")
 	cmd.Flags().StringVar(&cfg.CacheDir, "cache", cacheDefault, "cache directory for templates and kernels (env SPACE_CACHE)")

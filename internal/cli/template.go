@@ -13,6 +13,7 @@ import (
 	"golang.org/x/term"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/template"
 	"github.com/spacehq/space/sdk"
 )
 
@@ -94,22 +95,47 @@ func newTemplateCmd(a *app) *cobra.Command {
 		},
 	}
 	imp.Flags().StringVar(&tag, "tag", "", "tag the template as name:tag")
+	var (
+		local    bool
+		cacheDir string
+	)
 	build := &cobra.Command{
 		Use:   "build-base",
 		Short: "Build the Debian base template base:latest if it is missing",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if local {
+				// Without a server: build only the cached root filesystem
+				// (what scripts/setup.sh does on a fresh machine).
+				var rootfs string
+				_, err := a.buildBase(func(progress func(sdk.BuildProgress)) (*api.Template, error) {
+					var err error
+					rootfs, err = template.BuildBase(a.ctx, cacheDir, func(p template.Progress) {
+						progress(sdk.BuildProgress{Phase: p.Phase, Done: int64(p.Done), Total: int64(p.Total), Message: p.Message})
+					})
+					return nil, err
+				})
+				if err != nil {
+					return err
+				}
+				fmt.Fprintln(a.out, "base root filesystem ready:", rootfs)
+				return nil
+			}
 			c, err := a.Client()
 			if err != nil {
 				return err
 			}
-			t, err := a.buildBase(c)
+			t, err := a.buildBase(func(progress func(sdk.BuildProgress)) (*api.Template, error) {
+				return c.BuildBaseTemplate(a.ctx, progress)
+			})
 			if err != nil {
 				return err
 			}
 			return a.printTemplate(t)
 		},
 	}
+	build.Flags().BoolVar(&local, "local", false, "build only the cached base root filesystem, without a server")
+	build.Flags().StringVar(&cacheDir, "cache", defaultCacheDir(), "cache directory for --local (env SPACE_CACHE)")
 	cmd.AddCommand(ls, inspect, rm, imp, build)
 	return cmd
 }
@@ -154,7 +180,9 @@ func (a *app) importTemplate(c *sdk.Client, tag, src string) (*api.Template, err
 	return t, err
 }
 
-func (a *app) buildBase(c *sdk.Client) (*api.Template, error) {
+// buildBase runs build with a progress display: bars on a terminal, plain
+// lines otherwise.
+func (a *app) buildBase(build func(progress func(sdk.BuildProgress)) (*api.Template, error)) (*api.Template, error) {
 	f, isFile := a.out.(*os.File)
 	if a.json || !isFile || !term.IsTerminal(int(f.Fd())) {
 		// Plain lines for logs and pipes; in --json mode progress goes to
@@ -163,14 +191,14 @@ func (a *app) buildBase(c *sdk.Client) (*api.Template, error) {
 		if a.json {
 			w = a.errOut
 		}
-		return c.BuildBaseTemplate(a.ctx, func(p sdk.BuildProgress) {
+		return build(func(p sdk.BuildProgress) {
 			fmt.Fprintln(w, progressLine(p))
 		})
 	}
 	p := mpb.NewWithContext(a.ctx, mpb.WithOutput(a.out), mpb.WithWidth(40))
 	var bar *mpb.Bar
 	phase := ""
-	t, err := c.BuildBaseTemplate(a.ctx, func(pr sdk.BuildProgress) {
+	t, err := build(func(pr sdk.BuildProgress) {
 		if pr.Phase != phase || bar == nil {
 			if bar != nil {
 				bar.SetTotal(-1, true)
@@ -232,4 +260,11 @@ func shortDigest(d string) string {
 		return d[:len("sha256:")+12]
 	}
 	return orDash(d)
+}
+
+func defaultCacheDir() string {
+	if d := os.Getenv("SPACE_CACHE"); d != "" {
+		return d
+	}
+	return "/var/cache/space"
 }
