@@ -111,7 +111,7 @@ func (c *Client) Close() error {
 // Done is closed when the session dies (agent gone, stream broken, Close).
 func (c *Client) Done() <-chan struct{} { return c.sess.CloseChan() }
 
-// call is one request. respLimit bounds a JSON response (0: none expected).
+// call is one request to the agent.
 type call struct {
 	method, path string
 	query        url.Values
@@ -158,7 +158,11 @@ func (c *Client) roundTrip(ctx context.Context, cl call, bounded bool) (*http.Re
 		return nil, nil, err
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		// Even for unbounded (streaming) calls, an error body must come
+		// promptly.
+		t := time.AfterFunc(c.timeout, cancel)
 		err := c.decodeError(ctx, cl, resp)
+		t.Stop()
 		resp.Body.Close()
 		cancel()
 		return nil, nil, err
@@ -245,6 +249,11 @@ func (c *Client) doJSON(ctx context.Context, cl call, in, out any, limit int64) 
 	}
 	defer cancel()
 	defer resp.Body.Close()
+	// The agent writes a JSON answer in one piece once it has it: once the
+	// headers are here the body must follow promptly (this matters for an
+	// exec without timeout, whose call deadline is far away).
+	t := time.AfterFunc(c.timeout, cancel)
+	defer t.Stop()
 	if out == nil {
 		limit = maxErrorBody
 	}

@@ -124,6 +124,20 @@ func TestHostileAgent(t *testing.T) {
 	mux.HandleFunc("GET /v1/files", func(w http.ResponseWriter, r *http.Request) { // headers never come
 		<-block
 	})
+	mux.HandleFunc("GET /v1/files/tar", func(w http.ResponseWriter, r *http.Request) { // error body dribbles
+		w.WriteHeader(http.StatusNotFound)
+		for {
+			w.(http.Flusher).Flush()
+			select {
+			case <-block:
+				return
+			case <-r.Context().Done():
+				return
+			case <-time.After(50 * time.Millisecond):
+				w.Write([]byte(" "))
+			}
+		}
+	})
 	mux.HandleFunc("POST /v1/exec", func(w http.ResponseWriter, r *http.Request) { // exceeds even exec's bound
 		w.Write([]byte(`{"stdout":"`))
 		chunk := []byte(strings.Repeat("a", 1<<20))
@@ -171,6 +185,10 @@ func TestHostileAgent(t *testing.T) {
 	})
 	within(t, 5*time.Second, func() {
 		_, err := c.ReadFile(ctx, "/a")
+		wantIs(t, err, errdefs.ErrTimeout, "")
+	})
+	within(t, 5*time.Second, func() {
+		_, err := c.TarGet(ctx, "/a")
 		wantIs(t, err, errdefs.ErrTimeout, "")
 	})
 	within(t, 10*time.Second, func() {
