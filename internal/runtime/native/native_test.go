@@ -213,6 +213,21 @@ func TestInsideView(t *testing.T) {
 	if !strings.Contains(st, "Seccomp:\t2") || !strings.Contains(st, "NoNewPrivs:\t1") {
 		t.Errorf("status: %q", st)
 	}
+	// clone3 is ENOSYS so libc falls back to clone, whose flags are checked;
+	// AF_NETLINK other than NETLINK_ROUTE is refused.
+	res0 := sb.Exec(t, "python3", "-c", `
+import ctypes, socket
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall(435, None, 0); print("clone3", ctypes.get_errno())
+socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0).close(); print("route ok")
+try:
+    socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 9)
+except OSError as e:
+    print("audit", e.errno)
+`)
+	if !strings.Contains(res0.Stdout, "clone3 38") || !strings.Contains(res0.Stdout, "route ok") || !strings.Contains(res0.Stdout, "audit 97") {
+		t.Errorf("seccomp argument checks: %+v", res0)
+	}
 	// x32 syscalls kill the caller.
 	res := sb.Exec(t, "python3", "-c", "import ctypes; ctypes.CDLL(None).syscall(0x40000000 + 39)")
 	if res.Signal != "SYS" {
