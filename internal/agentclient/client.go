@@ -121,27 +121,47 @@ type call struct {
 	deadline     time.Duration // whole-call bound; 0 = c.timeout
 }
 
+// errCallTimeout is the cancellation cause when a bound of this package
+// (not the caller's context) ends a call.
+var errCallTimeout = errors.New("agent did not answer in time")
+
+// callCtl controls one call's context.
+type callCtl struct {
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+}
+
+// done releases the call.
+func (cc *callCtl) done() { cc.cancel(context.Canceled) }
+
+// expireAfter ends the call as timed out after d unless stopped.
+func (cc *callCtl) expireAfter(d time.Duration) *time.Timer {
+	return time.AfterFunc(d, func() { cc.cancel(errCallTimeout) })
+}
+
 // roundTrip sends the request and returns the response once its status is
-// 2xx; an error response is decoded into a sentinel error. The caller must
-// call cancel after consuming the body.
-func (c *Client) roundTrip(ctx context.Context, cl call, bounded bool) (*http.Response, context.CancelFunc, error) {
-	var cancel context.CancelFunc
+// 2xx; an error response is decoded into a sentinel error. A bounded call
+// must finish within its deadline. The caller must call done after
+// consuming the body.
+func (c *Client) roundTrip(ctx context.Context, cl call, bounded bool) (*http.Response, *callCtl, error) {
+	cctx, cancel := context.WithCancelCause(ctx)
+	cc := &callCtl{ctx: cctx, cancel: cancel}
 	if bounded {
 		d := cl.deadline
 		if d == 0 {
 			d = c.timeout
 		}
-		ctx, cancel = context.WithTimeout(ctx, d)
-	} else {
-		ctx, cancel = context.WithCancel(ctx)
+		t := cc.expireAfter(d)
+		inner := cc.cancel
+		cc.cancel = func(cause error) { t.Stop(); inner(cause) }
 	}
 	u := "http://agent" + cl.path
 	if len(cl.query) > 0 {
 		u += "?" + cl.query.Encode()
 	}
-	req, err := http.NewRequestWithContext(ctx, cl.method, u, cl.body)
+	req, err := http.NewRequestWithContext(cctx, cl.method, u, cl.body)
 	if err != nil {
-		cancel()
+		cc.done()
 		return nil, nil, fmt.Errorf("agent %s %s: %v: %w", cl.method, cl.path, err, errdefs.ErrInvalidArgument)
 	}
 	if cl.contentType != "" {
@@ -153,30 +173,39 @@ func (c *Client) roundTrip(ctx context.Context, cl call, bounded bool) (*http.Re
 	}
 	resp, err := hc.Do(req)
 	if err != nil {
-		err = c.transportError(ctx, cl, err)
-		cancel()
+		err = transportError(cctx, cl, err)
+		cc.done()
 		return nil, nil, err
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		// Even for unbounded (streaming) calls, an error body must come
 		// promptly.
-		t := time.AfterFunc(c.timeout, cancel)
-		err := c.decodeError(ctx, cl, resp)
+		t := cc.expireAfter(c.timeout)
+		err := decodeError(cctx, cl, resp)
 		t.Stop()
 		resp.Body.Close()
-		cancel()
+		cc.done()
 		return nil, nil, err
 	}
-	return resp, cancel, nil
+	return resp, cc, nil
 }
 
-// transportError classifies a failure to talk to the agent.
-func (c *Client) transportError(ctx context.Context, cl call, err error) error {
-	if ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) {
-		if errors.Is(ctx.Err(), context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+// transportError classifies a failure to talk to the agent; ctx is the
+// call's own context.
+func transportError(ctx context.Context, cl call, err error) error {
+	if ctx.Err() == nil && errors.Is(err, context.Canceled) {
+		ctx = context.Background() // not ours: treat as a broken stream
+	}
+	if ctx.Err() != nil {
+		cause := context.Cause(ctx)
+		switch {
+		case errors.Is(cause, errCallTimeout):
+			return fmt.Errorf("agent %s %s: %w: %w", cl.method, cl.path, errCallTimeout, errdefs.ErrTimeout)
+		case errors.Is(cause, context.DeadlineExceeded):
+			return fmt.Errorf("agent %s %s: no answer in time: %w: %w", cl.method, cl.path, errdefs.ErrTimeout, context.DeadlineExceeded)
+		default:
 			return fmt.Errorf("agent %s %s: %w", cl.method, cl.path, context.Canceled)
 		}
-		return fmt.Errorf("agent %s %s: no answer in time: %w: %w", cl.method, cl.path, errdefs.ErrTimeout, context.DeadlineExceeded)
 	}
 	var ne net.Error
 	if errors.As(err, &ne) && ne.Timeout() {
@@ -186,14 +215,13 @@ func (c *Client) transportError(ctx context.Context, cl call, err error) error {
 }
 
 // decodeError turns a non-2xx response into a sentinel error.
-func (c *Client) decodeError(ctx context.Context, cl call, resp *http.Response) error {
-	ctx = resp.Request.Context()
+func decodeError(ctx context.Context, cl call, resp *http.Response) error {
 	b, err := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
 	if err == nil && ctx.Err() != nil {
 		err = ctx.Err()
 	}
 	if err != nil {
-		return c.transportError(ctx, cl, err)
+		return transportError(ctx, cl, err)
 	}
 	return errorFromBody(cl.method+" "+cl.path, resp.StatusCode, b)
 }
@@ -243,31 +271,31 @@ func (c *Client) doJSON(ctx context.Context, cl call, in, out any, limit int64) 
 		}
 		cl.body, cl.contentType = bytes.NewReader(b), "application/json"
 	}
-	resp, cancel, err := c.roundTrip(ctx, cl, true)
+	resp, cc, err := c.roundTrip(ctx, cl, true)
 	if err != nil {
 		return err
 	}
-	defer cancel()
+	defer cc.done()
 	defer resp.Body.Close()
 	// The agent writes a JSON answer in one piece once it has it: once the
 	// headers are here the body must follow promptly (this matters for an
 	// exec without timeout, whose call deadline is far away).
-	t := time.AfterFunc(c.timeout, cancel)
+	t := cc.expireAfter(c.timeout)
 	defer t.Stop()
 	if out == nil {
 		limit = maxErrorBody
 	}
-	return c.readJSON(ctx, cl, resp, out, limit)
+	return readJSON(cc.ctx, cl, resp, out, limit)
 }
 
-func (c *Client) readJSON(ctx context.Context, cl call, resp *http.Response, out any, limit int64) error {
-	ctx = resp.Request.Context() // the call's own bounded context
+// readJSON reads a bounded JSON body; ctx is the call's own context.
+func readJSON(ctx context.Context, cl call, resp *http.Response, out any, limit int64) error {
 	b, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
 	if err == nil && ctx.Err() != nil {
 		err = ctx.Err() // a cut-off body may read as a clean EOF
 	}
 	if err != nil {
-		return c.transportError(ctx, cl, err)
+		return transportError(ctx, cl, err)
 	}
 	if int64(len(b)) > limit {
 		return fmt.Errorf("agent %s %s: response exceeds %d bytes: %w", cl.method, cl.path, limit, errdefs.ErrUnavailable)
@@ -360,7 +388,7 @@ func (c *Client) Attach(ctx context.Context, id string, stdoutOff, stderrOff int
 			b, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
 			return nil, errorFromBody("GET "+path, resp.StatusCode, b)
 		}
-		return nil, c.transportError(ctx, call{method: http.MethodGet, path: path}, err)
+		return nil, transportError(ctx, call{method: http.MethodGet, path: path}, err)
 	}
 	conn.SetReadLimit(api.MaxFrame)
 	return conn, nil
@@ -369,21 +397,21 @@ func (c *Client) Attach(ctx context.Context, id string, stdoutOff, stderrOff int
 // streamBody wraps a streaming response so Close releases the call.
 type streamBody struct {
 	io.ReadCloser
-	cancel context.CancelFunc
+	done func()
 }
 
 func (s *streamBody) Close() error {
 	err := s.ReadCloser.Close()
-	s.cancel()
+	s.done()
 	return err
 }
 
 func (c *Client) stream(ctx context.Context, cl call) (io.ReadCloser, error) {
-	resp, cancel, err := c.roundTrip(ctx, cl, false)
+	resp, cc, err := c.roundTrip(ctx, cl, false)
 	if err != nil {
 		return nil, err
 	}
-	return &streamBody{ReadCloser: resp.Body, cancel: cancel}, nil
+	return &streamBody{ReadCloser: resp.Body, done: cc.done}, nil
 }
 
 func pathQuery(p string) url.Values { return url.Values{"path": {p}} }
@@ -396,20 +424,20 @@ func (c *Client) ReadFile(ctx context.Context, path string) (io.ReadCloser, erro
 
 // upload sends a streaming body and reads a bounded JSON answer.
 func (c *Client) upload(ctx context.Context, cl call, out any) error {
-	resp, cancel, err := c.roundTrip(ctx, cl, false)
+	resp, cc, err := c.roundTrip(ctx, cl, false)
 	if err != nil {
 		return err
 	}
-	defer cancel()
+	defer cc.done()
 	defer resp.Body.Close()
 	// The upload may take long; the answer after it may not.
-	t := time.AfterFunc(c.timeout, cancel)
+	t := cc.expireAfter(c.timeout)
 	defer t.Stop()
 	limit := int64(agentproto.MaxJSONBody)
 	if out == nil {
 		limit = maxErrorBody
 	}
-	return c.readJSON(ctx, cl, resp, out, limit)
+	return readJSON(cc.ctx, cl, resp, out, limit)
 }
 
 // WriteFile atomically replaces path with r's content. mode 0 keeps the
