@@ -127,12 +127,18 @@ var errCallTimeout = errors.New("agent did not answer in time")
 
 // callCtl controls one call's context.
 type callCtl struct {
-	ctx    context.Context
-	cancel context.CancelCauseFunc
+	ctx      context.Context
+	cancel   context.CancelCauseFunc
+	deadline *time.Timer // of a bounded call
 }
 
 // done releases the call.
-func (cc *callCtl) done() { cc.cancel(context.Canceled) }
+func (cc *callCtl) done() {
+	if cc.deadline != nil {
+		cc.deadline.Stop()
+	}
+	cc.cancel(context.Canceled)
+}
 
 // expireAfter ends the call as timed out after d unless stopped.
 func (cc *callCtl) expireAfter(d time.Duration) *time.Timer {
@@ -151,9 +157,7 @@ func (c *Client) roundTrip(ctx context.Context, cl call, bounded bool) (*http.Re
 		if d == 0 {
 			d = c.timeout
 		}
-		t := cc.expireAfter(d)
-		inner := cc.cancel
-		cc.cancel = func(cause error) { t.Stop(); inner(cause) }
+		cc.deadline = cc.expireAfter(d)
 	}
 	u := "http://agent" + cl.path
 	if len(cl.query) > 0 {

@@ -192,7 +192,7 @@ func TestHostileAgent(t *testing.T) {
 		wantIs(t, err, errdefs.ErrTimeout, "")
 	})
 	within(t, 10*time.Second, func() {
-		_, err := c.Exec(ctx, agentproto.ExecRequest{Cmd: []string{"x"}, MaxOutputBytes: 1 << 20, TimeoutSeconds: 5})
+		_, err := c.Exec(ctx, agentproto.ExecRequest{Cmd: []string{"x"}, MaxOutputBytes: 64 << 10, TimeoutSeconds: 5})
 		wantIs(t, err, errdefs.ErrUnavailable, "exceeds")
 	})
 	within(t, 5*time.Second, func() {
