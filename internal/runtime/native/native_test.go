@@ -213,6 +213,10 @@ func TestInsideView(t *testing.T) {
 	if !strings.Contains(st, "Seccomp:\t2") || !strings.Contains(st, "NoNewPrivs:\t1") {
 		t.Errorf("status: %q", st)
 	}
+	// The agent's listening socket does not leak into the processes it runs.
+	if out := sb.MustSh(t, "ls -l /proc/self/fd/ | grep -c socket: || true"); strings.TrimSpace(out) != "0" {
+		t.Errorf("a sandbox process holds %s sockets it did not open:\n%s", out, sb.MustSh(t, "ls -l /proc/self/fd/"))
+	}
 	// clone3 is ENOSYS so libc falls back to clone, whose flags are checked;
 	// AF_NETLINK other than NETLINK_ROUTE is refused.
 	res0 := sb.Exec(t, "python3", "-c", `

@@ -26,8 +26,11 @@ import (
 func setup() error {
 	switch stage := os.Getenv(EnvMarker); stage {
 	case stageServe:
-		// The agent must not pass the marker on to the processes it runs.
+		// The agent must not pass the marker, nor its listening socket, on
+		// to the processes it runs (Go's os/exec leaks fds without
+		// close-on-exec): a process holding it could answer the host.
 		os.Unsetenv(EnvMarker)
+		unix.CloseOnExec(FDAgentListener)
 		return nil
 	case StageProbe:
 		return report(probe())
