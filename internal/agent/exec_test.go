@@ -1,6 +1,7 @@
 package agent_test
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"strconv"
@@ -244,5 +245,57 @@ func TestReapsOrphans(t *testing.T) {
 	}
 	if z := zombieChildren(t); len(z) > 0 {
 		t.Fatalf("zombies left: %v", z)
+	}
+}
+
+// TestExecConcurrent checks that the reaper hands every exit status to its
+// own process under concurrency.
+func TestExecConcurrent(t *testing.T) {
+	e := newEnv(t, agent.Config{})
+	ctx := ctxT(t)
+	const n = 40
+	errs := make(chan error, n)
+	for i := 0; i < n; i++ {
+		go func() {
+			res, err := e.c.Exec(ctx, agentproto.ExecRequest{Cmd: []string{"sh", "-c", fmt.Sprintf("echo %d; exit %d", i, i)}})
+			switch {
+			case err != nil:
+				errs <- err
+			case res.ExitCode != i || res.Stdout != fmt.Sprintf("%d\n", i):
+				errs <- fmt.Errorf("exec %d got exit %d stdout %q", i, res.ExitCode, res.Stdout)
+			default:
+				errs <- nil
+			}
+		}()
+	}
+	for i := 0; i < n; i++ {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestExecCallerGone: when the host gives up on a sync exec, the agent
+// kills the process instead of leaving it behind.
+func TestExecCallerGone(t *testing.T) {
+	e := newEnv(t, agent.Config{})
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	_, err := e.c.Exec(ctx, agentproto.ExecRequest{Cmd: []string{"sh", "-c", "echo $$ > " + e.root + "/pid; exec sleep 30"}})
+	wantErr(t, err, errdefs.ErrTimeout)
+	b, err := os.ReadFile(e.root + "/pid")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := strings.TrimSpace(string(b))
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if _, err := os.Stat("/proc/" + pid); os.IsNotExist(err) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("process %s outlived the abandoned exec", pid)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
