@@ -249,3 +249,32 @@ func zombieOrAlive(pid int) bool {
 	_, err := osStat("/proc/" + itoa(pid))
 	return err == nil
 }
+
+// TestProcSlowAttach: a live attach that does not read while the process
+// floods gets Dropped markers, never stalls the process, and still
+// accounts for every byte offset.
+func TestProcSlowAttach(t *testing.T) {
+	e := newEnv(t, agent.Config{RingBytes: 4096})
+	ctx := ctxT(t)
+	const total = 4 << 20
+	if _, err := e.c.StartProc(ctx, agentproto.ProcStart{ID: "f", Cmd: []string{"sh", "-c", "sleep 0.2; head -c 4194304 /dev/zero"}}); err != nil {
+		t.Fatal(err)
+	}
+	c, err := e.c.Attach(ctx, "f", 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitExited(t, e, "f") // the flood finishes although nobody reads
+	var s session
+	s.readAll(t, ctx, c)
+	if len(s.dropped) == 0 || s.offsets[0] != total {
+		t.Fatalf("dropped=%v final offset %d, want drops and %d", s.dropped, s.offsets[0], total)
+	}
+	var lost int64
+	for _, d := range s.dropped {
+		lost += d.To - d.From
+	}
+	if lost+int64(s.stdout.Len()) != total {
+		t.Fatalf("received %d + dropped %d != %d", s.stdout.Len(), lost, total)
+	}
+}
