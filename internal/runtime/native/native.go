@@ -78,6 +78,9 @@ func New(cfg runtime.Config) (runtime.Runtime, error) {
 	return &Runtime{cfg: cfg, log: log.With("runtime", Name)}, nil
 }
 
+// DataDir is the runtime's directory.
+func (r *Runtime) DataDir() string { return r.cfg.DataDir }
+
 // Name implements runtime.Runtime.
 func (r *Runtime) Name() string { return Name }
 

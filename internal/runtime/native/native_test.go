@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -70,6 +71,10 @@ func harness(t *testing.T) runtimetest.Harness {
 }
 
 func TestMain(m *testing.M) {
+	if os.Getenv("NATIVE_TEST_SERVER") == "1" {
+		fakeServer()
+		return
+	}
 	code := m.Run()
 	if sharedRootfs != "" {
 		os.RemoveAll(sharedRootfs)
@@ -271,4 +276,78 @@ func TestStartLatency(t *testing.T) {
 		return d[len(d)/2]
 	}
 	t.Logf("create+start+agent healthy p50 %v (runs %v); bwrap /bin/true p50 %v", med(runs), runs, med(bw))
+}
+
+// fakeServer is a stand-in server process for TestSurvivesServerKill: it
+// creates and starts one sandbox, says so, and waits to be killed.
+func fakeServer() {
+	rt, err := runtime.New(native.Name, runtime.Config{DataDir: os.Getenv("DATA_DIR"), AgentBinary: os.Getenv("AGENT")})
+	if err == nil {
+		var inst runtime.Instance
+		inst, err = rt.Create(context.Background(), fakeServerSpec(os.Getenv("ROOTFS")))
+		if err == nil {
+			err = inst.Start(context.Background())
+		}
+	}
+	if err != nil {
+		fmt.Println("error:", err)
+		os.Exit(1)
+	}
+	fmt.Println("started")
+	select {}
+}
+
+func fakeServerSpec(rootfs string) runtime.Spec {
+	return runtime.Spec{ID: "sb-survivor", RootFS: rootfs, TemplateDigest: "sha256:base-bookworm-test", Limits: runtimetest.DefaultLimits}
+}
+
+// TestSurvivesServerKill: kill -9 of the server process that started a
+// sandbox leaves the sandbox running, and a new server re-adopts it.
+func TestSurvivesServerKill(t *testing.T) {
+	h := harness(t)
+	rt := h.New(t) // sets up a DataDir sharing the shifted rootfs
+	caps := rt.Probe(context.Background())
+	if !caps.Available {
+		t.Fatal(caps.Reason)
+	}
+	dataDir := rt.(interface{ DataDir() string }).DataDir()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "NATIVE_TEST_SERVER=1", "DATA_DIR="+dataDir, "AGENT="+testenv.AgentBinary(t), "ROOTFS="+h.RootFS)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 4096)
+	n, _ := io.ReadAtLeast(out, buf, 1)
+	if !strings.Contains(string(buf[:n]), "started") {
+		cmd.Process.Kill()
+		t.Fatalf("fake server: %s", buf[:n])
+	}
+	cmd.Process.Kill() // SIGKILL: no cleanup of any kind runs
+	cmd.Wait()
+
+	spec := fakeServerSpec(h.RootFS)
+	inst, err := rt.Open(context.Background(), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { inst.Destroy(context.Background()) })
+	if !inst.Alive() {
+		t.Fatal("sandbox died with the server that started it")
+	}
+	sb := &runtimetest.Sandbox{RT: rt, Inst: inst, Spec: spec}
+	sb.Connect(t)
+	if out := sb.MustSh(t, "echo still here"); out != "still here\n" {
+		t.Fatalf("exec after server kill: %q", out)
+	}
+	// The orphaned init was reparented and its exit is still observed.
+	if err := inst.Stop(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if inst.Alive() {
+		t.Fatal("Alive after Stop")
+	}
 }
