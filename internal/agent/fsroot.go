@@ -269,8 +269,13 @@ func mkdirAll(dirfd int, rel string, perm uint32) error {
 		}
 		err = unix.Mkdirat(pfd, comps[i], perm)
 		if err == nil {
-			// Undo the umask, and never create set-id directories.
-			unix.Fchmodat(pfd, comps[i], perm&0o1777, 0)
+			// Undo the umask, and never create set-id directories. Through a
+			// descriptor opened without following: the name may have been
+			// swapped for a symlink since mkdirat.
+			if dfd, oerr := unix.Openat(pfd, comps[i], unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0); oerr == nil {
+				unix.Fchmod(dfd, perm&0o1777)
+				unix.Close(dfd)
+			}
 		}
 		unix.Close(pfd)
 		if err != nil && err != unix.EEXIST {
