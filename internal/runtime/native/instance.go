@@ -141,6 +141,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if i.aliveLocked() {
 		return fmt.Errorf("sandbox %s is already running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
+	t0 := time.Now()
 	agent, err := i.rt.agentPath()
 	if err != nil {
 		return fmt.Errorf("native runtime: %v: %w", err, errdefs.ErrUnavailable)
@@ -201,9 +202,11 @@ func (i *instance) Start(ctx context.Context) (err error) {
 			Setsid: true,
 		},
 	}
+	tPrepared := time.Now()
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start sandbox init: %w", err)
 	}
+	tSpawned := time.Now()
 	pid := cmd.Process.Pid
 	// Reap it whenever it dies while this server lives.
 	go cmd.Wait()
@@ -258,6 +261,8 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if err := i.waitSetup(ctx, statR, exited); err != nil {
 		return err
 	}
+	i.rt.log.Debug("sandbox started", "id", i.spec.ID, "pid", pid,
+		"prepare", tPrepared.Sub(t0), "spawn", tSpawned.Sub(tPrepared), "setup", time.Since(tSpawned))
 	i.pid = pid
 	i.exited = exited
 	return nil

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -32,6 +33,16 @@ func shortTempDir(t *testing.T) string {
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	return dir
 }
+
+// testLogger shows the runtime's debug logs (phase timings) with -v and
+// SPACE_TEST_DEBUG=1.
+var testLogger = func() *slog.Logger {
+	level := slog.LevelWarn
+	if os.Getenv("SPACE_TEST_DEBUG") == "1" {
+		level = slog.LevelDebug
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+}()
 
 // sharedRootfs is one DataDir/rootfs cache for every subtest, so the
 // template is uid-shifted once per test binary rather than once per runtime.
@@ -61,7 +72,7 @@ func harness(t *testing.T) runtimetest.Harness {
 			if err := os.Symlink(sharedRootfs, filepath.Join(dir, "rootfs")); err != nil {
 				t.Fatal(err)
 			}
-			rt, err := runtime.New(native.Name, runtime.Config{DataDir: dir, AgentBinary: agent})
+			rt, err := runtime.New(native.Name, runtime.Config{DataDir: dir, AgentBinary: agent, Logger: testLogger})
 			if err != nil {
 				t.Fatal(err)
 			}
