@@ -7,6 +7,9 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -116,4 +119,92 @@ func TestAgentBinaryInheritedFD(t *testing.T) {
 	if err != nil || res.Stdout != "unset\n0\n1\n2\n" {
 		t.Fatalf("exec %+v %v", res, err)
 	}
+}
+
+// TestAgentBinaryAsPID1 runs the agent as PID 1 of a new pid namespace, as
+// in a sandbox: orphans are reaped without a subreaper, and signals sent to
+// PID 1 from inside do not stop it.
+func TestAgentBinaryAsPID1(t *testing.T) {
+	testenv.RequireRoot(t)
+	bin := testenv.AgentBinary(t)
+	dir, err := os.MkdirTemp("", "agb")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	sock := filepath.Join(dir, "s")
+	p, err := os.StartProcess(bin, []string{"space-agent", "--socket", sock, "--root", t.TempDir()}, &os.ProcAttr{
+		Files: []*os.File{nil, os.Stderr, os.Stderr},
+		Sys:   &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID},
+	})
+	if err != nil {
+		testenv.Require(t, "pid-namespace", false, err.Error())
+	}
+	defer func() {
+		p.Kill()
+		p.Wait()
+	}()
+	var conn net.Conn
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		if conn, err = net.Dial("unix", sock); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("agent never listened: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	c, err := agentclient.New(conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx := ctxT(t)
+	if h, err := c.Health(ctx); err != nil || h.Pid != 1 {
+		t.Fatalf("health %+v %v, want pid 1", h, err)
+	}
+	// Signals to PID 1 from inside its namespace are caught and ignored.
+	res, err := c.Exec(ctx, agentproto.ExecRequest{Cmd: []string{"sh", "-c", "for s in TERM INT HUP QUIT USR1 USR2 PIPE; do kill -$s 1; done; echo sent"}})
+	if err != nil || res.Stdout != "sent\n" {
+		t.Fatalf("exec %+v %v", res, err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if _, err := c.Health(ctx); err != nil {
+		t.Fatalf("agent died of a signal from inside: %v", err)
+	}
+	// Children still get default signal dispositions (a handler, unlike
+	// SIG_IGN, is not inherited across exec).
+	res, err = c.Exec(ctx, agentproto.ExecRequest{Cmd: []string{"sh", "-c", "kill -TERM $$; echo survived"}})
+	if err != nil || res.Signal != "TERM" {
+		t.Fatalf("child ignored SIGTERM: %+v %v", res, err)
+	}
+	// Double fork: the grandchild is orphaned to PID 1 and must be reaped.
+	for i := 0; i < 5; i++ {
+		if _, err := c.Exec(ctx, agentproto.ExecRequest{Cmd: []string{"sh", "-c", "sh -c 'sleep 0.1 >/dev/null 2>&1 &'"}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(500 * time.Millisecond)
+	if z := zombiesOf(t, p.Pid); len(z) > 0 {
+		t.Fatalf("zombies under the agent: %v", z)
+	}
+}
+
+// zombiesOf lists host pids of zombie children of ppid.
+func zombiesOf(t *testing.T, ppid int) []string {
+	t.Helper()
+	ents, _ := os.ReadDir("/proc")
+	var out []string
+	for _, ent := range ents {
+		b, err := os.ReadFile("/proc/" + ent.Name() + "/stat")
+		if err != nil {
+			continue
+		}
+		s := string(b)
+		f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+		if len(f) > 1 && f[0] == "Z" && f[1] == strconv.Itoa(ppid) {
+			out = append(out, ent.Name())
+		}
+	}
+	return out
 }
