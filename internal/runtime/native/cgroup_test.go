@@ -19,7 +19,12 @@ func testCgroupKillFreeze(t *testing.T, cg cgroup) {
 	ctx := context.Background()
 	var cmds []*exec.Cmd
 	for i := 0; i < 3; i++ {
-		cmd := exec.Command("sh", "-c", "sleep 600 & sleep 600 & wait")
+		// The shell forks only once stdin closes, after it joined.
+		cmd := exec.Command("sh", "-c", "read x; sleep 600 & sleep 600 & wait")
+		stdin, err := cmd.StdinPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
@@ -28,6 +33,7 @@ func testCgroupKillFreeze(t *testing.T, cg cgroup) {
 		if err := cg.addProc(cmd.Process.Pid); err != nil {
 			t.Fatal(err)
 		}
+		stdin.Close()
 	}
 	t.Cleanup(func() {
 		for _, c := range cmds {
