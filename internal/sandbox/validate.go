@@ -29,6 +29,7 @@ const (
 	maxArgBytes   = 256 << 10
 	maxTTLSeconds = 365 * 24 * 3600
 	maxPathLen    = 4096
+	maxSyncStdin  = 512 << 10
 )
 
 var (
@@ -228,8 +229,10 @@ func validateExec(req *api.ExecRequest) error {
 	if req.MaxOutputBytes < 0 || req.MaxOutputBytes > 16<<20 {
 		return invalid("max_output_bytes must be between 0 and %d", 16<<20)
 	}
-	if len(req.Stdin) > 16<<20 {
-		return fmt.Errorf("stdin is larger than 16 MiB: %w", errdefs.ErrTooLarge)
+	// Sync-exec stdin travels inside the agent's bounded JSON body; larger
+	// input belongs in a file or a command session's stdin frames.
+	if len(req.Stdin) > maxSyncStdin {
+		return fmt.Errorf("stdin is %d bytes, more than %d; write a file or use a command session: %w", len(req.Stdin), maxSyncStdin, errdefs.ErrTooLarge)
 	}
 	return nil
 }

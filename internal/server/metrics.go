@@ -12,11 +12,11 @@ import (
 
 // metrics implements sandbox.Observer with Prometheus collectors.
 type metrics struct {
-	reg        *prometheus.Registry
-	opPhase    *prometheus.HistogramVec
-	opDone     *prometheus.HistogramVec
-	execs      *prometheus.CounterVec
-	httpReqs   *prometheus.CounterVec
+	reg      *prometheus.Registry
+	opPhase  *prometheus.HistogramVec
+	opDone   *prometheus.HistogramVec
+	execs    *prometheus.CounterVec
+	httpReqs *prometheus.CounterVec
 }
 
 var _ sandbox.Observer = (*metrics)(nil)

@@ -100,7 +100,13 @@ func findAgent(cfg Config) (string, error) {
 // New opens the store, reconciles the host with it, and builds the handler.
 func New(ctx context.Context, cfg Config) (*Server, error) {
 	cfg.defaults()
-	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
+	// 0711: sandbox uids (unprivileged on the host) must traverse into the
+	// runtime's directory to reach their own root; nobody may list it. Files
+	// inside that matter (api-key, space.db) are 0600.
+	if err := os.MkdirAll(cfg.DataDir, 0o711); err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(cfg.DataDir, 0o711); err != nil {
 		return nil, err
 	}
 	agentBin, err := findAgent(cfg)
@@ -111,9 +117,13 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	db, err := store.Open(filepath.Join(cfg.DataDir, "space.db"))
+	dbPath := filepath.Join(cfg.DataDir, "space.db")
+	db, err := store.Open(dbPath)
 	if err != nil {
 		return nil, fmt.Errorf("opening store: %w", err)
+	}
+	for _, p := range []string{dbPath, dbPath + "-wal", dbPath + "-shm"} {
+		os.Chmod(p, 0o600)
 	}
 	tmpl, err := template.Open(db.SQL(), filepath.Join(cfg.DataDir, "templates"), cfg.CacheDir, cfg.Logger)
 	if err != nil {
