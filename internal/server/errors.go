@@ -31,8 +31,9 @@ func writeError(w http.ResponseWriter, r *http.Request, err error) {
 	if status >= 500 && !errors.Is(err, errdefs.ErrUnavailable) && !errors.Is(err, errdefs.ErrTimeout) {
 		slog.Error("internal error", "method", r.Method, "path", r.URL.Path, "err", err)
 	}
-	// The sentinel's own words ("…: not found") add nothing for a reader.
-	for _, s := range []string{": invalid argument", ": not found", ": conflict", ": too large", ": unprocessable", ": not supported", ": unauthorized", ": unavailable", ": timeout"} {
+	// Generic sentinels ("…: invalid argument") add nothing after a message
+	// that already says what is wrong; "not found" and "not supported" do.
+	for _, s := range []string{": invalid argument", ": unprocessable"} {
 		msg = strings.TrimSuffix(msg, s)
 	}
 	writeJSON(w, status, api.Error{Error: api.ErrorBody{Code: code, Message: msg}})
