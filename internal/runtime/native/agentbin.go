@@ -1,82 +1,77 @@
 package native
 
 import (
+	"encoding/json"
 	"fmt"
-	"io"
 	"os"
-	"path/filepath"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/runtime/native/nsinit"
 )
 
-// agentPath returns the copy of the agent binary the sandbox init is
-// started from. The init runs as the sandbox's unprivileged host uid, which
-// must be able to execute it, so it lives under DataDir/bin (0711 dirs,
-// 0555 file) rather than wherever the server found it. It is refreshed
-// once per Runtime.
-func (r *Runtime) agentPath() (string, error) {
-	r.agentOnce.Do(func() {
-		r.agentCopy, r.agentErr = r.installAgent()
-	})
-	return r.agentCopy, r.agentErr
+// configSocket returns a connected pair: the host's end and the init's end
+// (passed as nsinit.FDConfig).
+func configSocket() (host, child *os.File, err error) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, nil, err
+	}
+	return os.NewFile(uintptr(fds[0]), "config-host"), os.NewFile(uintptr(fds[1]), "config-init"), nil
 }
 
-func (r *Runtime) installAgent() (string, error) {
-	if r.cfg.AgentBinary == "" {
-		return "", fmt.Errorf("no agent binary configured")
+// sendConfig sends cfg to the init with O_PATH descriptors of dirs
+// (lower, upper, work, root), opened through /proc/<pid>/root so that they
+// belong to the init's mount namespace. The init runs as an unprivileged
+// host uid and gets descriptors instead of paths, so DataDir (and whatever
+// holds it) stays closed to that uid.
+func sendConfig(sock *os.File, pid int, cfg any, dirs []string) error {
+	if len(dirs) != nsinit.LayerFDs {
+		return fmt.Errorf("sendConfig: %d dirs", len(dirs))
 	}
-	if err := r.prepareDataDir(); err != nil {
-		return "", err
-	}
-	dir := filepath.Join(r.cfg.DataDir, "bin")
-	if err := os.MkdirAll(dir, 0o711); err != nil {
-		return "", err
-	}
-	in, err := os.Open(r.cfg.AgentBinary)
+	var fds []int
+	defer func() {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+	}()
+	root, err := unix.Open(fmt.Sprintf("/proc/%d/root", pid), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return "", fmt.Errorf("agent binary: %w", err)
+		return fmt.Errorf("open the sandbox init's root: %w", err)
 	}
-	defer in.Close()
-	tmp, err := os.CreateTemp(dir, ".space-agent-")
-	if err != nil {
-		return "", err
-	}
-	_, err = io.Copy(tmp, in)
-	if err == nil {
-		err = tmp.Chmod(0o555)
-	}
-	if cerr := tmp.Close(); err == nil {
-		err = cerr
-	}
-	dst := filepath.Join(dir, "space-agent")
-	if err == nil {
-		err = os.Rename(tmp.Name(), dst)
-	}
-	if err != nil {
-		os.Remove(tmp.Name())
-		return "", fmt.Errorf("install agent binary: %w", err)
-	}
-	return dst, nil
-}
-
-// prepareDataDir makes DataDir searchable by the sandboxes' host uids: the
-// sandbox init resolves its overlay directories itself, as that uid. It
-// reports a parent directory that would block it.
-func (r *Runtime) prepareDataDir() error {
-	if err := os.MkdirAll(r.cfg.DataDir, 0o711); err != nil {
-		return err
-	}
-	if err := os.Chmod(r.cfg.DataDir, 0o711); err != nil {
-		return err
-	}
-	for d := filepath.Dir(r.cfg.DataDir); ; d = filepath.Dir(d) {
-		fi, err := os.Stat(d)
+	defer unix.Close(root)
+	for _, d := range dirs {
+		// RESOLVE_IN_ROOT: an absolute symlink on the way (a DataDir
+		// behind a link) must resolve in the init's namespace too, not in
+		// ours, or the layer would belong to the wrong namespace.
+		fd, err := unix.Openat2(root, d, &unix.OpenHow{
+			Flags:   unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC,
+			Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS,
+		})
 		if err != nil {
-			return err
+			return fmt.Errorf("open %s in the sandbox's mount namespace: %w", d, err)
 		}
-		if fi.Mode().Perm()&0o001 == 0 {
-			return fmt.Errorf("directory %s (mode %v) is not searchable by sandbox uids; DataDir must be reachable with o+x", d, fi.Mode().Perm())
-		}
-		if d == "/" {
-			return nil
-		}
+		fds = append(fds, fd)
 	}
+	data, err := json.Marshal(cfg)
+	if err != nil {
+		return err
+	}
+	if err := unix.Sendmsg(int(sock.Fd()), data, unix.UnixRights(fds...), nil, 0); err != nil {
+		return fmt.Errorf("send config to sandbox init: %w", err)
+	}
+	return nil
+}
+
+// checkAgent verifies that the agent binary can be executed by a sandbox's
+// host uid through a descriptor (only the file's own mode matters).
+func (r *Runtime) checkAgent() error {
+	fi, err := os.Stat(r.cfg.AgentBinary)
+	if err != nil {
+		return fmt.Errorf("agent binary: %w", err)
+	}
+	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o001 == 0 {
+		return fmt.Errorf("agent binary %s (mode %v) must be a regular file executable by others (the sandbox's uid)", r.cfg.AgentBinary, fi.Mode().Perm())
+	}
+	return nil
 }

@@ -3,7 +3,6 @@ package native
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -142,8 +141,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		return fmt.Errorf("sandbox %s is already running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
 	t0 := time.Now()
-	agent, err := i.rt.agentPath()
-	if err != nil {
+	if err := i.rt.checkAgent(); err != nil {
 		return fmt.Errorf("native runtime: %v: %w", err, errdefs.ErrUnavailable)
 	}
 	lower, err := i.rt.ensureShiftedRootfs(i.spec.RootFS, i.spec.TemplateDigest)
@@ -153,6 +151,14 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if err := mountDisk(i.diskImage(), i.rwDir()); err != nil {
 		return err
 	}
+	if err := os.MkdirAll(i.rootDir(), 0o700); err != nil {
+		return err
+	}
+	bin, err := os.Open(i.rt.cfg.AgentBinary)
+	if err != nil {
+		return err
+	}
+	defer bin.Close()
 	if err := i.cg.create(i.spec.Limits); err != nil {
 		return err
 	}
@@ -166,7 +172,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		return err
 	}
 	defer logf.Close()
-	cfgR, cfgW, err := os.Pipe()
+	cfgW, cfgR, err := configSocket()
 	if err != nil {
 		return err
 	}
@@ -180,13 +186,16 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	defer statW.Close()
 
 	cmd := &exec.Cmd{
-		Path:   agent,
+		// Exec through the descriptor: the binary's directory need not be
+		// reachable by the sandbox's uid.
+		Path:   fmt.Sprintf("/proc/self/fd/%d", nsinit.FDAgentBinary),
 		Args:   []string{"space-agent"},
 		Env:    []string{nsinit.EnvMarker + "=" + nsinit.StageSetup},
 		Stdout: logf,
 		Stderr: logf,
-		// fd 3, 4, 5: see nsinit.FDAgentListener, FDConfig, FDStatus.
-		ExtraFiles: []*os.File{ln, cfgR, statW},
+		// fd 3, 4, 5, 6: nsinit.FDAgentListener, FDConfig, FDStatus,
+		// FDAgentBinary.
+		ExtraFiles: []*os.File{ln, cfgR, statW, bin},
 		SysProcAttr: &syscall.SysProcAttr{
 			Cloneflags: unix.CLONE_NEWUSER | unix.CLONE_NEWNS | unix.CLONE_NEWPID |
 				unix.CLONE_NEWNET | unix.CLONE_NEWIPC | unix.CLONE_NEWUTS,
@@ -244,18 +253,13 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if err := writePidFile(i.pidFile(), pidRecord{Pid: pid, StartTime: st}); err != nil {
 		return err
 	}
-	conf := nsinit.Config{
-		Lower:    lower,
-		Upper:    filepath.Join(i.rwDir(), "upper"),
-		Work:     filepath.Join(i.rwDir(), "work"),
-		Root:     i.rootDir(),
-		Hostname: i.spec.Hostname,
-	}
+	conf := nsinit.Config{Hostname: i.spec.Hostname}
 	if conf.Hostname == "" {
 		conf.Hostname = i.spec.ID
 	}
-	if err := json.NewEncoder(cfgW).Encode(conf); err != nil {
-		return fmt.Errorf("send config to sandbox init: %w", err)
+	dirs := []string{lower, filepath.Join(i.rwDir(), "upper"), filepath.Join(i.rwDir(), "work"), i.rootDir()}
+	if err := sendConfig(cfgW, pid, conf, dirs); err != nil {
+		return err
 	}
 	cfgW.Close()
 	if err := i.waitSetup(ctx, statR, exited); err != nil {

@@ -58,10 +58,6 @@ type Runtime struct {
 	probe probeCache
 
 	oomWarn sync.Once
-
-	agentOnce sync.Once
-	agentCopy string
-	agentErr  error
 }
 
 var _ runtime.Runtime = (*Runtime)(nil)
@@ -110,16 +106,14 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (_ runtime.Inst
 	if spec.Limits.DiskMiB <= 0 {
 		return nil, fmt.Errorf("disk limit must be set: %w", errdefs.ErrInvalidArgument)
 	}
-	if err := r.prepareDataDir(); err != nil {
-		return nil, err
-	}
 	if _, err := r.ensureShiftedRootfs(spec.RootFS, spec.TemplateDigest); err != nil {
 		return nil, err
 	}
-	if err := os.MkdirAll(r.sandboxesDir(), 0o711); err != nil {
+	// Private to the host: sandbox init gets descriptors, not paths.
+	if err := os.MkdirAll(r.sandboxesDir(), 0o700); err != nil {
 		return nil, err
 	}
-	if err := os.Mkdir(inst.dir, 0o711); err != nil {
+	if err := os.Mkdir(inst.dir, 0o700); err != nil {
 		if errors.Is(err, os.ErrExist) {
 			return nil, fmt.Errorf("sandbox %s already exists: %w", spec.ID, errdefs.ErrConflict)
 		}

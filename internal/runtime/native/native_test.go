@@ -57,10 +57,6 @@ func harness(t *testing.T) runtimetest.Harness {
 		if err != nil {
 			t.Fatal(err)
 		}
-		// Sandbox uids must be able to search it.
-		if err := os.Chmod(dir, 0o711); err != nil {
-			t.Fatal(err)
-		}
 		sharedRootfs = dir
 	}
 	return runtimetest.Harness{
@@ -211,6 +207,15 @@ func TestInsideView(t *testing.T) {
 		}
 	}
 	mounts := sb.MustSh(t, "cat /proc/mounts")
+	// The layers are passed as descriptors: no host path shows, and the
+	// data directory stays private to the host.
+	dataDir := sb.RT.(interface{ DataDir() string }).DataDir()
+	if strings.Contains(mounts, dataDir) {
+		t.Errorf("host data dir %s visible in /proc/mounts", dataDir)
+	}
+	if fi, err := os.Stat(dataDir); err != nil || fi.Mode().Perm()&0o077 != 0 {
+		t.Errorf("data dir mode %v (%v), want private", fi.Mode().Perm(), err)
+	}
 	for _, want := range []string{"overlay / overlay", "proc /proc proc", "devpts /dev/pts devpts", " /sys "} {
 		if !strings.Contains(mounts, want) {
 			t.Errorf("mount %q missing:\n%s", want, mounts)

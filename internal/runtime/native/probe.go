@@ -3,7 +3,6 @@ package native
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -77,8 +76,7 @@ func (r *Runtime) check(ctx context.Context) error {
 	if os.Geteuid() != 0 {
 		return fmt.Errorf("needs root (loop devices, cgroups, uid mapping)")
 	}
-	agent, err := r.agentPath()
-	if err != nil {
+	if err := r.checkAgent(); err != nil {
 		return err
 	}
 	if _, err := os.Stat("/dev/loop-control"); err != nil {
@@ -90,7 +88,7 @@ func (r *Runtime) check(ctx context.Context) error {
 	if err := checkCgroups(); err != nil {
 		return err
 	}
-	return r.probeOverlay(ctx, agent)
+	return r.probeOverlay(ctx)
 }
 
 func checkCgroups() error {
@@ -117,20 +115,17 @@ func checkCgroups() error {
 
 // probeOverlay starts the agent binary in a new user and mount namespace
 // (nsinit.StageProbe) and has it mount an overlay with userxattr.
-func (r *Runtime) probeOverlay(ctx context.Context, agent string) error {
+func (r *Runtime) probeOverlay(ctx context.Context) error {
+	if err := os.MkdirAll(r.cfg.DataDir, 0o700); err != nil {
+		return err
+	}
 	dir, err := os.MkdirTemp(r.cfg.DataDir, ".probe-")
 	if err != nil {
-		if err := os.MkdirAll(r.cfg.DataDir, 0o711); err != nil {
-			return err
-		}
-		if dir, err = os.MkdirTemp(r.cfg.DataDir, ".probe-"); err != nil {
-			return err
-		}
+		return err
 	}
 	defer os.RemoveAll(dir)
-	os.Chmod(dir, 0o755)
-	pc := nsinit.ProbeConfig{}
-	for _, p := range []*string{&pc.Lower, &pc.Upper, &pc.Work, &pc.Merged} {
+	var layers [4]string // lower, upper, work, merged
+	for i := range layers {
 		d, err := os.MkdirTemp(dir, "")
 		if err != nil {
 			return err
@@ -138,14 +133,19 @@ func (r *Runtime) probeOverlay(ctx context.Context, agent string) error {
 		if err := os.Chown(d, hostIDBase, hostIDBase); err != nil {
 			return err
 		}
-		*p = d
+		layers[i] = d
 	}
-	cfgR, cfgW, err := os.Pipe()
+	bin, err := os.Open(r.cfg.AgentBinary)
 	if err != nil {
 		return err
 	}
-	defer cfgR.Close()
+	defer bin.Close()
+	cfgW, cfgR, err := configSocket()
+	if err != nil {
+		return err
+	}
 	defer cfgW.Close()
+	defer cfgR.Close()
 	statR, statW, err := os.Pipe()
 	if err != nil {
 		return err
@@ -154,15 +154,16 @@ func (r *Runtime) probeOverlay(ctx context.Context, agent string) error {
 	defer statW.Close()
 	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, agent)
+	cmd := exec.CommandContext(ctx, fmt.Sprintf("/proc/self/fd/%d", nsinit.FDAgentBinary))
+	cmd.Args = []string{"space-agent"}
 	cmd.Env = []string{nsinit.EnvMarker + "=" + nsinit.StageProbe}
-	// fd 3 is the (absent) listener slot; the probe uses only 4 and 5.
+	// fd 3 (the listener) is unused by the probe.
 	devnull, err := os.Open(os.DevNull)
 	if err != nil {
 		return err
 	}
 	defer devnull.Close()
-	cmd.ExtraFiles = []*os.File{devnull, cfgR, statW}
+	cmd.ExtraFiles = []*os.File{devnull, cfgR, statW, bin}
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	cmd.SysProcAttr = &syscall.SysProcAttr{
@@ -176,9 +177,13 @@ func (r *Runtime) probeOverlay(ctx context.Context, agent string) error {
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("user namespaces unusable: %v", err)
 	}
-	cfgR.Close()
 	statW.Close()
-	json.NewEncoder(cfgW).Encode(pc)
+	cfgR.Close()
+	if err := sendConfig(cfgW, cmd.Process.Pid, nsinit.Config{}, layers[:]); err != nil {
+		cmd.Process.Kill()
+		cmd.Wait()
+		return err
+	}
 	cfgW.Close()
 	msg, _ := io.ReadAll(io.LimitReader(statR, 4096))
 	werr := cmd.Wait()

@@ -53,7 +53,7 @@ func (r *Runtime) ensureShiftedRootfs(src, digest string) (string, error) {
 	if _, err := os.Stat(dst); err == nil {
 		return dst, nil
 	}
-	if err := os.MkdirAll(base, 0o711); err != nil {
+	if err := os.MkdirAll(base, 0o700); err != nil {
 		return "", err
 	}
 	lock, err := os.OpenFile(filepath.Join(base, "."+name+".lock"), os.O_CREATE|os.O_RDWR, 0o600)

@@ -9,14 +9,29 @@ const (
 	// FDAgentListener is the listening unix socket the agent serves on. The
 	// host creates it so a restarted server can re-dial a live sandbox.
 	FDAgentListener = 3
-	// FDConfig is the read end of a pipe carrying one JSON Config. The init
-	// blocks on it until the host has moved it into the sandbox's cgroups:
-	// that read is the synchronisation point between host and child.
+	// FDConfig is a unix socket on which the host sends one message: the
+	// JSON Config with the layer descriptors attached (SCM_RIGHTS). The
+	// init blocks on it until the host has moved it into the sandbox's
+	// cgroups: that read is the synchronisation point between host and
+	// child.
 	FDConfig = 4
 	// FDStatus is the write end of a pipe on which the init reports a setup
 	// failure as text before exiting. It is close-on-exec in the final agent,
 	// so the host sees EOF without data once setup succeeded.
 	FDStatus = 5
+	// FDAgentBinary is the agent binary; the host execs /proc/self/fd/6.
+	FDAgentBinary = 6
+	// FDLower, FDUpper, FDWork and FDRoot are where the init places the
+	// O_PATH descriptors it received with its config: the overlay's layers
+	// and the directory it is attached to. The host opens them through
+	// /proc/<init>/root, so they name mounts of the init's own mount
+	// namespace (overlayfs refuses layers from another namespace), and the
+	// init, an unprivileged host uid, can use directories below the
+	// server's private (0700) data directory it could not look up by path.
+	FDLower = 7
+	FDUpper = 8
+	FDWork  = 9
+	FDRoot  = 10
 )
 
 // Environment values of EnvMarker.
@@ -33,26 +48,13 @@ const (
 // EnvAgentFD is read by the agent: the fd of its listening socket.
 const EnvAgentFD = "SPACE_AGENT_FD"
 
-// Config is what the host sends the init on FDConfig. Paths are host paths,
-// valid in the init's mount namespace before pivot_root.
+// LayerFDs is the number of descriptors sent with the config, placed at
+// FDLower, FDUpper, FDWork, FDRoot.
+const LayerFDs = 4
+
+// Config is what the host sends the init on FDConfig.
 type Config struct {
-	// Lower is the uid-shifted template directory (overlay lowerdir).
-	Lower string `json:"lower"`
-	// Upper and Work live on the sandbox's writable disk.
-	Upper string `json:"upper"`
-	Work  string `json:"work"`
-	// Root is an empty directory where the overlay is assembled.
-	Root     string `json:"root"`
 	Hostname string `json:"hostname"`
 	// NoFile is RLIMIT_NOFILE (soft and hard) inside the sandbox.
 	NoFile uint64 `json:"nofile"`
-}
-
-// ProbeConfig is what the host sends in StageProbe: directories for a test
-// overlay mount.
-type ProbeConfig struct {
-	Lower  string `json:"lower"`
-	Upper  string `json:"upper"`
-	Work   string `json:"work"`
-	Merged string `json:"merged"`
 }

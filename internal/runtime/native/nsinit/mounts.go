@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"golang.org/x/sys/unix"
 )
@@ -41,20 +42,82 @@ var readonlyPaths = []string{
 	"/proc/sys",
 }
 
-// buildRoot assembles the sandbox's root under cfg.Root: overlay, /proc,
-// /dev, /sys, masks.
-func buildRoot(cfg *Config) error {
+// fdPath names a descriptor the host passed.
+func fdPath(fd int) string { return fmt.Sprintf("/proc/self/fd/%d", fd) }
+
+// mountOverlay builds the overlay from the host's layer descriptors with
+// the new mount API, attaches it at FDRoot and makes it the working
+// directory. Everything after works relative to ".", because the path the
+// overlay is attached at may not be resolvable by this process.
+func mountOverlay() error {
+	fsfd, err := unix.Fsopen("overlay", unix.FSOPEN_CLOEXEC)
+	if err != nil {
+		return fmt.Errorf("fsopen overlay: %w", err)
+	}
+	defer unix.Close(fsfd)
+	steps := []struct {
+		key, val string
+	}{
+		{"source", "overlay"},
+		{"lowerdir", fdPath(FDLower)},
+		{"upperdir", fdPath(FDUpper)},
+		{"workdir", fdPath(FDWork)},
+	}
+	for _, st := range steps {
+		if err := unix.FsconfigSetString(fsfd, st.key, st.val); err != nil {
+			return fmt.Errorf("overlay %s: %w%s", st.key, err, fsLog(fsfd))
+		}
+	}
+	// Overlay xattrs in the user.* namespace: a user namespace cannot
+	// write trusted.*.
+	if err := unix.FsconfigSetFlag(fsfd, "userxattr"); err != nil {
+		return fmt.Errorf("overlay userxattr: %w%s", err, fsLog(fsfd))
+	}
+	if err := unix.FsconfigCreate(fsfd); err != nil {
+		return fmt.Errorf("create overlay: %w%s", err, fsLog(fsfd))
+	}
+	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_NODEV)
+	if err != nil {
+		return fmt.Errorf("fsmount overlay: %w", err)
+	}
+	defer unix.Close(mfd)
+	// pivot_root needs the new root attached to this namespace's tree.
+	if err := unix.MoveMount(mfd, "", FDRoot, "", unix.MOVE_MOUNT_F_EMPTY_PATH|unix.MOVE_MOUNT_T_EMPTY_PATH); err != nil {
+		return fmt.Errorf("attach overlay: %w", err)
+	}
+	if err := unix.Fchdir(mfd); err != nil {
+		return fmt.Errorf("enter overlay: %w", err)
+	}
+	return nil
+}
+
+// fsLog drains the kernel's messages about a failed fsconfig.
+func fsLog(fsfd int) string {
+	var b strings.Builder
+	buf := make([]byte, 256)
+	for i := 0; i < 8; i++ {
+		n, err := unix.Read(fsfd, buf)
+		if err != nil || n <= 0 {
+			break
+		}
+		b.WriteString("; ")
+		b.Write(buf[:n])
+	}
+	return b.String()
+}
+
+// buildRoot assembles the sandbox's root: overlay, /proc, /dev, /sys,
+// masks. It leaves the working directory at the new root.
+func buildRoot() error {
 	// Nothing we mount may propagate back to the host, and pivot_root needs
 	// a non-shared old root.
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("make mounts private: %w", err)
 	}
-	root := cfg.Root
-	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s,userxattr", cfg.Lower, cfg.Upper, cfg.Work)
-	if err := unix.Mount("overlay", root, "overlay", unix.MS_NODEV, opts); err != nil {
-		return fmt.Errorf("mount overlay root: %w", err)
+	if err := mountOverlay(); err != nil {
+		return err
 	}
-	in := func(p string) string { return filepath.Join(root, p) }
+	in := func(p string) string { return "." + p }
 
 	if err := mountAt("proc", in("/proc"), "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
 		return err
@@ -210,11 +273,9 @@ func bindReadonly(path string) error {
 	return nil
 }
 
-// pivotRoot makes root the filesystem root and detaches the host's.
-func pivotRoot(root string) error {
-	if err := unix.Chdir(root); err != nil {
-		return err
-	}
+// pivotRoot makes the working directory the filesystem root and detaches
+// the host's.
+func pivotRoot() error {
 	// pivot_root(".", ".") stacks the old root on top of the new one; the
 	// lazy unmount then drops it without needing a directory for it.
 	if err := unix.PivotRoot(".", "."); err != nil {

@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	goruntime "runtime"
 	"slices"
@@ -57,19 +56,39 @@ func report(err error) error {
 	return err
 }
 
-// readConfig reads one bounded JSON document from the config pipe. It blocks
-// until the host has put this process into the sandbox's cgroups.
+// readConfig receives the config message and its descriptors, placing
+// those at FDLower…FDRoot. It blocks until the host has put this process
+// into the sandbox's cgroups.
 func readConfig(v any) error {
-	f := os.NewFile(FDConfig, "config")
-	if f == nil {
-		return errors.New("config pipe (fd 4) missing")
-	}
-	defer f.Close()
-	data, err := io.ReadAll(io.LimitReader(f, 1<<16))
+	buf := make([]byte, 1<<16)
+	oob := make([]byte, unix.CmsgSpace(LayerFDs*4))
+	n, oobn, _, _, err := unix.Recvmsg(FDConfig, buf, oob, unix.MSG_CMSG_CLOEXEC)
+	unix.Close(FDConfig)
 	if err != nil {
 		return fmt.Errorf("reading config: %w", err)
 	}
-	if err := json.Unmarshal(data, v); err != nil {
+	msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+	if err != nil {
+		return fmt.Errorf("config descriptors: %w", err)
+	}
+	var fds []int
+	for i := range msgs {
+		got, err := unix.ParseUnixRights(&msgs[i])
+		if err != nil {
+			return fmt.Errorf("config descriptors: %w", err)
+		}
+		fds = append(fds, got...)
+	}
+	if len(fds) != LayerFDs {
+		return fmt.Errorf("config came with %d descriptors, want %d", len(fds), LayerFDs)
+	}
+	for i, fd := range fds {
+		if err := unix.Dup3(fd, FDLower+i, unix.O_CLOEXEC); err != nil {
+			return fmt.Errorf("placing descriptor: %w", err)
+		}
+		unix.Close(fd)
+	}
+	if err := json.Unmarshal(buf[:n], v); err != nil {
 		return fmt.Errorf("decoding config: %w", err)
 	}
 	return nil
@@ -80,10 +99,13 @@ func build() error {
 	if err := readConfig(&cfg); err != nil {
 		return err
 	}
-	if err := validate(&cfg); err != nil {
-		return err
+	if cfg.NoFile == 0 {
+		cfg.NoFile = 65536
 	}
-	unix.CloseOnExec(FDStatus)
+	// None of the host's descriptors may reach the agent.
+	for fd := FDStatus; fd <= FDRoot; fd++ {
+		unix.CloseOnExec(fd)
+	}
 	// Only now is the process inside its cgroups, so only now does a cgroup
 	// namespace rooted at them hide the host's hierarchy.
 	if err := unix.Unshare(unix.CLONE_NEWCGROUP); err != nil {
@@ -96,7 +118,7 @@ func build() error {
 	if err != nil {
 		return fmt.Errorf("opening own executable: %w", err)
 	}
-	if err := buildRoot(&cfg); err != nil {
+	if err := buildRoot(); err != nil {
 		return err
 	}
 	if err := sethostname(cfg.Hostname); err != nil {
@@ -105,7 +127,7 @@ func build() error {
 	if err := loopbackUp(); err != nil {
 		return err
 	}
-	if err := pivotRoot(cfg.Root); err != nil {
+	if err := pivotRoot(); err != nil {
 		return err
 	}
 	// Only after pivot_root: the writable layer is the sandbox's, and a
@@ -135,19 +157,6 @@ func build() error {
 	}
 	err = unix.Exec(fmt.Sprintf("/proc/self/fd/%d", exe), os.Args, env)
 	return fmt.Errorf("exec agent: %w", err)
-}
-
-// validate refuses paths the overlay option parser would misread.
-func validate(cfg *Config) error {
-	for _, p := range []string{cfg.Lower, cfg.Upper, cfg.Work, cfg.Root} {
-		if p == "" || !strings.HasPrefix(p, "/") || strings.ContainsAny(p, ",:\\\n") {
-			return fmt.Errorf("bad path %q in config", p)
-		}
-	}
-	if cfg.NoFile == 0 {
-		cfg.NoFile = 65536
-	}
-	return nil
 }
 
 func sethostname(name string) error {
@@ -201,20 +210,21 @@ func setRlimits(nofile uint64) error {
 }
 
 // probe checks that this kernel lets a user namespace mount an overlay with
-// userxattr, the one thing the native runtime cannot work without.
+// userxattr and write through it, the one thing the native runtime cannot
+// work without.
 func probe() error {
-	var cfg ProbeConfig
+	unix.CloseOnExec(FDStatus)
+	var cfg Config
 	if err := readConfig(&cfg); err != nil {
 		return err
 	}
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("make mounts private: %w", err)
 	}
-	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s,userxattr", cfg.Lower, cfg.Upper, cfg.Work)
-	if err := unix.Mount("overlay", cfg.Merged, "overlay", 0, opts); err != nil {
+	if err := mountOverlay(); err != nil {
 		return fmt.Errorf("overlay mount in user namespace: %w", err)
 	}
-	if err := os.WriteFile(cfg.Merged+"/probe", []byte("ok"), 0o644); err != nil {
+	if err := os.WriteFile("probe", []byte("ok"), 0o644); err != nil {
 		return fmt.Errorf("write through overlay: %w", err)
 	}
 	os.Exit(0)
