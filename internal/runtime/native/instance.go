@@ -217,20 +217,25 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	}
 	tSpawned := time.Now()
 	pid := cmd.Process.Pid
-	// Reap it whenever it dies while this server lives.
-	go cmd.Wait()
 	cfgR.Close()
 	statW.Close()
+	// Open the pidfd before anything can reap the child, so it names this
+	// process and no later one with a reused pid.
+	pidfd, pidfdErr := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
+	// Reap it whenever it dies while this server lives.
+	go cmd.Wait()
 	defer func() {
 		if err != nil {
 			_ = unix.Kill(pid, unix.SIGKILL)
-			_ = i.cg.kill(context.WithoutCancel(ctx))
+			ctx := context.WithoutCancel(ctx)
+			_ = i.cg.kill(ctx)
+			_ = i.cg.remove()
 			os.Remove(i.pidFile())
+			os.Remove(i.sockPath())
 		}
 	}()
-	pidfd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
-	if err != nil {
-		return fmt.Errorf("pidfd_open: %w", err)
+	if pidfdErr != nil {
+		return fmt.Errorf("pidfd_open: %w", pidfdErr)
 	}
 	exited := watchExit(pidfd)
 	// The child is blocked reading its config: move it into the cgroups

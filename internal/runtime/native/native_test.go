@@ -193,6 +193,11 @@ func TestSetupFailureReported(t *testing.T) {
 	if inst.Alive() {
 		t.Fatal("Alive after a failed Start")
 	}
+	for _, cg := range []string{"/sys/fs/cgroup/pids/space/" + spec.ID, "/sys/fs/cgroup/space/" + spec.ID} {
+		if _, err := os.Stat(cg); err == nil {
+			t.Errorf("cgroup %s left after a failed Start", cg)
+		}
+	}
 	t.Logf("reported: %v", err)
 }
 
