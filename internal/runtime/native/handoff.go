@@ -10,10 +10,11 @@ import (
 	"github.com/spacehq/space/internal/runtime/native/nsinit"
 )
 
-// configSocket returns a connected pair: the host's end and the init's end
+// configSocket returns a connected SEQPACKET pair (one message, one read):
+// the host's end and the init's end
 // (passed as nsinit.FDConfig).
 func configSocket() (host, child *os.File, err error) {
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, nil, err
 	}
