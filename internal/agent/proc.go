@@ -26,6 +26,10 @@ const (
 	// exiting process's own output is already in the pipe and is read at
 	// once; only late writes by such children can be cut off.
 	drainGrace = 250 * time.Millisecond
+	// maxHeldDrain bounds how long after its exit a process's output may
+	// still be held back by attaches (see proc.wait): a background child
+	// that floods forever must not keep FrameExit away for ever.
+	maxHeldDrain = 30 * time.Second
 	// maxOutputFrame bounds the data of one stdout/stderr frame.
 	maxOutputFrame = 32 << 10
 	// stdinQueue is how many stdin frames may wait for a process that is
@@ -56,6 +60,41 @@ type proc struct {
 	master   *os.File      // PTY master (tty only)
 	readers  []*os.File    // read ends, closed after the drain grace
 	closeIn  sync.Once
+
+	// Backpressure (see store). Guarded by mu.
+	stall   time.Duration        // Config.AttachStall
+	cursors map[*cursor]struct{} // live attaches
+	freed   chan struct{}        // closed and replaced when a cursor advances or leaves while a pump waits
+	held    int                  // pumps waiting for room now
+	holds   int                  // waits begun so far
+}
+
+// cursor is the read position of one live attach. While it makes progress
+// it holds the pumps back: they do not overwrite bytes it has not yet
+// taken, so an attached client sees every byte, as on a terminal, and the
+// process blocks on its pipe or pty when the client is slow.
+type cursor struct {
+	off     [2]int64  // next offset the attach copies out of each ring
+	blocked time.Time // since when it has held a pump back without advancing (zero: it has not)
+	stalled bool      // held a pump back for p.stall: holds nothing until it advances again
+}
+
+// advance records that c has taken every byte before offs. Called with
+// p.mu held.
+func (p *proc) advance(c *cursor, offs [2]int64) {
+	if offs == c.off {
+		return
+	}
+	c.off, c.blocked, c.stalled = offs, time.Time{}, false
+	p.wakePumps()
+}
+
+// wakePumps lets waiting pumps recompute their room. Called with p.mu held.
+func (p *proc) wakePumps() {
+	if p.held > 0 {
+		close(p.freed)
+		p.freed = make(chan struct{})
+	}
 }
 
 // broadcast wakes every attach waiting for news. Called with p.mu held.
@@ -82,6 +121,9 @@ func (a *Agent) startProc(id string, l *launch, tty bool, rows, cols uint16) (*p
 		changed:  make(chan struct{}),
 		finished: make(chan struct{}),
 		stdinQ:   make(chan []byte, stdinQueue),
+		stall:    a.cfg.AttachStall,
+		cursors:  map[*cursor]struct{}{},
+		freed:    make(chan struct{}),
 	}
 	sys := &syscall.SysProcAttr{Setsid: true, Credential: l.cred}
 	var files []uintptr
@@ -151,17 +193,13 @@ func (a *Agent) startProc(id string, l *launch, tty bool, rows, cols uint16) (*p
 	return p, nil
 }
 
-// pump copies one output stream into its ring. It never waits for
-// consumers: the ring overwrites what nobody read in time.
+// pump copies one output stream into its ring until EOF.
 func (p *proc) pump(r *os.File, stream int) {
 	buf := make([]byte, maxOutputFrame)
 	for {
 		n, err := r.Read(buf)
 		if n > 0 {
-			p.mu.Lock()
-			p.out[stream].write(buf[:n])
-			p.broadcast()
-			p.mu.Unlock()
+			p.store(stream, buf[:n])
 		}
 		if err != nil {
 			return
@@ -169,24 +207,125 @@ func (p *proc) pump(r *os.File, stream int) {
 	}
 }
 
+// store appends b to a ring. With nobody attached it never waits: the ring
+// overwrites what nobody read in time. While live attaches have not yet
+// taken the bytes b would overwrite, it writes what fits and waits for
+// them; an attach that takes nothing for p.stall while holding it is marked
+// stalled and no longer counts (it gets FrameDropped instead).
+func (p *proc) store(stream int, b []byte) {
+	waited := false
+	var timer *time.Timer
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for {
+		room, deadline := p.room(stream, len(b))
+		if room >= len(b) {
+			p.out[stream].write(b)
+			p.broadcast()
+			return
+		}
+		if room > 0 {
+			p.out[stream].write(b[:room])
+			p.broadcast()
+			b = b[room:]
+		}
+		if !waited {
+			waited = true
+			p.holds++
+		}
+		freed := p.freed
+		p.held++
+		p.mu.Unlock()
+		wait := time.Until(deadline)
+		if timer == nil {
+			timer = time.NewTimer(wait)
+		} else {
+			timer.Reset(wait)
+		}
+		select {
+		case <-freed:
+		case <-timer.C:
+		}
+		p.mu.Lock()
+		p.held--
+	}
+}
+
+// room returns how many bytes stream can take now without overwriting
+// bytes a live attach still needs, and, if that is less than need, the
+// earliest time a holding attach counts as stalled. Called with p.mu held.
+func (p *proc) room(stream, need int) (int, time.Time) {
+	now := time.Now()
+	r := p.out[stream]
+	room := need
+	var deadline time.Time
+	for c := range p.cursors {
+		if c.stalled {
+			continue
+		}
+		off := min(max(c.off[stream], r.start()), r.end)
+		free := int(off + int64(r.size) - r.end)
+		if free >= need {
+			continue
+		}
+		if c.blocked.IsZero() {
+			c.blocked = now
+		}
+		d := c.blocked.Add(p.stall)
+		if !now.Before(d) {
+			c.stalled = true
+			continue
+		}
+		room = min(room, free)
+		if deadline.IsZero() || d.Before(deadline) {
+			deadline = d
+		}
+	}
+	return room, deadline
+}
+
 // wait records the exit status, lets the output drain, and releases the
 // process's descriptors.
 func (p *proc) wait(done <-chan unix.WaitStatus, pumps *sync.WaitGroup) {
 	ws := <-done
+	exited := time.Now()
 	p.mu.Lock()
 	p.exit = exitStatus(ws)
 	p.broadcast()
+	holds := p.holds
 	p.mu.Unlock()
 
 	pumped := make(chan struct{})
 	go func() { pumps.Wait(); close(pumped) }()
-	select {
-	case <-pumped:
-	case <-time.After(drainGrace):
-		for _, r := range p.readers {
-			r.Close()
+	grace := time.NewTimer(drainGrace)
+	defer grace.Stop()
+	for waiting := true; waiting; {
+		select {
+		case <-pumped:
+			waiting = false
+		case <-grace.C:
+			// Output held back by an attach is still the process's own
+			// (it sat in the pipe at exit), so the grace runs only while
+			// the pumps are free; maxHeldDrain bounds it anyway.
+			p.mu.Lock()
+			held, h := p.held, p.holds
+			p.mu.Unlock()
+			if (held > 0 || h != holds) && time.Since(exited) < maxHeldDrain {
+				holds = h
+				grace.Reset(drainGrace)
+				continue
+			}
+			for _, r := range p.readers {
+				r.Close()
+			}
+			<-pumped
+			waiting = false
 		}
-		<-pumped
 	}
 	for _, r := range p.readers {
 		r.Close()
@@ -413,6 +552,16 @@ func (p *proc) streamTo(ctx context.Context, c *websocket.Conn, offs [2]int64) e
 	if err := sendJSON(api.FrameStarted, api.Started{Pid: p.pid}); err != nil {
 		return err
 	}
+	cur := &cursor{off: offs}
+	p.mu.Lock()
+	p.cursors[cur] = struct{}{}
+	p.mu.Unlock()
+	defer func() {
+		p.mu.Lock()
+		delete(p.cursors, cur)
+		p.wakePumps()
+		p.mu.Unlock()
+	}()
 	buf := make([]byte, maxOutputFrame)
 	names := [2]string{"stdout", "stderr"}
 	types := [2]byte{api.FrameStdout, api.FrameStderr}
@@ -431,6 +580,7 @@ func (p *proc) streamTo(ctx context.Context, c *websocket.Conn, offs [2]int64) e
 			}
 			offs[i] = from + int64(n)
 		}
+		p.advance(cur, offs)
 		drained, exit := p.drained, p.exit
 		p.mu.Unlock()
 

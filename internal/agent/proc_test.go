@@ -251,10 +251,10 @@ func zombieOrAlive(pid int) bool {
 }
 
 // TestProcSlowAttach: a live attach that does not read while the process
-// floods gets Dropped markers, never stalls the process, and still
-// accounts for every byte offset.
+// floods holds it back only for Config.AttachStall, then gets Dropped
+// markers and still accounts for every byte offset.
 func TestProcSlowAttach(t *testing.T) {
-	e := newEnv(t, agent.Config{RingBytes: 4096})
+	e := newEnv(t, agent.Config{RingBytes: 4096, AttachStall: 200 * time.Millisecond})
 	ctx := ctxT(t)
 	const total = 4 << 20
 	if _, err := e.c.StartProc(ctx, agentproto.ProcStart{ID: "f", Cmd: []string{"sh", "-c", "sleep 0.2; head -c 4194304 /dev/zero"}}); err != nil {

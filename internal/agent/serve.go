@@ -42,8 +42,15 @@ type Config struct {
 	// RingBytes is the replay buffer per output stream; 0 means
 	// agentproto.DefaultRingBytes.
 	RingBytes int
-	Logger    *slog.Logger
+	// AttachStall is how long a live attach may hold a process's output
+	// back without taking any (see proc.pump); 0 means DefaultAttachStall.
+	AttachStall time.Duration
+	Logger      *slog.Logger
 }
+
+// DefaultAttachStall bounds how long an attached client that stopped
+// reading can block the process it is attached to.
+const DefaultAttachStall = 5 * time.Second
 
 // Agent serves the agentproto protocol. One Agent serves any number of
 // connections, one after another or at once; processes outlive connections.
@@ -70,6 +77,9 @@ func New(cfg Config) (*Agent, error) {
 	}
 	if cfg.RingBytes <= 0 {
 		cfg.RingBytes = agentproto.DefaultRingBytes
+	}
+	if cfg.AttachStall <= 0 {
+		cfg.AttachStall = DefaultAttachStall
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
