@@ -201,7 +201,8 @@ func buildDev(dev string) error {
 	if err := mountAt("shm", filepath.Join(dev, "shm"), "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=1777,size=65536k"); err != nil {
 		return err
 	}
-	if err := os.Mkdir(filepath.Join(dev, "mqueue"), 0o755); err != nil {
+	// POSIX message queues of the sandbox's own IPC namespace.
+	if err := mountAt("mqueue", filepath.Join(dev, "mqueue"), "mqueue", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
 		return err
 	}
 	links := [][2]string{
