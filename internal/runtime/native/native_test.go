@@ -234,10 +234,13 @@ func TestInsideView(t *testing.T) {
 	if out := sb.MustSh(t, "ls /dev | tr '\\n' ' '"); !strings.Contains(out, "null") || strings.Contains(out, "sda") || strings.Contains(out, "vda") || strings.Contains(out, "kmsg") {
 		t.Errorf("/dev has %q", out)
 	}
-	// Seccomp is in filter mode with no_new_privs for every process.
-	st := sb.MustSh(t, "grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status")
-	if !strings.Contains(st, "Seccomp:\t2") || !strings.Contains(st, "NoNewPrivs:\t1") {
-		t.Errorf("status: %q", st)
+	// Seccomp filter, no_new_privs and the reduced bounding set hold for
+	// every process, the agent (pid 1) included.
+	for _, pid := range []string{"self", "1"} {
+		st := sb.MustSh(t, "grep -E '^(Seccomp|NoNewPrivs|CapBnd):' /proc/"+pid+"/status")
+		if !strings.Contains(st, "Seccomp:\t2") || !strings.Contains(st, "NoNewPrivs:\t1") || !strings.Contains(st, "CapBnd:\t00000000200405fb") {
+			t.Errorf("/proc/%s/status: %q", pid, st)
+		}
 	}
 	// The agent's listening socket does not leak into the processes it runs.
 	if out := sb.MustSh(t, "ls -l /proc/self/fd/ | grep -c socket: || true"); strings.TrimSpace(out) != "0" {

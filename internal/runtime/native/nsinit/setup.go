@@ -142,12 +142,15 @@ func build() error {
 	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
 		return fmt.Errorf("no_new_privs: %w", err)
 	}
-	if _, err := restrictLandlock(exe); err != nil {
+	abi, err := restrictLandlock(exe)
+	if err != nil {
 		return err
 	}
 	if err := loadSeccomp(); err != nil {
 		return err
 	}
+	// Goes to the host's init.log (outside the sandbox) for diagnostics.
+	fmt.Fprintf(os.Stderr, "nsinit: sandbox ready: landlock ABI %d, seccomp allowlist of %d syscalls\n", abi, len(allowedSyscalls))
 	env := []string{
 		EnvMarker + "=" + stageServe,
 		fmt.Sprintf("%s=%d", EnvAgentFD, FDAgentListener),
