@@ -18,6 +18,7 @@ import (
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/native"
+	"github.com/spacehq/space/internal/runtime/native/nsinit"
 	"github.com/spacehq/space/internal/runtime/runtimetest"
 	"github.com/spacehq/space/internal/testenv"
 )
@@ -210,6 +211,12 @@ func TestInsideView(t *testing.T) {
 		if !strings.HasSuffix(line, ":/") {
 			t.Errorf("cgroup path visible: %q", line)
 		}
+	}
+	// The init confirmed the Landlock ABI it enforced (the host's log,
+	// outside the sandbox).
+	initLog, err := os.ReadFile(filepath.Join(sb.Inst.(interface{ Dir() string }).Dir(), "rw", "init.log"))
+	if want := fmt.Sprintf("landlock ABI %d,", nsinit.LandlockABI()); err != nil || !strings.Contains(string(initLog), want) {
+		t.Errorf("init.log %q (%v), want %q", initLog, err, want)
 	}
 	mounts := sb.MustSh(t, "cat /proc/mounts")
 	// The layers are passed as descriptors: no host path shows, and the
