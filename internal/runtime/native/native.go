@@ -8,14 +8,26 @@
 // by space-agent before it serves) finishes the sandbox from inside. They
 // share only nsinit.Config and the file descriptor numbers.
 //
+// Sandbox ids 0..65535 are host ids 100000000..100065535 in every sandbox.
+// The sandbox init runs as that unprivileged host uid and never looks up a
+// host path: the host hands it the overlay layers as descriptors opened in
+// the init's own mount namespace, so DataDir stays private (0700).
+//
 // Layout under Config.DataDir:
 //
 //	rootfs/<digest>/          uid-shifted template copies, one per digest
 //	sandboxes/<id>/disk.img   sparse ext4 image (the writable layer)
 //	sandboxes/<id>/rw/        its mount point: upper/, work/, init.log
-//	sandboxes/<id>/root/      where the sandbox's init assembles its root
+//	sandboxes/<id>/root/      where the sandbox's init attaches its root
 //	sandboxes/<id>/agent.sock the agent's listening socket (host-created)
 //	sandboxes/<id>/init.pid   "pid starttime" of the running init
+//
+// Start sequence: the host creates the cgroups and the agent socket, starts
+// space-agent in new user/mount/pid/net/ipc/uts namespaces (it blocks on
+// its config socket), moves it into the cgroups, writes init.pid, and sends
+// the config with the layer descriptors. nsinit unshares the cgroup
+// namespace, builds and pivots into the root, drops privileges, and
+// re-executes the agent; a setup error comes back on the status pipe.
 package native
 
 import (
