@@ -382,3 +382,59 @@ func TestSurvivesServerKill(t *testing.T) {
 		t.Fatal("Alive after Stop")
 	}
 }
+
+// TestConcurrentStarts creates and starts several sandboxes at once on one
+// runtime (loop devices, cgroups, sockets, the shared template) and tears
+// them down at once.
+func TestConcurrentStarts(t *testing.T) {
+	h := harness(t)
+	rt := h.New(t)
+	ctx := context.Background()
+	const n = 4
+	insts := make([]runtime.Instance, n)
+	errs := make(chan error, n)
+	for i := 0; i < n; i++ {
+		go func() {
+			spec := runtime.Spec{ID: fmt.Sprintf("sb-conc-%d", i), RootFS: h.RootFS, TemplateDigest: h.TemplateDigest, Limits: runtimetest.DefaultLimits}
+			inst, err := rt.Create(ctx, spec)
+			if err == nil {
+				insts[i] = inst
+				err = inst.Start(ctx)
+			}
+			errs <- err
+		}()
+	}
+	for i := 0; i < n; i++ {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
+	}
+	t.Cleanup(func() {
+		for _, inst := range insts {
+			if inst != nil {
+				inst.Destroy(ctx)
+			}
+		}
+	})
+	if t.Failed() {
+		return
+	}
+	for i, inst := range insts {
+		sb := &runtimetest.Sandbox{RT: rt, Inst: inst, Spec: runtime.Spec{ID: inst.ID()}}
+		sb.Connect(t)
+		if out := sb.MustSh(t, "hostname"); out != fmt.Sprintf("sb-conc-%d\n", i) {
+			t.Errorf("sandbox %d hostname %q", i, out)
+		}
+	}
+	for _, inst := range insts {
+		go func() { errs <- inst.Destroy(ctx) }()
+	}
+	for i := 0; i < n; i++ {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
+	}
+	if removed, err := rt.Sweep(ctx, func(string) bool { return false }); err != nil || len(removed) != 0 {
+		t.Fatalf("left behind: %v %v", removed, err)
+	}
+}
