@@ -58,7 +58,21 @@ func cgroupVersion() int {
 }
 
 // v1Controllers are the v1 hierarchies a sandbox joins.
-var v1Controllers = []string{"memory", "pids", "cpu", "cpuacct", "freezer"}
+var v1Controllers = []string{"memory", "pids", "cpu", "cpuacct", "freezer", "devices"}
+
+// allowedDevices are the only device nodes a sandbox may open (the ones
+// nsinit binds into /dev, plus its own ptys). A user namespace cannot make
+// device nodes anyway; on v1 hosts the devices controller says so again.
+var allowedDevices = []string{
+	"c 1:3 rwm",   // null
+	"c 1:5 rwm",   // zero
+	"c 1:7 rwm",   // full
+	"c 1:8 rwm",   // random
+	"c 1:9 rwm",   // urandom
+	"c 5:0 rwm",   // tty
+	"c 5:2 rwm",   // ptmx
+	"c 136:* rwm", // pty slaves
+}
 
 func newCgroup(id string) cgroup {
 	if cgroupVersion() == 2 {
@@ -211,6 +225,16 @@ func (c *cgroupV1) create(l api.Limits) error {
 		}
 		// No swapping inside a sandbox: its memory limit is a real limit.
 		_ = writeFile(filepath.Join(d, "memory.swappiness"), "0")
+	}
+	if d, ok := c.dirs["devices"]; ok {
+		if err := writeFile(filepath.Join(d, "devices.deny"), "a"); err != nil {
+			return err
+		}
+		for _, dev := range allowedDevices {
+			if err := writeFile(filepath.Join(d, "devices.allow"), dev); err != nil {
+				return err
+			}
+		}
 	}
 	if d, ok := c.dirs["pids"]; ok && l.Pids > 0 {
 		if err := writeFile(filepath.Join(d, "pids.max"), strconv.FormatInt(l.Pids, 10)); err != nil {

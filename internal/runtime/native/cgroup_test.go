@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -88,6 +89,12 @@ func TestCgroupV1(t *testing.T) {
 	}
 	if n, _ := readInt(filepath.Join(cg.(*cgroupV1).dirs["cpu"], "cpu.cfs_quota_us")); n != 50000 {
 		t.Fatalf("cpu quota %d", n)
+	}
+	if d, ok := cg.(*cgroupV1).dirs["devices"]; ok {
+		list, _ := os.ReadFile(filepath.Join(d, "devices.list"))
+		if strings.Contains(string(list), "a *:* rwm") || !strings.Contains(string(list), "c 136:* rwm") {
+			t.Fatalf("devices.list:\n%s", list)
+		}
 	}
 	testCgroupKillFreeze(t, cg)
 }
