@@ -233,7 +233,7 @@ func testLifecycle(t *testing.T, h Harness) {
 		t.Fatalf("re-adopted sandbox reads %q", out)
 	}
 	st, err := inst2.Stats(ctx)
-	if err != nil || st.Pids < 1 || st.MemoryBytes <= 0 {
+	if err != nil || st.Pids < 1 || st.MemoryBytes <= 0 || st.CPUNanos <= 0 {
 		t.Fatalf("Stats of a running sandbox: %+v, %v", st, err)
 	}
 	if err := inst2.Destroy(ctx); err != nil {
