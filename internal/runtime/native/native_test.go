@@ -113,7 +113,7 @@ func TestProbe(t *testing.T) {
 			t.Errorf("verb %s: offered=%v reason=%q", v, caps.Verbs[v], caps.VerbReasons[v])
 		}
 	}
-	if caps.Details["landlock_abi"] == "" || caps.Details["cgroup_version"] == "" {
+	if caps.Details["landlock_abi"] == "" || caps.Details["cgroup_version"] == "" || caps.Details["disk_prepare_ms"] == "" {
 		t.Errorf("details %v", caps.Details)
 	}
 	t.Logf("probe: %+v", caps)
