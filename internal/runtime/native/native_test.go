@@ -282,6 +282,10 @@ useradd -m tester && su tester -c 'id -u' | grep -qv '^0$'
 chown tester /tmp/r.tgz && chmod 600 /tmp/r.tgz
 python3 -c "import multiprocessing as m; p = m.Pool(2); assert p.map(abs, [-1, -2]) == [1, 2]"
 `)
+	// no_new_privs: a set-uid root binary gives a user nothing.
+	if out := sb.MustSh(t, "cp /usr/bin/id /tmp/suid-id && chmod 4755 /tmp/suid-id && su tester -c '/tmp/suid-id -u'"); out == "0\n" {
+		t.Error("set-uid binary raised a user to root")
+	}
 	// x32 syscalls kill the caller.
 	res := sb.Exec(t, "python3", "-c", "import ctypes; ctypes.CDLL(None).syscall(0x40000000 + 39)")
 	if res.Signal != "SYS" {
