@@ -100,13 +100,12 @@ func findAgent(cfg Config) (string, error) {
 // New opens the store, reconciles the host with it, and builds the handler.
 func New(ctx context.Context, cfg Config) (*Server, error) {
 	cfg.defaults()
-	// 0711: sandbox uids (unprivileged on the host) must traverse into the
-	// runtime's directory to reach their own root; nobody may list it. Files
-	// inside that matter (api-key, space.db) are 0600.
-	if err := os.MkdirAll(cfg.DataDir, 0o711); err != nil {
+	// 0700: only the server reads its state. Sandboxes get their layers as
+	// descriptors from the host, so they never need to traverse this tree.
+	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
 		return nil, err
 	}
-	if err := os.Chmod(cfg.DataDir, 0o711); err != nil {
+	if err := os.Chmod(cfg.DataDir, 0o700); err != nil {
 		return nil, err
 	}
 	agentBin, err := findAgent(cfg)
