@@ -6,7 +6,6 @@ import (
 	"math"
 	"net/http"
 	"os"
-	"sync"
 	"syscall"
 	"time"
 
@@ -41,9 +40,10 @@ type capture struct {
 // drain reads r to EOF (or until r is closed), so the writer never blocks
 // on a full pipe even after the cap is reached.
 func (c *capture) drain(r *os.File) {
-	b := make([]byte, 32<<10)
+	b := readBufs.Get().(*[maxOutputFrame]byte)
+	defer readBufs.Put(b)
 	for {
-		n, err := r.Read(b)
+		n, err := r.Read(b[:])
 		if n > 0 {
 			keep := min(n, c.limit-len(c.buf))
 			if keep < n {
@@ -75,52 +75,58 @@ func (a *Agent) Exec(ctx context.Context, req *agentproto.ExecRequest) (*api.Exe
 		return nil, err
 	}
 
-	var ends [3][2]*os.File
-	for i := range ends {
-		r, w, err := os.Pipe()
-		if err != nil {
-			for _, e := range ends[:i] {
-				e[0].Close()
-				e[1].Close()
-			}
+	// Stdin that fits into the pipe is written before the start, without a
+	// writer goroutine; larger stdin is fed while the process runs.
+	stdinR, preloaded, err := preloadedStdin(req.Stdin)
+	if err != nil {
+		return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
+	}
+	var stdinW *os.File
+	if !preloaded {
+		if stdinR, stdinW, err = inPipe(); err != nil {
 			return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
 		}
-		ends[i] = [2]*os.File{r, w}
+		defer stdinW.Close()
 	}
-	stdinW, outR, errR := ends[0][1], ends[1][0], ends[2][0]
-	defer stdinW.Close()
+	outR, outW, err := outPipe()
+	if err != nil {
+		closeFDs(stdinR)
+		return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
+	}
 	defer outR.Close()
+	errR, errW, err := outPipe()
+	if err != nil {
+		closeFDs(stdinR, outW)
+		return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
+	}
 	defer errR.Close()
 
 	start := time.Now()
 	attr := &syscall.ProcAttr{
 		Dir:   l.dir,
 		Env:   l.env,
-		Files: []uintptr{ends[0][0].Fd(), ends[1][1].Fd(), ends[2][1].Fd()},
+		Files: []uintptr{uintptr(stdinR), uintptr(outW), uintptr(errW)},
 		Sys:   &syscall.SysProcAttr{Setsid: true, Credential: l.cred},
 	}
 	pid, done, err := a.reaper.start(l.argv0, l.argv, attr)
-	ends[0][0].Close()
-	ends[1][1].Close()
-	ends[2][1].Close()
+	closeFDs(stdinR, outW, errW)
 	if err != nil {
 		return nil, spawnError(l.argv0, err)
 	}
 
-	go func() {
-		// A process that never reads its stdin gets EPIPE here once it exits
-		// (or the deferred Close unblocks the write).
-		if len(req.Stdin) > 0 {
+	if stdinW != nil {
+		go func() {
+			// A process that never reads its stdin gets EPIPE here once it
+			// exits (or the deferred Close unblocks the write).
 			stdinW.Write(req.Stdin)
-		}
-		stdinW.Close()
-	}()
+			stdinW.Close()
+		}()
+	}
 	out := &capture{limit: int(limit)}
 	errc := &capture{limit: int(limit)}
-	var pumps sync.WaitGroup
-	pumps.Add(2)
-	go func() { defer pumps.Done(); out.drain(outR) }()
-	go func() { defer pumps.Done(); errc.drain(errR) }()
+	pumped := make(chan struct{}, 2)
+	go func() { out.drain(outR); pumped <- struct{}{} }()
+	go func() { errc.drain(errR); pumped <- struct{}{} }()
 
 	var deadline <-chan time.Time
 	if req.TimeoutSeconds > 0 {
@@ -144,14 +150,26 @@ func (a *Agent) Exec(ctx context.Context, req *agentproto.ExecRequest) (*api.Exe
 	}
 	elapsed := time.Since(start)
 
-	pumped := make(chan struct{})
-	go func() { pumps.Wait(); close(pumped) }()
-	select {
-	case <-pumped:
-	case <-time.After(drainGrace):
-		outR.Close()
-		errR.Close()
-		<-pumped
+	// The pipes normally reach EOF together with the exit; only background
+	// children that inherited them keep them open, for drainGrace at most.
+	var grace *time.Timer
+	for n := 0; n < 2; n++ {
+		select {
+		case <-pumped:
+			continue
+		default:
+		}
+		if grace == nil {
+			grace = time.NewTimer(drainGrace)
+			defer grace.Stop()
+		}
+		select {
+		case <-pumped:
+		case <-grace.C:
+			outR.Close()
+			errR.Close()
+			<-pumped
+		}
 	}
 	if canceled {
 		return nil, fmt.Errorf("exec canceled: %w", ctx.Err())

@@ -139,13 +139,31 @@ func (r *fsRoot) readSmall(rel string, limit int64) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	f := os.NewFile(uintptr(fd), rel)
-	defer f.Close()
+	// Raw reads, not an *os.File: this runs for every exec (passwd), and
+	// a regular file gains nothing from the runtime poller.
+	defer unix.Close(fd)
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
 		return nil, fmt.Errorf("%s is not a regular file", rel)
 	}
-	return io.ReadAll(io.LimitReader(f, limit))
+	b := make([]byte, 0, min(max(st.Size, 0), limit)+1) // +1: EOF in one read when the size holds
+	for int64(len(b)) < limit {
+		if len(b) == cap(b) {
+			b = append(b, 0)[:len(b)]
+		}
+		n, err := unix.Read(fd, b[len(b):min(int64(cap(b)), limit)])
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return nil, &os.PathError{Op: "read", Path: rel, Err: err}
+		}
+		if n == 0 {
+			break
+		}
+		b = b[:len(b)+n]
+	}
+	return b, nil
 }
 
 // fileInfo builds the API description of a stat result.

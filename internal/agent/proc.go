@@ -149,23 +149,27 @@ func (a *Agent) startProc(id string, l *launch, tty bool, rows, cols uint16) (*p
 		sys.Setctty, sys.Ctty = true, 0
 		p.master, p.stdin, p.readers = master, master, []*os.File{master}
 	} else {
-		var ends [3][2]*os.File
-		for i := range ends {
-			r, w, err := os.Pipe()
-			if err != nil {
-				for _, e := range ends[:i] {
-					e[0].Close()
-					e[1].Close()
-				}
-				return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
-			}
-			ends[i] = [2]*os.File{r, w}
+		stdinR, stdinW, err := inPipe()
+		if err != nil {
+			return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
 		}
-		// Fd() turns the child's ends blocking, as a child expects.
-		files = []uintptr{ends[0][0].Fd(), ends[1][1].Fd(), ends[2][1].Fd()}
-		childEnds = append(childEnds, func() { ends[0][0].Close(); ends[1][1].Close(); ends[2][1].Close() })
-		p.stdin = ends[0][1]
-		p.readers = []*os.File{ends[1][0], ends[2][0]}
+		outR, outW, err := outPipe()
+		if err != nil {
+			closeFDs(stdinR)
+			stdinW.Close()
+			return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
+		}
+		errR, errW, err := outPipe()
+		if err != nil {
+			closeFDs(stdinR, outW)
+			stdinW.Close()
+			outR.Close()
+			return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
+		}
+		files = []uintptr{uintptr(stdinR), uintptr(outW), uintptr(errW)}
+		childEnds = append(childEnds, func() { closeFDs(stdinR, outW, errW) })
+		p.stdin = stdinW
+		p.readers = []*os.File{outR, errR}
 	}
 	pid, done, err := a.reaper.start(l.argv0, l.argv, &syscall.ProcAttr{Dir: l.dir, Env: l.env, Files: files, Sys: sys})
 	for _, c := range childEnds {
@@ -195,9 +199,10 @@ func (a *Agent) startProc(id string, l *launch, tty bool, rows, cols uint16) (*p
 
 // pump copies one output stream into its ring until EOF.
 func (p *proc) pump(r *os.File, stream int) {
-	buf := make([]byte, maxOutputFrame)
+	buf := readBufs.Get().(*[maxOutputFrame]byte)
+	defer readBufs.Put(buf)
 	for {
-		n, err := r.Read(buf)
+		n, err := r.Read(buf[:])
 		if n > 0 {
 			p.store(stream, buf[:n])
 		}
