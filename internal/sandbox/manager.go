@@ -63,6 +63,7 @@ type Manager struct {
 
 	mu      sync.Mutex
 	entries map[string]*entry
+	opDone  map[string]chan struct{} // closed when the operation finishes
 
 	ctx    context.Context // cancelled on Close; parent of every operation
 	cancel context.CancelFunc
@@ -98,7 +99,7 @@ func New(cfg Config) *Manager {
 		cfg.BaseTemplateRef = "base:latest"
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	return &Manager{cfg: cfg, log: cfg.Logger, obs: cfg.Observer, entries: map[string]*entry{}, ctx: ctx, cancel: cancel}
+	return &Manager{cfg: cfg, log: cfg.Logger, obs: cfg.Observer, entries: map[string]*entry{}, opDone: map[string]chan struct{}{}, ctx: ctx, cancel: cancel}
 }
 
 // Close stops background work and waits for running operations to notice.
@@ -246,6 +247,7 @@ func (p *phases) run(name string, fn func() error) error {
 
 // start runs fn as operation op in the background, holding the sandbox's lock.
 func (m *Manager) start(op api.Operation, fn func(ctx context.Context, p *phases) error) {
+	m.opChannel(op.ID)
 	m.wg.Add(1)
 	go func() {
 		defer m.wg.Done()
@@ -259,6 +261,13 @@ func (m *Manager) start(op api.Operation, fn func(ctx context.Context, p *phases
 // runOp executes fn as op; the caller holds the entry lock.
 func (m *Manager) runOp(ctx context.Context, op *api.Operation, fn func(ctx context.Context, p *phases) error) error {
 	t0 := time.Now()
+	done := m.opChannel(op.ID)
+	defer func() {
+		m.mu.Lock()
+		delete(m.opDone, op.ID)
+		m.mu.Unlock()
+		close(done)
+	}()
 	op.State = api.OpRunning
 	m.putOp(*op)
 	p := &phases{kind: op.Kind, obs: m.obs}
@@ -348,21 +357,40 @@ func (m *Manager) GetOperation(ctx context.Context, id string, wait time.Duratio
 		return api.Operation{}, err
 	}
 	deadline := time.Now().Add(wait)
-	delay := 5 * time.Millisecond
 	for {
+		// Take the channel before reading the record so a finish between
+		// the two cannot be missed.
+		m.mu.Lock()
+		done := m.opDone[id]
+		m.mu.Unlock()
 		op, err := m.cfg.DB.GetOperation(ctx, id)
-		if err != nil || op.Done() || time.Now().After(deadline) {
+		left := time.Until(deadline)
+		if err != nil || op.Done() || left <= 0 {
 			return op, err
+		}
+		tick := 50 * time.Millisecond // an operation this process is not running yet
+		if done != nil {
+			tick = left
 		}
 		select {
 		case <-ctx.Done():
 			return op, nil
-		case <-time.After(delay):
-		}
-		if delay < 200*time.Millisecond {
-			delay *= 2
+		case <-done:
+		case <-time.After(min(tick, left)):
 		}
 	}
+}
+
+// opChannel registers the completion channel of an operation.
+func (m *Manager) opChannel(id string) chan struct{} {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	ch := m.opDone[id]
+	if ch == nil {
+		ch = make(chan struct{})
+		m.opDone[id] = ch
+	}
+	return ch
 }
 
 func (m *Manager) spec(ctx context.Context, sb api.Sandbox) (runtime.Spec, runtime.Runtime, error) {
