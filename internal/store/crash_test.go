@@ -91,12 +91,13 @@ func TestKillDuringWrites(t *testing.T) {
 			t.Fatalf("acknowledged sandbox lost after kill -9: %v", err)
 		}
 	}
-	// The write in flight at the kill is either fully there or fully absent.
+	// Writes the helper made after its last line we read (still in the pipe
+	// when it died) may be there too; every row that is there is whole.
 	all, err := d.ListSandboxes(ctx, SandboxFilter{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(all) < len(acked) || len(all) > len(acked)+1 {
+	if len(all) < len(acked) {
 		t.Fatalf("%d sandboxes after kill, %d acknowledged", len(all), len(acked))
 	}
 	t.Logf("%d writes acknowledged before SIGKILL; %d present after reopen", len(acked), len(all))
