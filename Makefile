@@ -1,6 +1,9 @@
 # The two commands of the README: `make run` and `make test`.
 .PHONY: setup build run test bench
 
+# A fresh machine of this kind has Go at /usr/local/go but not always on PATH.
+export PATH := $(PATH):/usr/local/go/bin
+
 setup:
 	./scripts/setup.sh
 

@@ -307,6 +307,31 @@ func TestFilesAndCopy(t *testing.T) {
 	if _, err := e.client.StatFile(ctx, sb.ID, "/work"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("stat after remove: %v", err)
 	}
+	// Over the per-request limit: 413, with a known length and when streamed,
+	// and nothing half-written is left at the target.
+	big := bytes.Repeat([]byte("b"), maxFileBytes+1)
+	if _, err := e.client.WriteFile(ctx, sb.ID, "/tmp/big", bytes.NewReader(big), 0o644); !errors.Is(err, errdefs.ErrTooLarge) {
+		t.Fatalf("oversize upload: %v", err)
+	}
+	if _, err := e.client.WriteFile(ctx, sb.ID, "/tmp/big", io.MultiReader(bytes.NewReader(big)), 0o644); !errors.Is(err, errdefs.ErrTooLarge) {
+		t.Fatalf("oversize streamed upload: %v", err)
+	}
+	if _, err := e.client.StatFile(ctx, sb.ID, "/tmp/big"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("oversize upload left a file: %v", err)
+	}
+	// Renames and mkdir -p.
+	if _, err := e.client.Mkdir(ctx, sb.ID, "/a/b/c", 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.client.WriteFile(ctx, sb.ID, "/a/b/c/f", strings.NewReader("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.client.Rename(ctx, sb.ID, "/a/b/c/f", "/a/g"); err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := e.client.StatFile(ctx, sb.ID, "/a/g"); err != nil || fi.Size != 1 || fi.Type != "file" {
+		t.Fatalf("stat after rename: %v %+v", err, fi)
+	}
 }
 
 func TestBadInputs(t *testing.T) {

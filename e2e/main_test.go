@@ -22,6 +22,10 @@ import (
 	"github.com/spacehq/space/sdk"
 )
 
+// maxFileBytes is the shared server's per-request file limit, small enough
+// that the 413 path is cheap to test.
+const maxFileBytes = 8 << 20
+
 // env is one in-process server shared by the tests of this package.
 type env struct {
 	url    string
@@ -52,7 +56,7 @@ func setup(t *testing.T) *env {
 		}
 		var notice bytes.Buffer
 		_ = notice
-		s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: agent, APIKeyOut: os.Stderr})
+		s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: agent, APIKeyOut: os.Stderr, MaxFileBytes: maxFileBytes})
 		if err != nil {
 			sharedErr = err
 			return

@@ -3,7 +3,6 @@ package server
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -385,19 +384,47 @@ func (s *Server) readFile(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-func (s *Server) uploadBody(w http.ResponseWriter, r *http.Request, limit int64) (io.Reader, error) {
+// limitedBody fails reads past its limit and remembers that it did, so the
+// handler can answer 413 however the downstream (the agent client) wrapped
+// the read error.
+type limitedBody struct {
+	r        io.Reader
+	left     int64
+	limit    int64
+	exceeded bool
+}
+
+func (b *limitedBody) Read(p []byte) (int, error) {
+	if b.left <= 0 {
+		// Probe one byte: a body of exactly limit bytes is fine.
+		var one [1]byte
+		if n, _ := b.r.Read(one[:]); n > 0 {
+			b.exceeded = true
+			return 0, fmt.Errorf("body is more than the limit of %d bytes: %w", b.limit, errdefs.ErrTooLarge)
+		}
+		return 0, io.EOF
+	}
+	if int64(len(p)) > b.left {
+		p = p[:b.left]
+	}
+	n, err := b.r.Read(p)
+	b.left -= int64(n)
+	return n, err
+}
+
+// check turns any error into a 413 when the body went over its limit.
+func (b *limitedBody) check(err error) error {
+	if err != nil && b.exceeded {
+		return fmt.Errorf("body is more than the limit of %d bytes: %w", b.limit, errdefs.ErrTooLarge)
+	}
+	return err
+}
+
+func (s *Server) uploadBody(w http.ResponseWriter, r *http.Request, limit int64) (*limitedBody, error) {
 	if r.ContentLength > limit {
 		return nil, fmt.Errorf("body is %d bytes, more than the limit of %d: %w", r.ContentLength, limit, errdefs.ErrTooLarge)
 	}
-	return http.MaxBytesReader(w, r.Body, limit), nil
-}
-
-func tooLarge(err error, limit int64) error {
-	var mbe *http.MaxBytesError
-	if errors.As(err, &mbe) {
-		return fmt.Errorf("body is more than the limit of %d bytes: %w", limit, errdefs.ErrTooLarge)
-	}
-	return err
+	return &limitedBody{r: r.Body, left: limit, limit: limit}, nil
 }
 
 func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {
@@ -428,7 +455,7 @@ func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {
 	defer release()
 	fi, err := c.WriteFile(r.Context(), p, mode, body)
 	if err != nil {
-		writeError(w, r, tooLarge(err, s.cfg.MaxFileBytes))
+		writeError(w, r, body.check(err))
 		return
 	}
 	writeJSON(w, 200, fi)
@@ -608,7 +635,7 @@ func (s *Server) tarPut(w http.ResponseWriter, r *http.Request) {
 	}
 	defer release()
 	if err := c.TarPut(r.Context(), p, body); err != nil {
-		writeError(w, r, tooLarge(err, s.cfg.MaxFileBytes))
+		writeError(w, r, body.check(err))
 		return
 	}
 	w.WriteHeader(http.StatusNoContent)
@@ -657,7 +684,7 @@ func (s *Server) importTemplate(w http.ResponseWriter, r *http.Request) {
 	}
 	t, err := s.tmpl.ImportTar(r.Context(), body, template.ImportOptions{Tags: tags, Source: "tar", MaxBytes: s.cfg.MaxTemplateBytes})
 	if err != nil {
-		writeError(w, r, tooLarge(err, s.cfg.MaxTemplateBytes))
+		writeError(w, r, body.check(err))
 		return
 	}
 	writeJSON(w, http.StatusCreated, t)
