@@ -131,7 +131,11 @@ func unmountAll(dir string) error {
 	return errors.Join(errs...)
 }
 
-// takeDisk puts a formatted disk image of sizeMiB at img.
+// takeDisk puts a formatted disk image of sizeMiB at img: a spare one from
+// the pool when there is one, else one formatted now.
 func (r *Runtime) takeDisk(ctx context.Context, img string, sizeMiB int64) error {
+	if r.disks.take(sizeMiB, img) {
+		return nil
+	}
 	return formatDisk(ctx, img, sizeMiB)
 }

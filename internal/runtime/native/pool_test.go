@@ -1,0 +1,66 @@
+package native
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/spacehq/space/internal/testenv"
+)
+
+func TestDiskPool(t *testing.T) {
+	testenv.RequireRoot(t)
+	dir := t.TempDir()
+	p := newDiskPool(filepath.Join(dir, "pool"))
+	dst := filepath.Join(dir, "a.img")
+	if p.take(16, dst) {
+		t.Fatal("empty pool gave an image")
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for len(p.images(16)) < p.depth {
+		if time.Now().After(deadline) {
+			t.Fatalf("pool holds %d images after 30s, want %d", len(p.images(16)), p.depth)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if !p.take(16, dst) {
+		t.Fatal("full pool gave no image")
+	}
+	// A pooled image is a complete, mountable ext4 of the asked size.
+	if fi, err := os.Stat(dst); err != nil || fi.Size() != 16<<20 {
+		t.Fatalf("taken image: %v %v", fi, err)
+	}
+	mnt := filepath.Join(dir, "mnt")
+	if err := mountDisk(dst, mnt); err != nil {
+		t.Fatal(err)
+	}
+	if err := unmountAll(mnt); err != nil {
+		t.Fatal(err)
+	}
+	if len(p.images(32)) != 0 {
+		t.Fatal("pool formatted a size nobody asked for")
+	}
+	// A half-formatted image from a crash is removed by clean; complete
+	// ones stay for reuse.
+	crash := filepath.Join(p.dir, ".tmp-16-dead.img")
+	if err := os.WriteFile(crash, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.clean(false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(crash); !os.IsNotExist(err) {
+		t.Fatalf("clean left %s", crash)
+	}
+	if err := p.close(); err != nil {
+		t.Fatal(err)
+	}
+	if ents, _ := os.ReadDir(p.dir); len(ents) != 0 {
+		t.Fatalf("close left %d entries", len(ents))
+	}
+	// After close the pool only formats on demand.
+	if p.take(16, filepath.Join(dir, "b.img")) {
+		t.Fatal("closed pool gave an image")
+	}
+}
