@@ -1,0 +1,260 @@
+package server
+
+import (
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/agentclient"
+	"github.com/spacehq/space/internal/errdefs"
+)
+
+// checkPath validates a sandbox path before it reaches the agent (which
+// resolves it inside the sandbox root; these checks are for clear errors).
+func checkPath(p string) error {
+	switch {
+	case p == "":
+		return fmt.Errorf("path is required: %w", errdefs.ErrInvalidArgument)
+	case strings.IndexByte(p, 0) >= 0:
+		return fmt.Errorf("path contains a NUL byte: %w", errdefs.ErrInvalidArgument)
+	case len(p) > 4096:
+		return fmt.Errorf("path is %d bytes, longer than 4096: %w", len(p), errdefs.ErrInvalidArgument)
+	case !strings.HasPrefix(p, "/"):
+		return fmt.Errorf("path must be absolute, got %q: %w", p, errdefs.ErrInvalidArgument)
+	}
+	return nil
+}
+
+// fileOp runs fn against the sandbox's agent (waking the sandbox if needed)
+// with the path from the query, holding the sandbox active meanwhile. fn
+// writes the success response; any error is written here.
+func (s *Server) fileOp(w http.ResponseWriter, r *http.Request, fn func(c *agentclient.Client, path string) error) {
+	p := r.URL.Query().Get("path")
+	if err := checkPath(p); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	s.agentOp(w, r, func(c *agentclient.Client) error { return fn(c, p) })
+}
+
+func (s *Server) agentOp(w http.ResponseWriter, r *http.Request, fn func(c *agentclient.Client) error) {
+	c, release, err := s.mgr.Agent(r.Context(), r.PathValue("id"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	defer release()
+	if err := fn(c); err != nil {
+		writeError(w, r, err)
+	}
+}
+
+// streamOut copies an agent stream to the client, bounded: the agent is
+// hostile and could stream forever.
+func (s *Server) streamOut(w http.ResponseWriter, rc io.ReadCloser, contentType string) {
+	defer rc.Close()
+	w.Header().Set("Content-Type", contentType)
+	n, _ := io.Copy(w, io.LimitReader(rc, s.cfg.MaxFileBytes+1))
+	if n > s.cfg.MaxFileBytes {
+		// Headers are gone; abort so the client sees an error, not a silently cut file.
+		panic(http.ErrAbortHandler)
+	}
+}
+
+func (s *Server) readFile(w http.ResponseWriter, r *http.Request) {
+	s.fileOp(w, r, func(c *agentclient.Client, p string) error {
+		rc, err := c.ReadFile(r.Context(), p)
+		if err != nil {
+			return err
+		}
+		s.streamOut(w, rc, "application/octet-stream")
+		return nil
+	})
+}
+
+func (s *Server) tarGet(w http.ResponseWriter, r *http.Request) {
+	s.fileOp(w, r, func(c *agentclient.Client, p string) error {
+		rc, err := c.TarGet(r.Context(), p)
+		if err != nil {
+			return err
+		}
+		s.streamOut(w, rc, "application/x-tar")
+		return nil
+	})
+}
+
+// limitedBody fails reads past its limit and remembers that it did, so the
+// handler can answer 413 however the downstream (the agent client) wrapped
+// the read error.
+type limitedBody struct {
+	r        io.Reader
+	left     int64
+	limit    int64
+	exceeded bool
+}
+
+func (b *limitedBody) Read(p []byte) (int, error) {
+	if b.left <= 0 {
+		// Probe one byte: a body of exactly limit bytes is fine.
+		var one [1]byte
+		if n, _ := b.r.Read(one[:]); n > 0 {
+			b.exceeded = true
+			return 0, fmt.Errorf("body is more than the limit of %d bytes: %w", b.limit, errdefs.ErrTooLarge)
+		}
+		return 0, io.EOF
+	}
+	if int64(len(p)) > b.left {
+		p = p[:b.left]
+	}
+	n, err := b.r.Read(p)
+	b.left -= int64(n)
+	return n, err
+}
+
+// check turns any error into a 413 when the body went over its limit.
+func (b *limitedBody) check(err error) error {
+	if err != nil && b.exceeded {
+		return fmt.Errorf("body is more than the limit of %d bytes: %w", b.limit, errdefs.ErrTooLarge)
+	}
+	return err
+}
+
+func uploadBody(r *http.Request, limit int64) (*limitedBody, error) {
+	if r.ContentLength > limit {
+		return nil, fmt.Errorf("body is %d bytes, more than the limit of %d: %w", r.ContentLength, limit, errdefs.ErrTooLarge)
+	}
+	return &limitedBody{r: r.Body, left: limit, limit: limit}, nil
+}
+
+func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {
+	mode := os.FileMode(0o644)
+	if ms := r.URL.Query().Get("mode"); ms != "" {
+		v, err := strconv.ParseUint(ms, 8, 32)
+		if err != nil || v > 0o7777 {
+			writeError(w, r, fmt.Errorf("mode must be octal permission bits like 0644, got %q: %w", ms, errdefs.ErrInvalidArgument))
+			return
+		}
+		mode = os.FileMode(v)
+	}
+	body, err := uploadBody(r, s.cfg.MaxFileBytes)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	s.fileOp(w, r, func(c *agentclient.Client, p string) error {
+		fi, err := c.WriteFile(r.Context(), p, mode, body)
+		if err != nil {
+			return body.check(err)
+		}
+		writeJSON(w, 200, fi)
+		return nil
+	})
+}
+
+func (s *Server) tarPut(w http.ResponseWriter, r *http.Request) {
+	body, err := uploadBody(r, s.cfg.MaxFileBytes)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	s.fileOp(w, r, func(c *agentclient.Client, p string) error {
+		if err := c.TarPut(r.Context(), p, body); err != nil {
+			return body.check(err)
+		}
+		w.WriteHeader(http.StatusNoContent)
+		return nil
+	})
+}
+
+func (s *Server) removeFile(w http.ResponseWriter, r *http.Request) {
+	rec, err := parseBool(r.URL.Query().Get("recursive"), "recursive")
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	s.fileOp(w, r, func(c *agentclient.Client, p string) error {
+		if err := c.Remove(r.Context(), p, rec); err != nil {
+			return err
+		}
+		w.WriteHeader(http.StatusNoContent)
+		return nil
+	})
+}
+
+func (s *Server) statFile(w http.ResponseWriter, r *http.Request) {
+	s.fileOp(w, r, func(c *agentclient.Client, p string) error {
+		fi, err := c.Stat(r.Context(), p)
+		if err != nil {
+			return err
+		}
+		writeJSON(w, 200, fi)
+		return nil
+	})
+}
+
+func (s *Server) listFiles(w http.ResponseWriter, r *http.Request) {
+	s.fileOp(w, r, func(c *agentclient.Client, p string) error {
+		list, err := c.List(r.Context(), p)
+		if err != nil {
+			return err
+		}
+		if list == nil {
+			list = []api.FileInfo{}
+		}
+		writeJSON(w, 200, api.FileList{Entries: list})
+		return nil
+	})
+}
+
+func (s *Server) mkdir(w http.ResponseWriter, r *http.Request) {
+	var req api.MkdirRequest
+	if err := decodeJSON(w, r, &req); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if err := checkPath(req.Path); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if req.Mode > 0o7777 {
+		writeError(w, r, fmt.Errorf("mode must be permission bits ≤ 07777: %w", errdefs.ErrInvalidArgument))
+		return
+	}
+	mode := os.FileMode(req.Mode)
+	if mode == 0 {
+		mode = 0o755
+	}
+	s.agentOp(w, r, func(c *agentclient.Client) error {
+		fi, err := c.Mkdir(r.Context(), req.Path, mode)
+		if err != nil {
+			return err
+		}
+		writeJSON(w, 200, fi)
+		return nil
+	})
+}
+
+func (s *Server) rename(w http.ResponseWriter, r *http.Request) {
+	var req api.RenameRequest
+	if err := decodeJSON(w, r, &req); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	for _, p := range []string{req.From, req.To} {
+		if err := checkPath(p); err != nil {
+			writeError(w, r, err)
+			return
+		}
+	}
+	s.agentOp(w, r, func(c *agentclient.Client) error {
+		if err := c.Rename(r.Context(), req.From, req.To); err != nil {
+			return err
+		}
+		w.WriteHeader(http.StatusNoContent)
+		return nil
+	})
+}
