@@ -83,9 +83,12 @@ func TestProcConcurrentAttachAndCloseStdin(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	send(t, ctx, c1, api.FrameStdin, []byte("one\n"))
-	send(t, ctx, c2, api.FrameStdin, []byte("two\n"))
 	var s1, s2 session
+	// Two sessions' stdin frames have no order between them: wait for the
+	// echo of the first before sending the second.
+	send(t, ctx, c1, api.FrameStdin, []byte("one\n"))
+	s1.readUntil(t, ctx, c1, "one\n")
+	send(t, ctx, c2, api.FrameStdin, []byte("two\n"))
 	s1.readUntil(t, ctx, c1, "two\n")
 	s2.readUntil(t, ctx, c2, "two\n")
 	send(t, ctx, c1, api.FrameCloseStdin, nil)

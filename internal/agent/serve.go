@@ -45,8 +45,16 @@ type Config struct {
 	// AttachStall is how long a live attach may hold a process's output
 	// back without taking any (see proc.pump); 0 means DefaultAttachStall.
 	AttachStall time.Duration
-	Logger      *slog.Logger
+	// IdleTrim, if positive, returns free memory to the kernel after this
+	// long without a request in flight (see memory.go). The agent binary
+	// uses DefaultIdleTrim.
+	IdleTrim time.Duration
+	Logger   *slog.Logger
 }
+
+// idleStreamTimeout closes keep-alive streams nobody uses: each costs a
+// goroutine and buffers, and reopening one is cheap (no round trip).
+const idleStreamTimeout = 5 * time.Second
 
 // DefaultAttachStall bounds how long an attached client that stopped
 // reading can block the process it is attached to.
@@ -60,6 +68,7 @@ type Agent struct {
 	root   *fsRoot
 	reaper *reaper
 	srv    *http.Server
+	trim   *idleTrimmer // nil without Config.IdleTrim
 
 	mu    sync.Mutex
 	procs map[string]*proc
@@ -94,12 +103,20 @@ func New(cfg Config) (*Agent, error) {
 		return nil, err
 	}
 	a := &Agent{cfg: cfg, log: cfg.Logger, root: root, reaper: rp, procs: map[string]*proc{}}
+	var h http.Handler = a.Handler()
+	if cfg.IdleTrim > 0 {
+		a.trim = newIdleTrimmer(cfg.IdleTrim, cfg.Logger)
+		h = a.trim.wrap(h)
+	}
 	a.srv = &http.Server{
-		Handler:           a.Handler(),
+		Handler:           h,
 		ReadHeaderTimeout: 30 * time.Second,
-		IdleTimeout:       10 * time.Minute,
+		IdleTimeout:       idleStreamTimeout,
 		MaxHeaderBytes:    64 << 10,
 		ErrorLog:          slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelDebug),
+	}
+	if a.trim != nil {
+		a.srv.ConnState = a.trim.connState
 	}
 	return a, nil
 }
@@ -193,6 +210,9 @@ func (a *Agent) Serve(ln net.Listener) error {
 func (a *Agent) Close() error {
 	a.closeOnce.Do(func() {
 		a.srv.Close()
+		if a.trim != nil {
+			a.trim.stop()
+		}
 		a.mu.Lock()
 		procs := make([]*proc, 0, len(a.procs))
 		for id, p := range a.procs {
@@ -253,7 +273,8 @@ func serveMain(args []string) error {
 		}()
 	}
 
-	a, err := New(Config{Root: *root, Logger: log})
+	tuneRuntime()
+	a, err := New(Config{Root: *root, Logger: log, IdleTrim: DefaultIdleTrim})
 	if err != nil {
 		return err
 	}

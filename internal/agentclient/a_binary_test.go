@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spacehq/space/internal/agent"
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/agentproto"
 	"github.com/spacehq/space/internal/testenv"
@@ -207,4 +208,100 @@ func zombiesOf(t *testing.T, ppid int) []string {
 		}
 	}
 	return out
+}
+
+// TestAgentBinaryIdleMemory measures what an idle sandbox costs the host:
+// its agent is its only process. Several agents run from one binary, as
+// sandboxes do (the host execs the same file for each), so their program
+// text is one page-cache copy and each one's proportional set size (PSS)
+// is its share of the host's memory. After startup, one connection and one
+// exec each must stay within the budget of an idle sandbox. After a burst
+// of work (large outputs, an 8 MiB upload) has come and gone, the agent's
+// own memory must shrink back near that (it trims when idle).
+func TestAgentBinaryIdleMemory(t *testing.T) {
+	const (
+		agents        = 4
+		pssBudget     = 4 << 20 // bytes per idle sandbox
+		anonBudget    = 2 << 20 // bytes of the agent's own (unshared) memory
+		anonAfterWork = 6 << 20 // after a burst: collector state stays (untrimmed: 8 MiB)
+	)
+	bin := testenv.AgentBinary(t)
+	dir, err := os.MkdirTemp("", "agb")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	pids := make([]int, agents)
+	clients := make([]*agentclient.Client, agents)
+	for i := range pids {
+		sock := filepath.Join(dir, strconv.Itoa(i))
+		p, err := os.StartProcess(bin, []string{"space-agent", "--socket", sock, "--root", t.TempDir()}, &os.ProcAttr{Files: []*os.File{nil, os.Stderr, os.Stderr}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() {
+			p.Kill()
+			p.Wait()
+		}()
+		pids[i] = p.Pid
+		var conn net.Conn
+		for deadline := time.Now().Add(10 * time.Second); ; {
+			if conn, err = net.Dial("unix", sock); err == nil {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("agent never listened: %v", err)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		if clients[i], err = agentclient.New(conn); err != nil {
+			t.Fatal(err)
+		}
+		defer clients[i].Close()
+		if res, err := clients[i].Exec(ctxT(t), agentproto.ExecRequest{Cmd: []string{"sh", "-c", "echo hi"}}); err != nil || res.Stdout != "hi\n" {
+			t.Fatalf("exec %+v %v", res, err)
+		}
+	}
+	time.Sleep(agent.DefaultIdleTrim + 500*time.Millisecond) // idle: the agent trims
+	for _, pid := range pids {
+		kb := smapsRollup(t, pid)
+		t.Logf("fresh: agent %d: Rss %d kB, Pss %d kB (anon %d kB, file %d kB)", pid, kb["Rss"], kb["Pss"], kb["Pss_Anon"], kb["Pss_File"])
+		if kb["Pss"]*1024 > pssBudget || kb["Anonymous"]*1024 > anonBudget {
+			t.Errorf("idle agent %d: Pss %d kB, Anonymous %d kB, want at most %d and %d kB", pid, kb["Pss"], kb["Anonymous"], pssBudget>>10, anonBudget>>10)
+		}
+	}
+	// A burst: execs whose output (escaped into JSON six bytes per NUL)
+	// and a large file make the heap grow well beyond the budget.
+	for i := 0; i < 20; i++ {
+		res, err := clients[0].Exec(ctxT(t), agentproto.ExecRequest{Cmd: []string{"head", "-c", "200000", "/dev/zero"}})
+		if err != nil || len(res.Stdout) != 200000 {
+			t.Fatalf("exec: %d bytes, %v", len(res.Stdout), err)
+		}
+	}
+	if _, err := clients[0].WriteFile(ctxT(t), "/big", 0o600, strings.NewReader(strings.Repeat("x", 8<<20))); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(agent.DefaultIdleTrim + 500*time.Millisecond)
+	kb := smapsRollup(t, pids[0])
+	t.Logf("after work: agent %d: Rss %d kB, Pss %d kB (anon %d kB, file %d kB)", pids[0], kb["Rss"], kb["Pss"], kb["Pss_Anon"], kb["Pss_File"])
+	if kb["Anonymous"]*1024 > anonAfterWork {
+		t.Errorf("idle agent after work: Anonymous %d kB, want at most %d kB", kb["Anonymous"], anonAfterWork>>10)
+	}
+}
+
+// smapsRollup reads /proc/PID/smaps_rollup as kB per field.
+func smapsRollup(t *testing.T, pid int) map[string]int {
+	t.Helper()
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/smaps_rollup")
+	if err != nil {
+		t.Skipf("no smaps_rollup: %v", err)
+	}
+	kb := map[string]int{}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 3 && f[2] == "kB" {
+			kb[strings.TrimSuffix(f[0], ":")], _ = strconv.Atoi(f[1])
+		}
+	}
+	return kb
 }
