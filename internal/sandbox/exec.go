@@ -203,13 +203,7 @@ func (m *Manager) startCommand(ctx context.Context, rec *store.CommandRecord) (*
 
 // GetCommand returns a command session, refreshing its state from the agent.
 func (m *Manager) GetCommand(ctx context.Context, id, cmdID string) (api.Command, error) {
-	if err := ValidID(id); err != nil {
-		return api.Command{}, err
-	}
-	if err := ValidID(cmdID); err != nil {
-		return api.Command{}, err
-	}
-	rec, err := m.cfg.DB.GetCommand(ctx, id, cmdID)
+	rec, err := m.command(ctx, id, cmdID)
 	if err != nil {
 		return api.Command{}, err
 	}
@@ -261,13 +255,7 @@ func (m *Manager) ListCommands(ctx context.Context, id string) ([]api.Command, e
 
 // RefreshToken issues a new attach token for a command session.
 func (m *Manager) RefreshToken(ctx context.Context, id, cmdID string) (api.Command, error) {
-	if err := ValidID(id); err != nil {
-		return api.Command{}, err
-	}
-	if err := ValidID(cmdID); err != nil {
-		return api.Command{}, err
-	}
-	rec, err := m.cfg.DB.GetCommand(ctx, id, cmdID)
+	rec, err := m.command(ctx, id, cmdID)
 	if err != nil {
 		return api.Command{}, err
 	}
@@ -287,7 +275,7 @@ func (m *Manager) SignalCommand(ctx context.Context, id, cmdID, sig string) erro
 	if sig == "" || len(sig) > 16 {
 		return invalid("signal must be a name like TERM or a number")
 	}
-	rec, err := m.cfg.DB.GetCommand(ctx, id, cmdID)
+	rec, err := m.command(ctx, id, cmdID)
 	if err != nil {
 		return err
 	}
@@ -304,13 +292,7 @@ func (m *Manager) SignalCommand(ctx context.Context, id, cmdID, sig string) erro
 
 // AuthorizeAttach checks an attach token against a command session.
 func (m *Manager) AuthorizeAttach(ctx context.Context, id, cmdID, token string) (store.CommandRecord, error) {
-	if err := ValidID(id); err != nil {
-		return store.CommandRecord{}, err
-	}
-	if err := ValidID(cmdID); err != nil {
-		return store.CommandRecord{}, err
-	}
-	rec, err := m.cfg.DB.GetCommand(ctx, id, cmdID)
+	rec, err := m.command(ctx, id, cmdID)
 	if err != nil {
 		return rec, err
 	}
@@ -388,4 +370,14 @@ func (m *Manager) markCommandsExited(id, reason string) {
 		r.Exit = &api.ExitStatus{ExitCode: 137, Signal: "KILL", Reason: reason}
 		m.cfg.DB.PutCommand(ctx, r)
 	}
+}
+
+// command loads a command session after checking both ids are well formed.
+func (m *Manager) command(ctx context.Context, id, cmdID string) (store.CommandRecord, error) {
+	for _, x := range []string{id, cmdID} {
+		if err := ValidID(x); err != nil {
+			return store.CommandRecord{}, err
+		}
+	}
+	return m.cfg.DB.GetCommand(ctx, id, cmdID)
 }

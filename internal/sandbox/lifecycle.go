@@ -191,9 +191,9 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 		if sb.State == api.StatePaused {
 			return nil
 		}
-		pz, ok := inst.(runtime.Pauser)
-		if !ok {
-			return runtime.NotSupported(sb.Runtime, "pause", "the runtime has no pause support")
+		pz, err := pauser(sb, inst)
+		if err != nil {
+			return err
 		}
 		m.dropClient(e)
 		if err := p.run("freeze", func() error { return pz.Pause(ctx) }); err != nil {
@@ -205,9 +205,9 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 		if sb.State == api.StateRunning {
 			return nil
 		}
-		pz, ok := inst.(runtime.Pauser)
-		if !ok {
-			return runtime.NotSupported(sb.Runtime, "resume", "the runtime has no pause support")
+		pz, err := pauser(sb, inst)
+		if err != nil {
+			return err
 		}
 		if err := p.run("thaw", func() error { return pz.Resume(ctx) }); err != nil {
 			return err
@@ -354,4 +354,12 @@ func (m *Manager) redial(ctx context.Context, e *entry, sb api.Sandbox) error {
 		return fmt.Errorf("sandbox %s is not alive: %w", sb.ID, errdefs.ErrUnavailable)
 	}
 	return m.connect(ctx, e, inst)
+}
+
+func pauser(sb api.Sandbox, inst runtime.Instance) (runtime.Pauser, error) {
+	pz, ok := inst.(runtime.Pauser)
+	if !ok {
+		return nil, runtime.NotSupported(sb.Runtime, "pause", "the runtime has no pause support")
+	}
+	return pz, nil
 }
