@@ -19,5 +19,8 @@ run: setup
 test: setup
 	SPACE_CI=$${SPACE_CI:-0} SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent go test -p 1 -timeout 15m -count=1 ./...
 
+# Benchmarks (not part of `make test`): p50/p99 over 200 iterations with the
+# raw tool in the same run, then the idle-density run (SPACE_BENCH_IDLE sandboxes).
 bench: setup
-	go test -run '^$$' -bench . -benchtime 200x -timeout 30m ./bench/
+	SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent go test -run '^$$' -bench . -benchtime 200x -timeout 30m ./bench/
+	SPACE_BENCH=1 SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent go test -run TestIdleDensity -v -timeout 60m ./bench/
