@@ -476,3 +476,38 @@ func TestMetricsAndOpenAPI(t *testing.T) {
 		t.Fatalf("/openapi.yaml: %.100s", b)
 	}
 }
+
+// countWriter counts bytes and checks they are all the same byte.
+type countWriter struct {
+	n   int64
+	bad bool
+}
+
+func (w *countWriter) Write(p []byte) (int, error) {
+	for _, b := range p {
+		if b != 'y' && b != '\n' {
+			w.bad = true
+		}
+	}
+	w.n += int64(len(p))
+	return len(p), nil
+}
+
+// TestAttachedOutputIsComplete: while a client is attached and reading, a
+// fast producer is held back instead of overflowing the replay buffer, so
+// every byte arrives (the bounded buffer is for clients that are away).
+func TestAttachedOutputIsComplete(t *testing.T) {
+	e := setup(t)
+	ctx := ctxT(t, 5*time.Minute)
+	sb := newSandbox(t, e, api.CreateSandboxRequest{})
+	const total = 30 << 20
+	var out countWriter
+	var errOut bytes.Buffer
+	st, err := e.client.Run(ctx, sb.ID, api.ExecRequest{Cmd: []string{"sh", "-c", "yes | head -c 31457280"}}, &out, &errOut)
+	if err != nil || st.ExitCode != 0 {
+		t.Fatalf("run: %v %+v", err, st)
+	}
+	if out.n != total || out.bad || strings.Contains(errOut.String(), "dropped") {
+		t.Fatalf("got %d of %d bytes (corrupt=%v); stderr %q", out.n, total, out.bad, errOut.String())
+	}
+}
