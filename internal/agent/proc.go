@@ -554,9 +554,8 @@ func (p *proc) streamTo(ctx context.Context, c *websocket.Conn, offs [2]int64) e
 		b, _ := json.Marshal(v)
 		return send(append([]byte{typ}, b...))
 	}
-	if err := sendJSON(api.FrameStarted, api.Started{Pid: p.pid}); err != nil {
-		return err
-	}
+	// The attach holds the output back from before FrameStarted, so a
+	// client that starts the output after it (by stdin) misses nothing.
 	cur := &cursor{off: offs}
 	p.mu.Lock()
 	p.cursors[cur] = struct{}{}
@@ -567,6 +566,9 @@ func (p *proc) streamTo(ctx context.Context, c *websocket.Conn, offs [2]int64) e
 		p.wakePumps()
 		p.mu.Unlock()
 	}()
+	if err := sendJSON(api.FrameStarted, api.Started{Pid: p.pid}); err != nil {
+		return err
+	}
 	buf := make([]byte, maxOutputFrame)
 	names := [2]string{"stdout", "stderr"}
 	types := [2]byte{api.FrameStdout, api.FrameStderr}
