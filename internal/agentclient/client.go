@@ -92,7 +92,11 @@ func newClient(conn net.Conn, timeout time.Duration) (*Client, error) {
 			DisableCompression:     true,
 			MaxIdleConns:           16,
 			MaxIdleConnsPerHost:    16,
-			IdleConnTimeout:        time.Minute,
+			// Below the agent's own idle timeout (5 s; it closes idle
+			// streams to free their buffers), so an idle stream is always
+			// dropped here first and a request never races the agent's
+			// close (a streamed body, as in WriteFile, cannot be retried).
+			IdleConnTimeout: 3 * time.Second,
 		}
 	}
 	noRedirect := func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
