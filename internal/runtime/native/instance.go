@@ -212,6 +212,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		},
 	}
 	tPrepared := time.Now()
+	conf := nsinit.Config{Hostname: i.spec.Hostname, SpawnedUnixNano: tPrepared.UnixNano()}
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start sandbox init: %w", err)
 	}
@@ -258,7 +259,6 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if err := writePidFile(i.pidFile(), pidRecord{Pid: pid, StartTime: st}); err != nil {
 		return err
 	}
-	conf := nsinit.Config{Hostname: i.spec.Hostname}
 	if conf.Hostname == "" {
 		conf.Hostname = i.spec.ID
 	}

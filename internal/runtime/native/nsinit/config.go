@@ -57,4 +57,7 @@ type Config struct {
 	Hostname string `json:"hostname"`
 	// NoFile is RLIMIT_NOFILE (soft and hard) inside the sandbox.
 	NoFile uint64 `json:"nofile"`
+	// SpawnedUnixNano is when the host started the init, so init.log can
+	// say how the start-up time divides (diagnostics only).
+	SpawnedUnixNano int64 `json:"spawned,omitempty"`
 }

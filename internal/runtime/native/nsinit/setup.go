@@ -8,6 +8,7 @@ import (
 	goruntime "runtime"
 	"slices"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -36,7 +37,7 @@ func setup() error {
 	case StageSetup:
 		// This thread execs the agent; it must never run other goroutines.
 		goruntime.LockOSThread()
-		return report(build())
+		return report(build(time.Now()))
 	default:
 		return fmt.Errorf("unknown %s=%q", EnvMarker, stage)
 	}
@@ -94,11 +95,13 @@ func readConfig(v any) error {
 	return nil
 }
 
-func build() error {
+// build sets the sandbox up; entered is when this process got to main.
+func build(entered time.Time) error {
 	var cfg Config
 	if err := readConfig(&cfg); err != nil {
 		return err
 	}
+	configured := time.Now()
 	if cfg.NoFile == 0 {
 		cfg.NoFile = 65536
 	}
@@ -150,7 +153,9 @@ func build() error {
 		return err
 	}
 	// Goes to the host's init.log (outside the sandbox) for diagnostics.
-	fmt.Fprintf(os.Stderr, "nsinit: sandbox ready: landlock ABI %d, seccomp allowlist of %d syscalls\n", abi, len(allowedSyscalls))
+	fmt.Fprintf(os.Stderr, "nsinit: sandbox ready: landlock ABI %d, seccomp allowlist of %d syscalls (exec+Go start %v, config wait %v, setup %v)\n",
+		abi, len(allowedSyscalls), entered.Sub(time.Unix(0, cfg.SpawnedUnixNano)).Round(time.Microsecond),
+		configured.Sub(entered).Round(time.Microsecond), time.Since(configured).Round(time.Microsecond))
 	env := []string{
 		EnvMarker + "=" + stageServe,
 		fmt.Sprintf("%s=%d", EnvAgentFD, FDAgentListener),
