@@ -149,7 +149,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (_ runtime.Inst
 		return nil, err
 	}
 	tDisk := time.Now()
-	if err := r.takeDisk(ctx, inst.diskImage(), spec.Limits.DiskMiB); err != nil {
+	if err := r.takeDisk(ctx, inst.diskImage(), inst.rwDir(), spec.Limits.DiskMiB); err != nil {
 		return nil, err
 	}
 	tMount := time.Now()

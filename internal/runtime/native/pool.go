@@ -12,6 +12,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+
+	"golang.org/x/sys/unix"
 )
 
 // diskPool keeps a few freshly formatted, never-used disk images per size
@@ -22,8 +24,14 @@ import (
 // its final name (<MiB>-<random>.img), and taking one is a rename, which
 // only one taker can win. Images being formatted are named .tmp-*; Sweep
 // removes those, and complete images left by a crashed server are simply
-// reused by the next one. An image is only ever written by mkfs, never by
-// a sandbox, so a pooled image is as fresh as one formatted on demand.
+// reused by the next one. An image is only ever written by mkfs (and
+// mountDetached's empty upper/ and work/), never by a sandbox, so a pooled
+// image is as fresh as one formatted on demand.
+//
+// Each spare made by this process is also mounted already, as a detached
+// mount held only by a descriptor (mountDetached), so Create just attaches
+// it. Detached mounts are in no mount table and die with the descriptor,
+// so a crash or a DataDir removed without Close leaves no mount behind.
 type diskPool struct {
 	dir   string
 	depth int // images kept per size
@@ -34,7 +42,8 @@ type diskPool struct {
 	formatting sync.Mutex
 
 	mu      sync.Mutex
-	sizes   []int64 // most recently used first
+	mounted map[string]int // spare image → its detached mount
+	sizes   []int64        // most recently used first
 	wake    chan struct{}
 	stop    chan struct{}
 	stopped bool
@@ -49,7 +58,7 @@ const (
 
 func newDiskPool(dir string) *diskPool {
 	return &diskPool{dir: dir, depth: defaultPoolDepth, max: defaultPoolSizes,
-		wake: make(chan struct{}, 1), stop: make(chan struct{})}
+		mounted: map[string]int{}, wake: make(chan struct{}, 1), stop: make(chan struct{})}
 }
 
 func poolName(sizeMiB int64) string {
@@ -72,16 +81,25 @@ func (p *diskPool) images(sizeMiB int64) []string {
 }
 
 // take moves a pooled image of sizeMiB to dst and reports whether it had
-// one. Either way it records the size as wanted and wakes the refiller.
-func (p *diskPool) take(sizeMiB int64, dst string) bool {
+// one, with the descriptor of its detached mount (-1 when it has none; the
+// caller owns it). Either way it records the size as wanted and wakes the
+// refiller.
+func (p *diskPool) take(sizeMiB int64, dst string) (int, bool) {
 	p.want(sizeMiB)
 	for _, img := range p.images(sizeMiB) {
 		// Another taker may win the rename: then try the next one.
 		if err := os.Rename(img, dst); err == nil {
-			return true
+			p.mu.Lock()
+			mfd, ok := p.mounted[img]
+			delete(p.mounted, img)
+			p.mu.Unlock()
+			if !ok {
+				mfd = -1
+			}
+			return mfd, true
 		}
 	}
-	return false
+	return -1, false
 }
 
 func (p *diskPool) want(sizeMiB int64) {
@@ -165,11 +183,30 @@ func (p *diskPool) add(sizeMiB int64) error {
 	if err := formatDisk(ctx, tmp, sizeMiB); err != nil {
 		return err
 	}
-	if err := os.Rename(tmp, filepath.Join(p.dir, name)); err != nil {
+	final := filepath.Join(p.dir, name)
+	// Registered before the rename: a taker may find the image at once.
+	if mfd, err := mountDetached(tmp); err == nil {
+		p.mu.Lock()
+		p.mounted[final] = mfd
+		p.mu.Unlock()
+	}
+	if err := os.Rename(tmp, final); err != nil {
+		p.forget(final)
 		os.Remove(tmp)
 		return err
 	}
 	return nil
+}
+
+// forget drops the detached mount of img, if it has one.
+func (p *diskPool) forget(img string) {
+	p.mu.Lock()
+	mfd, ok := p.mounted[img]
+	delete(p.mounted, img)
+	p.mu.Unlock()
+	if ok {
+		unix.Close(mfd)
+	}
 }
 
 // close stops the refiller and removes every pooled image.
@@ -184,6 +221,12 @@ func (p *diskPool) close() error {
 	if done != nil {
 		<-done
 	}
+	p.mu.Lock()
+	for img, mfd := range p.mounted {
+		unix.Close(mfd)
+		delete(p.mounted, img)
+	}
+	p.mu.Unlock()
 	return p.clean(true)
 }
 

@@ -14,7 +14,7 @@ func TestDiskPool(t *testing.T) {
 	dir := t.TempDir()
 	p := newDiskPool(filepath.Join(dir, "pool"))
 	dst := filepath.Join(dir, "a.img")
-	if p.take(16, dst) {
+	if _, ok := p.take(16, dst); ok {
 		t.Fatal("empty pool gave an image")
 	}
 	deadline := time.Now().Add(30 * time.Second)
@@ -24,16 +24,27 @@ func TestDiskPool(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	if !p.take(16, dst) {
+	mfd, ok := p.take(16, dst)
+	if !ok {
 		t.Fatal("full pool gave no image")
+	}
+	if mfd < 0 {
+		t.Fatal("spare came without its mount")
+	}
+	// Spares are in no mount table until attached.
+	if m, _ := mountsUnder(dir); len(m) != 0 {
+		t.Fatalf("pool left mounts in the table: %v", m)
+	}
+	mnt := filepath.Join(dir, "mnt")
+	if err := attachMount(mfd, mnt); err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Stat(filepath.Join(mnt, "upper")); err != nil || !fi.IsDir() {
+		t.Fatalf("spare has no upper/: %v", err)
 	}
 	// A pooled image is a complete, mountable ext4 of the asked size.
 	if fi, err := os.Stat(dst); err != nil || fi.Size() != 16<<20 {
 		t.Fatalf("taken image: %v %v", fi, err)
-	}
-	mnt := filepath.Join(dir, "mnt")
-	if err := mountDisk(dst, mnt); err != nil {
-		t.Fatal(err)
 	}
 	if err := unmountAll(mnt); err != nil {
 		t.Fatal(err)
@@ -60,7 +71,7 @@ func TestDiskPool(t *testing.T) {
 		t.Fatalf("close left %d entries", len(ents))
 	}
 	// After close the pool only formats on demand.
-	if p.take(16, filepath.Join(dir, "b.img")) {
+	if _, ok := p.take(16, filepath.Join(dir, "b.img")); ok {
 		t.Fatal("closed pool gave an image")
 	}
 }
