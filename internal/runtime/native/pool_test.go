@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/spacehq/space/internal/testenv"
 )
 
@@ -73,5 +75,26 @@ func TestDiskPool(t *testing.T) {
 	// After close the pool only formats on demand.
 	if _, ok := p.take(16, filepath.Join(dir, "b.img")); ok {
 		t.Fatal("closed pool gave an image")
+	}
+}
+
+func TestIsMountPoint(t *testing.T) {
+	testenv.RequireRoot(t)
+	dir := t.TempDir()
+	if isMountPoint(dir) {
+		t.Fatalf("%s is not a mount point", dir)
+	}
+	if !isMountPoint("/proc") {
+		t.Fatal("/proc is a mount point")
+	}
+	if err := unix.Mount(dir, dir, "", unix.MS_BIND, ""); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Unmount(dir, 0)
+	if !isMountPoint(dir) {
+		t.Fatalf("bind-mounted %s is a mount point", dir)
+	}
+	if isMountPoint(filepath.Join(dir, "missing")) {
+		t.Fatal("a missing path is no mount point")
 	}
 }
