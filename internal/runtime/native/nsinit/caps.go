@@ -52,7 +52,9 @@ func lastCap() int {
 // agent and everything it starts never hold more.
 func dropCapabilities() error {
 	keep := KeptCapabilityMask()
-	for c := 0; c <= lastCap(); c++ {
+	// Read once: it is a file, and this loop runs ~40 times.
+	last := lastCap()
+	for c := 0; c <= last; c++ {
 		if keep&(1<<uint(c)) != 0 {
 			continue
 		}
