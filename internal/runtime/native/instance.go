@@ -141,6 +141,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		return fmt.Errorf("sandbox %s is already running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
 	t0 := time.Now()
+	defer i.rt.disks.busy()()
 	if err := i.rt.checkAgent(); err != nil {
 		return fmt.Errorf("native runtime: %v: %w", err, errdefs.ErrUnavailable)
 	}

@@ -120,6 +120,7 @@ func (r *Runtime) newInstance(spec runtime.Spec) (*instance, error) {
 // formatted, mounted disk. The template is never copied per sandbox.
 func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (_ runtime.Instance, err error) {
 	t0 := time.Now()
+	defer r.disks.busy()()
 	inst, err := r.newInstance(spec)
 	if err != nil {
 		return nil, err
