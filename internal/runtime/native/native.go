@@ -29,6 +29,20 @@
 // the config with the layer descriptors. nsinit unshares the cgroup
 // namespace, builds and pivots into the root, drops privileges, and
 // re-executes the agent; a setup error comes back on the status pipe.
+//
+// Where start-up time goes (BenchmarkStartup on a loaded 2-core host, p50;
+// init.log has the init's own split): Create ~1 ms with a spare disk from
+// the pool (mkfs+mount ~17 ms without one); Start ~30 ms, of which
+// prepare ~2, clone into the namespaces ~7, the agent's Go runtime and
+// package init ~10, waiting for the config ~1, building the sandbox ~3
+// (mounts ~1, seccomp load ~0.6); then ~18 ms until the re-executed agent
+// answers Health, again mostly Go start-up. The re-exec is kept because
+// Landlock (ABI ≤ 7) can only restrict the calling thread, so one exec
+// after setup is what confines every thread. Nothing on this path sleeps
+// or polls: the host blocks on the status pipe and a pidfd.
+//
+// Density (TestDensity, SPACE_BENCH=1): 1000 idle sandboxes with 64 MiB
+// memory and disk run at once, ~2.3 MiB of host memory each.
 package native
 
 import (
