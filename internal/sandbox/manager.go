@@ -65,10 +65,19 @@ type Manager struct {
 	entries map[string]*entry
 	opDone  map[string]chan struct{} // closed when the operation finishes
 
-	ctx    context.Context // cancelled on Close; parent of every operation
+	ctx    context.Context // cancelled on Close: background loops and watchers
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
+	// Operations get their own context so Close can let them finish (a
+	// half-done create would otherwise end in the error state) before
+	// cancelling what is left.
+	opCtx    context.Context
+	opCancel context.CancelFunc
+	opWG     sync.WaitGroup
 }
+
+// closeGrace is how long Close lets running operations finish.
+const closeGrace = 30 * time.Second
 
 // entry is the in-memory side of one sandbox.
 type entry struct {
@@ -99,7 +108,9 @@ func New(cfg Config) *Manager {
 		cfg.BaseTemplateRef = "base:latest"
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	return &Manager{cfg: cfg, log: cfg.Logger, obs: cfg.Observer, entries: map[string]*entry{}, opDone: map[string]chan struct{}{}, ctx: ctx, cancel: cancel}
+	opCtx, opCancel := context.WithCancel(context.Background())
+	return &Manager{cfg: cfg, log: cfg.Logger, obs: cfg.Observer, entries: map[string]*entry{}, opDone: map[string]chan struct{}{},
+		ctx: ctx, cancel: cancel, opCtx: opCtx, opCancel: opCancel}
 }
 
 // Close stops background work and waits for running operations to notice.
@@ -107,6 +118,16 @@ func New(cfg Config) *Manager {
 func (m *Manager) Close() {
 	m.cancel()
 	m.wg.Wait()
+	done := make(chan struct{})
+	go func() { m.opWG.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(closeGrace):
+		m.log.Warn("operations still running at shutdown; cancelling them (the next start re-drives creates and deletes)")
+		m.opCancel()
+		<-done
+	}
+	m.opCancel()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for _, e := range m.entries {
@@ -248,13 +269,13 @@ func (p *phases) run(name string, fn func() error) error {
 // start runs fn as operation op in the background, holding the sandbox's lock.
 func (m *Manager) start(op api.Operation, fn func(ctx context.Context, p *phases) error) {
 	m.opChannel(op.ID)
-	m.wg.Add(1)
+	m.opWG.Add(1)
 	go func() {
-		defer m.wg.Done()
+		defer m.opWG.Done()
 		e := m.entry(op.SandboxID)
 		e.mu.Lock()
 		defer e.mu.Unlock()
-		m.runOp(m.ctx, &op, fn)
+		m.runOp(m.opCtx, &op, fn)
 	}()
 }
 
