@@ -73,6 +73,8 @@ func harness(t *testing.T) runtimetest.Harness {
 			if err != nil {
 				t.Fatal(err)
 			}
+			// Release its spare disks (loop devices) with the test.
+			t.Cleanup(func() { rt.(*native.Runtime).Close() })
 			return rt
 		},
 	}
