@@ -221,7 +221,9 @@ func (p *diskPool) next() (int64, bool) {
 }
 
 func (p *diskPool) add(sizeMiB int64) error {
-	if err := os.MkdirAll(p.dir, 0o700); err != nil {
+	// Mkdir, not MkdirAll: a runtime dropped without Close must not
+	// recreate a DataDir that its owner has removed.
+	if err := os.Mkdir(p.dir, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
 		return err
 	}
 	p.formatting.Lock()
