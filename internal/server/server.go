@@ -10,6 +10,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -48,13 +49,14 @@ type Config struct {
 
 // Server is a running space server (store, manager, HTTP handler).
 type Server struct {
-	cfg     Config
-	db      *store.DB
-	tmpl    *template.Store
-	mgr     *sandbox.Manager
-	metrics *metrics
-	apiKey  string
-	handler http.Handler
+	cfg      Config
+	runtimes map[string]runtime.Runtime
+	db       *store.DB
+	tmpl     *template.Store
+	mgr      *sandbox.Manager
+	metrics  *metrics
+	apiKey   string
+	handler  http.Handler
 }
 
 func (c *Config) defaults() {
@@ -148,7 +150,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("reconciling: %w", err)
 	}
 	mgr.Run()
-	s := &Server{cfg: cfg, db: db, tmpl: tmpl, mgr: mgr, metrics: met, apiKey: key}
+	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, metrics: met, apiKey: key}
 	s.handler = s.routes()
 	return s, nil
 }
@@ -165,6 +167,14 @@ func (s *Server) APIKey() string { return s.apiKey }
 // Close stops background work and closes the store. Sandboxes keep running.
 func (s *Server) Close() error {
 	s.mgr.Close()
+	// Runtimes may hold host resources of their own (native: spare disks).
+	for name, rt := range s.runtimes {
+		if c, ok := rt.(io.Closer); ok {
+			if err := c.Close(); err != nil {
+				s.cfg.Logger.Warn("closing runtime", "runtime", name, "err", err)
+			}
+		}
+	}
 	return s.db.Close()
 }
 
