@@ -62,23 +62,39 @@ var (
 	agentErr  error
 )
 
-// AgentBinary builds cmd/space-agent (static) once per test binary and
-// returns its path.
+// AgentBinary returns a static space-agent for tests: $SPACE_AGENT_BIN when
+// set (make test builds bin/space-agent first), else one built once per test
+// binary into a fixed path under the temp dir (replaced atomically, so test
+// binaries running side by side neither race nor leave a copy each behind).
 func AgentBinary(t testing.TB) string {
 	t.Helper()
 	agentOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "space-agent-bin-")
+		if p := os.Getenv("SPACE_AGENT_BIN"); p != "" {
+			if _, err := os.Stat(p); err == nil {
+				agentPath = p
+				return
+			}
+		}
+		dir := filepath.Join(os.TempDir(), "space-test-agent")
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			agentErr = err
+			return
+		}
+		tmp, err := os.CreateTemp(dir, "build-")
 		if err != nil {
 			agentErr = err
 			return
 		}
-		agentPath = filepath.Join(dir, "space-agent")
-		cmd := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", agentPath, "github.com/spacehq/space/cmd/space-agent")
+		tmp.Close()
+		defer os.Remove(tmp.Name())
+		cmd := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", tmp.Name(), "github.com/spacehq/space/cmd/space-agent")
 		cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH="+runtime.GOARCH)
-		out, err := cmd.CombinedOutput()
-		if err != nil {
+		if out, err := cmd.CombinedOutput(); err != nil {
 			agentErr = &buildError{out: string(out), err: err}
+			return
 		}
+		agentPath = filepath.Join(dir, "space-agent")
+		agentErr = os.Rename(tmp.Name(), agentPath)
 	})
 	if agentErr != nil {
 		t.Fatalf("building space-agent: %v", agentErr)
