@@ -82,6 +82,12 @@ func Open(path string) (*DB, error) {
 		// Each connection to :memory: is its own empty database.
 		db.SetMaxOpenConns(1)
 	}
+	// Opening a SQLite connection costs milliseconds (file open, pragmas,
+	// WAL index); with database/sql's default of 2 idle connections, a few
+	// concurrent readers (long-polls, the idle loop) churn connections on
+	// every request. Keep a pool and never expire it.
+	db.SetMaxIdleConns(16)
+	db.SetConnMaxIdleTime(0)
 	d := &DB{db: db}
 	if err := d.migrate(context.Background()); err != nil {
 		db.Close()
