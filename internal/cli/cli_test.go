@@ -40,6 +40,8 @@ type fake struct {
 	stdinSeen []byte
 	resizes   []api.Resize
 	attached  chan struct{} // closed on the first attach, if set
+	noBase    bool          // base:latest is not built yet
+	baseBuilt bool
 }
 
 func newFakeServer(t *testing.T) (*fake, string) {
@@ -211,7 +213,20 @@ func newFakeServer(t *testing.T) (*fake, string) {
 	mux.HandleFunc("GET /v1/templates", auth(func(w http.ResponseWriter, r *http.Request) {
 		reply(w, 200, api.TemplateList{Templates: []api.Template{{Digest: "sha256:0123456789abcdef0123", Tags: []string{"base:latest"}, SizeBytes: 3 << 20, Source: "debootstrap:bookworm", CreatedAt: now}}})
 	}))
+	mux.HandleFunc("GET /v1/templates/{ref}", auth(func(w http.ResponseWriter, r *http.Request) {
+		f.mu.Lock()
+		missing := f.noBase && !f.baseBuilt
+		f.mu.Unlock()
+		if r.PathValue("ref") != "base:latest" || missing {
+			reply(w, 404, api.Error{Error: api.ErrorBody{Code: "not_found", Message: "template not found"}})
+			return
+		}
+		reply(w, 200, api.Template{Digest: "sha256:aa", Tags: []string{"base:latest"}})
+	}))
 	mux.HandleFunc("POST /v1/templates/base", auth(func(w http.ResponseWriter, r *http.Request) {
+		f.mu.Lock()
+		f.baseBuilt = true
+		f.mu.Unlock()
 		w.Header().Set("Content-Type", "application/x-ndjson")
 		io.WriteString(w, `{"phase":"download","done":1,"total":3,"message":"libc6"}`+"\n")
 		io.WriteString(w, `{"phase":"unpack","done":0,"total":0}`+"\n")
@@ -624,5 +639,27 @@ func TestExtractTarRejectsEscapes(t *testing.T) {
 	}
 	if err := extractTar(bytes.NewReader(build(reg("a"), reg("b"))), dst, "two", true); err == nil {
 		t.Fatal("a file archive with two entries was accepted")
+	}
+}
+
+// TestRunBuildsMissingBaseWithProgress: a first `space run` against a server
+// without the base template shows the build's progress on stderr (stdout is
+// the process's) and only then creates the sandbox.
+func TestRunBuildsMissingBaseWithProgress(t *testing.T) {
+	f, url := newFakeServer(t)
+	f.noBase = true
+	f.stdout = "out\n"
+	var out, errb bytes.Buffer
+	code := Execute(context.Background(), []string{"--url", url, "--api-key", key, "run", "--", "true"}, strings.NewReader(""), &out, &errb)
+	if code != 0 || out.String() != "out\n" {
+		t.Fatalf("code %d stdout %q stderr %q", code, out.String(), errb.String())
+	}
+	if !strings.Contains(errb.String(), "building the base template") || !strings.Contains(errb.String(), "libc6") {
+		t.Fatalf("no build progress on stderr: %q", errb.String())
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if !f.baseBuilt || len(f.creates) != 1 {
+		t.Fatalf("built %v, creates %d", f.baseBuilt, len(f.creates))
 	}
 }

@@ -118,6 +118,9 @@ func (a *app) run(sreq api.CreateSandboxRequest, preq api.ExecRequest, p process
 		ctx, stop = signal.NotifyContext(a.ctx, os.Interrupt, syscall.SIGTERM)
 		defer stop()
 	}
+	if err := a.ensureBase(ctx, c, sreq.Template); err != nil {
+		return &runFailedError{err}
+	}
 	res, err := c.CreateSandbox(ctx, sreq)
 	if err != nil {
 		return &runFailedError{err}

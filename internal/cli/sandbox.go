@@ -136,6 +136,11 @@ func (a *app) create(req api.CreateSandboxRequest, quiet, wait bool) error {
 	if err != nil {
 		return err
 	}
+	if wait {
+		if err := a.ensureBase(a.ctx, c, req.Template); err != nil {
+			return err
+		}
+	}
 	res, err := c.CreateSandbox(a.ctx, req)
 	if err != nil {
 		return err

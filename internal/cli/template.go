@@ -1,6 +1,8 @@
 package cli
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -13,6 +15,7 @@ import (
 	"golang.org/x/term"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/template"
 	"github.com/spacehq/space/sdk"
 )
@@ -183,11 +186,16 @@ func (a *app) importTemplate(c *sdk.Client, tag, src string) (*api.Template, err
 // buildBase runs build with a progress display: bars on a terminal, plain
 // lines otherwise.
 func (a *app) buildBase(build func(progress func(sdk.BuildProgress)) (*api.Template, error)) (*api.Template, error) {
-	f, isFile := a.out.(*os.File)
+	return a.buildBaseTo(a.out, build)
+}
+
+// buildBaseTo is buildBase with the progress display on out.
+func (a *app) buildBaseTo(out io.Writer, build func(progress func(sdk.BuildProgress)) (*api.Template, error)) (*api.Template, error) {
+	f, isFile := out.(*os.File)
 	if a.json || !isFile || !term.IsTerminal(int(f.Fd())) {
 		// Plain lines for logs and pipes; in --json mode progress goes to
 		// stderr so stdout stays one JSON document.
-		w := a.out
+		w := out
 		if a.json {
 			w = a.errOut
 		}
@@ -195,7 +203,7 @@ func (a *app) buildBase(build func(progress func(sdk.BuildProgress)) (*api.Templ
 			fmt.Fprintln(w, progressLine(p))
 		})
 	}
-	p := mpb.NewWithContext(a.ctx, mpb.WithOutput(a.out), mpb.WithWidth(40))
+	p := mpb.NewWithContext(a.ctx, mpb.WithOutput(out), mpb.WithWidth(40))
 	var bar *mpb.Bar
 	phase := ""
 	t, err := build(func(pr sdk.BuildProgress) {
@@ -267,4 +275,22 @@ func defaultCacheDir() string {
 		return d
 	}
 	return "/var/cache/space"
+}
+
+// ensureBase builds the base template with a progress display (on stderr)
+// before a create that needs it, so a first `space run` on a fresh server
+// shows what the minutes are spent on instead of waiting silently.
+func (a *app) ensureBase(ctx context.Context, c *sdk.Client, ref string) error {
+	if ref != "" && ref != "base" && ref != "base:latest" {
+		return nil
+	}
+	_, err := c.GetTemplate(ctx, "base:latest")
+	if !errors.Is(err, errdefs.ErrNotFound) {
+		return nil // present, or the create will report the problem
+	}
+	fmt.Fprintln(a.errOut, "space: building the base template (once; a few minutes)")
+	_, err = a.buildBaseTo(a.errOut, func(progress func(sdk.BuildProgress)) (*api.Template, error) {
+		return c.BuildBaseTemplate(ctx, progress)
+	})
+	return err
 }
