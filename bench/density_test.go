@@ -1,11 +1,9 @@
 package bench
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -14,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/testenv"
 )
 
 // procsOf lists the pids in a sandbox's cgroup (v1 pids hierarchy or v2).
@@ -34,41 +33,6 @@ func procsOf(id string) []int {
 	return nil
 }
 
-// rollup returns Rss and Pss (KiB) of a process from smaps_rollup.
-func rollup(pid int) (rss, pss int64) {
-	f, err := os.Open(filepath.Join("/proc", strconv.Itoa(pid), "smaps_rollup"))
-	if err != nil {
-		return 0, 0
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fs := strings.Fields(sc.Text())
-		if len(fs) < 2 {
-			continue
-		}
-		v, _ := strconv.ParseInt(fs[1], 10, 64)
-		switch fs[0] {
-		case "Rss:":
-			rss = v
-		case "Pss:":
-			pss = v
-		}
-	}
-	return
-}
-
-func memAvailableKiB() int64 {
-	b, _ := os.ReadFile("/proc/meminfo")
-	for _, l := range strings.Split(string(b), "\n") {
-		if strings.HasPrefix(l, "MemAvailable:") {
-			v, _ := strconv.ParseInt(strings.Fields(l)[1], 10, 64)
-			return v
-		}
-	}
-	return 0
-}
-
 // TestIdleDensity creates SPACE_BENCH_IDLE (default 1000) idle sandboxes and
 // reports host memory per sandbox three ways: RSS and PSS of every process in
 // the sandboxes' cgroups, and the drop of MemAvailable (which also counts
@@ -83,7 +47,7 @@ func TestIdleDensity(t *testing.T) {
 	}
 	h := start(t)
 	ctx := context.Background()
-	before := memAvailableKiB()
+	before := testenv.MemInfo("MemAvailable")
 	var ids []string
 	var mu sync.Mutex
 	var failed atomic.Int64
@@ -114,13 +78,13 @@ func TestIdleDensity(t *testing.T) {
 	var rss, pss, procs int64
 	for _, id := range ids {
 		for _, pid := range procsOf(id) {
-			r, p := rollup(pid)
+			r, p := testenv.Rollup(pid)
 			rss += r
 			pss += p
 			procs++
 		}
 	}
-	after := memAvailableKiB()
+	after := testenv.MemInfo("MemAvailable")
 	ok := int64(len(ids))
 	if ok == 0 {
 		t.Fatalf("no sandbox started: %v", firstErr.Load())

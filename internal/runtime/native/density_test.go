@@ -1,7 +1,6 @@
 package native_test
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"os"
@@ -16,23 +15,8 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/native"
+	"github.com/spacehq/space/internal/testenv"
 )
-
-// memInfo returns a /proc/meminfo field in KiB.
-func memInfo(t testing.TB, key string) int64 {
-	data, err := os.ReadFile("/proc/meminfo")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(string(data), "\n") {
-		if k, v, ok := strings.Cut(line, ":"); ok && k == key {
-			n, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
-			return n
-		}
-	}
-	t.Fatalf("no %s in /proc/meminfo", key)
-	return 0
-}
 
 // descendants is pid and every process below it, from /proc/*/task/*/children.
 func descendants(pid int) []int {
@@ -49,30 +33,6 @@ func descendants(pid int) []int {
 		}
 	}
 	return out
-}
-
-// rollup returns Rss and Pss (KiB) of pid from smaps_rollup.
-func rollup(pid int) (rss, pss int64) {
-	f, err := os.Open(fmt.Sprintf("/proc/%d/smaps_rollup", pid))
-	if err != nil {
-		return 0, 0
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		k, v, ok := strings.Cut(sc.Text(), ":")
-		if !ok {
-			continue
-		}
-		n, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
-		switch k {
-		case "Rss":
-			rss = n
-		case "Pss":
-			pss = n
-		}
-	}
-	return rss, pss
 }
 
 // hostTraces counts what sandboxes leave on the host: mounts and loop
@@ -132,7 +92,7 @@ func TestDensity(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.Sleep(2 * time.Second)
-	availBefore := memInfo(t, "MemAvailable")
+	availBefore := testenv.MemInfo("MemAvailable")
 
 	insts := make([]runtime.Instance, n)
 	var mu sync.Mutex
@@ -194,7 +154,7 @@ func TestDensity(t *testing.T) {
 
 	// Idle: let lazy ext4 init and the agents settle, then measure.
 	time.Sleep(5 * time.Second)
-	availAfter := memInfo(t, "MemAvailable")
+	availAfter := testenv.MemInfo("MemAvailable")
 	var rss, pss, procs int64
 	healthy := 0
 	for _, inst := range insts {
@@ -202,7 +162,7 @@ func TestDensity(t *testing.T) {
 			continue
 		}
 		for _, p := range descendants(inst.(interface{ Pid() int }).Pid()) {
-			r, s := rollup(p)
+			r, s := testenv.Rollup(p)
 			rss += r
 			pss += s
 			procs++
