@@ -54,8 +54,6 @@ func setup(t *testing.T) *env {
 			sharedErr = err
 			return
 		}
-		var notice bytes.Buffer
-		_ = notice
 		s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: agent, APIKeyOut: os.Stderr, MaxFileBytes: maxFileBytes})
 		if err != nil {
 			sharedErr = err

@@ -29,12 +29,19 @@ const AttachTokenTTL = 10 * time.Minute
 // needed) and a release func the caller must call when its request ends; while
 // held, the sandbox counts as active for its idle policy.
 func (m *Manager) Agent(ctx context.Context, id string) (*agentclient.Client, func(), error) {
-	e, c, err := m.ensureRunning(ctx, id)
+	c, _, release, err := m.agent(ctx, id)
+	return c, release, err
+}
+
+// agent is Agent that also returns the sandbox record it found running, so
+// callers that need its env or workdir do not read it again.
+func (m *Manager) agent(ctx context.Context, id string) (*agentclient.Client, api.Sandbox, func(), error) {
+	e, c, sb, err := m.ensureRunning(ctx, id)
 	if err != nil {
-		return nil, nil, err
+		return nil, sb, nil, err
 	}
 	e.active.Add(1)
-	return c, func() {
+	return c, sb, func() {
 		e.lastActive.Store(time.Now().UnixNano())
 		e.active.Add(-1)
 	}, nil
@@ -87,15 +94,11 @@ func (m *Manager) Exec(ctx context.Context, id string, req api.ExecRequest) (api
 	if req.TTY {
 		return api.ExecResult{}, invalid("tty needs a command session (POST …/commands), not synchronous exec")
 	}
-	c, release, err := m.Agent(ctx, id)
+	c, sb, release, err := m.agent(ctx, id)
 	if err != nil {
 		return api.ExecResult{}, err
 	}
 	defer release()
-	sb, err := m.cfg.DB.GetSandbox(ctx, id)
-	if err != nil {
-		return api.ExecResult{}, err
-	}
 	m.obs.Exec("sync")
 	oomBefore := m.oomKills(ctx, id)
 	workdir := req.Workdir
@@ -164,7 +167,13 @@ func (m *Manager) CreateCommand(ctx context.Context, id string, req api.CreateCo
 		return api.Command{}, err
 	}
 	if req.Detached {
-		if _, err := m.startCommand(ctx, &rec); err != nil {
+		c, sb, release, err := m.agent(ctx, id)
+		if err != nil {
+			return api.Command{}, err
+		}
+		err = m.startCommand(ctx, c, sb, &rec)
+		release()
+		if err != nil {
 			return api.Command{}, err
 		}
 	}
@@ -174,19 +183,11 @@ func (m *Manager) CreateCommand(ctx context.Context, id string, req api.CreateCo
 	return out, nil
 }
 
-// startCommand starts the recorded process in the agent if it has not started.
-func (m *Manager) startCommand(ctx context.Context, rec *store.CommandRecord) (*agentclient.Client, error) {
-	c, release, err := m.Agent(ctx, rec.SandboxID)
-	if err != nil {
-		return nil, err
-	}
-	defer release()
+// startCommand starts the recorded process through c, the agent of the
+// running sandbox sb, if it has not started yet.
+func (m *Manager) startCommand(ctx context.Context, c *agentclient.Client, sb api.Sandbox, rec *store.CommandRecord) error {
 	if rec.State != api.CommandCreated {
-		return c, nil
-	}
-	sb, err := m.cfg.DB.GetSandbox(ctx, rec.SandboxID)
-	if err != nil {
-		return nil, err
+		return nil
 	}
 	m.obs.Exec("session")
 	info, err := c.StartProc(ctx, agentproto.ProcStart{
@@ -194,11 +195,11 @@ func (m *Manager) startCommand(ctx context.Context, rec *store.CommandRecord) (*
 		User: rec.Spec.User, TTY: rec.Spec.TTY, Rows: rec.Spec.Rows, Cols: rec.Spec.Cols,
 	})
 	if err != nil {
-		return nil, err
+		return err
 	}
 	rec.State = api.CommandRunning
 	rec.Pid = info.Pid
-	return c, m.cfg.DB.PutCommand(ctx, *rec)
+	return m.cfg.DB.PutCommand(ctx, *rec)
 }
 
 // GetCommand returns a command session, refreshing its state from the agent.
@@ -319,11 +320,12 @@ func (m *Manager) Attach(ctx context.Context, rec store.CommandRecord, stdoutOff
 	if stdoutOff < 0 || stderrOff < 0 {
 		return nil, invalid("offsets must not be negative")
 	}
-	if _, err := m.startCommand(ctx, &rec); err != nil {
+	c, sb, release, err := m.agent(ctx, rec.SandboxID)
+	if err != nil {
 		return nil, err
 	}
-	c, release, err := m.Agent(ctx, rec.SandboxID)
-	if err != nil {
+	if err := m.startCommand(ctx, c, sb, &rec); err != nil {
+		release()
 		return nil, err
 	}
 	oom := m.oomKills(ctx, rec.SandboxID)

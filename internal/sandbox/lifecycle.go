@@ -70,13 +70,8 @@ func (m *Manager) Lifecycle(ctx context.Context, id, verb string, force bool) (a
 		}
 		fn = func(ctx context.Context, p *phases) error { return m.doVerb(ctx, p, id, verb) }
 	case api.OpSuspend, api.OpRestore, api.OpFork:
-		rt, ok := m.cfg.Runtimes[sb.Runtime]
-		if !ok {
-			return api.Operation{}, fmt.Errorf("runtime %s is not registered: %w", sb.Runtime, errdefs.ErrUnprocessable)
-		}
-		c := rt.Probe(ctx)
-		if !c.Verbs[verb] {
-			return api.Operation{}, runtime.NotSupported(sb.Runtime, verb, c.VerbReasons[verb])
+		if err := m.verbSupported(sb, verb); err != nil {
+			return api.Operation{}, err
 		}
 		// No runtime registered today implements these; a runtime that
 		// claims the verb but lacks the interface is a bug, not a user error.
@@ -120,9 +115,9 @@ func (m *Manager) checkVerb(sb api.Sandbox, verb string) error {
 }
 
 func (m *Manager) verbSupported(sb api.Sandbox, verb string) error {
-	rt, ok := m.cfg.Runtimes[sb.Runtime]
-	if !ok {
-		return fmt.Errorf("runtime %s is not registered: %w", sb.Runtime, errdefs.ErrUnprocessable)
+	rt, err := m.runtimeOf(sb)
+	if err != nil {
+		return err
 	}
 	c := rt.Probe(context.Background())
 	if !c.Verbs[verb] {
@@ -269,17 +264,18 @@ func (m *Manager) Wait(ctx context.Context, opID string) (api.Operation, error) 
 	}
 }
 
-// ensureRunning returns the live entry of a sandbox, waking it transparently
-// when it is paused or stopped, and waiting out transitional states.
-func (m *Manager) ensureRunning(ctx context.Context, id string) (*entry, *agentClient, error) {
+// ensureRunning returns the live entry of a sandbox, its client and the
+// record it found running, waking it transparently when it is paused or
+// stopped, and waiting out transitional states.
+func (m *Manager) ensureRunning(ctx context.Context, id string) (*entry, *agentClient, api.Sandbox, error) {
 	if err := ValidID(id); err != nil {
-		return nil, nil, err
+		return nil, nil, api.Sandbox{}, err
 	}
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		sb, err := m.cfg.DB.GetSandbox(ctx, id)
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, api.Sandbox{}, err
 		}
 		e := m.entry(id)
 		switch sb.State {
@@ -292,7 +288,7 @@ func (m *Manager) ensureRunning(ctx context.Context, id string) (*entry, *agentC
 				case <-c.Done():
 				default:
 					e.lastActive.Store(time.Now().UnixNano())
-					return e, c, nil
+					return e, c, sb, nil
 				}
 			}
 			// Running but no client: re-dial (after a restart or a dropped stream).
@@ -300,28 +296,28 @@ func (m *Manager) ensureRunning(ctx context.Context, id string) (*entry, *agentC
 			err := m.redial(ctx, e, sb)
 			e.mu.Unlock()
 			if err != nil {
-				return nil, nil, err
+				return nil, nil, api.Sandbox{}, err
 			}
 			continue
 		case api.StatePaused, api.StateStopped:
 			op := newOperation(api.OpWake, id)
 			if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
-				return nil, nil, err
+				return nil, nil, api.Sandbox{}, err
 			}
 			e.mu.Lock()
 			err := m.runOp(ctx, &op, func(ctx context.Context, p *phases) error { return m.doVerb(ctx, p, id, api.OpWake) })
 			e.mu.Unlock()
 			if err != nil {
-				return nil, nil, fmt.Errorf("waking sandbox %s: %w", id, err)
+				return nil, nil, api.Sandbox{}, fmt.Errorf("waking sandbox %s: %w", id, err)
 			}
 			continue
 		case api.StateCreating, api.StateStarting, api.StateStopping:
 			if time.Now().After(deadline) {
-				return nil, nil, fmt.Errorf("sandbox %s stayed %s for too long: %w", id, sb.State, errdefs.ErrConflict)
+				return nil, nil, api.Sandbox{}, fmt.Errorf("sandbox %s stayed %s for too long: %w", id, sb.State, errdefs.ErrConflict)
 			}
 			select {
 			case <-ctx.Done():
-				return nil, nil, ctx.Err()
+				return nil, nil, api.Sandbox{}, ctx.Err()
 			case <-time.After(20 * time.Millisecond):
 			}
 			continue
@@ -330,7 +326,7 @@ func (m *Manager) ensureRunning(ctx context.Context, id string) (*entry, *agentC
 			if sb.Error != "" {
 				msg = " (" + sb.Error + ")"
 			}
-			return nil, nil, fmt.Errorf("sandbox %s is %s%s: %w", id, sb.State, msg, errdefs.ErrConflict)
+			return nil, nil, api.Sandbox{}, fmt.Errorf("sandbox %s is %s%s: %w", id, sb.State, msg, errdefs.ErrConflict)
 		}
 	}
 }

@@ -14,6 +14,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -169,7 +171,7 @@ func newID(prefix string) string {
 // Info reports every runtime's probe.
 func (m *Manager) Info(ctx context.Context) api.Info {
 	info := api.Info{Version: Version}
-	for _, name := range sortedKeys(m.cfg.Runtimes) {
+	for _, name := range slices.Sorted(maps.Keys(m.cfg.Runtimes)) {
 		c := m.cfg.Runtimes[name].Probe(ctx)
 		info.Runtimes = append(info.Runtimes, api.RuntimeInfo{
 			Name: name, Available: c.Available, Reason: c.Reason, Isolation: c.Isolation,
@@ -195,7 +197,7 @@ func (m *Manager) pickRuntime(ctx context.Context, name string) (runtime.Runtime
 	}
 	rt, ok := m.cfg.Runtimes[name]
 	if !ok {
-		return nil, runtime.Capabilities{}, invalid("unknown runtime %q (known: auto, %s)", truncate(name, 32), strings.Join(sortedKeys(m.cfg.Runtimes), ", "))
+		return nil, runtime.Capabilities{}, invalid("unknown runtime %q (known: auto, %s)", truncate(name, 32), strings.Join(slices.Sorted(maps.Keys(m.cfg.Runtimes)), ", "))
 	}
 	c := rt.Probe(ctx)
 	if !c.Available {
@@ -332,10 +334,16 @@ func (m *Manager) setState(id, state, errMsg, opID string) (api.Sandbox, error) 
 	sb.Error = errMsg
 	sb.OperationID = opID
 	sb.UpdatedAt = time.Now().UTC()
-	if e := m.peek(id); e != nil {
+	m.withActivity(&sb)
+	return sb, m.cfg.DB.PutSandbox(ctx, sb)
+}
+
+// withActivity overlays the in-memory last-activity time, which is kept
+// off the hot path and only persisted with state changes.
+func (m *Manager) withActivity(sb *api.Sandbox) {
+	if e := m.peek(sb.ID); e != nil {
 		sb.LastActiveAt = time.Unix(0, e.lastActive.Load()).UTC()
 	}
-	return sb, m.cfg.DB.PutSandbox(ctx, sb)
 }
 
 func (m *Manager) peek(id string) *entry {
@@ -353,9 +361,7 @@ func (m *Manager) Get(ctx context.Context, id string) (api.Sandbox, error) {
 	if err != nil {
 		return sb, err
 	}
-	if e := m.peek(id); e != nil {
-		sb.LastActiveAt = time.Unix(0, e.lastActive.Load()).UTC()
-	}
+	m.withActivity(&sb)
 	return sb, nil
 }
 
@@ -414,10 +420,24 @@ func (m *Manager) opChannel(id string) chan struct{} {
 	return ch
 }
 
-func (m *Manager) spec(ctx context.Context, sb api.Sandbox) (runtime.Spec, runtime.Runtime, error) {
+// runtimeOf returns the runtime a sandbox was created with.
+func (m *Manager) runtimeOf(sb api.Sandbox) (runtime.Runtime, error) {
 	rt, ok := m.cfg.Runtimes[sb.Runtime]
 	if !ok {
-		return runtime.Spec{}, nil, fmt.Errorf("runtime %s is not registered in this server: %w", sb.Runtime, errdefs.ErrUnprocessable)
+		return nil, fmt.Errorf("runtime %s is not registered in this server: %w", sb.Runtime, errdefs.ErrUnprocessable)
+	}
+	return rt, nil
+}
+
+func newSpec(sb api.Sandbox, rootfs string) runtime.Spec {
+	return runtime.Spec{ID: sb.ID, RootFS: rootfs, TemplateDigest: sb.TemplateDigest, Limits: sb.Limits, Hostname: sb.ID}
+}
+
+// spec resolves everything a runtime needs for an existing sandbox.
+func (m *Manager) spec(ctx context.Context, sb api.Sandbox) (runtime.Spec, runtime.Runtime, error) {
+	rt, err := m.runtimeOf(sb)
+	if err != nil {
+		return runtime.Spec{}, nil, err
 	}
 	ref := sb.TemplateDigest
 	if ref == "" {
@@ -427,7 +447,7 @@ func (m *Manager) spec(ctx context.Context, sb api.Sandbox) (runtime.Spec, runti
 	if err != nil {
 		return runtime.Spec{}, rt, fmt.Errorf("resolving template %s: %w", ref, err)
 	}
-	return runtime.Spec{ID: sb.ID, RootFS: rootfs, TemplateDigest: sb.TemplateDigest, Limits: sb.Limits, Hostname: sb.ID}, rt, nil
+	return newSpec(sb, rootfs), rt, nil
 }
 
 func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
@@ -440,16 +460,25 @@ func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
 		m.setState(id, api.StateError, err.Error(), "")
 		return err
 	}
-	var tmpl api.Template
+	rt, err := m.runtimeOf(sb)
+	if err != nil {
+		return fail(err)
+	}
+	var (
+		tmpl   api.Template
+		rootfs string
+	)
 	if err := p.run("resolve_template", func() error {
-		t, _, err := m.cfg.Templates.Resolve(ctx, sb.Template)
+		tmpl, rootfs, err = m.cfg.Templates.Resolve(ctx, sb.Template)
 		if errors.Is(err, errdefs.ErrNotFound) && isBaseRef(sb.Template, m.cfg.BaseTemplateRef) {
 			m.log.Info("building the base template on first need (this takes a few minutes once)")
-			t, err = m.cfg.Templates.EnsureBase(ctx, func(pr template.Progress) {
+			_, err = m.cfg.Templates.EnsureBase(ctx, func(pr template.Progress) {
 				m.log.Debug("base template", "phase", pr.Phase, "done", pr.Done, "total", pr.Total, "msg", pr.Message)
 			})
+			if err == nil {
+				tmpl, rootfs, err = m.cfg.Templates.Resolve(ctx, sb.Template)
+			}
 		}
-		tmpl = t
 		return err
 	}); err != nil {
 		return fail(fmt.Errorf("template %s: %w", sb.Template, err))
@@ -458,10 +487,7 @@ func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
 	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
 		return fail(err)
 	}
-	spec, rt, err := m.spec(ctx, sb)
-	if err != nil {
-		return fail(err)
-	}
+	spec := newSpec(sb, rootfs)
 	var inst runtime.Instance
 	if err := p.run("prepare", func() (err error) {
 		inst, err = rt.Create(ctx, spec)
@@ -588,17 +614,4 @@ func (m *Manager) watchExit(e *entry, inst runtime.Instance) {
 		m.markCommandsExited(e.id, "the sandbox's init exited")
 		m.setState(e.id, api.StateStopped, "sandbox init (the agent) exited unexpectedly; start or wake it to run again", "")
 	}()
-}
-
-func sortedKeys[V any](m map[string]V) []string {
-	out := make([]string, 0, len(m))
-	for k := range m {
-		out = append(out, k)
-	}
-	for i := 1; i < len(out); i++ {
-		for j := i; j > 0 && out[j] < out[j-1]; j-- {
-			out[j], out[j-1] = out[j-1], out[j]
-		}
-	}
-	return out
 }

@@ -43,6 +43,13 @@ func (m *Manager) Reconcile(ctx context.Context) error {
 	for _, sb := range sbs {
 		m.reconcileOne(ctx, sb, redrive)
 	}
+	m.sweep(ctx)
+	return nil
+}
+
+// sweep asks every available runtime to remove host resources that no
+// sandbox record owns.
+func (m *Manager) sweep(ctx context.Context) {
 	for name, rt := range m.cfg.Runtimes {
 		if !rt.Probe(ctx).Available {
 			continue
@@ -55,7 +62,6 @@ func (m *Manager) Reconcile(ctx context.Context) error {
 			m.log.Info("swept host resources no record owns", "runtime", name, "sandbox", id)
 		}
 	}
-	return nil
 }
 
 func (m *Manager) stillKnown(ctx context.Context, id string) bool {
@@ -153,11 +159,7 @@ func (m *Manager) Run() {
 			m.tick(m.ctx)
 			if time.Since(lastSweep) > time.Minute {
 				lastSweep = time.Now()
-				for _, rt := range m.cfg.Runtimes {
-					if rt.Probe(m.ctx).Available {
-						rt.Sweep(m.ctx, func(id string) bool { return m.stillKnown(m.ctx, id) })
-					}
-				}
+				m.sweep(m.ctx)
 			}
 		}
 	}()
@@ -187,17 +189,7 @@ func (m *Manager) tick(ctx context.Context) {
 		if idleFor < time.Duration(sb.Idle.AfterSeconds)*time.Second {
 			continue
 		}
-		if m.hasAttachedOrRunningForeground(ctx, sb.ID) {
-			continue
-		}
 		m.log.Info("sandbox idle; applying idle policy", "sandbox", sb.ID, "action", sb.Idle.Action, "idle_for", idleFor.Round(time.Second))
 		m.Lifecycle(ctx, sb.ID, sb.Idle.Action, false)
 	}
-}
-
-// hasAttachedOrRunningForeground is true while some client is attached; the
-// active counter covers it, but this is where a later runtime may add more.
-func (m *Manager) hasAttachedOrRunningForeground(ctx context.Context, id string) bool {
-	e := m.peek(id)
-	return e != nil && e.active.Load() > 0
 }
