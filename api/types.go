@@ -223,19 +223,95 @@ type MkdirRequest struct {
 	Mode uint32 `json:"mode,omitempty"`
 }
 
-// Template is a root filesystem addressed by digest, with tags.
+// Template is an immutable root filesystem plus runtime defaults, addressed
+// by digest and by tags. Digest covers the tree and Config: two templates
+// with the same files but different defaults have different digests and
+// share one stored tree (TreeDigest).
 type Template struct {
-	Digest    string    `json:"digest"`
-	Tags      []string  `json:"tags"`
-	SizeBytes int64     `json:"size_bytes"`
-	Source    string    `json:"source"` // "debootstrap:bookworm", "dir", "tar"
-	Parent    string    `json:"parent,omitempty"`
-	CreatedAt time.Time `json:"created_at"`
+	Digest     string         `json:"digest"`
+	TreeDigest string         `json:"tree_digest"`
+	Tags       []string       `json:"tags"`
+	SizeBytes  int64          `json:"size_bytes"` // bytes of file content in the tree
+	Source     string         `json:"source"`     // "debootstrap:bookworm", "dir", "tar", "oci:…", "build", "archive"
+	Parent     string         `json:"parent,omitempty"`
+	Config     TemplateConfig `json:"config"`
+	// Layers is the provenance: the OCI layers an image was made of, or the
+	// build steps that made it (each with the template it produced).
+	Layers    []TemplateLayer `json:"layers,omitempty"`
+	CreatedAt time.Time       `json:"created_at"`
+	// UsedBy lists the sandboxes created from this template that still
+	// exist (filled by inspect only).
+	UsedBy []string `json:"used_by,omitempty"`
+}
+
+// TemplateConfig are the defaults a sandbox created from a template gets.
+// Request values win over them (env merges key by key).
+type TemplateConfig struct {
+	Env     map[string]string `json:"env,omitempty"`
+	Workdir string            `json:"workdir,omitempty"`
+	User    string            `json:"user,omitempty"` // "uid[:gid]" or a name from the template's /etc/passwd
+	Start   *StartCommand     `json:"start,omitempty"`
+}
+
+// StartCommand is started in the background when a sandbox is created from
+// the template; creation completes only when Ready (if set) exits 0.
+type StartCommand struct {
+	Cmd []string `json:"cmd"`
+	// Ready is run repeatedly (every ReadyIntervalMS) until it exits 0 or
+	// ReadyTimeoutSeconds pass; then creation fails with its last output.
+	Ready               []string `json:"ready,omitempty"`
+	ReadyTimeoutSeconds float64  `json:"ready_timeout_seconds,omitempty"` // default 60
+	ReadyIntervalMS     int64    `json:"ready_interval_ms,omitempty"`     // default 100
+}
+
+// TemplateLayer is one OCI layer or one build step of a template.
+type TemplateLayer struct {
+	// Digest is the OCI blob digest, or the template a build step produced.
+	Digest    string `json:"digest"`
+	SizeBytes int64  `json:"size_bytes,omitempty"`
+	CreatedBy string `json:"created_by,omitempty"` // the step's instruction, e.g. "RUN make" (line 4)
+	Cached    bool   `json:"cached,omitempty"`     // build steps: reused from the build cache
 }
 
 // TemplateList is GET /v1/templates.
 type TemplateList struct {
 	Templates []Template `json:"templates"`
+}
+
+// TagRequest is POST /v1/templates/{ref}/tags: point Tag at ref (moving it).
+type TagRequest struct {
+	Tag string `json:"tag"`
+}
+
+// PullRequest is POST /v1/templates/pull: import an image from a registry.
+type PullRequest struct {
+	Image    string   `json:"image"`              // e.g. "registry.local:5000/app:1.2"
+	Tags     []string `json:"tags,omitempty"`     // space tags to apply
+	Insecure bool     `json:"insecure,omitempty"` // plain HTTP registry (loopback always allowed)
+}
+
+// GCResult is POST /v1/templates/gc.
+type GCResult struct {
+	Removed    []string `json:"removed"` // template digests forgotten
+	Trees      int      `json:"trees"`   // stored trees deleted
+	BytesFreed int64    `json:"bytes_freed"`
+}
+
+// BuildEvent is one NDJSON line of POST /v1/templates/build. Exactly one of
+// the groups is set: a step starting/finishing, output of a RUN step, or the
+// final result (Template or Error).
+type BuildEvent struct {
+	Step      int        `json:"step,omitempty"` // 1-based
+	Steps     int        `json:"steps,omitempty"`
+	Line      int        `json:"line,omitempty"` // line in the build file
+	Instr     string     `json:"instruction,omitempty"`
+	Status    string     `json:"status,omitempty"` // "running" | "cached" | "done" | "failed"
+	Output    string     `json:"output,omitempty"` // RUN output chunk (stdout+stderr interleaved)
+	ExitCode  *int       `json:"exit_code,omitempty"`
+	Digest    string     `json:"digest,omitempty"` // template produced by the step
+	ElapsedMS float64    `json:"elapsed_ms,omitempty"`
+	Template  *Template  `json:"template,omitempty"`
+	Error     *ErrorBody `json:"error,omitempty"`
 }
 
 // RuntimeInfo is one entry of GET /v1/info.

@@ -50,8 +50,11 @@ type Capabilities struct {
 
 // Spec is everything a runtime needs to create one sandbox instance.
 type Spec struct {
-	ID             string // sandbox id: [a-z0-9-], ≤ 40 chars, unique on this host
-	RootFS         string // template root directory (read-only; never written)
+	ID     string // sandbox id: [a-z0-9-], ≤ 40 chars, unique on this host
+	RootFS string // template root directory (read-only; never written)
+	// TemplateDigest is the digest of the root tree (api.Template.TreeDigest):
+	// templates differing only in defaults share it, so runtimes key what
+	// they derive from RootFS by it.
 	TemplateDigest string
 	Limits         api.Limits // resolved: every field > 0 except OutputMiB
 	Hostname       string
@@ -111,6 +114,38 @@ type Instance interface {
 type Pauser interface {
 	Pause(ctx context.Context) error
 	Resume(ctx context.Context) error
+}
+
+// TemplatePreparer is implemented by runtimes that derive their own format
+// from a template tree (a uid-shifted copy, a disk image). The server calls
+// PrepareTemplate when a template is imported or built, so that creating a
+// sandbox never copies the template, and ForgetTemplate when garbage
+// collection removes the tree. Both are idempotent; Create still derives on
+// demand if PrepareTemplate was never called.
+type TemplatePreparer interface {
+	PrepareTemplate(ctx context.Context, treeDigest, rootfs string) error
+	ForgetTemplate(ctx context.Context, treeDigest string) error
+}
+
+// Changes are a stopped instance's filesystem changes as an overlayfs upper
+// directory readable by the host.
+type Changes struct {
+	// Dir is the upper directory: new and changed entries, whiteouts as 0/0
+	// character devices, opaque directories marked by OpaqueXattr = "y".
+	Dir         string
+	OpaqueXattr string // "user.overlay.opaque" or "trusted.overlay.opaque"
+	// IDBase is the host id of the sandbox's uid/gid 0; owners in Dir are
+	// shifted by it (0 when they are not).
+	IDBase uint32
+	// Release unmounts whatever was mounted to expose Dir. Idempotent.
+	Release func() error
+}
+
+// ChangeExporter is implemented by instances whose writable layer the host
+// can read; template builds use it to capture what a RUN step changed. The
+// instance must be stopped.
+type ChangeExporter interface {
+	Changes(ctx context.Context) (Changes, error)
 }
 
 // Factory builds a runtime from the server's configuration.
