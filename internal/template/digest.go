@@ -3,6 +3,7 @@ package template
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"hash"
 	"io"
@@ -12,6 +13,8 @@ import (
 	"strconv"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/api"
 )
 
 // digestVersion is hashed first, so a future change of the canonical form
@@ -105,4 +108,27 @@ func fileSHA256(p string, buf []byte) (string, error) {
 		return "", fmt.Errorf("read %s: %w", p, err)
 	}
 	return hex.EncodeToString(fh.Sum(nil)), nil
+}
+
+// imageDigest is the digest of a template: its tree's digest when it has no
+// defaults (so plain trees keep the digest they always had), otherwise the
+// SHA-256 of the tree digest and the canonical JSON of the defaults
+// (encoding/json sorts map keys, so the form is deterministic).
+func imageDigest(tree string, cfg api.TemplateConfig) string {
+	if isZeroConfig(cfg) {
+		return tree
+	}
+	b, err := json.Marshal(cfg)
+	if err != nil {
+		panic(err) // only strings, maps and slices: cannot fail
+	}
+	h := sha256.New()
+	io.WriteString(h, "space-template-v1\n")
+	io.WriteString(h, tree+"\n")
+	h.Write(b)
+	return "sha256:" + hex.EncodeToString(h.Sum(nil))
+}
+
+func isZeroConfig(c api.TemplateConfig) bool {
+	return len(c.Env) == 0 && c.Workdir == "" && c.User == "" && c.Start == nil
 }

@@ -7,11 +7,13 @@ import (
 	"compress/flate"
 	"compress/gzip"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"io/fs"
 	"os"
+	"path"
 	"path/filepath"
 	"strings"
 	"time"
@@ -47,7 +49,7 @@ func (s *Store) ImportDir(ctx context.Context, src string, o ImportOptions) (api
 		// One cheap extra walk buys progress with a known total.
 		_ = filepath.WalkDir(src, func(string, fs.DirEntry, error) error { total++; return nil })
 	}
-	return s.importWith(ctx, o, func(st *stager) error { return copyTree(ctx, st, src, total, o.Progress) })
+	return s.importWith(ctx, o, func(st *stager) error { return copyTree(ctx, st, src, "", nil, total, o.Progress) })
 }
 
 // ImportTar extracts a plain or gzip-compressed tar stream into the store.
@@ -111,11 +113,17 @@ func (s *Store) importWith(ctx context.Context, o ImportOptions, fill func(*stag
 		return api.Template{}, err
 	}
 	progress(o.Progress, Progress{Phase: PhaseImport, Message: "computing digest"})
-	digest, size, err := treeDigest(rootfs)
+	tree, size, err := treeDigest(rootfs)
 	if err != nil {
 		return api.Template{}, err
 	}
-	t, err := s.commit(ctx, stage, digest, size, o.Source, parent, tags)
+	rec := record{tree: tree, size: size, source: o.Source, parent: parent, config: o.Config, layers: o.Layers}
+	if o.ExpectDigest != "" {
+		if d := imageDigest(tree, o.Config); d != o.ExpectDigest {
+			return api.Template{}, invalid("digest mismatch: the content is %s, the archive claims %s", d, o.ExpectDigest)
+		}
+	}
+	t, err := s.commit(ctx, stage, rec, tags)
 	if err != nil {
 		return api.Template{}, err
 	}
@@ -124,14 +132,39 @@ func (s *Store) importWith(ctx context.Context, o ImportOptions, fill func(*stag
 	return t, nil
 }
 
-// commit moves a staged tree to <dir>/<hex> and records it, or, when that
-// content is already stored, keeps the existing copy. Either way the tags
-// then point at digest.
-func (s *Store) commit(ctx context.Context, stage, digest string, size int64, source, parent string, tags []string) (api.Template, error) {
+// record is one template's metadata row.
+type record struct {
+	tree   string
+	size   int64
+	source string
+	parent string
+	config api.TemplateConfig
+	layers []api.TemplateLayer
+}
+
+// commit moves a staged tree to <dir>/<tree hex> and records the template,
+// or, when that tree is already stored, keeps the existing copy (stage may
+// then be ""). Either way the tags then point at the template.
+func (s *Store) commit(ctx context.Context, stage string, rec record, tags []string) (api.Template, error) {
 	s.commitMu.Lock()
 	defer s.commitMu.Unlock()
-	final := filepath.Join(s.dir, strings.TrimPrefix(digest, "sha256:"))
+	digest := imageDigest(rec.tree, rec.config)
+	cfg, err := json.Marshal(rec.config)
+	if err != nil {
+		return api.Template{}, err
+	}
+	if rec.layers == nil {
+		rec.layers = []api.TemplateLayer{}
+	}
+	layers, err := json.Marshal(rec.layers)
+	if err != nil {
+		return api.Template{}, err
+	}
+	final := filepath.Join(s.dir, strings.TrimPrefix(rec.tree, "sha256:"))
 	if _, err := os.Stat(final); errors.Is(err, os.ErrNotExist) {
+		if stage == "" {
+			return api.Template{}, fmt.Errorf("tree %s is not stored: %w", rec.tree, errdefs.ErrNotFound)
+		}
 		// Durability order: staged data on disk, then the rename, then the
 		// record. A crash before the record leaves an unrecorded content
 		// directory, which the next import of it adopts or Open removes.
@@ -153,8 +186,9 @@ func (s *Store) commit(ctx context.Context, stage, digest string, size int64, so
 		return api.Template{}, err
 	}
 	defer tx.Rollback()
-	if _, err := tx.ExecContext(ctx, `INSERT INTO template_images (digest, size_bytes, source, parent, created_at)
-VALUES (?, ?, ?, ?, ?) ON CONFLICT (digest) DO NOTHING`, digest, size, source, parent, time.Now().UnixNano()); err != nil {
+	if _, err := tx.ExecContext(ctx, `INSERT INTO template_images (digest, tree, size_bytes, source, parent, config, layers, created_at)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (digest) DO NOTHING`,
+		digest, rec.tree, rec.size, rec.source, rec.parent, string(cfg), string(layers), time.Now().UnixNano()); err != nil {
 		return api.Template{}, fmt.Errorf("record template %s: %w", digest, err)
 	}
 	for _, t := range tags {
@@ -196,8 +230,9 @@ func progress(fn func(Progress), p Progress) {
 	}
 }
 
-// copyTree feeds the tree at src to st.
-func copyTree(ctx context.Context, st *stager, src string, total int, prog func(Progress)) error {
+// copyTree feeds the tree at src to st, below prefix ("" = the root). With
+// owner set, every entry gets that uid and gid instead of its own.
+func copyTree(ctx context.Context, st *stager, src, prefix string, owner *[2]int, total int, prog func(Progress)) error {
 	type inode struct{ dev, ino uint64 }
 	links := map[inode]string{}
 	n := 0
@@ -219,6 +254,7 @@ func copyTree(ctx context.Context, st *stager, src string, total int, prog func(
 		if rel == "." {
 			rel = ""
 		}
+		rel = path.Join(prefix, rel)
 		var sys unix.Stat_t
 		if err := unix.Lstat(p, &sys); err != nil {
 			return fmt.Errorf("stat %s: %w", p, err)
@@ -229,6 +265,9 @@ func copyTree(ctx context.Context, st *stager, src string, total int, prog func(
 			gid:   int(sys.Gid),
 			mtime: time.Unix(sys.Mtim.Unix()),
 			atime: time.Unix(sys.Atim.Unix()),
+		}
+		if owner != nil {
+			m.uid, m.gid = owner[0], owner[1]
 		}
 		switch sys.Mode & unix.S_IFMT {
 		case unix.S_IFDIR:

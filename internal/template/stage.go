@@ -475,3 +475,120 @@ func (s *stager) finish() error {
 	}
 	return nil
 }
+
+// remove deletes whatever is at rel (recursively), without following
+// symlinks: an OCI or overlay whiteout. A missing path is not an error.
+func (s *stager) remove(rel string) error {
+	if err := s.charge(entryOverhead, rel); err != nil {
+		return err
+	}
+	if rel == "" {
+		return invalid("a whiteout may not delete the root")
+	}
+	dir, base := path.Split(rel)
+	parent, err := s.openExisting(strings.TrimSuffix(dir, "/"))
+	if err != nil || parent == nil {
+		return err
+	}
+	defer parent.Close()
+	s.dropCache()
+	return removeAt(int(parent.Fd()), base, rel)
+}
+
+// opaque removes every entry inside the directory rel (creating it if
+// missing): an opaque directory hides what the layers below put there.
+func (s *stager) opaque(rel string) error {
+	d, err := s.openDir(rel, true)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	s.dropCache()
+	names, err := readNames(int(d.Fd()))
+	if err != nil {
+		return fmt.Errorf("read %q: %w", rel, err)
+	}
+	for _, n := range names {
+		if err := removeAt(int(d.Fd()), n, path.Join(rel, n)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// dropCache forgets the cached parent directory: a removal may have taken
+// it out of the tree.
+func (s *stager) dropCache() {
+	if s.lastDir != nil {
+		s.lastDir.Close()
+		s.lastDir, s.lastRel = nil, ""
+	}
+}
+
+// openExisting opens directory rel without creating or following anything;
+// it returns nil, nil when rel does not exist or is not a directory (there
+// is then nothing below it to remove).
+func (s *stager) openExisting(rel string) (*os.File, error) {
+	fd, err := unix.Dup(int(s.root.Fd()))
+	if err != nil {
+		return nil, err
+	}
+	unix.CloseOnExec(fd)
+	if rel != "" {
+		for _, comp := range strings.Split(rel, "/") {
+			next, err := unix.Openat(fd, comp, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+			unix.Close(fd)
+			if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) {
+				return nil, nil
+			}
+			if err != nil {
+				return nil, fmt.Errorf("open %q: %w", rel, err)
+			}
+			fd = next
+		}
+	}
+	return os.NewFile(uintptr(fd), rel), nil
+}
+
+// removeAt removes name in dirfd, recursing into directories by
+// descriptor so that no symlink is ever followed.
+func removeAt(dirfd int, name, rel string) error {
+	err := unix.Unlinkat(dirfd, name, 0)
+	if err == nil || errors.Is(err, unix.ENOENT) {
+		return nil
+	}
+	if !errors.Is(err, unix.EISDIR) && !errors.Is(err, unix.EPERM) {
+		return fmt.Errorf("remove %q: %w", rel, err)
+	}
+	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("remove %q: %w", rel, err)
+	}
+	names, err := readNames(fd)
+	if err == nil {
+		for _, n := range names {
+			if err = removeAt(fd, n, path.Join(rel, n)); err != nil {
+				break
+			}
+		}
+	}
+	unix.Close(fd)
+	if err != nil {
+		return err
+	}
+	if err := unix.Unlinkat(dirfd, name, unix.AT_REMOVEDIR); err != nil && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("remove %q: %w", rel, err)
+	}
+	return nil
+}
+
+// readNames lists a directory by descriptor (the descriptor stays open).
+func readNames(fd int) ([]string, error) {
+	dup, err := unix.Dup(fd)
+	if err != nil {
+		return nil, err
+	}
+	f := os.NewFile(uintptr(dup), "dir")
+	defer f.Close()
+	return f.Readdirnames(-1)
+}

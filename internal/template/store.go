@@ -3,6 +3,7 @@ package template
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -55,6 +56,13 @@ type ImportOptions struct {
 	MaxBytes int64    // limit on content plus 512 bytes per entry; 0 = none
 	// Progress, if set, receives PhaseImport events.
 	Progress func(Progress)
+	// Config are the defaults sandboxes of the template get; Layers its
+	// provenance (OCI layers or build steps).
+	Config api.TemplateConfig
+	Layers []api.TemplateLayer
+	// ExpectDigest, if set, must equal the resulting template digest, or the
+	// import fails (ErrInvalidArgument) and nothing is kept.
+	ExpectDigest string
 }
 
 // templateSchema is the schema of the template_ tables; its version lives
@@ -73,6 +81,21 @@ CREATE TABLE template_tags (
 	digest TEXT NOT NULL REFERENCES template_images (digest) ON DELETE CASCADE
 );
 CREATE INDEX template_tags_by_digest ON template_tags (digest);
+`,
+	// v2: a template is a tree plus defaults. Content lives under the tree
+	// digest, which equals the template digest when there are no defaults
+	// (so every v1 template keeps its digest and directory).
+	`
+ALTER TABLE template_images ADD COLUMN tree TEXT NOT NULL DEFAULT '';
+ALTER TABLE template_images ADD COLUMN config TEXT NOT NULL DEFAULT '{}';
+ALTER TABLE template_images ADD COLUMN layers TEXT NOT NULL DEFAULT '[]';
+UPDATE template_images SET tree = digest;
+CREATE INDEX template_images_by_tree ON template_images (tree);
+CREATE TABLE template_build_cache (
+	key        TEXT PRIMARY KEY,   -- sha256 of (parent digest, step, inputs)
+	digest     TEXT NOT NULL,      -- the template the step produced
+	created_at INTEGER NOT NULL
+);
 `,
 }
 
@@ -180,29 +203,29 @@ func (s *Store) collectGarbage(ctx context.Context) error {
 		}
 	}
 	known := map[string]bool{}
-	rows, err := s.db.QueryContext(ctx, `SELECT digest FROM template_images`)
+	rows, err := s.db.QueryContext(ctx, `SELECT DISTINCT tree FROM template_images`)
 	if err != nil {
 		return err
 	}
-	var digests []string
+	var trees []string
 	for rows.Next() {
 		var d string
 		if err := rows.Scan(&d); err != nil {
 			rows.Close()
 			return err
 		}
-		digests = append(digests, d)
+		trees = append(trees, d)
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
 		return err
 	}
-	for _, d := range digests {
+	for _, d := range trees {
 		hex := strings.TrimPrefix(d, "sha256:")
 		known[hex] = true
 		if _, err := os.Stat(filepath.Join(s.dir, hex, "rootfs")); errors.Is(err, os.ErrNotExist) {
-			s.log.Warn("template store: content missing, forgetting template", "digest", d)
-			if _, err := s.db.ExecContext(ctx, `DELETE FROM template_images WHERE digest = ?`, d); err != nil {
+			s.log.Warn("template store: content missing, forgetting its templates", "tree", d)
+			if _, err := s.db.ExecContext(ctx, `DELETE FROM template_images WHERE tree = ?`, d); err != nil {
 				return err
 			}
 		}
@@ -307,7 +330,7 @@ func (s *Store) Resolve(ctx context.Context, ref string) (api.Template, string, 
 	if err != nil {
 		return api.Template{}, "", err
 	}
-	rootfs := s.rootfsDir(t.Digest)
+	rootfs := s.rootfsDir(t.TreeDigest)
 	if _, err := os.Stat(rootfs); err != nil {
 		return api.Template{}, "", fmt.Errorf("template %s: content missing at %s: %w", t.Digest, rootfs, errdefs.ErrNotFound)
 	}
@@ -338,7 +361,7 @@ func (s *Store) Get(ctx context.Context, ref string) (api.Template, error) {
 func (s *Store) List(ctx context.Context) ([]api.Template, error) { return s.list(ctx, "") }
 
 func (s *Store) list(ctx context.Context, digest string) ([]api.Template, error) {
-	q := `SELECT i.digest, i.size_bytes, i.source, i.parent, i.created_at, t.ref
+	q := `SELECT i.digest, i.tree, i.size_bytes, i.source, i.parent, i.config, i.layers, i.created_at, t.ref
 FROM template_images i LEFT JOIN template_tags t ON t.digest = i.digest`
 	var args []any
 	if digest != "" {
@@ -354,11 +377,12 @@ FROM template_images i LEFT JOIN template_tags t ON t.digest = i.digest`
 	out := []api.Template{}
 	for rows.Next() {
 		var (
-			t       api.Template
-			created int64
-			ref     sql.NullString
+			t              api.Template
+			created        int64
+			ref            sql.NullString
+			config, layers string
 		)
-		if err := rows.Scan(&t.Digest, &t.SizeBytes, &t.Source, &t.Parent, &created, &ref); err != nil {
+		if err := rows.Scan(&t.Digest, &t.TreeDigest, &t.SizeBytes, &t.Source, &t.Parent, &config, &layers, &created, &ref); err != nil {
 			return nil, fmt.Errorf("list templates: %w", err)
 		}
 		if n := len(out); n > 0 && out[n-1].Digest == t.Digest {
@@ -366,6 +390,12 @@ FROM template_images i LEFT JOIN template_tags t ON t.digest = i.digest`
 				out[n-1].Tags = append(out[n-1].Tags, ref.String)
 			}
 			continue
+		}
+		if err := json.Unmarshal([]byte(config), &t.Config); err != nil {
+			return nil, fmt.Errorf("template %s: corrupt config record: %w", t.Digest, err)
+		}
+		if err := json.Unmarshal([]byte(layers), &t.Layers); err != nil {
+			return nil, fmt.Errorf("template %s: corrupt layers record: %w", t.Digest, err)
 		}
 		t.CreatedAt = time.Unix(0, created).UTC()
 		t.Tags = []string{}
