@@ -51,6 +51,10 @@ func (s *Store) Derive(ctx context.Context, parent string, o DeriveOptions) (api
 	if err != nil {
 		return api.Template{}, fmt.Errorf("parent template: %w", err)
 	}
+	defer s.Hold(p.Digest)()
+	if err := ValidateConfig(o.Config); err != nil {
+		return api.Template{}, err
+	}
 	tags := make([]string, 0, len(o.Tags))
 	for _, t := range o.Tags {
 		norm, err := ParseTag(t)
@@ -375,4 +379,18 @@ ON CONFLICT (key) DO UPDATE SET digest = excluded.digest, created_at = excluded.
 		return fmt.Errorf("build cache: %w", err)
 	}
 	return nil
+}
+
+// Mkdir makes the directory dir (absolute in the tree) and its missing
+// parents, 0755 root:root like Docker's WORKDIR; existing ones are kept.
+func (t *Tree) Mkdir(dir string) error {
+	rel, err := t.ResolveDir(dir)
+	if err != nil {
+		return err
+	}
+	d, err := t.st.openDir(rel, true)
+	if err != nil {
+		return err
+	}
+	return d.Close()
 }

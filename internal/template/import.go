@@ -60,11 +60,14 @@ func (s *Store) ImportTar(ctx context.Context, r io.Reader, o ImportOptions) (ap
 	if o.Source == "" {
 		o.Source = "tar"
 	}
-	return s.importWith(ctx, o, func(st *stager) error { return extractTar(ctx, st, r, o.Progress) })
+	return s.importWith(ctx, o, func(st *stager) error { return extractTar(ctx, st, r, o.Progress, nil) })
 }
 
-// importWith stages a tree with fill, digests it and commits it.
-func (s *Store) importWith(ctx context.Context, o ImportOptions, fill func(*stager) error) (api.Template, error) {
+// importWith stages a tree with fill, digests it and commits it. late
+// functions may change the options after fill (an archive's header is
+// read by fill); a parent they set is kept verbatim (it may live on
+// another host).
+func (s *Store) importWith(ctx context.Context, o ImportOptions, fill func(*stager) error, late ...func(*ImportOptions)) (api.Template, error) {
 	tags := make([]string, 0, len(o.Tags))
 	for _, t := range o.Tags {
 		norm, err := ParseTag(t)
@@ -110,6 +113,19 @@ func (s *Store) importWith(ctx context.Context, o ImportOptions, fill func(*stag
 		return api.Template{}, err
 	}
 	if err := ctx.Err(); err != nil {
+		return api.Template{}, err
+	}
+	for _, f := range late {
+		before := o.Parent
+		f(&o)
+		if o.Parent != before {
+			if !strings.HasPrefix(o.Parent, "sha256:") || !hexDigest.MatchString(strings.TrimPrefix(o.Parent, "sha256:")) {
+				return api.Template{}, invalid("parent %q is not a digest", o.Parent)
+			}
+			parent = o.Parent
+		}
+	}
+	if err := ValidateConfig(o.Config); err != nil {
 		return api.Template{}, err
 	}
 	progress(o.Progress, Progress{Phase: PhaseImport, Message: "computing digest"})
@@ -347,7 +363,17 @@ var unsupportedCompression = []struct {
 // decompressed to verify the gzip checksum (tar pads to 10 KiB records).
 const maxTrailing = 1 << 20
 
-func extractTar(ctx context.Context, st *stager, r io.Reader, prog func(Progress)) error {
+// tarHooks adapt extractTar to archives that wrap a tree.
+type tarHooks struct {
+	// first, if set, consumes the first entry (a header file); it fails
+	// the import when it returns an error.
+	first func(hdr *tar.Header, r io.Reader) error
+	// prefix is the directory the tree lives under; entries outside it are
+	// an error.
+	prefix string
+}
+
+func extractTar(ctx context.Context, st *stager, r io.Reader, prog func(Progress), hooks *tarHooks) error {
 	br := bufio.NewReaderSize(r, 64<<10)
 	// A tar's first member name could start with any of these magics, so
 	// only a stream without the ustar magic at offset 257 is suspected.
@@ -404,9 +430,34 @@ func extractTar(ctx context.Context, st *stager, r io.Reader, prog func(Progress
 		if entries%1024 == 0 {
 			progress(prog, Progress{Phase: PhaseImport, Done: entries, Message: "extracting " + hdr.Name})
 		}
+		if hooks != nil && hooks.first != nil && entries == 1 {
+			if err := hooks.first(hdr, tr); err != nil {
+				return err
+			}
+			last = hdr.Name
+			continue
+		}
 		rel, err := cleanRel(hdr.Name)
 		if err != nil {
 			return err
+		}
+		if hooks != nil && hooks.prefix != "" {
+			in, ok := strings.CutPrefix(rel, hooks.prefix)
+			if !ok || (in != "" && in[0] != '/') {
+				return invalid("entry %q is outside %s/", hdr.Name, hooks.prefix)
+			}
+			rel = strings.TrimPrefix(in, "/")
+			if hdr.Typeflag == tar.TypeLink {
+				target, err := cleanRel(hdr.Linkname)
+				if err != nil {
+					return err
+				}
+				in, ok := strings.CutPrefix(target, hooks.prefix+"/")
+				if !ok {
+					return invalid("hard link %q points outside %s/", hdr.Name, hooks.prefix)
+				}
+				hdr.Linkname = in
+			}
 		}
 		last = hdr.Name
 		m := meta{mode: uint32(hdr.Mode) & 0o7777, uid: hdr.Uid, gid: hdr.Gid, mtime: hdr.ModTime, atime: hdr.AccessTime}

@@ -46,6 +46,9 @@ type Store struct {
 
 	baseMu   sync.Mutex
 	baseCall *baseCall
+
+	holdMu sync.Mutex
+	holds  map[string]int // digests GC must keep (see Hold)
 }
 
 // ImportOptions tune an import.
