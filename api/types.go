@@ -75,6 +75,7 @@ type CreateSandboxRequest struct {
 	Limits     Limits            `json:"limits,omitempty"`
 	Env        map[string]string `json:"env,omitempty"`
 	Workdir    string            `json:"workdir,omitempty"`
+	User       string            `json:"user,omitempty"` // default user of execs and commands; overrides the template's
 	Labels     map[string]string `json:"labels,omitempty"`
 	TTLSeconds int64             `json:"ttl_seconds,omitempty"` // delete after this long; 0 = never
 	Idle       *IdlePolicy       `json:"idle,omitempty"`
@@ -91,6 +92,7 @@ type Sandbox struct {
 	Limits         Limits            `json:"limits"`
 	Env            map[string]string `json:"env,omitempty"`
 	Workdir        string            `json:"workdir,omitempty"`
+	User           string            `json:"user,omitempty"` // default user of execs and commands ("" = root)
 	Labels         map[string]string `json:"labels,omitempty"`
 	TTLSeconds     int64             `json:"ttl_seconds,omitempty"`
 	Idle           *IdlePolicy       `json:"idle,omitempty"`
