@@ -33,5 +33,6 @@ func newServerCmd(a *app) *cobra.Command {
 	cmd.Flags().StringVar(&cfg.DataDir, "data", DataDir(), "data directory (env SPACE_DATA)")
 	cmd.Flags().StringVar(&cfg.Listen, "listen", "127.0.0.1:7070", "listen address host:port or unix:/path")
 	cmd.Flags().StringVar(&cfg.CacheDir, "cache", cacheDefault, "cache directory for templates and kernels (env SPACE_CACHE)")
+	cmd.Flags().Int64Var(&cfg.MaxTemplateBytes, "max-template-bytes", 8<<30, "limit on one template import or build step (unpacked bytes, and each compressed OCI layer)")
 	return cmd
 }
