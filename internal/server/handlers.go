@@ -13,7 +13,6 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
-	"github.com/spacehq/space/internal/template"
 )
 
 func (s *Server) info(w http.ResponseWriter, r *http.Request) {
@@ -336,94 +335,6 @@ func (s *Server) attach(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		if err := client.Write(ctx, websocket.MessageBinary, b); err != nil {
-			return
-		}
-	}
-}
-
-func (s *Server) listTemplates(w http.ResponseWriter, r *http.Request) {
-	ts, err := s.tmpl.List(r.Context())
-	if err != nil {
-		writeError(w, r, err)
-		return
-	}
-	if ts == nil {
-		ts = []api.Template{}
-	}
-	writeJSON(w, 200, api.TemplateList{Templates: ts})
-}
-
-func (s *Server) getTemplate(w http.ResponseWriter, r *http.Request) {
-	t, err := s.tmpl.Get(r.Context(), r.PathValue("ref"))
-	if err != nil {
-		writeError(w, r, err)
-		return
-	}
-	writeJSON(w, 200, t)
-}
-
-func (s *Server) untagTemplate(w http.ResponseWriter, r *http.Request) {
-	if err := s.tmpl.Untag(r.Context(), r.PathValue("ref")); err != nil {
-		writeError(w, r, err)
-		return
-	}
-	w.WriteHeader(http.StatusNoContent)
-}
-
-func (s *Server) importTemplate(w http.ResponseWriter, r *http.Request) {
-	var tags []string
-	for _, t := range r.URL.Query()["tag"] {
-		if t != "" {
-			tags = append(tags, t)
-		}
-	}
-	body, err := uploadBody(r, s.cfg.MaxTemplateBytes)
-	if err != nil {
-		writeError(w, r, err)
-		return
-	}
-	t, err := s.tmpl.ImportTar(r.Context(), body, template.ImportOptions{Tags: tags, Source: "tar", MaxBytes: s.cfg.MaxTemplateBytes})
-	if err != nil {
-		writeError(w, r, body.check(err))
-		return
-	}
-	writeJSON(w, http.StatusCreated, t)
-}
-
-// buildBase streams the base template build's progress as NDJSON.
-func (s *Server) buildBase(w http.ResponseWriter, r *http.Request) {
-	w.Header().Set("Content-Type", "application/x-ndjson")
-	w.WriteHeader(200)
-	enc := json.NewEncoder(w)
-	fl, _ := w.(http.Flusher)
-	progress := make(chan template.Progress, 64)
-	done := make(chan struct{})
-	var (
-		t   api.Template
-		err error
-	)
-	go func() {
-		defer close(done)
-		t, err = s.tmpl.EnsureBase(r.Context(), func(p template.Progress) {
-			select {
-			case progress <- p:
-			default: // never block the build on a slow client
-			}
-		})
-	}()
-	for {
-		select {
-		case p := <-progress:
-			enc.Encode(map[string]any{"phase": p.Phase, "done": p.Done, "total": p.Total, "message": p.Message})
-			if fl != nil {
-				fl.Flush()
-			}
-		case <-done:
-			if err != nil {
-				enc.Encode(api.Error{Error: api.ErrorBody{Code: errdefs.Code(err), Message: err.Error()}})
-			} else {
-				enc.Encode(map[string]any{"template": t})
-			}
 			return
 		}
 	}

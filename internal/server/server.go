@@ -318,8 +318,11 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("GET /v1/templates", a(s.listTemplates))
 	mux.HandleFunc("POST /v1/templates", a(s.importTemplate))
 	mux.HandleFunc("POST /v1/templates/base", a(s.buildBase))
+	mux.HandleFunc("POST /v1/templates/gc", a(s.gcTemplates))
 	mux.HandleFunc("GET /v1/templates/{ref}", a(s.getTemplate))
-	mux.HandleFunc("DELETE /v1/templates/{ref}", a(s.untagTemplate))
+	mux.HandleFunc("DELETE /v1/templates/{ref}", a(s.removeTemplate))
+	mux.HandleFunc("POST /v1/templates/{ref}/tags", a(s.tagTemplate))
+	mux.HandleFunc("GET /v1/templates/{ref}/export", a(s.exportTemplate))
 	notFound := func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, fmt.Errorf("no route for %s %s: %w", r.Method, r.URL.Path, errdefs.ErrNotFound))
 	}

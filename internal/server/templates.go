@@ -1,0 +1,378 @@
+package server
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/template"
+)
+
+// Template endpoints: list, inspect, import (tar, OCI, archive), pull,
+// build, tag, remove, gc, export. Every import path ends in prepared: the
+// runtimes derive what they need from the new tree before the client hears
+// of it, so the first sandbox of a template does not pay for that.
+
+func (s *Server) listTemplates(w http.ResponseWriter, r *http.Request) {
+	ts, err := s.tmpl.List(r.Context())
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if ts == nil {
+		ts = []api.Template{}
+	}
+	writeJSON(w, 200, api.TemplateList{Templates: ts})
+}
+
+// getTemplate is inspect: the template plus the sandboxes created from it.
+func (s *Server) getTemplate(w http.ResponseWriter, r *http.Request) {
+	t, err := s.tmpl.Get(r.Context(), r.PathValue("ref"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	users, err := s.templateUsers(r.Context())
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	t.UsedBy = users[t.Digest]
+	writeJSON(w, 200, t)
+}
+
+// templateUsers maps template digests to the ids of the sandboxes created
+// from them that still exist, whatever their state: a stopped or suspended
+// sandbox needs its template as much as a running one.
+func (s *Server) templateUsers(ctx context.Context) (map[string][]string, error) {
+	sbs, err := s.mgr.List(ctx, "", nil)
+	if err != nil {
+		return nil, fmt.Errorf("listing sandboxes: %w", err)
+	}
+	out := map[string][]string{}
+	for _, sb := range sbs {
+		if sb.State == api.StateDeleted || sb.TemplateDigest == "" {
+			continue
+		}
+		out[sb.TemplateDigest] = append(out[sb.TemplateDigest], sb.ID)
+	}
+	return out, nil
+}
+
+// templatesInUse is templateUsers as the set the store's Remove and GC take.
+func (s *Server) templatesInUse(ctx context.Context) (map[string]bool, error) {
+	users, err := s.templateUsers(ctx)
+	if err != nil {
+		return nil, err
+	}
+	inUse := make(map[string]bool, len(users))
+	for d := range users {
+		inUse[d] = true
+	}
+	return inUse, nil
+}
+
+// removeTemplate is DELETE /v1/templates/{ref}: a tag is untagged, a digest
+// forgotten (see template.Store.Remove).
+func (s *Server) removeTemplate(w http.ResponseWriter, r *http.Request) {
+	force, err := queryBool(r, "force")
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	inUse, err := s.templatesInUse(r.Context())
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if err := s.tmpl.Remove(r.Context(), r.PathValue("ref"), force, inUse); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// tagTemplate is POST /v1/templates/{ref}/tags: point a tag at ref, moving
+// it if it points elsewhere. It answers the template as it now is.
+func (s *Server) tagTemplate(w http.ResponseWriter, r *http.Request) {
+	var req api.TagRequest
+	if err := decodeJSON(w, r, &req); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if req.Tag == "" {
+		writeError(w, r, fmt.Errorf("tag is empty; want name:tag: %w", errdefs.ErrInvalidArgument))
+		return
+	}
+	ref := r.PathValue("ref")
+	if err := s.tmpl.Tag(r.Context(), ref, req.Tag); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	t, err := s.tmpl.Get(r.Context(), req.Tag)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, 200, t)
+}
+
+// gcTemplates is POST /v1/templates/gc.
+func (s *Server) gcTemplates(w http.ResponseWriter, r *http.Request) {
+	inUse, err := s.templatesInUse(r.Context())
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	res, err := s.tmpl.GC(r.Context(), inUse, s.forgetTemplate)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, 200, res)
+}
+
+// forgetTemplate asks every configured runtime that derives formats from
+// template trees to drop what it made of tree. Unavailable runtimes are
+// asked too: they may have prepared the tree while they still worked.
+func (s *Server) forgetTemplate(ctx context.Context, tree string) error {
+	var errs []error
+	for name, rt := range s.runtimes {
+		if p, ok := rt.(runtime.TemplatePreparer); ok {
+			if err := p.ForgetTemplate(ctx, tree); err != nil {
+				errs = append(errs, fmt.Errorf("runtime %s: %w", name, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// prepare lets every available runtime derive its format of t's tree. A
+// failure is logged, not returned: the template is stored and good, and a
+// runtime derives on demand at create if it has to.
+func (s *Server) prepare(ctx context.Context, t api.Template) {
+	var rootfs string
+	for name, rt := range s.runtimes {
+		p, ok := rt.(runtime.TemplatePreparer)
+		if !ok || !rt.Probe(ctx).Available {
+			continue
+		}
+		if rootfs == "" {
+			_, dir, err := s.tmpl.Resolve(ctx, t.Digest)
+			if err != nil {
+				s.cfg.Logger.Warn("preparing template: resolve", "template", t.Digest, "err", err)
+				return
+			}
+			rootfs = dir
+		}
+		if err := p.PrepareTemplate(ctx, t.TreeDigest, rootfs); err != nil {
+			s.cfg.Logger.Warn("runtime could not prepare template; it will derive at create", "runtime", name,
+				"template", t.Digest, "tree", t.TreeDigest, "err", err)
+		}
+	}
+}
+
+// exportTemplate is GET /v1/templates/{ref}/export: the template archive.
+func (s *Server) exportTemplate(w http.ResponseWriter, r *http.Request) {
+	ref := r.PathValue("ref")
+	t, err := s.tmpl.Get(r.Context(), ref)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	lw := &lazyWriter{w: w, start: func() {
+		w.Header().Set("Content-Type", "application/x-tar")
+		w.Header().Set("Content-Disposition", `attachment; filename="`+archiveFileName(t)+`"`)
+		w.WriteHeader(200)
+	}}
+	// Export by digest: a tag moved between Get and Export must not change
+	// what the headers above describe.
+	if err := s.tmpl.Export(r.Context(), t.Digest, lw); err != nil {
+		if !lw.started {
+			writeError(w, r, err)
+			return
+		}
+		// Half an archive is on the wire; an archive without its end
+		// marker is refused by import, but cut the connection as well so
+		// no client mistakes it for complete.
+		s.cfg.Logger.Warn("template export failed mid-stream", "template", t.Digest, "err", err)
+		panic(http.ErrAbortHandler)
+	}
+}
+
+// archiveFileName is a safe download name for t: its first tag, else its
+// digest, with characters that do not belong in a file name replaced.
+func archiveFileName(t api.Template) string {
+	name := t.Digest
+	if len(t.Tags) > 0 {
+		name = t.Tags[0]
+	}
+	b := []byte(name)
+	for i, c := range b {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '-' || c == '_') {
+			b[i] = '_'
+		}
+	}
+	return string(b) + ".tar"
+}
+
+// lazyWriter sends the response head only when the first byte of the body
+// is written, so a failure before that can still be an error response.
+type lazyWriter struct {
+	w       io.Writer
+	start   func()
+	started bool
+}
+
+func (l *lazyWriter) Write(p []byte) (int, error) {
+	if !l.started {
+		l.started = true
+		l.start()
+	}
+	return l.w.Write(p)
+}
+
+// Import formats of POST /v1/templates.
+const (
+	formatTar     = "tar"     // a root filesystem
+	formatOCI     = "oci"     // a docker-save or OCI image layout tar
+	formatArchive = "archive" // a template archive (GET …/export)
+)
+
+// importTemplate is POST /v1/templates?format=tar|oci|archive&tag=….
+func (s *Server) importTemplate(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	format := q.Get("format")
+	if format == "" {
+		format = formatTar
+	}
+	tags := queryTags(r)
+	body, err := uploadBody(r, s.cfg.MaxTemplateBytes)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	opts := template.ImportOptions{Tags: tags, MaxBytes: s.cfg.MaxTemplateBytes}
+	var t api.Template
+	switch format {
+	case formatTar:
+		opts.Source = "tar"
+		t, err = s.tmpl.ImportTar(r.Context(), body, opts)
+	case formatArchive:
+		t, err = s.tmpl.ImportArchive(r.Context(), body, opts)
+	default:
+		err = fmt.Errorf("format %q: want tar, oci or archive: %w", format, errdefs.ErrInvalidArgument)
+	}
+	if err != nil {
+		writeError(w, r, body.check(err))
+		return
+	}
+	s.prepare(r.Context(), t)
+	writeJSON(w, http.StatusCreated, t)
+}
+
+// spool copies the (limited) upload into a temp file under the template
+// store's tmp/, which the store empties on open, so a crash mid-upload
+// leaves nothing behind for long. The caller removes the file.
+func (s *Server) spool(ctx context.Context, body *limitedBody, pattern string) (string, error) {
+	f, err := os.CreateTemp(filepath.Join(s.tmpl.Dir(), "tmp"), pattern)
+	if err != nil {
+		return "", fmt.Errorf("spooling upload: %w", err)
+	}
+	name := f.Name()
+	_, err = io.Copy(f, ctxReader{ctx, body})
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		os.Remove(name)
+		return "", body.check(fmt.Errorf("reading upload: %w", err))
+	}
+	return name, nil
+}
+
+// ctxReader stops a long copy when the request is cancelled.
+type ctxReader struct {
+	ctx context.Context
+	r   io.Reader
+}
+
+func (c ctxReader) Read(p []byte) (int, error) {
+	if err := c.ctx.Err(); err != nil {
+		return 0, err
+	}
+	return c.r.Read(p)
+}
+
+// queryTags returns the non-empty tag= parameters (validated by the store).
+func queryTags(r *http.Request) []string {
+	var tags []string
+	for _, t := range r.URL.Query()["tag"] {
+		if t != "" {
+			tags = append(tags, t)
+		}
+	}
+	return tags
+}
+
+// queryBool parses an optional boolean query parameter ("1", "true", …).
+func queryBool(r *http.Request, name string) (bool, error) {
+	v := r.URL.Query().Get(name)
+	if v == "" {
+		return false, nil
+	}
+	b, err := strconv.ParseBool(v)
+	if err != nil {
+		return false, fmt.Errorf("query parameter %s=%q: want true or false: %w", name, v, errdefs.ErrInvalidArgument)
+	}
+	return b, nil
+}
+
+// buildBase streams the base template build's progress as NDJSON.
+func (s *Server) buildBase(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "application/x-ndjson")
+	w.WriteHeader(200)
+	enc := json.NewEncoder(w)
+	fl, _ := w.(http.Flusher)
+	progress := make(chan template.Progress, 64)
+	done := make(chan struct{})
+	var (
+		t   api.Template
+		err error
+	)
+	go func() {
+		defer close(done)
+		t, err = s.tmpl.EnsureBase(r.Context(), func(p template.Progress) {
+			select {
+			case progress <- p:
+			default: // never block the build on a slow client
+			}
+		})
+	}()
+	for {
+		select {
+		case p := <-progress:
+			enc.Encode(map[string]any{"phase": p.Phase, "done": p.Done, "total": p.Total, "message": p.Message})
+			if fl != nil {
+				fl.Flush()
+			}
+		case <-done:
+			if err != nil {
+				enc.Encode(api.Error{Error: api.ErrorBody{Code: errdefs.Code(err), Message: err.Error()}})
+			} else {
+				s.prepare(r.Context(), t)
+				enc.Encode(map[string]any{"template": t})
+			}
+			return
+		}
+	}
+}
