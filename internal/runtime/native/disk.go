@@ -118,6 +118,26 @@ func mountDisk(img, dir string) error {
 // and goes away with the descriptor (and autoclear then frees the loop
 // device), even when this process dies. attachMount puts it in place.
 func mountDetached(img string) (int, error) {
+	mfd, err := fsmountImage(img, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV)
+	if err != nil {
+		return -1, err
+	}
+	for _, sub := range []string{"upper", "work"} {
+		if err := unix.Mkdirat(mfd, sub, 0o755); err != nil && !errors.Is(err, unix.EEXIST) {
+			unix.Close(mfd)
+			return -1, err
+		}
+		if err := unix.Fchownat(mfd, sub, hostIDBase, hostIDBase, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			unix.Close(mfd)
+			return -1, err
+		}
+	}
+	return mfd, nil
+}
+
+// fsmountImage mounts the ext4 image img, detached, with the mount
+// attributes attrs (unix.MOUNT_ATTR_*), on a new autoclear loop device.
+func fsmountImage(img string, attrs int) (int, error) {
 	dev, err := attachLoop(img)
 	if err != nil {
 		return -1, err
@@ -134,19 +154,9 @@ func mountDetached(img string) (int, error) {
 	if err := unix.FsconfigCreate(fsfd); err != nil {
 		return -1, fmt.Errorf("mount %s: %w", img, err)
 	}
-	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV)
+	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, attrs)
 	if err != nil {
 		return -1, fmt.Errorf("fsmount %s: %w", img, err)
-	}
-	for _, sub := range []string{"upper", "work"} {
-		if err := unix.Mkdirat(mfd, sub, 0o755); err != nil && !errors.Is(err, unix.EEXIST) {
-			unix.Close(mfd)
-			return -1, err
-		}
-		if err := unix.Fchownat(mfd, sub, hostIDBase, hostIDBase, unix.AT_SYMLINK_NOFOLLOW); err != nil {
-			unix.Close(mfd)
-			return -1, err
-		}
 	}
 	return mfd, nil
 }

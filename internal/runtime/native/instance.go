@@ -42,16 +42,19 @@ type instance struct {
 }
 
 var (
-	_ runtime.Instance = (*instance)(nil)
-	_ runtime.Pauser   = (*instance)(nil)
+	_ runtime.Instance       = (*instance)(nil)
+	_ runtime.Pauser         = (*instance)(nil)
+	_ runtime.ChangeExporter = (*instance)(nil)
 )
 
-func (i *instance) diskImage() string { return filepath.Join(i.dir, "disk.img") }
-func (i *instance) rwDir() string     { return filepath.Join(i.dir, "rw") }
-func (i *instance) rootDir() string   { return filepath.Join(i.dir, "root") }
-func (i *instance) sockPath() string  { return filepath.Join(i.dir, "agent.sock") }
-func (i *instance) pidFile() string   { return filepath.Join(i.dir, "init.pid") }
-func (i *instance) logFile() string   { return filepath.Join(i.rwDir(), "init.log") }
+func (i *instance) diskImage() string   { return filepath.Join(i.dir, "disk.img") }
+func (i *instance) rwDir() string       { return filepath.Join(i.dir, "rw") }
+func (i *instance) rootDir() string     { return filepath.Join(i.dir, "root") }
+func (i *instance) sockPath() string    { return filepath.Join(i.dir, "agent.sock") }
+func (i *instance) pidFile() string     { return filepath.Join(i.dir, "init.pid") }
+func (i *instance) logFile() string     { return filepath.Join(i.rwDir(), "init.log") }
+func (i *instance) exportDir() string   { return filepath.Join(i.dir, "export") }
+func (i *instance) templateRef() string { return filepath.Join(i.dir, "template") }
 
 // Dir is the sandbox's directory on the host (DataDir/sandboxes/<id>).
 func (i *instance) Dir() string { return i.dir }
@@ -145,10 +148,20 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if err := i.rt.checkAgent(); err != nil {
 		return fmt.Errorf("native runtime: %v: %w", err, errdefs.ErrUnavailable)
 	}
-	lower, err := i.rt.ensureShiftedRootfs(i.spec.RootFS, i.spec.TemplateDigest)
+	// A read-only export of the disk (Changes) is a second superblock on
+	// the same image once the disk is mounted again: end it first.
+	if err := i.releaseChangesLocked(); err != nil {
+		return err
+	}
+	if err := i.recordTemplate(); err != nil {
+		return err
+	}
+	lower, releaseLower, err := i.rt.acquireRootfs(ctx, i.spec.RootFS, i.spec.TemplateDigest)
 	if err != nil {
 		return err
 	}
+	// Held until the overlay holds the layer (setup done or failed).
+	defer releaseLower()
 	if err := mountDisk(i.diskImage(), i.rwDir()); err != nil {
 		return err
 	}

@@ -22,6 +22,8 @@
 //	sandboxes/<id>/root/      where the sandbox's init attaches its root
 //	sandboxes/<id>/agent.sock the agent's listening socket (host-created)
 //	sandboxes/<id>/init.pid   "pid starttime" of the running init
+//	sandboxes/<id>/template   the rootfs/ name it uses (see ForgetTemplate)
+//	sandboxes/<id>/export/    its disk, read-only, while Changes exposes it
 //
 // Start sequence: the host creates the cgroups and the agent socket, starts
 // space-agent in new user/mount/pid/net/ipc/uts namespaces (it blocks on
@@ -142,7 +144,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (_ runtime.Inst
 	if spec.Limits.DiskMiB <= 0 {
 		return nil, fmt.Errorf("disk limit must be set: %w", errdefs.ErrInvalidArgument)
 	}
-	if _, err := r.ensureShiftedRootfs(spec.RootFS, spec.TemplateDigest); err != nil {
+	if _, err := r.ensureShiftedRootfs(ctx, spec.RootFS, spec.TemplateDigest); err != nil {
 		return nil, err
 	}
 	// Private to the host: sandbox init gets descriptors, not paths.
@@ -160,6 +162,9 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (_ runtime.Inst
 			_ = inst.Destroy(context.WithoutCancel(ctx))
 		}
 	}()
+	if err := inst.recordTemplate(); err != nil {
+		return nil, err
+	}
 	if err := os.Mkdir(inst.rootDir(), 0o700); err != nil {
 		return nil, err
 	}

@@ -1,6 +1,7 @@
 package native
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -9,8 +10,11 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/errdefs"
 )
 
 // Sandbox ids 0..idRange-1 map to host ids hostIDBase.. in every sandbox.
@@ -39,32 +43,27 @@ func rootfsName(digest string) (string, error) {
 	return strings.ReplaceAll(digest, ":", "-"), nil
 }
 
+func (r *Runtime) rootfsBase() string { return filepath.Join(r.cfg.DataDir, "rootfs") }
+
 // ensureShiftedRootfs returns DataDir/rootfs/<digest>, a copy of src whose
 // owners are shifted into the sandbox id range, building it once. The copy
 // is built in a temporary directory and renamed into place, under a file
 // lock so concurrent creates (in this process or another) build it once.
-func (r *Runtime) ensureShiftedRootfs(src, digest string) (string, error) {
+func (r *Runtime) ensureShiftedRootfs(ctx context.Context, src, digest string) (string, error) {
 	name, err := rootfsName(digest)
 	if err != nil {
 		return "", err
 	}
-	base := filepath.Join(r.cfg.DataDir, "rootfs")
+	base := r.rootfsBase()
 	dst := filepath.Join(base, name)
 	if _, err := os.Stat(dst); err == nil {
 		return dst, nil
 	}
-	if err := os.MkdirAll(base, 0o700); err != nil {
-		return "", err
-	}
-	lock, err := os.OpenFile(filepath.Join(base, "."+name+".lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	unlock, err := r.lockRootfs(ctx, name, unix.LOCK_EX)
 	if err != nil {
 		return "", err
 	}
-	defer lock.Close()
-	if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX); err != nil {
-		return "", fmt.Errorf("lock rootfs %s: %w", name, err)
-	}
-	defer unix.Flock(int(lock.Fd()), unix.LOCK_UN)
+	defer unlock()
 	if _, err := os.Stat(dst); err == nil {
 		return dst, nil
 	}
@@ -72,7 +71,7 @@ func (r *Runtime) ensureShiftedRootfs(src, digest string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if err := copyShifted(src, tmp); err != nil {
+	if err := copyShifted(ctx, src, tmp); err != nil {
 		os.RemoveAll(tmp)
 		return "", fmt.Errorf("shift template %s: %w", digest, err)
 	}
@@ -83,10 +82,84 @@ func (r *Runtime) ensureShiftedRootfs(src, digest string) (string, error) {
 	return dst, nil
 }
 
+// acquireRootfs is ensureShiftedRootfs for a sandbox that is about to use
+// the copy: it also returns a shared hold on it that keeps ForgetTemplate
+// from removing it until release, i.e. until the sandbox's overlay holds
+// the layer.
+func (r *Runtime) acquireRootfs(ctx context.Context, src, digest string) (path string, release func(), err error) {
+	name, err := rootfsName(digest)
+	if err != nil {
+		return "", nil, err
+	}
+	for attempt := 0; attempt < 3; attempt++ {
+		dst, err := r.ensureShiftedRootfs(ctx, src, digest)
+		if err != nil {
+			return "", nil, err
+		}
+		unlock, err := r.lockRootfs(ctx, name, unix.LOCK_SH)
+		if err != nil {
+			return "", nil, err
+		}
+		if _, err := os.Stat(dst); err == nil {
+			return dst, unlock, nil
+		}
+		unlock() // forgotten between the build and the hold: build again
+	}
+	return "", nil, fmt.Errorf("template %s was removed three times while a sandbox was starting on it: %w", digest, errdefs.ErrConflict)
+}
+
+// lockRootfs flocks the lock file of the copy name: LOCK_EX to build or
+// remove the copy, LOCK_SH to keep it while a sandbox starts on it. The
+// lock file goes away with the copy (ForgetTemplate), so after locking it
+// checks that the file it holds is still the one at the path.
+func (r *Runtime) lockRootfs(ctx context.Context, name string, how int) (unlock func(), err error) {
+	base := r.rootfsBase()
+	if err := os.MkdirAll(base, 0o700); err != nil {
+		return nil, err
+	}
+	path := filepath.Join(base, "."+name+".lock")
+	for {
+		f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR|unix.O_NOFOLLOW, 0o600)
+		if err != nil {
+			return nil, err
+		}
+		if err := flockContext(ctx, f, how); err != nil {
+			f.Close()
+			return nil, fmt.Errorf("lock rootfs %s: %w", name, err)
+		}
+		var held, cur unix.Stat_t
+		if unix.Fstat(int(f.Fd()), &held) == nil && unix.Lstat(path, &cur) == nil && held.Dev == cur.Dev && held.Ino == cur.Ino {
+			return func() {
+				unix.Flock(int(f.Fd()), unix.LOCK_UN)
+				f.Close()
+			}, nil
+		}
+		f.Close() // removed or replaced while we waited: lock the current one
+	}
+}
+
+// flockContext takes a flock, waiting at most as long as ctx allows (a
+// blocking flock cannot be interrupted).
+func flockContext(ctx context.Context, f *os.File, how int) error {
+	delay := time.Millisecond
+	for {
+		err := unix.Flock(int(f.Fd()), how|unix.LOCK_NB)
+		if !errors.Is(err, unix.EWOULDBLOCK) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, 50*time.Millisecond)
+	}
+}
+
 // copyShifted copies the tree at src into the existing directory dst,
 // preserving modes, times, symlinks and hard links, shifting owners, and
 // skipping device nodes and sockets (a sandbox gets its devices from /dev).
-func copyShifted(src, dst string) error {
+func copyShifted(ctx context.Context, src, dst string) error {
 	type inode struct{ dev, ino uint64 }
 	links := map[inode]string{}
 	type dirTimes struct {
@@ -95,9 +168,15 @@ func copyShifted(src, dst string) error {
 	}
 	var dirs []dirTimes
 
+	n := 0
 	err := filepath.WalkDir(src, func(path string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
+		}
+		if n++; n%1024 == 0 {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
 		}
 		rel, err := filepath.Rel(src, path)
 		if err != nil {

@@ -1,6 +1,7 @@
 package native
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"sync"
@@ -44,7 +45,7 @@ func TestShiftedRootfsCopy(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			paths[i], errs[i] = r.ensureShiftedRootfs(src, "sha256:abc")
+			paths[i], errs[i] = r.ensureShiftedRootfs(context.Background(), src, "sha256:abc")
 		}()
 	}
 	wg.Wait()
@@ -90,7 +91,7 @@ func TestShiftedRootfsCopy(t *testing.T) {
 	if _, err := os.Lstat(filepath.Join(dst, "null")); !os.IsNotExist(err) {
 		t.Fatalf("device node copied: %v", err)
 	}
-	if _, err := r.ensureShiftedRootfs(src, "sha256:a,lowerdir=/"); err == nil {
+	if _, err := r.ensureShiftedRootfs(context.Background(), src, "sha256:a,lowerdir=/"); err == nil {
 		t.Fatal("digest with overlay option syntax accepted")
 	}
 }
