@@ -62,7 +62,7 @@ func TestRoutesAndEncoding(t *testing.T) {
 			seen{Method: "GET", Path: "/v1/templates/base:latest"}},
 		{func() error { _, err := c.GetTemplate(ctx, "we/ird"); return err },
 			seen{Method: "GET", Path: "/v1/templates/we%2Fird"}},
-		{func() error { return c.DeleteTemplate(ctx, "py:3") },
+		{func() error { return c.RemoveTemplate(ctx, "py:3", false) },
 			seen{Method: "DELETE", Path: "/v1/templates/py:3"}},
 		{func() error { _, err := c.ImportTemplate(ctx, "py:3", strings.NewReader("T")); return err },
 			seen{Method: "POST", Path: "/v1/templates", Query: "tag=py%3A3", Body: "T", ContentType: "application/x-tar"}},

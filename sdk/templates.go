@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"strings"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
@@ -22,7 +23,9 @@ func (c *Client) ListTemplates(ctx context.Context) ([]api.Template, error) {
 	return out.Templates, nil
 }
 
-// GetTemplate is GET /v1/templates/{ref}; ref is "name:tag" or "sha256:…".
+// GetTemplate is GET /v1/templates/{ref} (inspect); ref is "name:tag",
+// "sha256:…" or a unique digest prefix. UsedBy lists the sandboxes created
+// from it that still exist.
 func (c *Client) GetTemplate(ctx context.Context, ref string) (*api.Template, error) {
 	if err := checkID("template", ref); err != nil {
 		return nil, err
@@ -34,26 +37,238 @@ func (c *Client) GetTemplate(ctx context.Context, ref string) (*api.Template, er
 	return &out, nil
 }
 
-// DeleteTemplate is DELETE /v1/templates/{tag}.
-func (c *Client) DeleteTemplate(ctx context.Context, tag string) error {
-	if err := checkID("template", tag); err != nil {
+// RemoveTemplate is DELETE /v1/templates/{ref}: a tag is untagged (the
+// content stays while anything uses it); a digest forgets the template,
+// which the server refuses (ErrConflict) while it is tagged (unless force,
+// which drops the tags), used by a sandbox or the parent of another.
+func (c *Client) RemoveTemplate(ctx context.Context, ref string, force bool) error {
+	if err := checkID("template", ref); err != nil {
 		return err
 	}
-	return c.do(ctx, request{method: http.MethodDelete, path: "/v1/templates/" + seg(tag)}, nil)
+	var q url.Values
+	if force {
+		q = url.Values{"force": {"true"}}
+	}
+	return c.do(ctx, request{method: http.MethodDelete, path: "/v1/templates/" + seg(ref), query: q}, nil)
 }
+
+// TagTemplate is POST /v1/templates/{ref}/tags: point tag ("name[:tag]")
+// at ref, moving it if it points elsewhere. It returns the template.
+func (c *Client) TagTemplate(ctx context.Context, ref, tag string) (*api.Template, error) {
+	if err := checkID("template", ref); err != nil {
+		return nil, err
+	}
+	if tag == "" {
+		return nil, fmt.Errorf("tag is empty: %w", errdefs.ErrInvalidArgument)
+	}
+	var out api.Template
+	if err := c.do(ctx, request{method: http.MethodPost, path: "/v1/templates/" + seg(ref) + "/tags", json: api.TagRequest{Tag: tag}}, &out); err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
+// GCTemplates is POST /v1/templates/gc: remove every template nothing
+// needs and the stored trees no template uses.
+func (c *Client) GCTemplates(ctx context.Context) (*api.GCResult, error) {
+	var out api.GCResult
+	if err := c.do(ctx, request{method: http.MethodPost, path: "/v1/templates/gc"}, &out); err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
+// ExportTemplate is GET /v1/templates/{ref}/export: it writes the template
+// archive to w. An error after some bytes were written means w holds a
+// truncated archive (which ImportTemplateArchive refuses).
+func (c *Client) ExportTemplate(ctx context.Context, ref string, w io.Writer) error {
+	if err := checkID("template", ref); err != nil {
+		return err
+	}
+	resp, err := c.send(ctx, request{method: http.MethodGet, path: "/v1/templates/" + seg(ref) + "/export"})
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if _, err := io.Copy(w, resp.Body); err != nil {
+		return fmt.Errorf("exporting template %s: %w", ref, err)
+	}
+	return nil
+}
+
+// Import formats of POST /v1/templates.
+const (
+	FormatTar     = "tar"     // a root filesystem as a plain or gzip tar
+	FormatOCI     = "oci"     // a `docker save` archive or a tar of an OCI image layout
+	FormatArchive = "archive" // a template archive written by ExportTemplate
+)
 
 // ImportTemplate is POST /v1/templates?tag=name:tag with a tar (optionally
 // gzip-compressed) root filesystem as the body. tag may be empty.
 func (c *Client) ImportTemplate(ctx context.Context, tag string, tarball io.Reader) (*api.Template, error) {
-	q := url.Values{}
+	var tags []string
 	if tag != "" {
-		q.Set("tag", tag)
+		tags = []string{tag}
+	}
+	return c.ImportTemplateFormat(ctx, FormatTar, tarball, tags...)
+}
+
+// ImportTemplateArchive imports an archive written by ExportTemplate. The
+// server recomputes the digest from the content and refuses a mismatch, so
+// the template keeps its digest across hosts.
+func (c *Client) ImportTemplateArchive(ctx context.Context, archive io.Reader, tags ...string) (*api.Template, error) {
+	return c.ImportTemplateFormat(ctx, FormatArchive, archive, tags...)
+}
+
+// ImportOCI imports an OCI image from a `docker save` archive or a tar of
+// an OCI image layout.
+func (c *Client) ImportOCI(ctx context.Context, image io.Reader, tags ...string) (*api.Template, error) {
+	return c.ImportTemplateFormat(ctx, FormatOCI, image, tags...)
+}
+
+// ImportTemplateFormat is POST /v1/templates?format=…&tag=…; format is one
+// of FormatTar, FormatOCI, FormatArchive.
+func (c *Client) ImportTemplateFormat(ctx context.Context, format string, body io.Reader, tags ...string) (*api.Template, error) {
+	switch format {
+	case FormatTar, FormatOCI, FormatArchive:
+	default:
+		return nil, fmt.Errorf("import format %q: want %s, %s or %s: %w", format, FormatTar, FormatOCI, FormatArchive, errdefs.ErrInvalidArgument)
+	}
+	if body == nil {
+		return nil, fmt.Errorf("import: no body: %w", errdefs.ErrInvalidArgument)
+	}
+	q := url.Values{}
+	if format != FormatTar {
+		q.Set("format", format)
+	}
+	for _, t := range tags {
+		if t != "" {
+			q.Add("tag", t)
+		}
 	}
 	var out api.Template
-	if err := c.do(ctx, request{method: http.MethodPost, path: "/v1/templates", query: q, body: tarball, contentType: "application/x-tar"}, &out); err != nil {
+	if err := c.do(ctx, request{method: http.MethodPost, path: "/v1/templates", query: q, body: body, contentType: "application/x-tar"}, &out); err != nil {
 		return nil, err
 	}
 	return &out, nil
+}
+
+// PullTemplate is POST /v1/templates/pull: import an image from a
+// registry.
+func (c *Client) PullTemplate(ctx context.Context, req api.PullRequest) (*api.Template, error) {
+	if strings.TrimSpace(req.Image) == "" {
+		return nil, fmt.Errorf("pull: image is empty: %w", errdefs.ErrInvalidArgument)
+	}
+	var out api.Template
+	if err := c.do(ctx, request{method: http.MethodPost, path: "/v1/templates/pull", json: req}, &out); err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
+// BuildOptions tune a template build.
+type BuildOptions struct {
+	// File is the build file. For BuildTemplateTar it is a path inside the
+	// context (default "Dockerfile"). For BuildTemplate a relative path is
+	// relative to the context directory; an absolute path may be outside
+	// it, and is then sent along as an extra entry the build does not see
+	// as part of the context.
+	File    string
+	Tags    []string // "name[:tag]" to point at the result
+	NoCache bool     // run every step even when the build cache has it
+	// Network asks for network access in RUN steps; the server refuses
+	// the build if the host cannot give it.
+	Network bool
+}
+
+// maxBuildEvent bounds one line of a build stream (RUN output comes in
+// chunks of at most 32 KiB, JSON-escaped).
+const maxBuildEvent = 1 << 20
+
+// BuildTemplate builds a template from the build file and the context
+// directory contextDir (sent as a tar; see WriteBuildContext for what is
+// sent and what .dockerignore can exclude). onEvent, if set, receives every
+// progress event as it arrives. A failing build returns an *APIError whose
+// message names the step, its exit code and the tail of its output.
+func (c *Client) BuildTemplate(ctx context.Context, contextDir string, o BuildOptions, onEvent func(api.BuildEvent)) (*api.Template, error) {
+	if contextDir == "" {
+		return nil, fmt.Errorf("build: context directory is empty: %w", errdefs.ErrInvalidArgument)
+	}
+	file, extra, err := buildFileEntry(contextDir, o.File)
+	if err != nil {
+		return nil, err
+	}
+	// Fail on an unreadable context or a bad .dockerignore before any
+	// request: a failure inside the pipe would surface as a cut upload.
+	ign, err := readDockerignore(contextDir)
+	if err != nil {
+		return nil, err
+	}
+	o.File = file
+	pr, pw := io.Pipe()
+	go func() {
+		pw.CloseWithError(writeBuildContext(pw, contextDir, ign, file, extra))
+	}()
+	t, err := c.BuildTemplateTar(ctx, pr, o, onEvent)
+	pr.CloseWithError(err)
+	return t, err
+}
+
+// BuildTemplateTar is POST /v1/templates/build with a ready tar (plain or
+// gzip) of the build context; o.File is a path inside it.
+func (c *Client) BuildTemplateTar(ctx context.Context, contextTar io.Reader, o BuildOptions, onEvent func(api.BuildEvent)) (*api.Template, error) {
+	if contextTar == nil {
+		return nil, fmt.Errorf("build: no context: %w", errdefs.ErrInvalidArgument)
+	}
+	q := url.Values{}
+	if o.File != "" {
+		q.Set("file", o.File)
+	}
+	for _, t := range o.Tags {
+		if t != "" {
+			q.Add("tag", t)
+		}
+	}
+	if o.NoCache {
+		q.Set("no_cache", "true")
+	}
+	if o.Network {
+		q.Set("network", "true")
+	}
+	resp, err := c.send(ctx, request{method: http.MethodPost, path: "/v1/templates/build", query: q, body: contextTar, contentType: "application/x-tar"})
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	return readBuildStream(resp, onEvent)
+}
+
+// readBuildStream reads BuildEvent lines until the final one.
+func readBuildStream(resp *http.Response, onEvent func(api.BuildEvent)) (*api.Template, error) {
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 64<<10), maxBuildEvent)
+	for sc.Scan() {
+		if len(sc.Bytes()) == 0 {
+			continue
+		}
+		var ev api.BuildEvent
+		if err := json.Unmarshal(sc.Bytes(), &ev); err != nil {
+			return nil, fmt.Errorf("building template: bad event line: %w", err)
+		}
+		if onEvent != nil {
+			onEvent(ev)
+		}
+		switch {
+		case ev.Error != nil:
+			return nil, &APIError{Status: resp.StatusCode, Code: ev.Error.Code, Message: ev.Error.Message}
+		case ev.Template != nil:
+			return ev.Template, nil
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("building template: reading events: %w", err)
+	}
+	return nil, fmt.Errorf("building template: stream ended without a result: %w", errdefs.ErrUnavailable)
 }
 
 // BuildProgress is one progress line of BuildBaseTemplate.
