@@ -68,7 +68,7 @@ func newTemplateCmd(a *app) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if err := c.DeleteTemplate(a.ctx, args[0]); err != nil {
+			if err := c.RemoveTemplate(a.ctx, args[0], false); err != nil {
 				return err
 			}
 			if !a.json {
