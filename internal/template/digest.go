@@ -4,13 +4,16 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"hash"
 	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
+	"sort"
 	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -32,14 +35,20 @@ const digestVersion = "space-template-tree-v1\n"
 // where detail is the SHA-256 of a regular file's content, the quoted target
 // of a symlink, "link <quoted path>" for the second and later names of a
 // hard-linked inode (pointing at its first name in walk order), or "-".
-// Times, inode numbers and xattrs are not part of it, so the same tree
-// imported twice, from a directory or from a tar, has the same digest.
+// An entry with user.* extended attributes (the only namespace the stager
+// ever sets, see keepXattr) gets a suffix of one ` x <quoted name>=<hex
+// value>` per attribute, sorted by name; entries without any have none, so
+// trees without xattrs keep the digests they always had. Other namespaces
+// are host-specific (SELinux labels, ACLs) and not part of the content.
+// Times and inode numbers are not part of it, so the same tree imported
+// twice, from a directory or from a tar, has the same digest.
 func treeDigest(root string) (digest string, size int64, err error) {
 	h := sha256.New()
 	io.WriteString(h, digestVersion)
 	type inode struct{ dev, ino uint64 }
 	seen := map[inode]string{}
 	buf := make([]byte, 1<<20)
+	xbuf := make([]byte, 4096)
 	err = filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
@@ -88,13 +97,75 @@ func treeDigest(root string) (digest string, size int64, err error) {
 			// The stager never creates anything else.
 			return fmt.Errorf("unexpected file type %o at %s", st.Mode&unix.S_IFMT, p)
 		}
-		fmt.Fprintf(h, "%s %s %o %d %d %d %s\n", strconv.Quote(filepath.ToSlash(rel)), typ, mode, st.Uid, st.Gid, esize, detail)
+		xs, err := xattrSuffix(p, &xbuf)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(h, "%s %s %o %d %d %d %s%s\n", strconv.Quote(filepath.ToSlash(rel)), typ, mode, st.Uid, st.Gid, esize, detail, xs)
 		return nil
 	})
 	if err != nil {
 		return "", 0, fmt.Errorf("digest %s: %w", root, err)
 	}
 	return "sha256:" + hex.EncodeToString(h.Sum(nil)), size, nil
+}
+
+// xattrSuffix returns the digest suffix for p's user.* extended attributes
+// ("" when it has none or the filesystem has no xattrs).
+func xattrSuffix(p string, buf *[]byte) (string, error) {
+	n, err := unix.Llistxattr(p, *buf)
+	if errors.Is(err, unix.ERANGE) {
+		if n, err = unix.Llistxattr(p, nil); err == nil {
+			*buf = make([]byte, n+64)
+			n, err = unix.Llistxattr(p, *buf)
+		}
+	}
+	if errors.Is(err, unix.ENOTSUP) || errors.Is(err, unix.EOPNOTSUPP) {
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("list xattrs of %s: %w", p, err)
+	}
+	var names []string
+	for _, name := range strings.Split(string((*buf)[:n]), "\x00") {
+		if keepXattr(name) {
+			names = append(names, name)
+		}
+	}
+	if len(names) == 0 {
+		return "", nil
+	}
+	sort.Strings(names)
+	var b strings.Builder
+	for _, name := range names {
+		v, err := lgetxattr(p, name)
+		if errors.Is(err, unix.ENODATA) {
+			continue // removed meanwhile
+		}
+		if err != nil {
+			return "", fmt.Errorf("read xattr %s of %s: %w", name, p, err)
+		}
+		fmt.Fprintf(&b, " x %s=%s", strconv.Quote(name), hex.EncodeToString(v))
+	}
+	return b.String(), nil
+}
+
+func lgetxattr(p, name string) ([]byte, error) {
+	v := make([]byte, 256)
+	for {
+		n, err := unix.Lgetxattr(p, name, v)
+		if errors.Is(err, unix.ERANGE) {
+			if n, err = unix.Lgetxattr(p, name, nil); err != nil {
+				return nil, err
+			}
+			v = make([]byte, n+64)
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		return v[:n], nil
+	}
 }
 
 func fileSHA256(p string, buf []byte) (string, error) {

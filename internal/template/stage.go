@@ -28,6 +28,34 @@ type meta struct {
 	gid   int
 	mtime time.Time
 	atime time.Time
+	// xattrs are extended attributes to set, already filtered by policy
+	// (see keepXattr); only regular files and directories carry them.
+	xattrs []xattr
+}
+
+// xattr is one extended attribute of an entry.
+type xattr struct {
+	name  string
+	value []byte
+}
+
+// Bounds on what one entry's extended attributes may be (the kernel's
+// XATTR_NAME_MAX and XATTR_SIZE_MAX, and a count no real file exceeds).
+const (
+	maxXattrName   = 255
+	maxXattrValue  = 64 << 10
+	maxXattrsEntry = 64
+)
+
+// keepXattr is the extended attribute policy. Only the user namespace is
+// kept: it is plain data that any file owner may set. security.* is
+// dropped — security.capability is a file capability, which would let a
+// binary gain privileges on exec, so it is neutralised exactly like a
+// setuid bit, and SELinux/SMACK labels belong to the host's policy, not an
+// image's. trusted.* needs CAP_SYS_ADMIN to read and would be host-level
+// metadata; system.* (POSIX ACLs) is not carried either.
+func keepXattr(name string) bool {
+	return strings.HasPrefix(name, "user.") && len(name) > len("user.")
 }
 
 // stager writes a tree into a staging directory without ever following a
@@ -51,8 +79,11 @@ type meta struct {
 //     be a way around the devices cgroup on the host side;
 //   - FIFOs, symlinks (to any target: they are only ever resolved inside the
 //     sandbox) and hard links within the tree are kept;
-//   - ownership is preserved when running as root; extended attributes (and
-//     with them file capabilities) are not copied.
+//   - ownership is preserved when running as root; extended attributes are
+//     set only when an importer passes them in meta.xattrs (OCI layers do,
+//     after keepXattr: user.* only, so file capabilities never are), and
+//     only on regular files and directories; a filesystem without xattr
+//     support drops them with a log line.
 type stager struct {
 	root     *os.File // the staging rootfs directory
 	isRoot   bool
@@ -65,6 +96,58 @@ type stager struct {
 	// Parent directory cache: tar entries come grouped by directory.
 	lastRel string
 	lastDir *os.File
+
+	// replaceDirs lets a non-directory entry replace a directory (and all
+	// below it) instead of failing: a later OCI layer may turn a lower
+	// layer's directory into a file or symlink.
+	replaceDirs bool
+	// layer, when set, records what the current OCI layer wrote so that
+	// its whiteouts and opaque markers hide only lower layers' entries.
+	layer *layerPaths
+	// xattrUnsupported is set once the filesystem refused an xattr.
+	xattrUnsupported bool
+}
+
+// layerPaths are the entries one layer wrote (written) and the directories
+// above them (parents).
+type layerPaths struct {
+	written map[string]bool
+	parents map[string]bool
+}
+
+// beginLayer starts tracking a new layer's entries (see remove, opaque).
+func (s *stager) beginLayer() {
+	s.layer = &layerPaths{written: map[string]bool{}, parents: map[string]bool{}}
+}
+
+// wrote records that the current layer (if any) wrote rel.
+func (s *stager) wrote(rel string) {
+	if s.layer == nil {
+		return
+	}
+	s.layer.written[rel] = true
+	for d := path.Dir(rel); d != "." && d != "/" && !s.layer.parents[d]; d = path.Dir(d) {
+		s.layer.parents[d] = true
+	}
+	s.layer.parents[""] = true
+}
+
+// ofLayer reports whether rel was written by the current layer or lies
+// above something it wrote.
+func (s *stager) ofLayer(rel string) bool {
+	return s.layer != nil && (s.layer.written[rel] || s.layer.parents[rel])
+}
+
+// forgetDirs drops deferred metadata of rel and everything below it: they
+// were removed, and finish must not look for them.
+func (s *stager) forgetDirs(rel string) {
+	delete(s.dirs, rel)
+	prefix := rel + "/"
+	for d := range s.dirs {
+		if strings.HasPrefix(d, prefix) {
+			delete(s.dirs, d)
+		}
+	}
 }
 
 func newStager(rootPath string, maxBytes int64, log *slog.Logger) (*stager, error) {
@@ -206,7 +289,15 @@ func (s *stager) clear(parent *os.File, base, rel string, keepDir bool) (isDir b
 		if keepDir {
 			return true, nil
 		}
-		return false, invalid("entry %q would replace a directory with a non-directory", rel)
+		if !s.replaceDirs {
+			return false, invalid("entry %q would replace a directory with a non-directory", rel)
+		}
+		// parent is rel's parent, so it survives the removal.
+		if err := removeAt(int(parent.Fd()), base, rel); err != nil {
+			return false, err
+		}
+		s.forgetDirs(rel)
+		return false, nil
 	}
 	if err := unix.Unlinkat(int(parent.Fd()), base, 0); err != nil {
 		return false, fmt.Errorf("replace %q: %w", rel, err)
@@ -221,6 +312,10 @@ func (s *stager) dir(rel string, m meta) error {
 		return err
 	}
 	m.mode &= 0o7777
+	if err := s.chargeXattrs(m, rel); err != nil {
+		return err
+	}
+	s.wrote(rel)
 	if rel == "" {
 		s.dirs[""] = m
 		return nil
@@ -251,6 +346,9 @@ func (s *stager) file(rel string, m meta, size int64, r io.Reader) error {
 	if err := s.charge(entryOverhead+size, rel); err != nil {
 		return err
 	}
+	if err := s.chargeXattrs(m, rel); err != nil {
+		return err
+	}
 	parent, base, err := s.parent(rel)
 	if err != nil {
 		return err
@@ -275,7 +373,52 @@ func (s *stager) file(rel string, m meta, size int64, r io.Reader) error {
 	if err := s.setMeta(f, parent, base, rel, m, false); err != nil {
 		return err
 	}
+	if err := s.setXattrs(int(f.Fd()), rel, m.xattrs); err != nil {
+		return err
+	}
+	s.wrote(rel)
 	return f.Close()
+}
+
+// chargeXattrs validates m's extended attributes and accounts for them.
+func (s *stager) chargeXattrs(m meta, rel string) error {
+	if len(m.xattrs) > maxXattrsEntry {
+		return invalid("entry %q has %d extended attributes (at most %d)", rel, len(m.xattrs), maxXattrsEntry)
+	}
+	var n int64
+	for _, x := range m.xattrs {
+		if !keepXattr(x.name) || len(x.name) > maxXattrName || strings.IndexByte(x.name, 0) >= 0 {
+			return invalid("entry %q: extended attribute %q is not allowed", rel, x.name)
+		}
+		if len(x.value) > maxXattrValue {
+			return invalid("entry %q: extended attribute %q is larger than %d bytes", rel, x.name, maxXattrValue)
+		}
+		n += int64(len(x.name) + len(x.value))
+	}
+	if n == 0 {
+		return nil
+	}
+	return s.charge(n, rel)
+}
+
+// setXattrs sets xattrs on the open file or directory fd. A filesystem
+// without (user) xattr support drops them, logged once per import.
+func (s *stager) setXattrs(fd int, rel string, xs []xattr) error {
+	for _, x := range xs {
+		err := unix.Fsetxattr(fd, x.name, x.value, 0)
+		if errors.Is(err, unix.ENOTSUP) || errors.Is(err, unix.EOPNOTSUPP) {
+			if !s.xattrUnsupported {
+				s.log.Warn("template import: the store's filesystem does not support extended attributes; dropping them",
+					"path", rel, "xattr", x.name)
+				s.xattrUnsupported = true
+			}
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("set extended attribute %q on %q: %w", x.name, rel, err)
+		}
+	}
+	return nil
 }
 
 // shortReadError is a file whose content ended early; the tar importer turns
@@ -306,6 +449,7 @@ func (s *stager) symlink(rel, target string, m meta) error {
 	if err := unix.Symlinkat(target, int(parent.Fd()), base); err != nil {
 		return fmt.Errorf("symlink %q: %w", rel, err)
 	}
+	s.wrote(rel)
 	return s.setMeta(nil, parent, base, rel, m, true)
 }
 
@@ -337,6 +481,7 @@ func (s *stager) hardlink(rel, target string) error {
 		return invalid("hard link %q -> %q: target is a directory", rel, target)
 	}
 	if trel == rel {
+		s.wrote(rel)
 		return nil // a link to itself: nothing to do
 	}
 	parent, base, err := s.parent(rel)
@@ -350,6 +495,7 @@ func (s *stager) hardlink(rel, target string) error {
 	if err := unix.Linkat(int(tparent.Fd()), tbase, int(parent.Fd()), base, 0); err != nil {
 		return fmt.Errorf("hard link %q -> %q: %w", rel, target, err)
 	}
+	s.wrote(rel)
 	return nil
 }
 
@@ -367,6 +513,7 @@ func (s *stager) fifo(rel string, m meta) error {
 	if err := unix.Mkfifoat(int(parent.Fd()), base, 0o600); err != nil {
 		return fmt.Errorf("mkfifo %q: %w", rel, err)
 	}
+	s.wrote(rel)
 	return s.setMeta(nil, parent, base, rel, m, false)
 }
 
@@ -463,6 +610,9 @@ func (s *stager) finish() error {
 			// Directories keep setgid (group inheritance, not privilege).
 			err = unix.Fchmodat(pfd, base, m.mode&0o7777&^unix.S_ISUID, 0)
 		}
+		if err == nil && len(m.xattrs) > 0 {
+			err = s.setDirXattrs(pfd, base, rel, m.xattrs)
+		}
 		if err == nil {
 			err = setTimes(pfd, base, rel, m)
 		}
@@ -477,7 +627,11 @@ func (s *stager) finish() error {
 }
 
 // remove deletes whatever is at rel (recursively), without following
-// symlinks: an OCI or overlay whiteout. A missing path is not an error.
+// symlinks: an OCI or overlay whiteout. A missing path is not an error, but
+// a path through a symlink is: a whiteout names an entry of the tree, and
+// "hiding" something behind a symlink could only be an attempt to reach
+// outside it. While a layer is tracked (beginLayer), entries that layer
+// wrote itself are kept: a whiteout hides only lower layers.
 func (s *stager) remove(rel string) error {
 	if err := s.charge(entryOverhead, rel); err != nil {
 		return err
@@ -492,12 +646,26 @@ func (s *stager) remove(rel string) error {
 	}
 	defer parent.Close()
 	s.dropCache()
-	return removeAt(int(parent.Fd()), base, rel)
+	if s.ofLayer(rel) {
+		// This layer's own entry stays; if it is a directory, what lies
+		// below it from lower layers goes.
+		return s.pruneLower(int(parent.Fd()), base, rel)
+	}
+	if err := removeAt(int(parent.Fd()), base, rel); err != nil {
+		return err
+	}
+	s.forgetDirs(rel)
+	return nil
 }
 
 // opaque removes every entry inside the directory rel (creating it if
 // missing): an opaque directory hides what the layers below put there.
+// While a layer is tracked, that layer's own entries below rel stay, in
+// whatever order the marker and they came.
 func (s *stager) opaque(rel string) error {
+	if err := s.charge(entryOverhead, rel); err != nil {
+		return err
+	}
 	d, err := s.openDir(rel, true)
 	if err != nil {
 		return err
@@ -509,9 +677,49 @@ func (s *stager) opaque(rel string) error {
 		return fmt.Errorf("read %q: %w", rel, err)
 	}
 	for _, n := range names {
-		if err := removeAt(int(d.Fd()), n, path.Join(rel, n)); err != nil {
+		crel := path.Join(rel, n)
+		if s.ofLayer(crel) {
+			if err := s.pruneLower(int(d.Fd()), n, crel); err != nil {
+				return err
+			}
+			continue
+		}
+		if err := removeAt(int(d.Fd()), n, crel); err != nil {
 			return err
 		}
+		s.forgetDirs(crel)
+	}
+	return nil
+}
+
+// pruneLower removes, below the directory name in dirfd (at rel), every
+// entry the current layer did not write, keeping directories that lead to
+// entries it did. A non-directory at name is left alone.
+func (s *stager) pruneLower(dirfd int, name, rel string) error {
+	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOENT) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("open %q: %w", rel, err)
+	}
+	defer unix.Close(fd)
+	names, err := readNames(fd)
+	if err != nil {
+		return fmt.Errorf("read %q: %w", rel, err)
+	}
+	for _, n := range names {
+		crel := path.Join(rel, n)
+		if s.ofLayer(crel) {
+			if err := s.pruneLower(fd, n, crel); err != nil {
+				return err
+			}
+			continue
+		}
+		if err := removeAt(fd, n, crel); err != nil {
+			return err
+		}
+		s.forgetDirs(crel)
 	}
 	return nil
 }
@@ -526,8 +734,9 @@ func (s *stager) dropCache() {
 }
 
 // openExisting opens directory rel without creating or following anything;
-// it returns nil, nil when rel does not exist or is not a directory (there
-// is then nothing below it to remove).
+// it returns nil, nil when rel does not exist or a component is not a
+// directory (there is then nothing below it to remove), and an error when
+// a component is a symlink.
 func (s *stager) openExisting(rel string) (*os.File, error) {
 	fd, err := unix.Dup(int(s.root.Fd()))
 	if err != nil {
@@ -535,8 +744,17 @@ func (s *stager) openExisting(rel string) (*os.File, error) {
 	}
 	unix.CloseOnExec(fd)
 	if rel != "" {
+		walked := ""
 		for _, comp := range strings.Split(rel, "/") {
+			walked = path.Join(walked, comp)
 			next, err := unix.Openat(fd, comp, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+			if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) {
+				var st unix.Stat_t
+				if unix.Fstatat(fd, comp, &st, unix.AT_SYMLINK_NOFOLLOW) == nil && st.Mode&unix.S_IFMT == unix.S_IFLNK {
+					unix.Close(fd)
+					return nil, invalid("whiteout below %q: %q is a symlink and may not be traversed", rel, walked)
+				}
+			}
 			unix.Close(fd)
 			if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) {
 				return nil, nil
@@ -591,4 +809,14 @@ func readNames(fd int) ([]string, error) {
 	f := os.NewFile(uintptr(dup), "dir")
 	defer f.Close()
 	return f.Readdirnames(-1)
+}
+
+// setDirXattrs sets xattrs on the directory base in dirfd ("." = dirfd).
+func (s *stager) setDirXattrs(dirfd int, base, rel string, xs []xattr) error {
+	fd, err := unix.Openat(dirfd, base, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open %q: %w", rel, err)
+	}
+	defer unix.Close(fd)
+	return s.setXattrs(fd, rel, xs)
 }
