@@ -101,12 +101,15 @@ func (m *Manager) Exec(ctx context.Context, id string, req api.ExecRequest) (api
 	defer release()
 	m.obs.Exec("sync")
 	oomBefore := m.oomKills(ctx, id)
-	workdir := req.Workdir
+	workdir, user := req.Workdir, req.User
 	if workdir == "" {
 		workdir = sb.Workdir
 	}
+	if user == "" {
+		user = sb.User
+	}
 	res, err := c.Exec(ctx, agentproto.ExecRequest{
-		Cmd: req.Cmd, Env: mergeEnv(sb.Env, req.Env), Workdir: workdir, User: req.User,
+		Cmd: req.Cmd, Env: mergeEnv(sb.Env, req.Env), Workdir: workdir, User: user,
 		Stdin: []byte(req.Stdin), TimeoutSeconds: req.TimeoutSeconds, MaxOutputBytes: req.MaxOutputBytes,
 	})
 	if err != nil {
@@ -157,6 +160,9 @@ func (m *Manager) CreateCommand(ctx context.Context, id string, req api.CreateCo
 	}
 	if req.Workdir == "" {
 		req.Workdir = sb.Workdir
+	}
+	if req.User == "" {
+		req.User = sb.User
 	}
 	token, hash := newToken()
 	rec := store.CommandRecord{

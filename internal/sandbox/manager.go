@@ -213,6 +213,9 @@ func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api
 	if err != nil {
 		return api.Sandbox{}, api.Operation{}, err
 	}
+	if err := validateUser("user", req.User); err != nil {
+		return api.Sandbox{}, api.Operation{}, err
+	}
 	rt, caps, err := m.pickRuntime(ctx, req.Runtime)
 	if err != nil {
 		return api.Sandbox{}, api.Operation{}, err
@@ -226,7 +229,7 @@ func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api
 	now := time.Now().UTC()
 	sb := api.Sandbox{
 		ID: newID("sb"), State: api.StateCreating, Runtime: rt.Name(), Isolation: caps.Isolation,
-		Template: req.Template, Limits: lim, Env: req.Env, Workdir: req.Workdir, Labels: req.Labels,
+		Template: req.Template, Limits: lim, Env: req.Env, Workdir: req.Workdir, User: req.User, Labels: req.Labels,
 		TTLSeconds: req.TTLSeconds, Idle: req.Idle, CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
 	}
 	if req.TTLSeconds > 0 {
@@ -484,9 +487,17 @@ func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
 		return fail(fmt.Errorf("template %s: %w", sb.Template, err))
 	}
 	sb.TemplateDigest = tmpl.Digest
+	// The template's defaults become the sandbox's own, so a later template
+	// change (a moved tag) never changes how an existing sandbox runs.
+	if err := applyTemplateDefaults(&sb, tmpl.Config); err != nil {
+		return fail(fmt.Errorf("template %s: %w", sb.Template, err))
+	}
 	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
 		return fail(err)
 	}
+	// Sessions left by an attempt that crashed (a re-driven create) died
+	// with its instance.
+	m.markCommandsExited(id, "the sandbox's creation was interrupted and started over")
 	spec := newSpec(sb, rootfs)
 	var inst runtime.Instance
 	if err := p.run("prepare", func() (err error) {
@@ -498,7 +509,7 @@ func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
 	e.cmu.Lock()
 	e.inst = inst
 	e.cmu.Unlock()
-	if err := m.boot(ctx, p, e, inst); err != nil {
+	if err := m.bootWith(ctx, p, e, inst, sb, tmpl.Config.Start); err != nil {
 		e.expectExit.Store(true)
 		inst.Destroy(context.Background())
 		return fail(err)
@@ -512,8 +523,23 @@ func isBaseRef(ref, base string) bool {
 	return ref == base || ref+":latest" == base
 }
 
-// boot starts inst and waits for its agent.
+// boot starts the stopped instance of sandbox e from cold: its runtime, its
+// agent, and its template's start command (with the ready wait).
 func (m *Manager) boot(ctx context.Context, p *phases, e *entry, inst runtime.Instance) error {
+	sb, err := m.cfg.DB.GetSandbox(ctx, e.id)
+	if err != nil {
+		return err
+	}
+	tmpl, err := m.cfg.Templates.Get(ctx, sb.TemplateDigest)
+	if err != nil {
+		return fmt.Errorf("template %s of sandbox %s: %w", sb.TemplateDigest, sb.ID, err)
+	}
+	return m.bootWith(ctx, p, e, inst, sb, tmpl.Config.Start)
+}
+
+// bootWith is boot with the sandbox record and start command at hand. On
+// error the caller stops or destroys inst.
+func (m *Manager) bootWith(ctx context.Context, p *phases, e *entry, inst runtime.Instance, sb api.Sandbox, start *api.StartCommand) error {
 	e.expectExit.Store(false)
 	if err := p.run("start_runtime", func() error { return inst.Start(ctx) }); err != nil {
 		return fmt.Errorf("starting sandbox: %w", err)
@@ -522,6 +548,16 @@ func (m *Manager) boot(ctx context.Context, p *phases, e *entry, inst runtime.In
 		return err
 	}
 	m.watchExit(e, inst)
+	if start == nil {
+		return nil
+	}
+	e.cmu.RLock()
+	c := e.client
+	e.cmu.RUnlock()
+	if err := m.startFromTemplate(ctx, p, c, sb, start); err != nil {
+		m.dropClient(e)
+		return err
+	}
 	return nil
 }
 
