@@ -24,12 +24,6 @@ type Templates interface {
 	CacheGet(ctx context.Context, key string) (digest string, ok bool, err error)
 	CachePut(ctx context.Context, key, digest string) error
 	Tag(ctx context.Context, ref, tag string) error
-	// Resolve returns the template and the directory holding its tree
-	// (read only). The builder looks into a parent's tree to learn whether a
-	// WORKDIR or COPY destination directory already exists: creating it
-	// through Tree.CopyIn would reset an existing directory's owner and mode
-	// (WORKDIR /tmp must not lose its sticky bit).
-	Resolve(ctx context.Context, ref string) (api.Template, string, error)
 }
 
 var _ Templates = (*template.Store)(nil)

@@ -315,8 +315,8 @@ func readyTimings(flags map[string]string) (readyDurations, error) {
 	var d readyDurations
 	if v, ok := flags["timeout"]; ok {
 		t, err := time.ParseDuration(v)
-		if err != nil || t <= 0 || t > time.Hour {
-			return d, fmt.Errorf("--timeout=%s: want a duration from 1ms to 1h, e.g. 60s", v)
+		if err != nil || t <= 0 || t > 10*time.Minute {
+			return d, fmt.Errorf("--timeout=%s: want a duration up to 10m, e.g. 60s", v)
 		}
 		d.timeout = t
 	}
@@ -448,8 +448,8 @@ func checkEnvName(name string) error {
 		return fmt.Errorf("ENV name is empty")
 	}
 	for i := 0; i < len(name); i++ {
-		if !isNameByte(name[i]) {
-			return fmt.Errorf("ENV name %q: use letters, digits and _", name)
+		if !isNameByte(name[i]) || i == 0 && name[i] >= '0' && name[i] <= '9' {
+			return fmt.Errorf("ENV name %q: use letters, digits and _, not starting with a digit", name)
 		}
 	}
 	return nil

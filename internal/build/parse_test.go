@@ -122,6 +122,7 @@ func TestParseErrors(t *testing.T) {
 		{"ENV no value", "FROM base\nENV ONLYNAME\n", "line 2: ENV: ENV ONLYNAME needs a value"},
 		{"ENV not pair", "FROM base\nENV A=1 B\n", "line 2: ENV: \"B\" is not name=value"},
 		{"ENV empty name", "FROM base\nENV =1\n", "line 2: ENV: ENV name is empty"},
+		{"ENV digit name", "FROM base\nENV 1A=x\n", "line 2: ENV: ENV name \"1A\": use letters, digits and _"},
 		{"ENV bad subst", "FROM base\nENV A=${B:?x}\n", "line 2: ENV: bad substitution"},
 		{"ENV unterminated brace", "FROM base\nENV A=${B\n", "line 2: ENV: bad substitution"},
 		{"USER two words", "FROM base\nUSER a b\n", "line 2: USER: USER takes one user[:group]"},
