@@ -299,7 +299,7 @@ func TestCreateFlagValidation(t *testing.T) {
 		{[]string{"cp", "sb-1:/a", "sb-2:/b"}, "between two sandboxes"},
 		{[]string{"cp", "a", "b"}, "must be ID:/path"},
 		{[]string{"cp", "sb-1:rel", "b"}, "must be absolute"},
-		{[]string{"template", "import", "--tag", "no-colon", "."}, "name:tag"},
+		{[]string{"template", "import", "--tag", "No-Caps", "."}, "name:tag"},
 	}
 	for _, c := range cases {
 		code, _, errOut := runCLI(t, url, "", c.args...)
