@@ -43,7 +43,10 @@ type Options struct {
 	Network bool
 	// Events receives progress: a "running" event per step, then "cached",
 	// "done" or "failed"; RUN output in between as Output chunks of at
-	// most OutputChunk bytes. Build does not send the final result event.
+	// most OutputChunk bytes (Output alone set; it belongs to the step
+	// last reported running, never splits a UTF-8 sequence). Events is
+	// never called concurrently. Build does not send the final result
+	// event: its return value is that.
 	Events func(api.BuildEvent)
 }
 
