@@ -1,0 +1,344 @@
+package sandbox
+
+// Build steps: a RUN instruction of a template build runs in an ordinary
+// sandbox of its parent template, created, watched and deleted through the
+// same operations as any other, so reconcile and sweep know it. It is
+// labelled BuildLabel=BuildLabelStep. Its command's output streams to the
+// build as it comes; on exit 0 the sandbox is stopped and its writable
+// layer (runtime.ChangeExporter) handed to the build, which turns it into
+// the step's template.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"slices"
+	"time"
+
+	"github.com/coder/websocket"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/agentproto"
+	"github.com/spacehq/space/internal/build"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/store"
+	"github.com/spacehq/space/internal/template"
+)
+
+var _ build.Runner = (*Manager)(nil)
+
+// BuildLabel marks the sandboxes template builds run their steps in; its
+// value is BuildLabelStep.
+const (
+	BuildLabel     = "space.build"
+	BuildLabelStep = "step"
+)
+
+// BuildStepLimits are a build step sandbox's limits: roomier than a
+// sandbox's defaults, because package installs and compilers need memory,
+// processes and disk. The disk is sparse: only what the step writes costs.
+var BuildStepLimits = api.Limits{CPUs: 2, MemoryMiB: 2048, Pids: 1024, DiskMiB: 8192}
+
+// DefaultBuildPath is the PATH of a build step whose environment has none
+// (Docker's default for RUN).
+const DefaultBuildPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+// buildCleanupTimeout bounds deleting a step's sandbox after the step.
+const buildCleanupTimeout = 2 * time.Minute
+
+// errNoChangeExport says a runtime's instances cannot hand over their
+// filesystem changes; RunStep then tries the next runtime.
+var errNoChangeExport = errors.New("the runtime cannot export a sandbox's filesystem changes")
+
+// RunStep implements build.Runner. The sandbox is deleted afterwards
+// whatever happens (also when ctx ends), with a fresh bounded context.
+func (m *Manager) RunStep(ctx context.Context, s build.Step) (int, error) {
+	if s.Template == "" {
+		return -1, invalid("build step has no template")
+	}
+	if err := validateExec(&api.ExecRequest{Cmd: s.Cmd, Env: s.Env, Workdir: s.Workdir}); err != nil {
+		return -1, err
+	}
+	if err := validateUser("user", s.User); err != nil {
+		return -1, err
+	}
+	if s.Apply == nil {
+		return -1, invalid("build step has no Apply")
+	}
+	out := s.Output
+	if out == nil {
+		out = io.Discard
+	}
+	rts, err := m.stepRuntimes(ctx)
+	if err != nil {
+		return -1, err
+	}
+	if s.Network {
+		// No runtime gives sandboxes a network yet (the egress gateway is a
+		// later layer); say so rather than run the step without one.
+		return -1, runtime.NotSupported(rts[0].Name(), "give a build step network access",
+			"its sandboxes have no network besides loopback")
+	}
+	var tried []string
+	for _, rt := range rts {
+		code, err := m.runStepOn(ctx, rt, s, out)
+		if errors.Is(err, errNoChangeExport) {
+			tried = append(tried, rt.Name())
+			continue
+		}
+		return code, err
+	}
+	return -1, fmt.Errorf("no runtime on this host can capture a build step's changes (tried %v): %w", tried, errdefs.ErrNotSupported)
+}
+
+// stepRuntimes orders the available runtimes for a build step: auto's
+// choice first, then the others by strength.
+func (m *Manager) stepRuntimes(ctx context.Context) ([]runtime.Runtime, error) {
+	first, err := runtime.PickAuto(ctx, m.cfg.Runtimes)
+	if err != nil {
+		return nil, fmt.Errorf("build step: %v: %w", err, errdefs.ErrUnprocessable)
+	}
+	out := []runtime.Runtime{first}
+	strength := map[string]int{}
+	var rest []string
+	for _, name := range slices.Sorted(maps.Keys(m.cfg.Runtimes)) {
+		rt := m.cfg.Runtimes[name]
+		if rt == first {
+			continue
+		}
+		if c := rt.Probe(ctx); c.Available {
+			strength[name] = c.Strength
+			rest = append(rest, name)
+		}
+	}
+	slices.SortStableFunc(rest, func(a, b string) int { return strength[b] - strength[a] })
+	for _, name := range rest {
+		out = append(out, m.cfg.Runtimes[name])
+	}
+	return out, nil
+}
+
+// runStepOn runs s in a new sandbox of runtime rt and deletes the sandbox.
+func (m *Manager) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Step, out io.Writer) (code int, err error) {
+	sb, op, err := m.Create(ctx, api.CreateSandboxRequest{
+		Template: s.Template, Runtime: rt.Name(), Limits: BuildStepLimits,
+		Labels: map[string]string{BuildLabel: BuildLabelStep},
+	})
+	if err != nil {
+		return -1, fmt.Errorf("build step sandbox: %w", err)
+	}
+	defer func() {
+		if derr := m.deleteStepSandbox(sb.ID); derr != nil {
+			m.log.Error("deleting a build step's sandbox", "sandbox", sb.ID, "err", derr)
+			if err == nil {
+				err = fmt.Errorf("build step: removing its sandbox %s: %w", sb.ID, derr)
+			}
+		}
+	}()
+	op, err = m.Wait(ctx, op.ID)
+	if err != nil {
+		return -1, fmt.Errorf("build step: creating its sandbox: %w", err)
+	}
+	if op.State != api.OpSucceeded {
+		msg := "unknown error"
+		if op.Error != nil {
+			msg = op.Error.Message
+		}
+		return -1, fmt.Errorf("build step: creating its sandbox on runtime %s: %s: %w", rt.Name(), msg, errdefs.ErrUnavailable)
+	}
+	e := m.entry(sb.ID)
+	e.cmu.RLock()
+	inst := e.inst
+	e.cmu.RUnlock()
+	exp, ok := inst.(runtime.ChangeExporter)
+	if !ok {
+		return -1, errNoChangeExport
+	}
+
+	code, err = m.runStepCommand(ctx, sb.ID, s, out)
+	if err != nil || code != 0 {
+		return code, err
+	}
+
+	stop, err := m.Lifecycle(ctx, sb.ID, api.OpStop, false)
+	if err != nil {
+		return -1, fmt.Errorf("build step: stopping its sandbox: %w", err)
+	}
+	if stop, err = m.Wait(ctx, stop.ID); err != nil {
+		return -1, fmt.Errorf("build step: stopping its sandbox: %w", err)
+	}
+	if stop.State != api.OpSucceeded {
+		return -1, fmt.Errorf("build step: stopping its sandbox: %s: %w", opMessage(stop), errdefs.ErrUnavailable)
+	}
+	// Hold the sandbox's lock so nothing starts it again (a stray wake)
+	// while its disk is read.
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	ch, err := exp.Changes(ctx)
+	if err != nil {
+		return -1, fmt.Errorf("build step: reading its changes: %w", err)
+	}
+	defer func() {
+		if rerr := ch.Release(); rerr != nil && err == nil {
+			err = fmt.Errorf("build step: releasing its changes: %w", rerr)
+		}
+	}()
+	if err := s.Apply(ctx, template.Upper{Dir: ch.Dir, OpaqueXattr: ch.OpaqueXattr, IDBase: ch.IDBase}); err != nil {
+		return -1, err
+	}
+	return 0, nil
+}
+
+func opMessage(op api.Operation) string {
+	if op.Error != nil {
+		return op.Error.Message
+	}
+	return op.State
+}
+
+// runStepCommand starts s.Cmd in the running sandbox id, copies its output
+// to out as it comes, and returns its exit code.
+func (m *Manager) runStepCommand(ctx context.Context, id string, s build.Step, out io.Writer) (int, error) {
+	c, sb, release, err := m.agent(ctx, id)
+	if err != nil {
+		return -1, fmt.Errorf("build step: %w", err)
+	}
+	defer release()
+	env := map[string]string{}
+	maps.Copy(env, sb.Env)
+	maps.Copy(env, s.Env)
+	if _, ok := env["PATH"]; !ok {
+		env["PATH"] = DefaultBuildPath
+	}
+	workdir, user := s.Workdir, s.User
+	if workdir == "" {
+		workdir = sb.Workdir
+	}
+	if user == "" {
+		user = sb.User
+	}
+	procID := newID("cmd")
+	oomBefore := m.oomKills(ctx, id)
+	if _, err := c.StartProc(ctx, agentproto.ProcStart{ID: procID, Cmd: s.Cmd, Env: mergeEnv(nil, env), Workdir: workdir, User: user}); err != nil {
+		return -1, fmt.Errorf("build step: starting %q: %w", s.Cmd[0], err)
+	}
+	conn, err := c.Attach(ctx, procID, 0, 0)
+	if err != nil {
+		return -1, fmt.Errorf("build step: attaching to its command: %w", err)
+	}
+	defer conn.CloseNow()
+	st, err := copyStepOutput(ctx, conn, out)
+	if err != nil {
+		return -1, err
+	}
+	if killedBySIGKILL(st.Signal, st.ExitCode) && oomBefore >= 0 && m.oomKills(ctx, id) > oomBefore {
+		fmt.Fprintf(out, "\n[space] the step was killed by the kernel OOM killer: it hit the build sandbox's %d MiB memory limit\n", BuildStepLimits.MemoryMiB)
+	}
+	return st.ExitCode, nil
+}
+
+// copyStepOutput reads attach frames from the agent (untrusted: every
+// frame is checked) until the exit frame, writing stdout and stderr to out
+// in the order they come.
+func copyStepOutput(ctx context.Context, conn *websocket.Conn, out io.Writer) (api.ExitStatus, error) {
+	conn.SetReadLimit(api.MaxFrame)
+	var next [3]int64 // next expected offset of stdout (1) and stderr (2)
+	for {
+		typ, b, err := conn.Read(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return api.ExitStatus{}, ctx.Err()
+			}
+			return api.ExitStatus{}, fmt.Errorf("build step: the sandbox's agent went away before the command exited: %v: %w", err, errdefs.ErrUnavailable)
+		}
+		if typ != websocket.MessageBinary || len(b) == 0 {
+			return api.ExitStatus{}, fmt.Errorf("build step: the agent sent a malformed frame: %w", errdefs.ErrUnavailable)
+		}
+		switch b[0] {
+		case api.FrameStdout, api.FrameStderr:
+			off, data, err := api.DecodeOutput(b[1:])
+			if err != nil {
+				return api.ExitStatus{}, fmt.Errorf("build step: %v: %w", err, errdefs.ErrUnavailable)
+			}
+			// Skip a replayed overlap; a gap was announced by FrameDropped.
+			if skip := next[b[0]] - off; skip > 0 {
+				if skip >= int64(len(data)) {
+					continue
+				}
+				data = data[skip:]
+				off += skip
+			}
+			next[b[0]] = off + int64(len(data))
+			if _, err := out.Write(data); err != nil {
+				return api.ExitStatus{}, fmt.Errorf("build step: writing its output: %w", err)
+			}
+		case api.FrameDropped:
+			var d api.Dropped
+			if err := json.Unmarshal(b[1:], &d); err != nil {
+				return api.ExitStatus{}, fmt.Errorf("build step: the agent sent a malformed frame: %w", errdefs.ErrUnavailable)
+			}
+			if d.To > d.From && d.From >= 0 {
+				fmt.Fprintf(out, "\n[space] %d bytes of %s output were lost (the reader fell behind)\n", d.To-d.From, d.Stream)
+			}
+		case api.FrameStarted:
+		case api.FrameExit:
+			var st api.ExitStatus
+			if err := json.Unmarshal(b[1:], &st); err != nil {
+				return st, fmt.Errorf("build step: the agent sent a malformed exit frame: %w", errdefs.ErrUnavailable)
+			}
+			if st.ExitCode < 0 || st.ExitCode > 255 {
+				return st, fmt.Errorf("build step: the agent reported exit code %d: %w", st.ExitCode, errdefs.ErrUnavailable)
+			}
+			return st, nil
+		default:
+			return api.ExitStatus{}, fmt.Errorf("build step: the agent sent an unknown frame type %d: %w", b[0], errdefs.ErrUnavailable)
+		}
+	}
+}
+
+// deleteStepSandbox force-deletes a step's sandbox and waits for it, with
+// its own context: the step's may be cancelled already.
+func (m *Manager) deleteStepSandbox(id string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), buildCleanupTimeout)
+	defer cancel()
+	op, err := m.Lifecycle(ctx, id, api.OpDelete, true)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	op, err = m.Wait(ctx, op.ID)
+	if err != nil {
+		return err
+	}
+	if op.State != api.OpSucceeded {
+		return fmt.Errorf("%s: %w", opMessage(op), errdefs.ErrUnavailable)
+	}
+	return nil
+}
+
+// DeleteBuildSandboxes force-deletes every build step sandbox: the
+// leftovers of builds a crash or restart interrupted. The server calls it
+// after Reconcile, before it accepts builds (it would also kill the
+// sandboxes of builds running in this process).
+func (m *Manager) DeleteBuildSandboxes(ctx context.Context) (int, error) {
+	sbs, err := m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{Labels: map[string]string{BuildLabel: BuildLabelStep}})
+	if err != nil {
+		return 0, err
+	}
+	var errs []error
+	n := 0
+	for _, sb := range sbs {
+		if err := m.deleteStepSandbox(sb.ID); err != nil {
+			errs = append(errs, fmt.Errorf("sandbox %s: %w", sb.ID, err))
+			continue
+		}
+		n++
+	}
+	return n, errors.Join(errs...)
+}
