@@ -182,10 +182,9 @@ func (b *builder) emit(ev api.BuildEvent) {
 
 // plan is one step, ready to be looked up in the cache and run.
 type plan struct {
-	key  stepKey
-	cfg  api.TemplateConfig // defaults after the step
-	run  func(ctx context.Context, layer api.TemplateLayer) (api.Template, error)
-	keep bool // the step changes nothing: its template is the parent
+	key stepKey
+	cfg api.TemplateConfig                                                       // defaults after the step
+	run func(ctx context.Context, layer api.TemplateLayer) (api.Template, error) // nil: defaults only
 }
 
 // stepKey is the canonical description of a step that its cache key
@@ -276,8 +275,11 @@ func (b *builder) plan(ctx context.Context, n int, in *Instruction) (*plan, erro
 		}
 	case "USER":
 		u, err := expandWord(in.Raw, b.lookup())
-		if err != nil || u == "" || strings.ContainsAny(u, " \t") {
-			return nil, invalidf("USER %q: want one user[:group] (%v)", u, err)
+		if err != nil {
+			return nil, invalidf("USER: %v", err)
+		}
+		if u == "" || strings.ContainsAny(u, " \t") {
+			return nil, invalidf("USER %q: want one user[:group]", u)
 		}
 		p.cfg.User = u
 		p.key.Args = []string{u}
@@ -301,8 +303,11 @@ func (b *builder) plan(ctx context.Context, n int, in *Instruction) (*plan, erro
 		p.key.Args = in.Args
 	case "WORKDIR":
 		dir, err := expandWord(in.Raw, b.lookup())
-		if err != nil || dir == "" {
-			return nil, invalidf("WORKDIR %q: want a directory (%v)", in.Raw, err)
+		if err != nil {
+			return nil, invalidf("WORKDIR: %v", err)
+		}
+		if dir == "" {
+			return nil, invalidf("WORKDIR %q expands to nothing", in.Raw)
 		}
 		p.cfg.Workdir = path.Join(b.workdir(), dir)
 		if path.IsAbs(dir) {
