@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"hash"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -89,6 +90,7 @@ type ociLayer struct {
 	digest    v1.Hash         // the blob digest; zero when the source does not say (legacy docker save)
 	size      int64           // bytes of the blob as stored
 	mediaType types.MediaType // "" when the source has none (docker save): the content is sniffed
+	file      string          // the blob's path in a docker-save archive (names it when digest is zero)
 	open      func(ctx context.Context) (io.ReadCloser, error)
 }
 
@@ -211,7 +213,7 @@ func boolCount(bs ...bool) int {
 
 func layerName(l ociLayer) string {
 	if l.digest.Hex == "" {
-		return "unnamed blob"
+		return l.file
 	}
 	return l.digest.String()
 }
@@ -768,7 +770,7 @@ func resolveDockerSave(fsys *tarBlobs, ref string, plat v1.Platform) (*ociImage,
 			return nil, err
 		}
 		rc.Close()
-		img.layers = append(img.layers, ociLayer{digest: digestFromName(lp), size: size,
+		img.layers = append(img.layers, ociLayer{digest: digestFromName(lp), size: size, file: lp,
 			open: func(context.Context) (io.ReadCloser, error) {
 				rc, _, err := fsys.open(lp)
 				return rc, err
@@ -1210,9 +1212,7 @@ func applyEntry(st *stager, tr *tar.Reader, hdr *tar.Header, cr *countingReader,
 // Dropped ones are logged; a file capability (security.capability) is
 // dropped like a setuid bit is stripped. Only regular files and
 // directories keep any: the kernel allows user.* on nothing else.
-func paxXattrs(hdr *tar.Header, rel string, log interface {
-	Debug(msg string, args ...any)
-}) []xattr {
+func paxXattrs(hdr *tar.Header, rel string, log *slog.Logger) []xattr {
 	var out []xattr
 	for k, v := range hdr.PAXRecords {
 		n, ok := strings.CutPrefix(k, "SCHILY.xattr.")
