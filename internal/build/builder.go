@@ -90,6 +90,14 @@ type builder struct {
 	hits   map[string]bool // digests this build took from the cache
 }
 
+// holder is implemented by stores that can pin a template against garbage
+// collection (*template.Store).
+type holder interface {
+	Hold(digest string) (release func())
+}
+
+var _ holder = (*template.Store)(nil)
+
 // Build runs o.File and returns the resulting template, tagged with
 // o.Tags. Step i (1-based; FROM is step 1) produces a template derived from
 // step i-1's; each is cached under a key of (parent digest, the step with
@@ -138,6 +146,11 @@ func Build(ctx context.Context, o Options) (api.Template, error) {
 		}
 		b.emit(api.BuildEvent{Step: n, Steps: b.steps, Line: in.Line, Instr: shorten(in.Text, createdByMax), Status: status, Digest: digest, ElapsedMS: elapsed})
 		b.parent = digest
+		// Untagged and unused until the build ends: keep it (and with it
+		// its ancestors) out of a concurrent garbage collection.
+		if h, ok := o.Templates.(holder); ok {
+			defer h.Hold(digest)()
+		}
 	}
 	for _, tag := range o.Tags {
 		if err := o.Templates.Tag(ctx, b.parent, tag); err != nil {
