@@ -176,6 +176,11 @@ func (s *Store) ImportOCI(ctx context.Context, src OCISource, o ImportOptions) (
 		}
 	}
 	o.Config = s.mergeImageConfig(img.config, o.Config)
+	// Before any layer is read: a config the sandbox could not use fails
+	// the import now, not after downloading everything.
+	if err := ValidateConfig(o.Config); err != nil {
+		return api.Template{}, fmt.Errorf("image config: %w", err)
+	}
 	o.Layers = layerRecords(img)
 
 	return s.importWith(ctx, o, func(st *stager) error {
@@ -199,6 +204,74 @@ func (s *Store) ImportOCI(ctx context.Context, src OCISource, o ImportOptions) (
 		}
 		return nil
 	})
+}
+
+// ImportOCIStream imports a `docker save` or OCI-layout tar read from r
+// (plain or gzip-compressed), e.g. an HTTP upload. Archives are read in
+// place, so r is first spooled to a file under the store's tmp directory
+// (same filesystem; removed afterwards, and by Open after a crash). With
+// o.MaxBytes set, the spooled archive may be at most 2*MaxBytes+1 MiB
+// (ErrTooLarge). src.LayoutDir, ArchivePath and Image must be empty; Ref
+// and Platform apply.
+func (s *Store) ImportOCIStream(ctx context.Context, r io.Reader, src OCISource, o ImportOptions) (api.Template, error) {
+	if src.LayoutDir != "" || src.ArchivePath != "" || src.Image != "" {
+		return api.Template{}, invalid("a streamed OCI import takes its archive from the stream only")
+	}
+	f, err := os.CreateTemp(filepath.Join(s.dir, "tmp"), "oci-archive-")
+	if err != nil {
+		return api.Template{}, fmt.Errorf("spool image archive: %w", err)
+	}
+	defer os.Remove(f.Name())
+	defer f.Close()
+	br := bufio.NewReaderSize(r, 64<<10)
+	var in io.Reader = br
+	if magic, _ := br.Peek(2); len(magic) == 2 && magic[0] == 0x1f && magic[1] == 0x8b {
+		gz, err := gzip.NewReader(br)
+		if err != nil {
+			return api.Template{}, invalid("corrupt gzip header of the image archive: %v", err)
+		}
+		defer gz.Close()
+		in = gz
+	}
+	limit := int64(-1)
+	if o.MaxBytes > 0 {
+		limit = 2*o.MaxBytes + 1<<20
+		in = io.LimitReader(in, limit+1)
+	}
+	n, err := io.Copy(f, contextReader{ctx, in})
+	if err != nil {
+		if ctx.Err() != nil {
+			return api.Template{}, ctx.Err()
+		}
+		if mapped := archiveErr(err, "image archive", n, in != io.Reader(br)); errors.Is(mapped, errdefs.ErrInvalidArgument) {
+			return api.Template{}, mapped
+		}
+		return api.Template{}, fmt.Errorf("spool image archive: %w", err)
+	}
+	if limit >= 0 && n > limit {
+		return api.Template{}, fmt.Errorf("image archive is over %d bytes: %w", limit, errdefs.ErrTooLarge)
+	}
+	if o.Source == "" {
+		o.Source = "oci:upload"
+		if src.Ref != "" {
+			o.Source += "#" + src.Ref
+		}
+	}
+	src.ArchivePath = f.Name()
+	return s.ImportOCI(ctx, src, o)
+}
+
+// contextReader stops a copy when ctx ends.
+type contextReader struct {
+	ctx context.Context
+	r   io.Reader
+}
+
+func (c contextReader) Read(p []byte) (int, error) {
+	if err := c.ctx.Err(); err != nil {
+		return 0, err
+	}
+	return c.r.Read(p)
 }
 
 func boolCount(bs ...bool) int {

@@ -316,8 +316,8 @@ func TestImportOCIAppliesLayers(t *testing.T) {
 		t.Errorf("etc/shadow %q", got)
 	}
 	read("etc/motd")
-	if st := stat(t, filepath.Join(root, "d2f")); st.Mode&unix.S_IFMT != unix.S_IFREG {
-		t.Errorf("d2f is not a file: %o", st.Mode)
+	if st := stat(t, filepath.Join(root, "d2f")); st.Mode&unix.S_IFMT != unix.S_IFREG || st.Mode&0o7777 != 0o644 {
+		t.Errorf("d2f is not a 0644 file (the replaced directory's metadata must not apply): %o", st.Mode)
 	}
 	// No whiteout file is ever stored.
 	filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
@@ -397,6 +397,22 @@ func TestImportOCISourcesAgree(t *testing.T) {
 		}
 		digests = append(digests, tmpl.Digest)
 		trees = append(trees, tmpl.TreeDigest)
+	}
+	// A gzip-compressed docker save, streamed (an upload).
+	raw, err := os.ReadFile(dockerTar)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl, err := e.store.ImportOCIStream(ctx, bytes.NewReader(gz(t, raw)), OCISource{Ref: "app:1"}, ImportOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	digests, trees = append(digests, tmpl.Digest), append(trees, tmpl.TreeDigest)
+	if _, err := e.store.ImportOCIStream(ctx, bytes.NewReader(raw), OCISource{}, ImportOptions{MaxBytes: 1000}); !errors.Is(err, errdefs.ErrTooLarge) {
+		t.Errorf("streamed archive over the limit: %v", err)
+	}
+	if _, err := e.store.ImportOCIStream(ctx, bytes.NewReader(gz(t, raw)[:300]), OCISource{}, ImportOptions{}); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Errorf("truncated streamed archive: %v", err)
 	}
 	for i := 1; i < len(digests); i++ {
 		if digests[i] != digests[0] || trees[i] != trees[0] {
@@ -599,6 +615,10 @@ func TestImportOCIHostile(t *testing.T) {
 		{name: "index not JSON", mangle: func(t *testing.T, dir string, img v1.Image) {
 			os.WriteFile(filepath.Join(dir, "index.json"), []byte("{"), 0o644)
 		}, want: errdefs.ErrInvalidArgument, msg: "index.json is not valid JSON"},
+		{name: "unusable user, refused before reading layers", img: func(t *testing.T) v1.Image {
+			return ociImageOf(t, func(c *v1.ConfigFile) { c.Config.User = "Bad User" }, addHistory{ociLayerOf(t, file("f", "x", 0o644)), ""})
+		}, mangle: func(t *testing.T, dir string, img v1.Image) { os.Remove(blobFile(t, dir, layerDigest(t, img, 0))) },
+			want: errdefs.ErrInvalidArgument, msg: "user"},
 		{name: "layer count differs from diff_ids", img: func(t *testing.T) v1.Image {
 			img := ociImageOf(t, nil, addHistory{ociLayerOf(t, file("f", "x", 0o644)), ""})
 			cf, _ := img.ConfigFile()
