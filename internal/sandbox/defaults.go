@@ -46,9 +46,6 @@ const (
 	failureTailBytes = 2 << 10
 	// readyOutputCap bounds what one ready check may print per stream.
 	readyOutputCap = 16 << 10
-	// tailDrainTime bounds reading the start command's replay buffer for
-	// a failure message: it is output of code in the sandbox.
-	tailDrainTime = 2 * time.Second
 )
 
 func validateUser(field, u string) error {
@@ -93,6 +90,14 @@ func applyTemplateDefaults(sb *api.Sandbox, tc api.TemplateConfig) error {
 	return nil
 }
 
+// isBuildStep reports whether sb runs a template build's RUN step. Like
+// Docker's RUN, a step runs in its parent's filesystem and defaults but
+// without the parent's start command: a build would otherwise start the
+// server (and wait for it) before every step after START.
+func isBuildStep(sb api.Sandbox) bool {
+	return sb.Labels[BuildLabel] == BuildLabelStep
+}
+
 // startPlan is a template's start command with its defaults filled in.
 type startPlan struct {
 	cmd, ready []string
@@ -125,11 +130,10 @@ func planStart(st *api.StartCommand) (*startPlan, error) {
 		p.timeout = time.Duration(secs * float64(time.Second))
 	}
 	if ms := st.ReadyIntervalMS; ms != 0 {
-		d := time.Duration(ms) * time.Millisecond
-		if ms < 0 || d > maxReadyInterval {
+		if ms < 0 || ms > maxReadyInterval.Milliseconds() {
 			return nil, invalid("template ready_interval_ms must be between 0 and %d, got %d", maxReadyInterval.Milliseconds(), ms)
 		}
-		p.interval = max(d, minReadyInterval)
+		p.interval = max(time.Duration(ms)*time.Millisecond, minReadyInterval)
 	}
 	return p, nil
 }

@@ -95,6 +95,7 @@ func TestPlanStartGuardsTemplateConfig(t *testing.T) {
 		{Cmd: []string{"srv"}, Ready: []string{"check"}, ReadyTimeoutSeconds: math.Inf(1)},
 		{Cmd: []string{"srv"}, Ready: []string{"check"}, ReadyIntervalMS: -5},
 		{Cmd: []string{"srv"}, Ready: []string{"check"}, ReadyIntervalMS: 3_600_000},
+		{Cmd: []string{"srv"}, Ready: []string{"check"}, ReadyIntervalMS: math.MaxInt64},
 		{Cmd: []string{"srv"}, Ready: []string{""}},
 	}
 	for _, st := range bad {
@@ -207,7 +208,7 @@ func TestTemplateDefaultsApplyToExecAndCommands(t *testing.T) {
 	// A command session follows the same defaults.
 	out := filepath.Join(worldDir(t), "cmd")
 	cmd, err := h.m.CreateCommand(h.ctx(), sb.ID, api.CreateCommandRequest{Detached: true,
-		ExecRequest: api.ExecRequest{Cmd: []string{"sh", "-c", "{ echo $A; pwd; id -u; } > " + out}}})
+		ExecRequest: api.ExecRequest{Cmd: []string{"sh", "-c", "{ echo $A; pwd; id -u; } > " + out + ".tmp && mv " + out + ".tmp " + out}}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -265,6 +266,12 @@ func TestStartCommandFailuresOnFake(t *testing.T) {
 		t.Errorf("op %+v", op)
 	}
 	fakeLeft(sb.ID)
+
+	// A build step's sandbox does not run its template's start command.
+	step := h.create(api.CreateSandboxRequest{Template: "exit3:1", Labels: map[string]string{BuildLabel: BuildLabelStep}})
+	if cmds, err := h.m.ListCommands(h.ctx(), step.ID); err != nil || len(cmds) != 0 {
+		t.Fatalf("build step sandbox ran the start command: %v %+v", err, cmds)
+	}
 
 	// A start command that exits 0 (it started a daemon) is waited for.
 	flag := filepath.Join(worldDir(t), "ready")
@@ -419,9 +426,11 @@ func TestTemplateDefaultsOnNative(t *testing.T) {
 	})
 
 	t.Run("start-and-ready", func(t *testing.T) {
-		start := []string{"sh", "-c", "rm -f /var/tmp/ready; echo run >> /var/tmp/runs; echo started; sleep 0.3; echo up > /var/tmp/ready; exec sleep 1000"}
+		// The disk outlives a stop, /dev/shm does not: the ready marker
+		// must not be found from the previous boot.
+		start := []string{"sh", "-c", "echo run >> /var/tmp/runs; echo started; sleep 0.3; echo up > /dev/shm/ready; exec sleep 1000"}
 		derive(t, h.tmpl, base, "srv:1", api.TemplateConfig{User: "nobody", Workdir: "/var/tmp",
-			Start: &api.StartCommand{Cmd: start, Ready: []string{"test", "-f", "/var/tmp/ready"}}})
+			Start: &api.StartCommand{Cmd: start, Ready: []string{"test", "-f", "/dev/shm/ready"}}})
 		t0 := time.Now()
 		sb, op := h.create(t, api.CreateSandboxRequest{Template: "srv:1"})
 		if took := time.Since(t0); took < 300*time.Millisecond {
@@ -430,7 +439,7 @@ func TestTemplateDefaultsOnNative(t *testing.T) {
 		if got := phaseNames(op); got != "resolve_template,prepare,start_runtime,agent_ready,start_command,ready" {
 			t.Fatalf("phases %s", got)
 		}
-		if res := h.exec(t, sb.ID, api.ExecRequest{Cmd: []string{"sh", "-c", "cat /var/tmp/ready; stat -c %U /var/tmp/ready"}}); res.Stdout != "up\nnobody\n" {
+		if res := h.exec(t, sb.ID, api.ExecRequest{Cmd: []string{"sh", "-c", "cat /dev/shm/ready; stat -c %U /dev/shm/ready"}}); res.Stdout != "up\nnobody\n" {
 			t.Fatalf("ready file right after create: %+v", res)
 		}
 		cmds := startCommands(t, h.m, sb.ID)
@@ -462,7 +471,7 @@ func TestTemplateDefaultsOnNative(t *testing.T) {
 		a.Close()
 
 		runs := func() string {
-			return h.exec(t, sb.ID, api.ExecRequest{Cmd: []string{"sh", "-c", "wc -l < /var/tmp/runs; cat /var/tmp/ready"}}).Stdout
+			return h.exec(t, sb.ID, api.ExecRequest{Cmd: []string{"sh", "-c", "wc -l < /var/tmp/runs; cat /dev/shm/ready"}}).Stdout
 		}
 		// A resume finds its processes where they were: no re-run.
 		h.do(t, sb.ID, api.OpPause)

@@ -548,7 +548,7 @@ func (m *Manager) bootWith(ctx context.Context, p *phases, e *entry, inst runtim
 		return err
 	}
 	m.watchExit(e, inst)
-	if start == nil {
+	if start == nil || isBuildStep(sb) {
 		return nil
 	}
 	e.cmu.RLock()
