@@ -138,18 +138,6 @@ func (s *stager) ofLayer(rel string) bool {
 	return s.layer != nil && (s.layer.written[rel] || s.layer.parents[rel])
 }
 
-// forgetDirs drops deferred metadata of rel and everything below it: they
-// were removed, and finish must not look for them.
-func (s *stager) forgetDirs(rel string) {
-	delete(s.dirs, rel)
-	prefix := rel + "/"
-	for d := range s.dirs {
-		if strings.HasPrefix(d, prefix) {
-			delete(s.dirs, d)
-		}
-	}
-}
-
 func newStager(rootPath string, maxBytes int64, log *slog.Logger) (*stager, error) {
 	f, err := os.OpenFile(rootPath, os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0)
 	if err != nil {
@@ -293,10 +281,9 @@ func (s *stager) clear(parent *os.File, base, rel string, keepDir bool) (isDir b
 			return false, invalid("entry %q would replace a directory with a non-directory", rel)
 		}
 		// parent is rel's parent, so it survives the removal.
-		if err := removeAt(int(parent.Fd()), base, rel); err != nil {
+		if err := s.removeTree(int(parent.Fd()), base, rel); err != nil {
 			return false, err
 		}
-		s.forgetDirs(rel)
 		return false, nil
 	}
 	if err := unix.Unlinkat(int(parent.Fd()), base, 0); err != nil {
@@ -651,11 +638,7 @@ func (s *stager) remove(rel string) error {
 		// below it from lower layers goes.
 		return s.pruneLower(int(parent.Fd()), base, rel)
 	}
-	if err := removeAt(int(parent.Fd()), base, rel); err != nil {
-		return err
-	}
-	s.forgetDirs(rel)
-	return nil
+	return s.removeTree(int(parent.Fd()), base, rel)
 }
 
 // opaque removes every entry inside the directory rel (creating it if
@@ -684,10 +667,9 @@ func (s *stager) opaque(rel string) error {
 			}
 			continue
 		}
-		if err := removeAt(int(d.Fd()), n, crel); err != nil {
+		if err := s.removeTree(int(d.Fd()), n, crel); err != nil {
 			return err
 		}
-		s.forgetDirs(crel)
 	}
 	return nil
 }
@@ -716,10 +698,9 @@ func (s *stager) pruneLower(dirfd int, name, rel string) error {
 			}
 			continue
 		}
-		if err := removeAt(fd, n, crel); err != nil {
+		if err := s.removeTree(fd, n, crel); err != nil {
 			return err
 		}
-		s.forgetDirs(crel)
 	}
 	return nil
 }
@@ -769,8 +750,9 @@ func (s *stager) openExisting(rel string) (*os.File, error) {
 }
 
 // removeAt removes name in dirfd, recursing into directories by
-// descriptor so that no symlink is ever followed.
-func removeAt(dirfd int, name, rel string) error {
+// descriptor so that no symlink is ever followed. onDir, if set, is told
+// the path of every directory removed.
+func removeAt(dirfd int, name, rel string, onDir ...func(rel string)) error {
 	err := unix.Unlinkat(dirfd, name, 0)
 	if err == nil || errors.Is(err, unix.ENOENT) {
 		return nil
@@ -785,7 +767,7 @@ func removeAt(dirfd int, name, rel string) error {
 	names, err := readNames(fd)
 	if err == nil {
 		for _, n := range names {
-			if err = removeAt(fd, n, path.Join(rel, n)); err != nil {
+			if err = removeAt(fd, n, path.Join(rel, n), onDir...); err != nil {
 				break
 			}
 		}
@@ -797,7 +779,16 @@ func removeAt(dirfd int, name, rel string) error {
 	if err := unix.Unlinkat(dirfd, name, unix.AT_REMOVEDIR); err != nil && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("remove %q: %w", rel, err)
 	}
+	for _, f := range onDir {
+		f(rel)
+	}
 	return nil
+}
+
+// removeTree removes rel (name in dirfd) and forgets the deferred metadata
+// of every directory that goes with it, in time linear in what is removed.
+func (s *stager) removeTree(dirfd int, name, rel string) error {
+	return removeAt(dirfd, name, rel, func(d string) { delete(s.dirs, d) })
 }
 
 // readNames lists a directory by descriptor (the descriptor stays open).
