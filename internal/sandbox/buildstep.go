@@ -144,11 +144,7 @@ func (m *Manager) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Ste
 		return -1, fmt.Errorf("build step: creating its sandbox: %w", err)
 	}
 	if op.State != api.OpSucceeded {
-		msg := "unknown error"
-		if op.Error != nil {
-			msg = op.Error.Message
-		}
-		return -1, fmt.Errorf("build step: creating its sandbox on runtime %s: %s: %w", rt.Name(), msg, errdefs.ErrUnavailable)
+		return -1, fmt.Errorf("build step: creating its sandbox on runtime %s: %w", rt.Name(), opError(op))
 	}
 	e := m.entry(sb.ID)
 	e.cmu.RLock()
@@ -172,7 +168,7 @@ func (m *Manager) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Ste
 		return -1, fmt.Errorf("build step: stopping its sandbox: %w", err)
 	}
 	if stop.State != api.OpSucceeded {
-		return -1, fmt.Errorf("build step: stopping its sandbox: %s: %w", opMessage(stop), errdefs.ErrUnavailable)
+		return -1, fmt.Errorf("build step: stopping its sandbox: %w", opError(stop))
 	}
 	// Hold the sandbox's lock so nothing starts it again (a stray wake)
 	// while its disk is read.
@@ -193,11 +189,17 @@ func (m *Manager) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Ste
 	return 0, nil
 }
 
-func opMessage(op api.Operation) string {
-	if op.Error != nil {
-		return op.Error.Message
+// opError is the error of a finished, failed operation, with the sentinel
+// its code names (ErrUnavailable when none).
+func opError(op api.Operation) error {
+	if op.Error == nil {
+		return fmt.Errorf("operation %s ended %s: %w", op.ID, op.State, errdefs.ErrUnavailable)
 	}
-	return op.State
+	sentinel := errdefs.FromCode(op.Error.Code)
+	if sentinel == nil {
+		sentinel = errdefs.ErrUnavailable
+	}
+	return fmt.Errorf("%s: %w", op.Error.Message, sentinel)
 }
 
 // runStepCommand starts s.Cmd in the running sandbox id, copies its output
@@ -317,7 +319,7 @@ func (m *Manager) deleteStepSandbox(id string) error {
 		return err
 	}
 	if op.State != api.OpSucceeded {
-		return fmt.Errorf("%s: %w", opMessage(op), errdefs.ErrUnavailable)
+		return opError(op)
 	}
 	return nil
 }

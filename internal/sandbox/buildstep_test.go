@@ -171,6 +171,10 @@ func TestRunStepNative(t *testing.T) {
 		if _, err := os.Lstat(filepath.Join(rootfs, "etc/hostname")); !errors.Is(err, os.ErrNotExist) {
 			t.Errorf("derived template still has etc/hostname: %v", err)
 		}
+		// The build sandbox's own host files are not the step's changes.
+		if _, err := os.Lstat(filepath.Join(rootfs, "etc/hosts")); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("derived template has the build sandbox's etc/hosts: %v", err)
+		}
 		if derived.Parent != h.base.Digest || derived.TreeDigest == h.base.TreeDigest {
 			t.Errorf("derived %+v", derived)
 		}
@@ -244,6 +248,17 @@ func TestRunStepNeedsChangeExport(t *testing.T) {
 	})
 	if !errors.Is(err, errdefs.ErrNotSupported) {
 		t.Fatalf("RunStep on the fake runtime: %v, want ErrNotSupported", err)
+	}
+	if sbs, _ := h.db.ListSandboxes(h.ctx(), store.SandboxFilter{}); len(sbs) != 0 {
+		t.Fatalf("sandboxes left: %+v", sbs)
+	}
+	// A missing template is reported as such, and its failed sandbox goes.
+	_, err = h.m.RunStep(h.ctx(), build.Step{
+		Template: "sha256:0000000000000000000000000000000000000000000000000000000000000000", Cmd: []string{"true"},
+		Apply: func(context.Context, template.Upper) error { return nil },
+	})
+	if !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("RunStep on a missing template: %v, want ErrNotFound", err)
 	}
 	if sbs, _ := h.db.ListSandboxes(h.ctx(), store.SandboxFilter{}); len(sbs) != 0 {
 		t.Fatalf("sandboxes left: %+v", sbs)

@@ -1,9 +1,11 @@
 package native
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 
@@ -11,6 +13,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/native/nsinit"
 )
 
 // OpaqueXattr is the attribute overlayfs marks opaque directories with in a
@@ -20,6 +23,8 @@ import (
 const OpaqueXattr = "user.overlay.opaque"
 
 // Changes implements runtime.ChangeExporter. The sandbox must be stopped.
+// The init's own writes at start (/etc/hostname, the hostname's line in
+// /etc/hosts) are taken out first: they are not the sandbox's changes.
 // Its disk is exposed read-only (and nosuid, nodev, noexec: everything in it
 // was written by the sandbox) at DataDir/sandboxes/<id>/export, and Dir is
 // its upper/ directory, whose owners are host ids (IDBase is the sandbox's
@@ -74,13 +79,120 @@ func (i *instance) exportLocked() error {
 		}
 		mfd = fd
 	} else {
-		fd, err := fsmountImage(i.diskImage(), attrs)
+		// Read-write at first, private to this process (detached), to
+		// take the runtime's own writes out; then read-only.
+		fd, err := fsmountImage(i.diskImage(), attrs&^unix.MOUNT_ATTR_RDONLY)
 		if err != nil {
 			return err
+		}
+		if err := i.revertHostFiles(fd); err != nil {
+			i.rt.log.Warn("could not take the runtime's host files out of a sandbox's changes", "id", i.spec.ID, "err", err)
+		}
+		attr := unix.MountAttr{Attr_set: unix.MOUNT_ATTR_RDONLY}
+		if err := unix.MountSetattr(fd, "", unix.AT_EMPTY_PATH, &attr); err != nil {
+			unix.Close(fd)
+			return fmt.Errorf("make disk mount read-only: %w", err)
 		}
 		mfd = fd
 	}
 	return attachMount(mfd, i.exportDir())
+}
+
+// revertHostFiles takes the sandbox init's own start-up writes out of the
+// upper layer on the disk mounted (detached, read-write) at mfd: every
+// start writes /etc/hostname and adds the hostname to /etc/hosts
+// (nsinit.writeHostFiles), and those are not changes the sandbox's code
+// made — a template built from its changes would otherwise carry the build
+// sandbox's name. Only content exactly as the init writes it is taken out.
+// Everything in upper/ was written by the sandbox, so nothing is resolved
+// through a symlink and only single-link regular files are rewritten.
+func (i *instance) revertHostFiles(mfd int) error {
+	hostname := i.spec.Hostname
+	if hostname == "" {
+		hostname = i.spec.ID // as Start does
+	}
+	etc, err := openBeneath(mfd, "upper/etc", unix.O_DIRECTORY)
+	if err != nil {
+		return nil // no /etc in the changes (or not a plain directory)
+	}
+	defer unix.Close(etc)
+	if b, ok := readSmall(etc, "hostname", 4096); ok && bytes.Equal(b, nsinit.HostnameFile(hostname)) {
+		if err := unix.Unlinkat(etc, "hostname", 0); err != nil {
+			return fmt.Errorf("remove etc/hostname: %w", err)
+		}
+	}
+	hosts, ok := readSmall(etc, "hosts", nsinit.MaxHostsFile+4096)
+	if !ok {
+		return nil
+	}
+	line := []byte(nsinit.HostnameLine(hostname))
+	at := bytes.Index(hosts, line)
+	if at < 0 {
+		return nil
+	}
+	// What the init made of the template's file, if the template has one.
+	var before []byte
+	if name, err := rootfsName(i.spec.TemplateDigest); err == nil {
+		if root, err := unix.Open(filepath.Join(i.rt.rootfsBase(), name), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err == nil {
+			if lowerEtc, err := openBeneath(root, "etc", unix.O_DIRECTORY); err == nil {
+				before, _ = readSmall(lowerEtc, "hosts", nsinit.MaxHostsFile)
+				unix.Close(lowerEtc)
+			}
+			unix.Close(root)
+		}
+	}
+	if made, _ := nsinit.AddHostname(before, hostname); bytes.Equal(hosts, made) {
+		if err := unix.Unlinkat(etc, "hosts", 0); err != nil {
+			return fmt.Errorf("remove etc/hosts: %w", err)
+		}
+		return nil
+	}
+	// The sandbox changed the file too: keep its changes, drop the line.
+	rest := append(append([]byte{}, hosts[:at]...), hosts[at+len(line):]...)
+	fd, err := unix.Openat(etc, "hosts", unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return fmt.Errorf("open etc/hosts: %w", err)
+	}
+	f := os.NewFile(uintptr(fd), "etc/hosts")
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink != 1 {
+		return nil
+	}
+	if err := f.Truncate(0); err != nil {
+		return err
+	}
+	_, err = f.WriteAt(rest, 0)
+	return err
+}
+
+// openBeneath opens path below dirfd without following any symlink or
+// leaving the mount.
+func openBeneath(dirfd int, path string, flags int) (int, error) {
+	return unix.Openat2(dirfd, path, &unix.OpenHow{
+		Flags:   uint64(flags | unix.O_RDONLY | unix.O_NOFOLLOW | unix.O_CLOEXEC),
+		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV,
+	})
+}
+
+// readSmall reads name in dirfd when it is a regular file of at most max
+// bytes.
+func readSmall(dirfd int, name string, max int64) ([]byte, bool) {
+	fd, err := openBeneath(dirfd, name, unix.O_NONBLOCK)
+	if err != nil {
+		return nil, false
+	}
+	f := os.NewFile(uintptr(fd), name)
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size > max {
+		return nil, false
+	}
+	b, err := io.ReadAll(io.LimitReader(f, max+1))
+	if err != nil || int64(len(b)) > max {
+		return nil, false
+	}
+	return b, true
 }
 
 // releaseChanges is Changes.Release.

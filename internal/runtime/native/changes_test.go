@@ -208,3 +208,57 @@ func waitNoLoop(t *testing.T, img string) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// TestChangesLeaveOutRuntimeWrites: what the sandbox init writes at every
+// start (/etc/hostname, the hostname's line in /etc/hosts) is not part of
+// a sandbox's changes; what the sandbox itself wrote to those files is.
+func TestChangesLeaveOutRuntimeWrites(t *testing.T) {
+	h := harness(t)
+	rt := h.New(t)
+	sb := runtimetest.Start(t, h, rt, runtimetest.DefaultLimits)
+	ctx := context.Background()
+	if out := sb.MustSh(t, "cat /etc/hostname; grep -c sandbox-test /etc/hosts"); out != "sandbox-test\n1\n" {
+		t.Fatalf("the init did not write its host files: %q", out)
+	}
+	if err := sb.Inst.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	exp := sb.Inst.(runtime.ChangeExporter)
+	ch, err := exp.Changes(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Nothing but (copied-up) directories is left.
+	filepath.WalkDir(ch.Dir, func(p string, d os.DirEntry, err error) error {
+		if err != nil {
+			t.Error(err)
+		} else if !d.IsDir() {
+			t.Errorf("%s is in the changes of a sandbox that did nothing", p)
+		}
+		return nil
+	})
+	if err := ch.Release(); err != nil {
+		t.Fatal(err)
+	}
+
+	if err := sb.Inst.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	sb.Connect(t)
+	sb.MustSh(t, "echo '10.1.2.3 db' >> /etc/hosts; echo mine > /etc/hostname")
+	if err := sb.Inst.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ch, err = exp.Changes(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Release()
+	b, err := os.ReadFile(filepath.Join(ch.Dir, "etc/hosts"))
+	if err != nil || !strings.HasSuffix(string(b), "10.1.2.3 db\n") || strings.Contains(string(b), "sandbox-test") {
+		t.Errorf("etc/hosts in the changes: %q %v; want the sandbox's line without the init's", b, err)
+	}
+	if b, err := os.ReadFile(filepath.Join(ch.Dir, "etc/hostname")); err != nil || string(b) != "mine\n" {
+		t.Errorf("etc/hostname in the changes: %q %v", b, err)
+	}
+}

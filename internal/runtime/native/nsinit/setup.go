@@ -241,20 +241,39 @@ func probe() error {
 
 // writeHostFiles makes the hostname resolve inside the sandbox. It is best
 // effort: the sandbox owns /etc and may have made these files anything.
+// These writes are the runtime's, not the sandbox's: the host takes them
+// back out of the writable layer when it exports the sandbox's changes.
 func writeHostFiles(hostname string) {
-	_ = os.WriteFile("/etc/hostname", []byte(hostname+"\n"), 0o644)
+	_ = os.WriteFile("/etc/hostname", HostnameFile(hostname), 0o644)
 	hosts, err := os.ReadFile("/etc/hosts")
-	if (err != nil && !errors.Is(err, os.ErrNotExist)) || len(hosts) > 1<<20 {
+	if (err != nil && !errors.Is(err, os.ErrNotExist)) || len(hosts) > MaxHostsFile {
 		return
 	}
+	if next, changed := AddHostname(hosts, hostname); changed {
+		_ = os.WriteFile("/etc/hosts", next, 0o644)
+	}
+}
+
+// MaxHostsFile is the largest /etc/hosts the sandbox init edits.
+const MaxHostsFile = 1 << 20
+
+// HostnameFile is the content of /etc/hostname the sandbox init writes.
+func HostnameFile(hostname string) []byte { return []byte(hostname + "\n") }
+
+// HostnameLine is the line the sandbox init adds to /etc/hosts.
+func HostnameLine(hostname string) string { return fmt.Sprintf("127.0.1.1\t%s\n", hostname) }
+
+// AddHostname returns hosts with hostname resolving (and localhost, if the
+// file does not mention it), and whether that changed anything.
+func AddHostname(hosts []byte, hostname string) ([]byte, bool) {
 	for _, line := range strings.Split(string(hosts), "\n") {
 		if f := strings.Fields(line); len(f) > 1 && slices.Contains(f[1:], hostname) {
-			return
+			return hosts, false
 		}
 	}
+	out := append([]byte{}, hosts...)
 	if !strings.Contains(string(hosts), "localhost") {
-		hosts = append(hosts, "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"...)
+		out = append(out, "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"...)
 	}
-	hosts = append(hosts, fmt.Sprintf("127.0.1.1\t%s\n", hostname)...)
-	_ = os.WriteFile("/etc/hosts", hosts, 0o644)
+	return append(out, HostnameLine(hostname)...), true
 }
