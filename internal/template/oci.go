@@ -202,6 +202,7 @@ func (s *Store) ImportOCI(ctx context.Context, src OCISource, o ImportOptions) (
 			}
 			o.Layers[i].Digest = d.String()
 		}
+		progress(o.Progress, Progress{Phase: PhaseImport, Done: len(img.layers), Total: len(img.layers), Message: "layers applied"})
 		return nil
 	})
 }
@@ -685,12 +686,17 @@ type tarBlob struct {
 }
 
 func openTarBlobs(p string) (*tarBlobs, error) {
-	f, err := os.Open(p)
+	// O_NONBLOCK: a FIFO at p must not hang the import.
+	f, err := os.OpenFile(p, os.O_RDONLY|unix.O_NONBLOCK, 0)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("image archive %s: %w", p, errdefs.ErrNotFound)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("image archive %s: %w", p, err)
+	}
+	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
+		f.Close()
+		return nil, invalid("image archive %s is not a regular file", p)
 	}
 	t := &tarBlobs{f: f, entries: map[string]tarBlob{}}
 	if err := t.index(); err != nil {

@@ -816,3 +816,89 @@ func TestRegistryTransportPolicy(t *testing.T) {
 		}
 	}
 }
+
+// writeTarFile writes a tar of entries to p.
+func writeTarFile(t *testing.T, p string, entries ...entry) {
+	t.Helper()
+	if err := os.WriteFile(p, mktar(t, entries...), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The legacy `docker save` format: uncompressed layer.tar files named by
+// layer id, a duplicate layer stored as a symlink, no blob digests.
+func TestImportOCILegacyDockerSave(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	l1 := mktar(t, dir("etc/", 0o755), file("etc/hostname", "legacy\n", 0o644))
+	sum := sha256.Sum256(l1)
+	diffID := "sha256:" + hex.EncodeToString(sum[:])
+	cfg := fmt.Sprintf(`{"architecture":"amd64","os":"linux","config":{"Env":["X=1"],"WorkingDir":"/etc"},`+
+		`"rootfs":{"type":"layers","diff_ids":[%q,%q]}}`, diffID, diffID)
+	csum := sha256.Sum256([]byte(cfg))
+	cfgName := hex.EncodeToString(csum[:]) + ".json"
+	manifest := fmt.Sprintf(`[{"Config":%q,"RepoTags":["legacy:1"],"Layers":["aaa/layer.tar","bbb/layer.tar"]}]`, cfgName)
+	tmp := t.TempDir()
+	good := filepath.Join(tmp, "legacy.tar")
+	writeTarFile(t, good,
+		file("manifest.json", manifest, 0o644),
+		file(cfgName, cfg, 0o644),
+		dir("aaa/", 0o755), file("aaa/layer.tar", string(l1), 0o644),
+		dir("bbb/", 0o755), symlink("bbb/layer.tar", "../aaa/layer.tar"))
+	tmpl, err := e.store.ImportOCI(ctx, OCISource{ArchivePath: good, Ref: "docker.io/library/legacy:1"}, ImportOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tmpl.Config.Env["X"] != "1" || tmpl.Config.Workdir != "/etc" || len(tmpl.Layers) != 2 || tmpl.Layers[0].Digest != diffID {
+		t.Errorf("template %+v", tmpl)
+	}
+	_, root, _ := e.store.Resolve(ctx, tmpl.Digest)
+	if b, err := os.ReadFile(filepath.Join(root, "etc/hostname")); err != nil || string(b) != "legacy\n" {
+		t.Errorf("etc/hostname %q %v", b, err)
+	}
+
+	for _, c := range []struct {
+		name    string
+		entries []entry
+		msg     string
+	}{
+		{"layer link out of the archive", []entry{file("manifest.json", manifest, 0o644), file(cfgName, cfg, 0o644),
+			file("aaa/layer.tar", string(l1), 0o644), symlink("bbb/layer.tar", "../../../etc/passwd")}, "missing layer blob bbb/layer.tar"},
+		{"config digest mismatch", []entry{file("manifest.json", manifest, 0o644), file(cfgName, cfg+" ", 0o644),
+			file("aaa/layer.tar", string(l1), 0o644), file("bbb/layer.tar", string(l1), 0o644)}, "digest mismatch"},
+		{"layer differs from its diff_id", []entry{file("manifest.json", manifest, 0o644), file(cfgName, cfg, 0o644),
+			file("aaa/layer.tar", string(l1), 0o644), file("bbb/layer.tar", string(mktar(t, file("other", "x", 0o644))), 0o644)}, "diff_id"},
+		{"manifest not JSON", []entry{file("manifest.json", "[{", 0o644)}, "manifest.json is not valid JSON"},
+	} {
+		p := filepath.Join(tmp, strings.ReplaceAll(c.name, " ", "-")+".tar")
+		writeTarFile(t, p, c.entries...)
+		_, err := e.store.ImportOCI(ctx, OCISource{ArchivePath: p}, ImportOptions{})
+		if !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), c.msg) {
+			t.Errorf("%s: %v, want %q", c.name, err, c.msg)
+		}
+	}
+	e.assertClean(t, 1)
+}
+
+// Cancelling an import mid-download leaves nothing behind.
+func TestImportOCICancel(t *testing.T) {
+	e := newEnv(t)
+	img := ociImageOf(t, nil, addHistory{ociLayerOf(t, file("a", "a", 0o644)), ""}, addHistory{ociLayerOf(t, file("b", "b", 0o644)), ""})
+	second := layerDigest(t, img, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	host := startRegistry(t, func(h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method == http.MethodGet && strings.HasSuffix(r.URL.Path, "/blobs/"+second.String()) {
+				cancel()
+			}
+			h.ServeHTTP(w, r)
+		})
+	})
+	push(t, host+"/app:1", img)
+	_, err := e.store.ImportOCI(ctx, OCISource{Image: host + "/app:1"}, ImportOptions{})
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled import: %v", err)
+	}
+	e.assertClean(t, 0)
+}
