@@ -59,7 +59,8 @@ func TestOpenAPIRoutes(t *testing.T) {
 		"POST /v1/sandboxes/{id}/files/mkdir", "POST /v1/sandboxes/{id}/files/rename",
 		"GET /v1/sandboxes/{id}/files/tar", "PUT /v1/sandboxes/{id}/files/tar",
 		"GET /v1/templates", "GET /v1/templates/{ref}", "POST /v1/templates", "DELETE /v1/templates/{ref}",
-		"POST /v1/templates/base",
+		"POST /v1/templates/base", "POST /v1/templates/pull", "POST /v1/templates/build", "POST /v1/templates/gc",
+		"POST /v1/templates/{ref}/tags", "GET /v1/templates/{ref}/export",
 	}
 	for _, verb := range []string{"stop", "start", "pause", "resume", "wake", "suspend", "restore", "fork"} {
 		routes = append(routes, "POST /v1/sandboxes/{id}/"+verb)
@@ -129,6 +130,8 @@ func TestOpenAPISchemasMatchTypes(t *testing.T) {
 		"SignalRequest": SignalRequest{}, "Resize": Resize{}, "Dropped": Dropped{}, "Started": Started{},
 		"FileInfo": FileInfo{}, "FileList": FileList{}, "MkdirRequest": MkdirRequest{}, "RenameRequest": RenameRequest{},
 		"Template": Template{}, "TemplateList": TemplateList{}, "RuntimeInfo": RuntimeInfo{}, "Info": Info{},
+		"TemplateConfig": TemplateConfig{}, "StartCommand": StartCommand{}, "TemplateLayer": TemplateLayer{},
+		"TagRequest": TagRequest{}, "PullRequest": PullRequest{}, "GCResult": GCResult{}, "BuildEvent": BuildEvent{},
 	}
 	for name, v := range types {
 		s, ok := d.Components.Schemas[name]

@@ -27,16 +27,21 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 func writeError(w http.ResponseWriter, r *http.Request, err error) {
 	status := errdefs.HTTPStatus(err)
 	code := errdefs.Code(err)
-	msg := err.Error()
 	if status >= 500 && !errors.Is(err, errdefs.ErrUnavailable) && !errors.Is(err, errdefs.ErrTimeout) {
 		slog.Error("internal error", "method", r.Method, "path", r.URL.Path, "err", err)
 	}
-	// Generic sentinels ("…: invalid argument") add nothing after a message
-	// that already says what is wrong; "not found" and "not supported" do.
+	writeJSON(w, status, api.Error{Error: api.ErrorBody{Code: code, Message: errorMessage(err)}})
+}
+
+// errorMessage is err's text for a client. Generic sentinels ("…: invalid
+// argument") add nothing after a message that already says what is wrong;
+// "not found" and "not supported" do.
+func errorMessage(err error) string {
+	msg := err.Error()
 	for _, s := range []string{": invalid argument", ": unprocessable"} {
 		msg = strings.TrimSuffix(msg, s)
 	}
-	writeJSON(w, status, api.Error{Error: api.ErrorBody{Code: code, Message: msg}})
+	return msg
 }
 
 // decodeJSON reads a bounded JSON body into v, rejecting unknown fields and

@@ -149,6 +149,13 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		db.Close()
 		return nil, fmt.Errorf("reconciling: %w", err)
 	}
+	// Build step sandboxes belong to the build that made them; builds do
+	// not survive a restart, so whatever is left of them goes now.
+	if n, err := mgr.DeleteBuildSandboxes(ctx); err != nil {
+		cfg.Logger.Warn("deleting leftover build sandboxes", "err", err)
+	} else if n > 0 {
+		cfg.Logger.Info("deleted leftover build sandboxes", "count", n)
+	}
 	mgr.Run()
 	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, metrics: met, apiKey: key}
 	s.handler = s.routes()
@@ -318,6 +325,8 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("GET /v1/templates", a(s.listTemplates))
 	mux.HandleFunc("POST /v1/templates", a(s.importTemplate))
 	mux.HandleFunc("POST /v1/templates/base", a(s.buildBase))
+	mux.HandleFunc("POST /v1/templates/pull", a(s.pullTemplate))
+	mux.HandleFunc("POST /v1/templates/build", a(s.buildTemplate))
 	mux.HandleFunc("POST /v1/templates/gc", a(s.gcTemplates))
 	mux.HandleFunc("GET /v1/templates/{ref}", a(s.getTemplate))
 	mux.HandleFunc("DELETE /v1/templates/{ref}", a(s.removeTemplate))

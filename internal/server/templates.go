@@ -8,10 +8,16 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"path"
 	"path/filepath"
+	"regexp"
 	"strconv"
+	"strings"
+	"sync"
+	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/build"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/template"
@@ -269,6 +275,14 @@ func (s *Server) importTemplate(w http.ResponseWriter, r *http.Request) {
 		t, err = s.tmpl.ImportTar(r.Context(), body, opts)
 	case formatArchive:
 		t, err = s.tmpl.ImportArchive(r.Context(), body, opts)
+	case formatOCI:
+		// Archives are read in place: the store spools the upload to a
+		// file under its tmp/ (gzip decompressed) and removes it after.
+		t, err = s.tmpl.ImportOCIStream(r.Context(), body, template.OCISource{}, opts)
+		if err != nil {
+			// The spool file's path is the server's business.
+			err = scrubbedError{err, regexp.MustCompile(regexp.QuoteMeta(filepath.Join(s.tmpl.Dir(), "tmp")) + `/[^\s:]*`), "upload"}
+		}
 	default:
 		err = fmt.Errorf("format %q: want tar, oci or archive: %w", format, errdefs.ErrInvalidArgument)
 	}
@@ -280,38 +294,184 @@ func (s *Server) importTemplate(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, t)
 }
 
-// spool copies the (limited) upload into a temp file under the template
-// store's tmp/, which the store empties on open, so a crash mid-upload
-// leaves nothing behind for long. The caller removes the file.
-func (s *Server) spool(ctx context.Context, body *limitedBody, pattern string) (string, error) {
-	f, err := os.CreateTemp(filepath.Join(s.tmpl.Dir(), "tmp"), pattern)
+// pullTemplate is POST /v1/templates/pull.
+func (s *Server) pullTemplate(w http.ResponseWriter, r *http.Request) {
+	var req api.PullRequest
+	if err := decodeJSON(w, r, &req); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if strings.TrimSpace(req.Image) == "" {
+		writeError(w, r, fmt.Errorf("image is empty; want a reference like registry:5000/app:1: %w", errdefs.ErrInvalidArgument))
+		return
+	}
+	t, err := s.tmpl.ImportOCI(r.Context(), template.OCISource{Image: req.Image, Insecure: req.Insecure},
+		template.ImportOptions{Tags: req.Tags, MaxBytes: s.cfg.MaxTemplateBytes})
 	if err != nil {
-		return "", fmt.Errorf("spooling upload: %w", err)
+		writeError(w, r, err)
+		return
 	}
-	name := f.Name()
-	_, err = io.Copy(f, ctxReader{ctx, body})
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		os.Remove(name)
-		return "", body.check(fmt.Errorf("reading upload: %w", err))
-	}
-	return name, nil
+	s.prepare(r.Context(), t)
+	writeJSON(w, http.StatusCreated, t)
 }
 
-// ctxReader stops a long copy when the request is cancelled.
-type ctxReader struct {
-	ctx context.Context
-	r   io.Reader
+// buildFileDir is the top-level context directory a client puts a build
+// file from outside the context in (sdk.BuildFileDir). It is removed from
+// the context before the build, so COPY never sees it.
+const buildFileDir = ".space-build"
+
+// buildWriteTimeout bounds one write of the build stream: a client that
+// stops reading must not hold a build (and its sandbox) forever.
+const buildWriteTimeout = time.Minute
+
+// buildTemplate is POST /v1/templates/build?file=…&tag=…&no_cache=1: the
+// body is a tar of the build context; the answer an NDJSON stream of
+// api.BuildEvent once the build file has parsed.
+func (s *Server) buildTemplate(w http.ResponseWriter, r *http.Request) {
+	ctx := r.Context()
+	q := r.URL.Query()
+	file := q.Get("file")
+	if file == "" {
+		file = "Dockerfile"
+	}
+	if path.IsAbs(file) || strings.ContainsRune(file, 0) || path.Clean(file) == ".." || strings.HasPrefix(path.Clean(file), "../") {
+		writeError(w, r, fmt.Errorf("file %q must be a relative path inside the build context: %w", file, errdefs.ErrInvalidArgument))
+		return
+	}
+	file = path.Clean(file)
+	noCache, err := queryBool(r, "no_cache")
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	network, err := queryBool(r, "network")
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	tags := queryTags(r)
+	for _, t := range tags {
+		if _, err := template.ParseTag(t); err != nil {
+			writeError(w, r, err)
+			return
+		}
+	}
+	body, err := uploadBody(r, s.cfg.MaxTemplateBytes)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	// The context lives under the template store's tmp/, emptied when the
+	// store opens: a crash mid-build leaves nothing for long.
+	work, err := os.MkdirTemp(filepath.Join(s.tmpl.Dir(), "tmp"), "build-context-")
+	if err != nil {
+		writeError(w, r, fmt.Errorf("build context dir: %w", err))
+		return
+	}
+	defer os.RemoveAll(work)
+	dir := filepath.Join(work, "context")
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if err := template.ExtractTar(ctx, body, dir, s.cfg.MaxTemplateBytes); err != nil {
+		writeError(w, r, body.check(fmt.Errorf("build context: %w", err)))
+		return
+	}
+	bf, err := readBuildFile(dir, file)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if err := os.RemoveAll(filepath.Join(dir, buildFileDir)); err != nil {
+		writeError(w, r, err)
+		return
+	}
+
+	bctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	w.Header().Set("Content-Type", "application/x-ndjson")
+	w.WriteHeader(http.StatusOK)
+	rc := http.NewResponseController(w)
+	rc.Flush()
+	var (
+		mu     sync.Mutex
+		broken bool
+	)
+	send := func(ev api.BuildEvent) {
+		mu.Lock()
+		defer mu.Unlock()
+		if broken {
+			return
+		}
+		line, err := json.Marshal(ev)
+		if err == nil {
+			_ = rc.SetWriteDeadline(time.Now().Add(buildWriteTimeout))
+			if _, err = w.Write(append(line, '\n')); err == nil {
+				err = rc.Flush()
+			}
+		}
+		if err != nil {
+			// The client is gone or stuck: stop the build, which removes
+			// its step sandbox.
+			broken = true
+			cancel()
+		}
+	}
+	t, err := build.Build(bctx, build.Options{
+		File: bf, ContextDir: dir, Tags: tags, Templates: s.tmpl, Runner: s.mgr,
+		MaxBytes: s.cfg.MaxTemplateBytes, NoCache: noCache, Network: network, Events: send,
+	})
+	if err != nil {
+		status := errdefs.HTTPStatus(err)
+		if status >= 500 && !errors.Is(err, errdefs.ErrUnavailable) && !errors.Is(err, errdefs.ErrTimeout) && ctx.Err() == nil {
+			s.cfg.Logger.Error("template build failed", "err", err)
+		}
+		send(api.BuildEvent{Error: &api.ErrorBody{Code: errdefs.Code(err), Message: errorMessage(err)}})
+		return
+	}
+	s.prepare(bctx, t)
+	send(api.BuildEvent{Template: &t})
 }
 
-func (c ctxReader) Read(p []byte) (int, error) {
-	if err := c.ctx.Err(); err != nil {
-		return 0, err
+// readBuildFile opens file inside the extracted context dir, never
+// following a symlink out of it (the context is the client's: a symlink to
+// a host file must not make its content show up in a parse error), and
+// parses it.
+func readBuildFile(dir, file string) (*build.File, error) {
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		return nil, err
 	}
-	return c.r.Read(p)
+	defer root.Close()
+	f, err := root.Open(file)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, fmt.Errorf("build file %q is not in the build context: %w", file, errdefs.ErrInvalidArgument)
+		}
+		return nil, fmt.Errorf("build file %q: %v: %w", file, err, errdefs.ErrInvalidArgument)
+	}
+	defer f.Close()
+	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("build file %q is not a regular file: %w", file, errdefs.ErrInvalidArgument)
+	}
+	bf, err := build.Parse(f)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", file, err)
+	}
+	return bf, nil
 }
+
+// scrubbedError is err with what re matches in its message replaced by
+// with; it unwraps to err, so the errdefs sentinel still sets the status.
+type scrubbedError struct {
+	err  error
+	re   *regexp.Regexp
+	with string
+}
+
+func (e scrubbedError) Error() string { return e.re.ReplaceAllLiteralString(e.err.Error(), e.with) }
+func (e scrubbedError) Unwrap() error { return e.err }
 
 // queryTags returns the non-empty tag= parameters (validated by the store).
 func queryTags(r *http.Request) []string {
