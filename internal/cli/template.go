@@ -366,7 +366,7 @@ func newTemplateBuildCmd(a *app) *cobra.Command {
 type buildPrinter struct {
 	w       io.Writer
 	pending string // header of the running step
-	step    int    // the step whose header is printed, 0 if none
+	shown   bool   // the running step's header is printed
 	midLine bool   // output stopped in the middle of a line
 }
 
@@ -376,22 +376,18 @@ func (p *buildPrinter) event(ev api.BuildEvent) {
 	head := fmt.Sprintf("Step %d/%d : %s", ev.Step, ev.Steps, sanitizeLine(ev.Instr))
 	switch {
 	case ev.Output != "":
-		if p.step != ev.Step {
-			p.endOutput()
-			// Output events carry only the step number; the header was
-			// remembered from its running event.
+		// Output belongs to the step last reported running.
+		if !p.shown {
 			fmt.Fprintln(p.w, p.pending)
-			p.step = ev.Step
+			p.shown = true
 		}
 		p.output(ev.Output)
 	case ev.Status == "running":
 		p.endOutput()
-		p.pending = head
-		p.step = 0
+		p.pending, p.shown = head, false
 	case ev.Status == "cached":
 		p.endOutput()
 		fmt.Fprintf(p.w, "%s  (cached)\n", head)
-		p.step = 0
 	case ev.Status == "done" || ev.Status == "failed":
 		p.endOutput()
 		status := ev.Status
@@ -399,7 +395,6 @@ func (p *buildPrinter) event(ev api.BuildEvent) {
 			status += fmt.Sprintf(", exit code %d", *ev.ExitCode)
 		}
 		fmt.Fprintf(p.w, "%s  (%s %s)\n", head, status, fmtElapsed(ev.ElapsedMS))
-		p.step = 0
 	}
 }
 

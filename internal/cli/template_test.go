@@ -214,8 +214,8 @@ func TestTemplateBuildProgress(t *testing.T) {
 	f.buildOut = ev(api.BuildEvent{Step: 1, Steps: 3, Line: 1, Instr: "FROM base", Status: "running"}) +
 		ev(api.BuildEvent{Step: 1, Steps: 3, Line: 1, Instr: "FROM base", Status: "cached", Digest: "sha256:a"}) +
 		ev(api.BuildEvent{Step: 2, Steps: 3, Line: 2, Instr: "RUN make", Status: "running"}) +
-		ev(api.BuildEvent{Step: 2, Output: "cc -o x\nwarn"}) +
-		ev(api.BuildEvent{Step: 2, Output: "ing \x1b[2Jdone\n"}) +
+		ev(api.BuildEvent{Output: "cc -o x\nwarn"}) +
+		ev(api.BuildEvent{Output: "ing \x1b[2Jdone\n"}) +
 		ev(api.BuildEvent{Step: 2, Steps: 3, Line: 2, Instr: "RUN make", Status: "done", ElapsedMS: 1234}) +
 		ev(api.BuildEvent{Step: 3, Steps: 3, Line: 3, Instr: "COPY hello.txt /", Status: "running"}) +
 		ev(api.BuildEvent{Step: 3, Steps: 3, Line: 3, Instr: "COPY hello.txt /", Status: "done", ElapsedMS: 12}) +
