@@ -172,7 +172,7 @@ func (s *Store) ImportOCI(ctx context.Context, src OCISource, o ImportOptions) (
 	for i, l := range img.layers {
 		if o.MaxBytes > 0 && l.size > o.MaxBytes {
 			return api.Template{}, fmt.Errorf("layer %d/%d (%s) is %d bytes compressed, over the limit of %d bytes: %w",
-				i+1, len(img.layers), l.digest, l.size, o.MaxBytes, errdefs.ErrTooLarge)
+				i+1, len(img.layers), layerName(l), l.size, o.MaxBytes, errdefs.ErrTooLarge)
 		}
 	}
 	o.Config = s.mergeImageConfig(img.config, o.Config)
@@ -717,6 +717,10 @@ func (t *tarBlobs) index() error {
 	if n < 512 {
 		return invalid("not a tar archive (%d bytes)", n)
 	}
+	end, err := t.f.Seek(0, io.SeekEnd)
+	if err != nil {
+		return err
+	}
 	if _, err := t.f.Seek(0, io.SeekStart); err != nil {
 		return err
 	}
@@ -738,12 +742,18 @@ func (t *tarBlobs) index() error {
 		}
 		switch hdr.Typeflag {
 		case tar.TypeReg, tar.TypeRegA: //nolint:staticcheck // old archives
-			if _, sparse := hdr.PAXRecords["GNU.sparse.major"]; sparse {
-				continue
+			if isSparse(hdr) {
+				continue // content not stored contiguously: never a blob
 			}
+			// The tar reader reads headers unbuffered, so the file offset
+			// is where this entry's content starts.
 			off, err := t.f.Seek(0, io.SeekCurrent)
 			if err != nil {
 				return err
+			}
+			// Seeking past the end is not an error: check truncation here.
+			if off+hdr.Size > end {
+				return invalid("the archive is truncated inside entry %q", hdr.Name)
 			}
 			t.entries[rel] = tarBlob{off: off, size: hdr.Size}
 		case tar.TypeSymlink:
@@ -752,6 +762,15 @@ func (t *tarBlobs) index() error {
 			t.entries[rel] = tarBlob{link: hdr.Linkname, hard: true}
 		}
 	}
+}
+
+func isSparse(hdr *tar.Header) bool {
+	for k := range hdr.PAXRecords {
+		if strings.HasPrefix(k, "GNU.sparse.") {
+			return true
+		}
+	}
+	return false
 }
 
 func (t *tarBlobs) has(file string) bool { _, ok := t.entries[file]; return ok }

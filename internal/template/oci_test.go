@@ -869,9 +869,15 @@ func TestImportOCILegacyDockerSave(t *testing.T) {
 		{"layer differs from its diff_id", []entry{file("manifest.json", manifest, 0o644), file(cfgName, cfg, 0o644),
 			file("aaa/layer.tar", string(l1), 0o644), file("bbb/layer.tar", string(mktar(t, file("other", "x", 0o644))), 0o644)}, "diff_id"},
 		{"manifest not JSON", []entry{file("manifest.json", "[{", 0o644)}, "manifest.json is not valid JSON"},
+		{"truncated archive", nil, "truncated inside entry \"aaa/layer.tar\""},
 	} {
 		p := filepath.Join(tmp, strings.ReplaceAll(c.name, " ", "-")+".tar")
-		writeTarFile(t, p, c.entries...)
+		if c.entries != nil {
+			writeTarFile(t, p, c.entries...)
+		} else {
+			b, _ := os.ReadFile(good)
+			os.WriteFile(p, b[:len(b)/2], 0o644)
+		}
 		_, err := e.store.ImportOCI(ctx, OCISource{ArchivePath: p}, ImportOptions{})
 		if !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), c.msg) {
 			t.Errorf("%s: %v, want %q", c.name, err, c.msg)
