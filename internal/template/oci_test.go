@@ -908,3 +908,25 @@ func TestImportOCICancel(t *testing.T) {
 	}
 	e.assertClean(t, 0)
 }
+
+func TestCopyUserXattrs(t *testing.T) {
+	src, dst := t.TempDir(), t.TempDir()
+	if err := unix.Lsetxattr(src, "user.a", []byte("1"), 0); err != nil {
+		t.Skipf("no user xattrs here: %v", err)
+	}
+	unix.Lsetxattr(src, "trusted.b", []byte("2"), 0)
+	if err := copyUserXattrs(src, dst); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := lgetxattr(dst, "user.a"); err != nil || string(v) != "1" {
+		t.Errorf("user.a: %q %v", v, err)
+	}
+	if _, err := lgetxattr(dst, "trusted.b"); !errors.Is(err, unix.ENODATA) {
+		t.Errorf("trusted.b copied: %v", err)
+	}
+	ds, _, _ := treeDigest(src)
+	dd, _, _ := treeDigest(dst)
+	if ds != dd {
+		t.Error("copy has another tree digest")
+	}
+}

@@ -811,3 +811,45 @@ func (s *stager) setDirXattrs(dirfd int, base, rel string, xs []xattr) error {
 	defer unix.Close(fd)
 	return s.setXattrs(fd, rel, xs)
 }
+
+// copyUserXattrs copies the user.* extended attributes of src to dst (both
+// trusted paths, neither followed if a symlink). It is for code that
+// re-creates a tree's directories instead of linking them (Derive's clone),
+// so that the copy keeps the tree digest; ENOTSUP on dst is ignored like
+// the stager does.
+func copyUserXattrs(src, dst string) error {
+	buf := make([]byte, 4096)
+	n, err := unix.Llistxattr(src, buf)
+	if errors.Is(err, unix.ERANGE) {
+		if n, err = unix.Llistxattr(src, nil); err == nil {
+			buf = make([]byte, n+64)
+			n, err = unix.Llistxattr(src, buf)
+		}
+	}
+	if errors.Is(err, unix.ENOTSUP) || errors.Is(err, unix.EOPNOTSUPP) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("list xattrs of %s: %w", src, err)
+	}
+	for _, name := range strings.Split(string(buf[:n]), "\x00") {
+		if !keepXattr(name) {
+			continue
+		}
+		v, err := lgetxattr(src, name)
+		if errors.Is(err, unix.ENODATA) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("read xattr %s of %s: %w", name, src, err)
+		}
+		err = unix.Lsetxattr(dst, name, v, 0)
+		if errors.Is(err, unix.ENOTSUP) || errors.Is(err, unix.EOPNOTSUPP) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("set xattr %s on %s: %w", name, dst, err)
+		}
+	}
+	return nil
+}
