@@ -116,6 +116,12 @@ type ociLayer struct {
 // or hostile image), ErrTooLarge, ErrNotFound (no such image or platform)
 // or ErrUnavailable (registry unreachable), and leave nothing behind.
 func (s *Store) ImportOCI(ctx context.Context, src OCISource, o ImportOptions) (api.Template, error) {
+	return s.importOCI(ctx, src, o, src.ArchivePath)
+}
+
+// importOCI is ImportOCI; archiveLabel names src.ArchivePath in errors and
+// the source (a spooled upload's path is nobody's business).
+func (s *Store) importOCI(ctx context.Context, src OCISource, o ImportOptions, archiveLabel string) (api.Template, error) {
 	plat, err := parsePlatform(src.Platform)
 	if err != nil {
 		return api.Template{}, err
@@ -141,10 +147,10 @@ func (s *Store) ImportOCI(ctx context.Context, src OCISource, o ImportOptions) (
 	case src.ArchivePath != "":
 		fsys, err := openTarBlobs(src.ArchivePath)
 		if err != nil {
-			return api.Template{}, err
+			return api.Template{}, fmt.Errorf("image archive %s: %w", archiveLabel, err)
 		}
 		defer fsys.close()
-		source = "oci:" + fsys.f.Name()
+		source = "oci:" + archiveLabel
 		if fsys.has("oci-layout") && fsys.has("index.json") {
 			img, err = resolveLayout(fsys, src.Ref, plat)
 		} else if fsys.has("manifest.json") {
@@ -153,7 +159,7 @@ func (s *Store) ImportOCI(ctx context.Context, src OCISource, o ImportOptions) (
 			err = invalid("neither a docker-save archive (no manifest.json) nor an OCI image layout (no oci-layout and index.json)")
 		}
 		if err != nil {
-			return api.Template{}, fmt.Errorf("image archive %s: %w", src.ArchivePath, err)
+			return api.Template{}, fmt.Errorf("image archive %s: %w", archiveLabel, err)
 		}
 	default:
 		var ref name.Reference
@@ -252,14 +258,8 @@ func (s *Store) ImportOCIStream(ctx context.Context, r io.Reader, src OCISource,
 	if limit >= 0 && n > limit {
 		return api.Template{}, fmt.Errorf("image archive is over %d bytes: %w", limit, errdefs.ErrTooLarge)
 	}
-	if o.Source == "" {
-		o.Source = "oci:upload"
-		if src.Ref != "" {
-			o.Source += "#" + src.Ref
-		}
-	}
 	src.ArchivePath = f.Name()
-	return s.ImportOCI(ctx, src, o)
+	return s.importOCI(ctx, src, o, "upload")
 }
 
 // contextReader stops a copy when ctx ends.
@@ -689,19 +689,19 @@ func openTarBlobs(p string) (*tarBlobs, error) {
 	// O_NONBLOCK: a FIFO at p must not hang the import.
 	f, err := os.OpenFile(p, os.O_RDONLY|unix.O_NONBLOCK, 0)
 	if errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("image archive %s: %w", p, errdefs.ErrNotFound)
+		return nil, fmt.Errorf("no such file: %w", errdefs.ErrNotFound)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("image archive %s: %w", p, err)
+		return nil, err
 	}
 	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
 		f.Close()
-		return nil, invalid("image archive %s is not a regular file", p)
+		return nil, invalid("not a regular file")
 	}
 	t := &tarBlobs{f: f, entries: map[string]tarBlob{}}
 	if err := t.index(); err != nil {
 		f.Close()
-		return nil, fmt.Errorf("image archive %s: %w", p, err)
+		return nil, err
 	}
 	return t, nil
 }
@@ -958,6 +958,9 @@ func registryErr(err error, what string) error {
 	if errors.Is(err, errdefs.ErrInvalidArgument) {
 		return err
 	}
+	// Registry errors quote response bodies: keep what reaches an API
+	// client short (and a hostile registry's text bounded).
+	err = shortErr{err}
 	var te *transport.Error
 	if errors.As(err, &te) {
 		switch {
@@ -981,6 +984,18 @@ func registryErr(err error, what string) error {
 	}
 	return fmt.Errorf("%s: %v: %w", what, err, errdefs.ErrUnavailable)
 }
+
+// shortErr bounds an error's text, keeping it for errors.As/Is.
+type shortErr struct{ err error }
+
+func (e shortErr) Error() string {
+	const max = 400
+	if m := e.err.Error(); len(m) > max {
+		return m[:max] + "…"
+	}
+	return e.err.Error()
+}
+func (e shortErr) Unwrap() error { return e.err }
 
 func isLoopbackHost(hostport string) bool {
 	host := hostport

@@ -411,8 +411,19 @@ func TestImportOCISourcesAgree(t *testing.T) {
 	if _, err := e.store.ImportOCIStream(ctx, bytes.NewReader(raw), OCISource{}, ImportOptions{MaxBytes: 1000}); !errors.Is(err, errdefs.ErrTooLarge) {
 		t.Errorf("streamed archive over the limit: %v", err)
 	}
+	if tmpl.Source != "oci:upload#app:1" {
+		t.Errorf("streamed source %q", tmpl.Source)
+	}
 	if _, err := e.store.ImportOCIStream(ctx, bytes.NewReader(gz(t, raw)[:300]), OCISource{}, ImportOptions{}); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Errorf("truncated streamed archive: %v", err)
+	}
+	// Damage past the spooling stage is reported without the spool path.
+	swapped := filepath.Join(tmp, "swapped.tar")
+	swapLayer(t, dockerTar, swapped)
+	raw, _ = os.ReadFile(swapped)
+	if _, err := e.store.ImportOCIStream(ctx, bytes.NewReader(raw), OCISource{}, ImportOptions{}); !errors.Is(err, errdefs.ErrInvalidArgument) ||
+		strings.Contains(err.Error(), "oci-archive-") || !strings.Contains(err.Error(), "layer 1/3") {
+		t.Errorf("damaged streamed archive: %v", err)
 	}
 	for i := 1; i < len(digests); i++ {
 		if digests[i] != digests[0] || trees[i] != trees[0] {
