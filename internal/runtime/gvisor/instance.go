@@ -1,0 +1,399 @@
+package gvisor
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+)
+
+// startTimeout bounds `runsc run` plus the agent binding its socket.
+const startTimeout = 60 * time.Second
+
+type instance struct {
+	rt   *Runtime
+	rs   *runsc
+	spec runtime.Spec
+	dir  string
+
+	mu     sync.Mutex
+	pid    int             // sandbox (sentry) pid on the host; 0 when not running
+	exited <-chan struct{} // closed when the sandbox process exits
+}
+
+var (
+	_ runtime.Instance       = (*instance)(nil)
+	_ runtime.Pauser         = (*instance)(nil)
+	_ runtime.ChangeExporter = (*instance)(nil)
+)
+
+func (i *instance) diskImage() string { return filepath.Join(i.dir, "disk.img") }
+func (i *instance) rwDir() string     { return filepath.Join(i.dir, "rw") }
+func (i *instance) rootfsDir() string { return filepath.Join(i.dir, "rootfs") }
+func (i *instance) agentDir() string  { return filepath.Join(i.dir, "agent") }
+func (i *instance) sockPath() string  { return filepath.Join(i.agentDir(), agentSock) }
+func (i *instance) pidFile() string   { return filepath.Join(i.dir, "sandbox.pid") }
+func (i *instance) runscPid() string  { return filepath.Join(i.dir, "runsc.pid") }
+
+// ID implements runtime.Instance.
+func (i *instance) ID() string { return i.spec.ID }
+
+// Dir is the sandbox's directory on the host.
+func (i *instance) Dir() string { return i.dir }
+
+// Pid is the host pid of the sandbox process (gVisor's sentry), 0 when not
+// running. The sentry runs unprivileged on the host; the conformance suite
+// checks that through this.
+func (i *instance) Pid() int {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if !i.aliveLocked() {
+		return 0
+	}
+	return i.pid
+}
+
+func (i *instance) aliveLocked() bool {
+	if i.exited == nil {
+		return false
+	}
+	select {
+	case <-i.exited:
+		return false
+	default:
+		return true
+	}
+}
+
+// Alive implements runtime.Instance.
+func (i *instance) Alive() bool {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	return i.aliveLocked()
+}
+
+// Exited implements runtime.Instance.
+func (i *instance) Exited() <-chan struct{} {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	return i.exited
+}
+
+// adopt attaches to a sandbox process that still runs (server restart).
+func (i *instance) adopt(ctx context.Context) {
+	rec, err := readPidFile(i.pidFile())
+	if err != nil {
+		return
+	}
+	if pidfd, ok := liveProcess(rec); ok {
+		i.pid = rec.Pid
+		i.exited = watchExit(pidfd)
+	}
+}
+
+// DialAgent implements runtime.Instance. The socket lives in a directory
+// the sandbox can write, so it is opened without following symlinks and
+// must be a socket: the sandbox cannot point the host at another socket.
+func (i *instance) DialAgent(ctx context.Context) (net.Conn, error) {
+	if !i.Alive() {
+		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrUnavailable)
+	}
+	fd, err := unix.Open(i.sockPath(), unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("dial agent of %s: %v: %w", i.spec.ID, err, errdefs.ErrUnavailable)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFSOCK {
+		return nil, fmt.Errorf("dial agent of %s: %s is not a socket: %w", i.spec.ID, i.sockPath(), errdefs.ErrUnavailable)
+	}
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unix", fmt.Sprintf("/proc/self/fd/%d", fd))
+	if err != nil {
+		return nil, fmt.Errorf("dial agent of %s: %v: %w", i.spec.ID, err, errdefs.ErrUnavailable)
+	}
+	return c, nil
+}
+
+// Start implements runtime.Instance.
+func (i *instance) Start(ctx context.Context) (err error) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.aliveLocked() {
+		return fmt.Errorf("sandbox %s is already running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	if _, err := os.Stat(i.dir); err != nil {
+		return fmt.Errorf("sandbox %s: %w", i.spec.ID, errdefs.ErrNotFound)
+	}
+	t0 := time.Now()
+	if err := mountDisk(i.diskImage(), i.rwDir()); err != nil {
+		return err
+	}
+	if err := mountOverlay(i.spec.RootFS, filepath.Join(i.rwDir(), "upper"), filepath.Join(i.rwDir(), "work"), i.rootfsDir()); err != nil {
+		return err
+	}
+	if err := os.MkdirAll(i.agentDir(), 0o700); err != nil {
+		return err
+	}
+	for _, p := range []string{i.sockPath(), i.runscPid(), i.pidFile()} {
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+	}
+	hostname := i.spec.Hostname
+	if hostname == "" {
+		hostname = i.spec.ID
+	}
+	writeHostFiles(i.rootfsDir(), hostname)
+	if err := writeSpec(i.dir, bundleSpec(i.spec.ID, i.rootfsDir(), hostname, i.agentDir(), i.rt.cfg.AgentBinary, i.spec.Limits)); err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			i.stopLocked(context.WithoutCancel(ctx))
+		}
+	}()
+	tPrepared := time.Now()
+	ctx, cancel := context.WithTimeout(ctx, startTimeout)
+	defer cancel()
+	runArgs := []string{"--detach", "--bundle", i.dir, "--pid-file", i.runscPid(), i.spec.ID}
+	if _, err := i.rs.run(ctx, startTimeout, "run", runArgs...); err != nil {
+		// A container that died on its own (crash) is still in runsc's
+		// state until deleted: delete it and try once more.
+		if !strings.Contains(err.Error(), "already exists") {
+			return fmt.Errorf("start sandbox %s: %w", i.spec.ID, err)
+		}
+		if err := i.rs.deleteForce(ctx, i.spec.ID); err != nil {
+			return fmt.Errorf("start sandbox %s: removing its old container: %w", i.spec.ID, err)
+		}
+		if _, err := i.rs.run(ctx, startTimeout, "run", runArgs...); err != nil {
+			return fmt.Errorf("start sandbox %s: %w", i.spec.ID, err)
+		}
+	}
+	tRun := time.Now()
+	data, err := os.ReadFile(i.runscPid())
+	if err != nil {
+		return fmt.Errorf("start sandbox %s: runsc wrote no pid: %v", i.spec.ID, err)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
+	if err != nil || pid <= 0 {
+		return fmt.Errorf("start sandbox %s: bad pid %q", i.spec.ID, data)
+	}
+	pidfd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
+	if err != nil {
+		return fmt.Errorf("start sandbox %s: sandbox process %d: %v", i.spec.ID, pid, err)
+	}
+	st, err := procStartTime(pid)
+	if err != nil {
+		unix.Close(pidfd)
+		return fmt.Errorf("start sandbox %s: %v", i.spec.ID, err)
+	}
+	exited := watchExit(pidfd)
+	i.pid, i.exited = pid, exited
+	if err := writePidFile(i.pidFile(), pidRecord{Pid: pid, StartTime: st}); err != nil {
+		return err
+	}
+	if err := i.waitSocket(ctx, exited); err != nil {
+		return err
+	}
+	i.rt.log.Debug("sandbox started", "id", i.spec.ID, "pid", pid,
+		"prepare", tPrepared.Sub(t0), "runsc_run", tRun.Sub(tPrepared), "agent_socket", time.Since(tRun))
+	return nil
+}
+
+// waitSocket waits until the agent has bound its socket (it listens right
+// after), the sandbox dies, or ctx ends.
+func (i *instance) waitSocket(ctx context.Context, exited <-chan struct{}) error {
+	delay := 500 * time.Microsecond
+	for {
+		var st unix.Stat_t
+		if err := unix.Lstat(i.sockPath(), &st); err == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK {
+			return nil
+		}
+		select {
+		case <-exited:
+			return fmt.Errorf("sandbox %s exited before its agent listened", i.spec.ID)
+		case <-ctx.Done():
+			return fmt.Errorf("sandbox %s: agent did not listen: %w", i.spec.ID, errors.Join(ctx.Err(), errdefs.ErrTimeout))
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, 20*time.Millisecond)
+	}
+}
+
+// Stop implements runtime.Instance: runsc deletes the container (killing
+// the sandbox), the overlay and disk are unmounted and kept.
+func (i *instance) Stop(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	return i.stopLocked(ctx)
+}
+
+func (i *instance) stopLocked(ctx context.Context) error {
+	var errs []error
+	if err := i.rs.deleteForce(ctx, i.spec.ID); err != nil {
+		// runsc could not (it timed out, its state is damaged): kill the
+		// sandbox's host processes directly, then let runsc forget it.
+		i.rt.log.Warn("runsc delete failed; killing the sandbox's processes", "id", i.spec.ID, "err", err)
+		i.killCgroup()
+		if err := i.rs.deleteForce(ctx, i.spec.ID); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if i.exited != nil {
+		select {
+		case <-i.exited:
+		case <-time.After(10 * time.Second):
+			i.killCgroup()
+			select {
+			case <-i.exited:
+			case <-time.After(5 * time.Second):
+				errs = append(errs, fmt.Errorf("sandbox %s process %d did not exit", i.spec.ID, i.pid))
+			}
+		}
+	}
+	if len(errs) > 0 {
+		return errors.Join(errs...)
+	}
+	i.pid, i.exited = 0, nil
+	// runsc removes the cgroups it made; a sandbox that died without runsc
+	// may leave them (with a gofer still in them).
+	i.killCgroup()
+	_ = removeCgroups(i.spec.ID)
+	for _, p := range []string{i.sockPath(), i.pidFile(), i.runscPid()} {
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	if err := unmountAll(i.dir); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// killCgroup SIGKILLs every host process in the sandbox's cgroups.
+func (i *instance) killCgroup() {
+	for round := 0; round < 50; round++ {
+		pids := cgroupProcs(i.spec.ID)
+		if len(pids) == 0 {
+			return
+		}
+		for _, p := range pids {
+			_ = unix.Kill(p, unix.SIGKILL)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// Destroy implements runtime.Instance. It works on any partial state.
+func (i *instance) Destroy(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if _, err := os.Stat(i.dir); errors.Is(err, os.ErrNotExist) {
+		// Already destroyed; runsc may still know the id if a crash came
+		// between its delete and ours.
+		return i.rs.deleteForce(ctx, i.spec.ID)
+	}
+	if err := i.stopLocked(ctx); err != nil {
+		return err
+	}
+	if mps, err := mountsUnder(i.dir); err != nil || len(mps) > 0 {
+		// Never RemoveAll through a live mount: it would delete the template.
+		return fmt.Errorf("sandbox %s still has mounts %v (%v)", i.spec.ID, mps, err)
+	}
+	if err := os.RemoveAll(i.dir); err != nil {
+		return fmt.Errorf("remove sandbox %s: %w", i.spec.ID, err)
+	}
+	return nil
+}
+
+// Pause implements runtime.Pauser: the sentry stops every task; the
+// sandbox stays resident and uses no CPU.
+func (i *instance) Pause(ctx context.Context) error {
+	if !i.Alive() {
+		return fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	_, err := i.rs.run(ctx, 0, "pause", i.spec.ID)
+	return err
+}
+
+// Resume implements runtime.Pauser.
+func (i *instance) Resume(ctx context.Context) error {
+	if !i.Alive() {
+		return fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	_, err := i.rs.run(ctx, 0, "resume", i.spec.ID)
+	return err
+}
+
+// Stats implements runtime.Instance: memory, OOM kills and CPU from the
+// host's cgroups; the process count from the sentry (runsc events), since
+// on the host the sandbox's processes are not host processes.
+func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
+	if !i.Alive() {
+		return runtime.Stats{}, nil
+	}
+	s, err := cgroupStats(i.spec.ID)
+	if err != nil {
+		return s, err
+	}
+	out, err := i.rs.run(ctx, 10*time.Second, "events", "--stats", i.spec.ID)
+	if err != nil {
+		return s, err
+	}
+	var ev struct {
+		Data struct {
+			Pids struct {
+				Current int64 `json:"current"`
+			} `json:"pids"`
+		} `json:"data"`
+	}
+	if err := json.Unmarshal(out, &ev); err != nil {
+		return s, fmt.Errorf("runsc events --stats: %v", err)
+	}
+	s.Pids = ev.Data.Pids.Current
+	return s, nil
+}
+
+// Changes implements runtime.ChangeExporter: the overlay's upper directory
+// on the sandbox's disk, in kernel overlayfs format (trusted.* xattrs, ids
+// not shifted).
+func (i *instance) Changes(ctx context.Context) (runtime.Changes, error) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.aliveLocked() {
+		return runtime.Changes{}, fmt.Errorf("sandbox %s is running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	mounted := isMountPoint(i.rwDir())
+	if err := mountDisk(i.diskImage(), i.rwDir()); err != nil {
+		return runtime.Changes{}, err
+	}
+	var once sync.Once
+	return runtime.Changes{
+		Dir:         filepath.Join(i.rwDir(), "upper"),
+		OpaqueXattr: "trusted.overlay.opaque",
+		Release: func() error {
+			var err error
+			once.Do(func() {
+				if !mounted {
+					err = unmountAll(i.rwDir())
+				}
+			})
+			return err
+		},
+	}, nil
+}
+
+func timeSince(t time.Time) time.Duration { return time.Since(t) }

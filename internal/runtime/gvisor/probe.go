@@ -1,0 +1,139 @@
+package gvisor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/runtime"
+)
+
+// Isolation is what a gvisor sandbox gets.
+const Isolation = "gvisor(systrap)+seccomp+cgroups"
+
+type probeCache struct {
+	once sync.Once
+	caps runtime.Capabilities
+}
+
+// Probe implements runtime.Runtime. It finds runsc, reads its version, and
+// really runs a tiny sandbox once (the agent binary printing its usage
+// error is enough to prove runsc, the platform, the gofer and cgroups
+// work); the result is cached.
+func (r *Runtime) Probe(ctx context.Context) runtime.Capabilities {
+	r.probe.once.Do(func() { r.probe.caps = r.measure(ctx) })
+	return r.probe.caps
+}
+
+func (r *Runtime) measure(ctx context.Context) runtime.Capabilities {
+	c := runtime.Capabilities{
+		Isolation:   Isolation,
+		Strength:    strength,
+		Verbs:       map[string]bool{},
+		VerbReasons: map[string]string{},
+		Details: map[string]string{
+			"platform":       "systrap",
+			"runsc_pinned":   RunscVersion,
+			"cgroup_version": "1",
+			"rootfs":         "host overlayfs (template + per-sandbox ext4 upper), gofer, --overlay2=none",
+			"agent_channel":  "unix socket bound by the sentry on a host directory (--host-uds=create)",
+		},
+	}
+	if cgroupV2() {
+		c.Details["cgroup_version"] = "2"
+	}
+	if err := r.check(ctx, &c); err != nil {
+		c.Reason = err.Error()
+	} else {
+		c.Available = true
+	}
+	for _, v := range []string{api.OpCreate, api.OpDelete, api.OpStop, api.OpStart, api.OpPause, api.OpResume, api.OpWake} {
+		c.Verbs[v] = c.Available
+		if !c.Available {
+			c.VerbReasons[v] = c.Reason
+		}
+	}
+	for _, v := range []string{api.OpSuspend, api.OpRestore, api.OpFork} {
+		c.Verbs[v] = false
+		c.VerbReasons[v] = "the gvisor runtime does not implement checkpoints yet"
+	}
+	return c
+}
+
+func (r *Runtime) check(ctx context.Context, c *runtime.Capabilities) error {
+	if os.Geteuid() != 0 {
+		return fmt.Errorf("needs root (runsc, cgroups, loop devices)")
+	}
+	rs, err := r.runsc()
+	if err != nil {
+		return err
+	}
+	c.Details["runsc"] = rs.bin
+	v, err := binaryVersion(rs.bin)
+	if err != nil {
+		return err
+	}
+	c.Details["runsc_version"] = v
+	if _, err := os.Stat(r.cfg.AgentBinary); err != nil {
+		return fmt.Errorf("agent binary: %v", err)
+	}
+	if _, err := exec.LookPath("mkfs.ext4"); err != nil {
+		return fmt.Errorf("mkfs.ext4 not found (install e2fsprogs)")
+	}
+	if _, err := os.Stat("/dev/loop-control"); err != nil {
+		return fmt.Errorf("no loop devices: %v", err)
+	}
+	d, err := r.probeRun(ctx, rs)
+	if err != nil {
+		return err
+	}
+	c.Details["probe_run_ms"] = strconv.FormatFloat(float64(d.Microseconds())/1000, 'f', 1, 64)
+	return nil
+}
+
+// probeRun runs the agent binary (which exits at once with a usage error:
+// no listener flag) as a sandbox's init under the flags sandboxes get,
+// from a root that holds nothing but it.
+func (r *Runtime) probeRun(ctx context.Context, rs *runsc) (time.Duration, error) {
+	dir, err := os.MkdirTemp(r.cfg.DataDir, ".probe-")
+	if err != nil {
+		return 0, err
+	}
+	defer os.RemoveAll(dir)
+	root := filepath.Join(dir, "rootfs")
+	agent := filepath.Join(dir, "agent")
+	for _, d := range []string{root, agent, filepath.Join(root, "etc")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return 0, err
+		}
+	}
+	id := "probe-" + strconv.FormatInt(time.Now().UnixNano()%1e12, 36)
+	spec := bundleSpec(id, root, id, agent, r.cfg.AgentBinary, api.Limits{CPUs: 1, MemoryMiB: 64, Pids: 16})
+	// Without a listener the agent exits 1 with "no listener": seeing that
+	// message proves the sandbox really ran it.
+	spec.Process.Args = []string{agentPath}
+	if err := writeSpec(dir, spec); err != nil {
+		return 0, err
+	}
+	defer rs.deleteForce(context.WithoutCancel(ctx), id)
+	t0 := time.Now()
+	// runsc run (not detached) waits for the init and exits with its status.
+	_, err = rs.run(ctx, time.Minute, "run", "--bundle", dir, id)
+	d := time.Since(t0)
+	if err == nil {
+		return 0, fmt.Errorf("probe sandbox: the agent exited 0 without a listener")
+	}
+	var re *RunscError
+	if !errors.As(err, &re) || !strings.Contains(re.Stderr, "no listener") {
+		return 0, fmt.Errorf("probe sandbox: %w", err)
+	}
+	return d, nil
+}
