@@ -67,6 +67,9 @@ func (r *Runtime) ForgetTemplate(ctx context.Context, treeDigest string) error {
 	} else if !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
+	if err := os.Remove(srcRecord(base, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
 	// Waiters on the old lock file notice it is gone (lockRootfs).
 	if err := os.Remove(filepath.Join(base, "."+name+".lock")); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return err

@@ -71,13 +71,21 @@ func (r *Runtime) ensureShiftedRootfs(ctx context.Context, src, digest string) (
 	if err != nil {
 		return "", err
 	}
-	if err := copyShifted(ctx, src, tmp); err != nil {
+	reuse := r.newReuser(name)
+	defer reuse.close()
+	if err := copyShifted(ctx, src, tmp, reuse); err != nil {
 		os.RemoveAll(tmp)
 		return "", fmt.Errorf("shift template %s: %w", digest, err)
 	}
 	if err := os.Rename(tmp, dst); err != nil {
 		os.RemoveAll(tmp)
 		return "", err
+	}
+	// Remember the source, so later copies of trees that share its inodes
+	// can link rather than copy (reuser). Best effort.
+	_ = os.WriteFile(srcRecord(base, name), []byte(src), 0o600)
+	if r.log != nil {
+		r.log.Debug("template shifted", "digest", digest, "linked_files", reuse.linked)
 	}
 	return dst, nil
 }
@@ -159,7 +167,8 @@ func flockContext(ctx context.Context, f *os.File, how int) error {
 // copyShifted copies the tree at src into the existing directory dst,
 // preserving modes, times, symlinks and hard links, shifting owners, and
 // skipping device nodes and sockets (a sandbox gets its devices from /dev).
-func copyShifted(ctx context.Context, src, dst string) error {
+// A file src shares with a tree reuse knows is linked, not copied.
+func copyShifted(ctx context.Context, src, dst string, reuse *reuser) error {
 	type inode struct{ dev, ino uint64 }
 	links := map[inode]string{}
 	type dirTimes struct {
@@ -212,6 +221,12 @@ func copyShifted(ctx context.Context, src, dst string) error {
 					return os.Link(first, target)
 				}
 				links[key] = target
+				// Shared with another tree (a derived template shares
+				// its unchanged files with its parent): link the copy
+				// made of it for that tree, times and all.
+				if reuse.link(rel, &st, target, uid, gid, perm) {
+					return nil
+				}
 			}
 			if err := copyFile(path, target, uid, gid, perm); err != nil {
 				return err
