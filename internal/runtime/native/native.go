@@ -15,7 +15,11 @@
 //
 // Layout under Config.DataDir:
 //
-//	rootfs/<digest>/          uid-shifted template copies, one per digest
+//	rootfs/<digest>/          uid-shifted template copies, one per tree digest
+//	rootfs/.<digest>.lock     its flock: exclusive to build or forget it,
+//	                          shared while a sandbox starts on it
+//	rootfs/.<digest>.src      the tree it was made from: a later copy of a
+//	                          tree sharing its inodes links them (reuser)
 //	pool/<MiB>-<rand>.img     spare formatted disk images (see diskPool)
 //	sandboxes/<id>/disk.img   sparse ext4 image (the writable layer)
 //	sandboxes/<id>/rw/        its mount point: upper/, work/, init.log
