@@ -163,6 +163,9 @@ func cloneTree(ctx context.Context, src, dst string) error {
 		if err := unix.Chmod(d.path, d.st.Mode&0o7777); err != nil {
 			return err
 		}
+		if err := copyUserXattrs(filepath.Join(src, strings.TrimPrefix(d.path, dst)), d.path); err != nil {
+			return err
+		}
 		ts := []unix.Timespec{d.st.Atim, d.st.Mtim}
 		if err := unix.UtimesNanoAt(unix.AT_FDCWD, d.path, ts, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 			return err
@@ -263,6 +266,11 @@ func (t *Tree) ApplyUpperDir(ctx context.Context, u Upper) error {
 		}
 		m := meta{mode: sys.Mode & 0o7777, uid: unshift(sys.Uid), gid: unshift(sys.Gid),
 			mtime: time.Unix(sys.Mtim.Unix()), atime: time.Unix(sys.Atim.Unix())}
+		if typ := sys.Mode & unix.S_IFMT; typ == unix.S_IFDIR || typ == unix.S_IFREG {
+			if m.xattrs, err = readXattrs(p); err != nil {
+				return err
+			}
+		}
 		switch sys.Mode & unix.S_IFMT {
 		case unix.S_IFDIR:
 			if u.OpaqueXattr != "" && isOpaque(p, u.OpaqueXattr) {
@@ -393,4 +401,31 @@ func (t *Tree) Mkdir(dir string) error {
 		return err
 	}
 	return d.Close()
+}
+
+// readXattrs returns the extended attributes of p a template keeps.
+func readXattrs(p string) ([]xattr, error) {
+	buf := make([]byte, 64<<10)
+	n, err := unix.Llistxattr(p, buf)
+	if errors.Is(err, unix.ENOTSUP) || errors.Is(err, unix.EOPNOTSUPP) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list xattrs of %s: %w", p, err)
+	}
+	var out []xattr
+	for _, name := range strings.Split(string(buf[:n]), "\x00") {
+		if !keepXattr(name) {
+			continue
+		}
+		v, err := lgetxattr(p, name)
+		if errors.Is(err, unix.ENODATA) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("read xattr %s of %s: %w", name, p, err)
+		}
+		out = append(out, xattr{name: name, value: v})
+	}
+	return out, nil
 }

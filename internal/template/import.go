@@ -460,7 +460,8 @@ func extractTar(ctx context.Context, st *stager, r io.Reader, prog func(Progress
 			}
 		}
 		last = hdr.Name
-		m := meta{mode: uint32(hdr.Mode) & 0o7777, uid: hdr.Uid, gid: hdr.Gid, mtime: hdr.ModTime, atime: hdr.AccessTime}
+		m := meta{mode: uint32(hdr.Mode) & 0o7777, uid: hdr.Uid, gid: hdr.Gid, mtime: hdr.ModTime, atime: hdr.AccessTime,
+			xattrs: paxXattrs(hdr, rel, st.log)}
 		if hdr.Uid < 0 || hdr.Gid < 0 || hdr.Uid > 1<<31 || hdr.Gid > 1<<31 {
 			return invalid("entry %q has an invalid owner %d:%d", hdr.Name, hdr.Uid, hdr.Gid)
 		}

@@ -75,6 +75,9 @@ func TestDeriveAppliesChangesWithoutTouchingParent(t *testing.T) {
 	must(os.MkdirAll(filepath.Join(up, "srv/app"), 0o750))
 	must(os.WriteFile(filepath.Join(up, "srv/app/f"), []byte("x"), 0o600))
 	must(os.Lchown(filepath.Join(up, "srv/app/f"), base+1000, base+1000))
+	must(unix.Lsetxattr(filepath.Join(up, "srv/app/f"), "user.kept", []byte("v"), 0))
+	must(unix.Lsetxattr(filepath.Join(up, "srv/app"), "user.dirattr", []byte("d"), 0))
+	must(unix.Lsetxattr(filepath.Join(up, "srv/app"), "user.overlay.redirect", []byte("/etc"), 0))
 	must(os.MkdirAll(filepath.Join(up, "etc"), 0o755))
 	must(unix.Mknod(filepath.Join(up, "etc/hostname"), unix.S_IFCHR|0o000, 0))
 	must(os.MkdirAll(filepath.Join(up, "opt/keep"), 0o755))
@@ -97,6 +100,20 @@ func TestDeriveAppliesChangesWithoutTouchingParent(t *testing.T) {
 	}
 	if st := stat(t, filepath.Join(root, "srv/app/f")); st.Uid != 1000 || st.Mode&0o777 != 0o600 {
 		t.Errorf("srv/app/f uid %d mode %o", st.Uid, st.Mode&0o777)
+	}
+	xv := func(p, name string) string {
+		b := make([]byte, 64)
+		n, err := unix.Lgetxattr(p, name, b)
+		if err != nil {
+			return ""
+		}
+		return string(b[:n])
+	}
+	if xv(filepath.Join(root, "srv/app/f"), "user.kept") != "v" || xv(filepath.Join(root, "srv/app"), "user.dirattr") != "d" {
+		t.Error("user.* xattrs of the changes were not kept")
+	}
+	if xv(filepath.Join(root, "srv/app"), "user.overlay.redirect") != "" {
+		t.Error("user.overlay.* must never reach a template")
 	}
 	if _, err := os.Lstat(filepath.Join(root, "etc/hostname")); !os.IsNotExist(err) {
 		t.Errorf("whiteout did not delete etc/hostname: %v", err)
@@ -128,6 +145,12 @@ func TestDeriveAppliesChangesWithoutTouchingParent(t *testing.T) {
 	}
 	if got.Digest != c.Digest || got.TreeDigest != c.TreeDigest || got.Parent != p.Digest || len(got.Layers) != 1 {
 		t.Fatalf("archive round trip: %+v vs %+v", got, c)
+	}
+	// A config-only child of a tree with xattrs keeps the tree, and a no-op
+	// change re-derives the same tree (the clone keeps directory xattrs).
+	same, err := e.store.Derive(ctx, c.Digest, DeriveOptions{Apply: func(context.Context, *Tree) error { return nil }})
+	if err != nil || same.TreeDigest != c.TreeDigest {
+		t.Fatalf("no-op derive changed the tree: %v %v", same.TreeDigest, err)
 	}
 }
 

@@ -55,7 +55,10 @@ const (
 // image's. trusted.* needs CAP_SYS_ADMIN to read and would be host-level
 // metadata; system.* (POSIX ACLs) is not carried either.
 func keepXattr(name string) bool {
-	return strings.HasPrefix(name, "user.") && len(name) > len("user.")
+	// user.overlay.* steer overlayfs mounted with userxattr (as native
+	// does): a template must not carry whiteouts, opaque markers or
+	// redirects into every sandbox's lower layer.
+	return strings.HasPrefix(name, "user.") && len(name) > len("user.") && !strings.HasPrefix(name, "user.overlay.")
 }
 
 // stager writes a tree into a staging directory without ever following a
