@@ -1,14 +1,19 @@
 package e2e
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/sdk"
 )
 
 // TestCustomTemplateFromDirectory imports a directory as a template through
@@ -54,5 +59,157 @@ func TestCustomTemplateFromDirectory(t *testing.T) {
 	var again api.Template
 	if code != 0 || json.Unmarshal([]byte(out), &again) != nil || again.Digest != tmpl.Digest {
 		t.Fatalf("re-import: %d %q", code, out)
+	}
+}
+
+// TestTemplateBuildLifecycle builds a template from a Dockerfile through
+// the SDK, runs a sandbox of it, rebuilds it from the cache, checks that a
+// template a sandbox uses cannot be removed or collected, and moves it
+// through export, rm, gc and import with its digest intact.
+func TestTemplateBuildLifecycle(t *testing.T) {
+	e := setup(t)
+	ctx := ctxT(t, 3*time.Minute)
+	c := e.client
+	if _, err := c.BuildBaseTemplate(ctx, nil); err != nil {
+		t.Fatalf("base template: %v", err)
+	}
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, "Dockerfile"), []byte(
+		"FROM base:latest\n"+
+			"RUN echo built-by-run > /built.txt\n"+
+			"COPY hello.txt /app/hello.txt\n"+
+			"ENV GREETING=\"hello from env\"\n"), 0o644)
+	os.WriteFile(filepath.Join(dir, "hello.txt"), []byte("hello from the context\n"), 0o644)
+	const tag = "e2e-built:v1"
+	t.Cleanup(func() {
+		c.RemoveTemplate(context.Background(), tag, false)
+		c.RemoveTemplate(context.Background(), "e2e-built:v2", false)
+	})
+
+	build := func(noCache bool) (*api.Template, []api.BuildEvent) {
+		t.Helper()
+		var evs []api.BuildEvent
+		start := time.Now()
+		tpl, err := c.BuildTemplate(ctx, dir, sdk.BuildOptions{Tags: []string{tag}, NoCache: noCache}, func(ev api.BuildEvent) { evs = append(evs, ev) })
+		if err != nil {
+			t.Fatalf("build: %v (events %+v)", err, evs)
+		}
+		t.Logf("build (no_cache=%v) took %v", noCache, time.Since(start))
+		return tpl, evs
+	}
+	statuses := func(evs []api.BuildEvent) string {
+		var s []string
+		for _, ev := range evs {
+			if ev.Status != "" && ev.Status != "running" {
+				s = append(s, ev.Status)
+			}
+		}
+		return strings.Join(s, ",")
+	}
+	// --no-cache the first time, so that the test really runs every step
+	// even on a server that built this file before.
+	tpl, evs := build(true)
+	if got := statuses(evs); got != "done,done,done,done" {
+		t.Fatalf("first build statuses %s, events %+v", got, evs)
+	}
+	if tpl.Config.Env["GREETING"] != "hello from env" || len(tpl.Tags) != 1 || tpl.Tags[0] != tag || tpl.Parent == "" || len(tpl.Layers) < 3 {
+		t.Fatalf("built template: %+v", tpl)
+	}
+
+	// A rebuild takes every step from the cache and ends where it did.
+	again, evs := build(false)
+	if got := statuses(evs); again.Digest != tpl.Digest || got != "done,cached,cached,cached" {
+		t.Fatalf("rebuild: digest %s (first %s), statuses %s", again.Digest, tpl.Digest, got)
+	}
+
+	step := time.Now()
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Template: tag})
+	t.Logf("create took %v", time.Since(step))
+	if sb.TemplateDigest != tpl.Digest {
+		t.Fatalf("sandbox template digest %s, built %s", sb.TemplateDigest, tpl.Digest)
+	}
+	res, err := c.Exec(ctx, sb.ID, api.ExecRequest{Cmd: []string{"sh", "-c", `cat /built.txt /app/hello.txt; echo "$GREETING"; ls /app`}})
+	if err != nil || res.ExitCode != 0 || res.Stdout != "built-by-run\nhello from the context\nhello from env\nhello.txt\n" {
+		t.Fatalf("sandbox of the built template: %v %+v", err, res)
+	}
+	insp, err := c.GetTemplate(ctx, tpl.Digest)
+	if err != nil || len(insp.UsedBy) != 1 || insp.UsedBy[0] != sb.ID {
+		t.Fatalf("inspect used_by: %v %+v", err, insp)
+	}
+
+	// The archive holds the whole tree (the base's ~250 MiB too): a file,
+	// not memory.
+	archive, err := os.Create(filepath.Join(t.TempDir(), "e2e-built.tar"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer archive.Close()
+	step = time.Now()
+	if err := c.ExportTemplate(ctx, tag, archive); err != nil {
+		t.Fatalf("export: %v", err)
+	}
+	t.Logf("export took %v", time.Since(step))
+
+	// While the sandbox exists, neither rm of the digest nor gc touch it.
+	if err := c.RemoveTemplate(ctx, tpl.Digest, true); !errors.Is(err, errdefs.ErrConflict) || !strings.Contains(err.Error(), "used by a sandbox") {
+		t.Fatalf("rm --force of a template in use: %v", err)
+	}
+	if err := c.RemoveTemplate(ctx, tag, false); err != nil {
+		t.Fatalf("untag: %v", err)
+	}
+	step = time.Now()
+	gc, err := c.GCTemplates(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("gc took %v", time.Since(step))
+	for _, d := range gc.Removed {
+		if d == tpl.Digest {
+			t.Fatalf("gc removed a template a sandbox uses: %+v", gc)
+		}
+	}
+	if _, err := c.GetTemplate(ctx, tpl.Digest); err != nil {
+		t.Fatalf("template gone after gc while in use: %v", err)
+	}
+	res, err = c.Exec(ctx, sb.ID, api.ExecRequest{Cmd: []string{"cat", "/built.txt"}})
+	if err != nil || res.Stdout != "built-by-run\n" {
+		t.Fatalf("sandbox after gc: %v %+v", err, res)
+	}
+
+	// Without the sandbox: rm forgets it, gc frees its steps and trees.
+	op, err := c.DeleteSandbox(ctx, sb.ID, true)
+	if err == nil {
+		_, err = c.WaitOperation(ctx, op.ID)
+	}
+	if err != nil {
+		t.Fatalf("delete sandbox: %v", err)
+	}
+	if err := c.RemoveTemplate(ctx, tpl.Digest, false); err != nil {
+		t.Fatalf("rm of an unused, untagged template: %v", err)
+	}
+	gc, err = c.GCTemplates(ctx)
+	if err != nil || gc.Trees == 0 || gc.BytesFreed <= 0 || len(gc.Removed) < 2 {
+		t.Fatalf("gc after rm: %v %+v", err, gc)
+	}
+	if _, err := c.GetTemplate(ctx, tpl.Digest); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("template after rm+gc: %v", err)
+	}
+
+	// The archive brings it back with the same digest, and it works.
+	if _, err := archive.Seek(0, 0); err != nil {
+		t.Fatal(err)
+	}
+	step = time.Now()
+	imported, err := c.ImportTemplateArchive(ctx, archive, "e2e-built:v2")
+	t.Logf("import took %v", time.Since(step))
+	if err != nil || imported.Digest != tpl.Digest || imported.Config.Env["GREETING"] != "hello from env" {
+		t.Fatalf("import archive: %v %+v (built %s)", err, imported, tpl.Digest)
+	}
+	step = time.Now()
+	sb2 := newSandbox(t, e, api.CreateSandboxRequest{Template: "e2e-built:v2"})
+	t.Logf("create from the import took %v", time.Since(step))
+	res, err = c.Exec(ctx, sb2.ID, api.ExecRequest{Cmd: []string{"sh", "-c", `cat /built.txt; echo "$GREETING"`}})
+	if err != nil || res.Stdout != "built-by-run\nhello from env\n" {
+		t.Fatalf("sandbox of the imported template: %v %+v", err, res)
 	}
 }
