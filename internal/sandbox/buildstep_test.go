@@ -225,7 +225,7 @@ func TestRunStepNative(t *testing.T) {
 		cctx, ccancel := context.WithCancel(ctx)
 		defer ccancel()
 		go func() {
-			for !strings.Contains(out.String(), "started") {
+			for cctx.Err() == nil && !strings.Contains(out.String(), "started") {
 				time.Sleep(10 * time.Millisecond)
 			}
 			ccancel()
