@@ -213,3 +213,37 @@ func TestTemplateBuildLifecycle(t *testing.T) {
 		t.Fatalf("sandbox of the imported template: %v %+v", err, res)
 	}
 }
+
+// TestTemplateBuildCLI builds through the CLI: a failing RUN step shows its
+// output indented under its step line, then the error, and the exit code is
+// non-zero; a build file from outside the context works.
+func TestTemplateBuildCLI(t *testing.T) {
+	e := setup(t)
+	ctx := ctxT(t, 2*time.Minute)
+	if _, err := e.client.BuildBaseTemplate(ctx, nil); err != nil {
+		t.Fatalf("base template: %v", err)
+	}
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, "Dockerfile"), []byte("FROM base:latest\nRUN echo out-line; echo err-line >&2; exit 3\n"), 0o644)
+	out, errOut, code := e.spaceCLI(t, "", "template", "build", "--no-cache", "-t", "e2e-fail:1", dir)
+	if code != 1 || !strings.Contains(out, "Step 1/2 : FROM base:latest  (done") || !strings.Contains(out, "Step 2/2 : RUN echo out-line; echo err-line >&2; exit 3\n") ||
+		!strings.Contains(out, "    out-line\n") || !strings.Contains(out, "    err-line\n") || !strings.Contains(out, "(failed, exit code 3") ||
+		!strings.Contains(errOut, "exit code 3") || !strings.Contains(errOut, "err-line") {
+		t.Fatalf("failing build: code %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+	if _, err := e.client.GetTemplate(ctx, "e2e-fail:1"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("a failed build tagged something: %v", err)
+	}
+
+	outside := filepath.Join(t.TempDir(), "ok.Dockerfile")
+	os.WriteFile(outside, []byte("FROM base:latest\nENV FROM_CLI=1\n"), 0o644)
+	t.Cleanup(func() { e.client.RemoveTemplate(context.Background(), "e2e-cli:1", false) })
+	out, errOut, code = e.spaceCLI(t, "", "template", "build", "-f", outside, "-t", "e2e-cli:1", dir)
+	if code != 0 || !strings.Contains(out, "Step 2/2 : ENV FROM_CLI=1  (") || !strings.Contains(out, "built sha256:") {
+		t.Fatalf("build -f outside: code %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+	tpl, err := e.client.GetTemplate(ctx, "e2e-cli:1")
+	if err != nil || tpl.Config.Env["FROM_CLI"] != "1" {
+		t.Fatalf("built template: %v %+v", err, tpl)
+	}
+}
