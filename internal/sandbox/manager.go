@@ -432,8 +432,10 @@ func (m *Manager) runtimeOf(sb api.Sandbox) (runtime.Runtime, error) {
 	return rt, nil
 }
 
-func newSpec(sb api.Sandbox, rootfs string) runtime.Spec {
-	return runtime.Spec{ID: sb.ID, RootFS: rootfs, TemplateDigest: sb.TemplateDigest, Limits: sb.Limits, Hostname: sb.ID}
+// newSpec builds a runtime spec; runtimes key what they derive from a
+// template by its tree digest (templates that differ only in defaults share it).
+func newSpec(sb api.Sandbox, tmpl api.Template, rootfs string) runtime.Spec {
+	return runtime.Spec{ID: sb.ID, RootFS: rootfs, TemplateDigest: tmpl.TreeDigest, Limits: sb.Limits, Hostname: sb.ID}
 }
 
 // spec resolves everything a runtime needs for an existing sandbox.
@@ -446,11 +448,11 @@ func (m *Manager) spec(ctx context.Context, sb api.Sandbox) (runtime.Spec, runti
 	if ref == "" {
 		ref = sb.Template
 	}
-	_, rootfs, err := m.cfg.Templates.Resolve(ctx, ref)
+	tmpl, rootfs, err := m.cfg.Templates.Resolve(ctx, ref)
 	if err != nil {
 		return runtime.Spec{}, rt, fmt.Errorf("resolving template %s: %w", ref, err)
 	}
-	return newSpec(sb, rootfs), rt, nil
+	return newSpec(sb, tmpl, rootfs), rt, nil
 }
 
 func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
@@ -498,7 +500,7 @@ func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
 	// Sessions left by an attempt that crashed (a re-driven create) died
 	// with its instance.
 	m.markCommandsExited(id, "the sandbox's creation was interrupted and started over")
-	spec := newSpec(sb, rootfs)
+	spec := newSpec(sb, tmpl, rootfs)
 	var inst runtime.Instance
 	if err := p.run("prepare", func() (err error) {
 		inst, err = rt.Create(ctx, spec)

@@ -171,7 +171,14 @@ func (s *Store) GC(ctx context.Context, inUse map[string]bool, forget func(ctx c
 			continue // a template outside the live set still names it (cannot happen after the loop above, but cheap)
 		}
 		if forget != nil {
-			if err := forget(ctx, tree); err != nil {
+			err := forget(ctx, tree)
+			if errors.Is(err, errdefs.ErrConflict) {
+				// A runtime still uses its copy (a sandbox the caller did
+				// not count): keep the tree; a later gc retries.
+				s.log.Warn("template gc: keeping a tree a runtime still uses", "tree", tree, "err", err)
+				continue
+			}
+			if err != nil {
 				return res, fmt.Errorf("gc: runtime formats of %s: %w", tree, err)
 			}
 		}
