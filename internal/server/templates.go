@@ -393,6 +393,9 @@ func (s *Server) buildTemplate(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "application/x-ndjson")
 	w.WriteHeader(http.StatusOK)
 	rc := http.NewResponseController(w)
+	// The deadline would outlive this response on a kept-alive connection
+	// (the server sets none of its own): clear it when done.
+	defer rc.SetWriteDeadline(time.Time{})
 	rc.Flush()
 	var (
 		mu     sync.Mutex
