@@ -186,10 +186,13 @@ type BuildOptions struct {
 const maxBuildEvent = 1 << 20
 
 // BuildTemplate builds a template from the build file and the context
-// directory contextDir (sent as a tar; see WriteBuildContext for what is
-// sent and what .dockerignore can exclude). onEvent, if set, receives every
-// progress event as it arrives. A failing build returns an *APIError whose
-// message names the step, its exit code and the tail of its output.
+// directory contextDir. The context is sent as a tar of its regular files,
+// directories and symlinks (kept as symlinks, never followed) with their
+// modes, owned by 0:0, minus what contextDir/.dockerignore excludes (see
+// dockerignore for the supported syntax); the build file is always sent.
+// onEvent, if set, receives every event as it arrives. A failing build
+// returns an *APIError whose message names the step, its exit code and the
+// tail of its output.
 func (c *Client) BuildTemplate(ctx context.Context, contextDir string, o BuildOptions, onEvent func(api.BuildEvent)) (*api.Template, error) {
 	if contextDir == "" {
 		return nil, fmt.Errorf("build: context directory is empty: %w", errdefs.ErrInvalidArgument)
