@@ -10,7 +10,6 @@ import (
 	"os"
 	"path"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -279,10 +278,6 @@ func (s *Server) importTemplate(w http.ResponseWriter, r *http.Request) {
 		// Archives are read in place: the store spools the upload to a
 		// file under its tmp/ (gzip decompressed) and removes it after.
 		t, err = s.tmpl.ImportOCIStream(r.Context(), body, template.OCISource{}, opts)
-		if err != nil {
-			// The spool file's path is the server's business.
-			err = scrubbedError{err, regexp.MustCompile(regexp.QuoteMeta(filepath.Join(s.tmpl.Dir(), "tmp")) + `/[^\s:]*`), "upload"}
-		}
 	default:
 		err = fmt.Errorf("format %q: want tar, oci or archive: %w", format, errdefs.ErrInvalidArgument)
 	}
@@ -464,17 +459,6 @@ func readBuildFile(dir, file string) (*build.File, error) {
 	}
 	return bf, nil
 }
-
-// scrubbedError is err with what re matches in its message replaced by
-// with; it unwraps to err, so the errdefs sentinel still sets the status.
-type scrubbedError struct {
-	err  error
-	re   *regexp.Regexp
-	with string
-}
-
-func (e scrubbedError) Error() string { return e.re.ReplaceAllLiteralString(e.err.Error(), e.with) }
-func (e scrubbedError) Unwrap() error { return e.err }
 
 // queryTags returns the non-empty tag= parameters (validated by the store).
 func queryTags(r *http.Request) []string {
