@@ -25,6 +25,7 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	_ "github.com/spacehq/space/internal/runtime/gvisor" // registers "gvisor"
 	_ "github.com/spacehq/space/internal/runtime/native" // registers "native"
 	"github.com/spacehq/space/internal/sandbox"
 	"github.com/spacehq/space/internal/store"

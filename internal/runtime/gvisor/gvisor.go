@@ -34,6 +34,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -41,6 +42,8 @@ import (
 	"sort"
 	"strings"
 	"sync"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
@@ -70,7 +73,10 @@ type Runtime struct {
 	rsErr     error
 }
 
-var _ runtime.Runtime = (*Runtime)(nil)
+var (
+	_ runtime.Runtime = (*Runtime)(nil)
+	_ io.Closer       = (*Runtime)(nil)
+)
 
 // New builds the gVisor runtime; it touches nothing until used.
 func New(cfg runtime.Config) (runtime.Runtime, error) {
@@ -86,6 +92,19 @@ func New(cfg runtime.Config) (runtime.Runtime, error) {
 
 // Name implements runtime.Runtime.
 func (r *Runtime) Name() string { return Name }
+
+// Close releases what runsc keeps mounted for the runtime as a whole: the
+// bind mount of its empty gofer network namespace (state/null-netns), which
+// would otherwise make the state directory impossible to remove. Sandboxes
+// keep running (their processes hold the namespace) and runsc recreates
+// the mount on its next start. The runtime still works after Close.
+func (r *Runtime) Close() error {
+	path := filepath.Join(r.cfg.DataDir, "state", "null-netns")
+	// Concurrent runsc starts may have stacked several mounts on it.
+	for i := 0; i < 64 && unix.Unmount(path, unix.MNT_DETACH) == nil; i++ {
+	}
+	return nil
+}
 
 // runsc returns the runsc driver, finding the binary once.
 func (r *Runtime) runsc() (*runsc, error) {
@@ -229,19 +248,6 @@ func (r *Runtime) Sweep(ctx context.Context, keep func(id string) bool) ([]strin
 		}
 		removed = append(removed, id)
 	}
-	r.sweepScratch(rs)
 	sort.Strings(removed)
 	return removed, errors.Join(errs...)
-}
-
-// sweepScratch removes runsc output files a crash left in the state dir.
-func (r *Runtime) sweepScratch(rs *runsc) {
-	ents, _ := os.ReadDir(rs.root)
-	for _, e := range ents {
-		if strings.HasPrefix(e.Name(), ".out-") || strings.HasPrefix(e.Name(), ".err-") {
-			if fi, err := e.Info(); err == nil && fi.Mode().IsRegular() && timeSince(fi.ModTime()) > runscTimeout*2 {
-				os.Remove(filepath.Join(rs.root, e.Name()))
-			}
-		}
-	}
 }

@@ -3,6 +3,7 @@ package gvisor_test
 import (
 	"context"
 	"errors"
+	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -51,7 +52,11 @@ func shortTempDir(t *testing.T) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
+	t.Cleanup(func() {
+		if err := os.RemoveAll(dir); err != nil {
+			t.Errorf("test DataDir left behind: %v", err)
+		}
+	})
 	return dir
 }
 
@@ -61,7 +66,18 @@ func newRuntime(t *testing.T, agent string) runtime.Runtime {
 	if err != nil {
 		t.Fatal(err)
 	}
+	closeWithTest(t, rt)
 	return rt
+}
+
+// closeWithTest releases runsc's runtime-wide mount before the test's
+// DataDir is removed (cleanups run last-registered first).
+func closeWithTest(t *testing.T, rt runtime.Runtime) {
+	t.Cleanup(func() {
+		if err := rt.(io.Closer).Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
 }
 
 func harness(t *testing.T) runtimetest.Harness {
@@ -150,6 +166,7 @@ func TestProbe(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	closeWithTest(t, bad)
 	if c := bad.Probe(context.Background()); c.Available || !strings.Contains(c.Reason, "agent") {
 		t.Errorf("probe with a missing agent: available=%v reason %q", c.Available, c.Reason)
 	}
@@ -168,6 +185,7 @@ func TestSweepAfterRestart(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		closeWithTest(t, rt)
 		return rt
 	}
 	rt1 := mk()
@@ -242,4 +260,35 @@ func TestDialRefusesPlantedSocket(t *testing.T) {
 		t.Fatalf("DialAgent after restoring the socket: %v", err)
 	}
 	c.Close()
+}
+
+// TestStartErrorIsRunscs: a runsc failure comes back promptly with runsc's
+// own message, and leaves nothing running.
+func TestStartErrorIsRunscs(t *testing.T) {
+	h := harness(t)
+	rt, err := runtime.New(gvisor.Name, runtime.Config{DataDir: shortTempDir(t), AgentBinary: "/nonexistent/space-agent", Logger: testLogger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeWithTest(t, rt)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	inst, err := rt.Create(ctx, runtime.Spec{ID: "sb-err", RootFS: h.RootFS, TemplateDigest: h.TemplateDigest, Limits: runtimetest.DefaultLimits})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Now()
+	err = inst.Start(ctx)
+	// The failure is the sandbox's own (its mount of the agent fails), so
+	// runsc reports it as the sandbox not starting.
+	if err == nil || !strings.Contains(err.Error(), "runsc run: ") || errors.Is(err, errdefs.ErrTimeout) || time.Since(t0) > 30*time.Second {
+		t.Fatalf("Start with a missing agent: %v, want runsc's own message, promptly", err)
+	}
+	t.Logf("after %v: %v", time.Since(t0).Round(time.Millisecond), err)
+	if inst.Alive() {
+		t.Fatal("Alive after a failed Start")
+	}
+	if err := inst.Destroy(ctx); err != nil {
+		t.Fatalf("Destroy: %v", err)
+	}
 }

@@ -2,13 +2,12 @@ package gvisor
 
 import (
 	"context"
-	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -99,9 +98,10 @@ func (r *Runtime) check(ctx context.Context, c *runtime.Capabilities) error {
 	return nil
 }
 
-// probeRun runs the agent binary (which exits at once with a usage error:
-// no listener flag) as a sandbox's init under the flags sandboxes get,
-// from a root that holds nothing but it.
+// probeRun starts a sandbox the way Start does — the agent as init on a
+// socket the sentry binds on a host directory — from a root holding
+// nothing, dials the agent, and deletes the sandbox. It returns how long
+// `runsc run` took until the agent answered the dial.
 func (r *Runtime) probeRun(ctx context.Context, rs *runsc) (time.Duration, error) {
 	dir, err := os.MkdirTemp(r.cfg.DataDir, ".probe-")
 	if err != nil {
@@ -110,30 +110,35 @@ func (r *Runtime) probeRun(ctx context.Context, rs *runsc) (time.Duration, error
 	defer os.RemoveAll(dir)
 	root := filepath.Join(dir, "rootfs")
 	agent := filepath.Join(dir, "agent")
-	for _, d := range []string{root, agent, filepath.Join(root, "etc")} {
+	for _, d := range []string{root, agent} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return 0, err
 		}
 	}
 	id := "probe-" + strconv.FormatInt(time.Now().UnixNano()%1e12, 36)
-	spec := bundleSpec(id, root, id, agent, r.cfg.AgentBinary, api.Limits{CPUs: 1, MemoryMiB: 64, Pids: 16})
-	// Without a listener the agent exits 1 with "no listener": seeing that
-	// message proves the sandbox really ran it.
-	spec.Process.Args = []string{agentPath}
+	spec := bundleSpec(id, root, id, agent, r.cfg.AgentBinary, api.Limits{CPUs: 1, MemoryMiB: 128, Pids: 32})
 	if err := writeSpec(dir, spec); err != nil {
 		return 0, err
 	}
 	defer rs.deleteForce(context.WithoutCancel(ctx), id)
+	ctx, cancel := context.WithTimeout(ctx, startTimeout)
+	defer cancel()
 	t0 := time.Now()
-	// runsc run (not detached) waits for the init and exits with its status.
-	_, err = rs.run(ctx, time.Minute, "run", "--bundle", dir, id)
-	d := time.Since(t0)
-	if err == nil {
-		return 0, fmt.Errorf("probe sandbox: the agent exited 0 without a listener")
-	}
-	var re *RunscError
-	if !errors.As(err, &re) || !strings.Contains(re.Stderr, "no listener") {
+	if _, err := rs.run(ctx, startTimeout, "run", "--detach", "--bundle", dir, id); err != nil {
 		return 0, fmt.Errorf("probe sandbox: %w", err)
 	}
-	return d, nil
+	sock := filepath.Join(agent, agentSock)
+	for {
+		var d net.Dialer
+		c, err := d.DialContext(ctx, "unix", sock)
+		if err == nil {
+			c.Close()
+			return time.Since(t0), nil
+		}
+		select {
+		case <-ctx.Done():
+			return 0, fmt.Errorf("probe sandbox: its agent never listened on %s: %v", sock, err)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
 }

@@ -90,54 +90,94 @@ func (e *RunscError) Error() string {
 
 func (e *RunscError) Unwrap() error { return e.Err }
 
-// run runs one runsc subcommand and returns its stdout. stdin, stdout and
-// stderr of the runsc process are never the server's: a sandbox started by
-// `runsc run --detach` keeps its descriptors, and a sandbox must not hold a
-// pipe this call waits on.
+// containerStdio lists the subcommands whose stdio the container inherits.
+// Their stdio is /dev/null: the sandbox must not hold, or be able to fill,
+// anything of the host's (processes inside can open /proc/1/fd/2).
+var containerStdio = map[string]bool{"run": true, "restore": true, "create": true}
+
+// run runs one runsc subcommand and returns its stdout. runsc's own errors
+// come back through --log-fd (JSON lines), so they are available even when
+// its stdio is /dev/null.
 func (r *runsc) run(ctx context.Context, timeout time.Duration, sub string, args ...string) ([]byte, error) {
 	if timeout <= 0 {
 		timeout = runscTimeout
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	// Output goes to files, not pipes: a detached sandbox inherits them, and
-	// Wait would block until the sandbox exits if they were pipes.
-	outF, err := os.CreateTemp(r.root, ".out-")
+	// Files, not pipes: Wait would otherwise also wait for any process
+	// that inherited a pipe end.
+	tmp := func(prefix string) (*os.File, error) {
+		f, err := os.CreateTemp(r.root, prefix)
+		if err == nil {
+			os.Remove(f.Name())
+		}
+		return f, err
+	}
+	logF, err := tmp(".log-")
 	if err != nil {
 		return nil, err
 	}
-	defer os.Remove(outF.Name())
-	defer outF.Close()
-	errF, err := os.CreateTemp(r.root, ".err-")
-	if err != nil {
-		return nil, err
+	defer logF.Close()
+	var outF, errF *os.File
+	if !containerStdio[sub] {
+		if outF, err = tmp(".out-"); err != nil {
+			return nil, err
+		}
+		defer outF.Close()
+		if errF, err = tmp(".err-"); err != nil {
+			return nil, err
+		}
+		defer errF.Close()
 	}
-	defer os.Remove(errF.Name())
-	defer errF.Close()
-	cmd := exec.CommandContext(ctx, r.bin, r.args(sub, args...)...)
-	cmd.Stdout, cmd.Stderr = outF, errF
+	full := append([]string{"--log-fd=3"}, r.args(sub, args...)...)
+	cmd := exec.CommandContext(ctx, r.bin, full...)
+	if outF != nil {
+		cmd.Stdout, cmd.Stderr = outF, errF
+	}
+	cmd.ExtraFiles = []*os.File{logF}
 	cmd.WaitDelay = time.Second
 	runErr := cmd.Run()
-	out, _ := readBounded(outF.Name(), 4<<20)
-	if runErr != nil {
-		stderr, _ := readBounded(errF.Name(), 8<<10)
-		if ctx.Err() != nil {
-			return out, &RunscError{Args: append([]string{sub}, args...), Stderr: string(stderr),
-				Err: fmt.Errorf("no answer within %v: %w", timeout, errdefs.ErrTimeout)}
-		}
-		return out, &RunscError{Args: append([]string{sub}, args...), Stderr: lastLines(string(stderr), 5), Err: runErr}
+	var out []byte
+	if outF != nil {
+		out, _ = readBounded(outF, 4<<20)
 	}
-	return out, nil
+	if runErr == nil {
+		return out, nil
+	}
+	msg := logMessages(logF)
+	if msg == "" && errF != nil {
+		stderr, _ := readBounded(errF, 8<<10)
+		msg = lastLines(string(stderr), 5)
+	}
+	re := &RunscError{Args: append([]string{sub}, args...), Stderr: msg, Err: runErr}
+	if ctx.Err() != nil {
+		re.Err = fmt.Errorf("no answer within %v: %w", timeout, errdefs.ErrTimeout)
+	}
+	return out, re
 }
 
-func readBounded(path string, max int64) ([]byte, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, err
+// logMessages extracts the messages of runsc's JSON error log.
+func logMessages(f *os.File) string {
+	dec := json.NewDecoder(io.NewSectionReader(f, 0, 64<<10))
+	var msgs []string
+	for {
+		var e struct {
+			Msg string `json:"msg"`
+		}
+		if err := dec.Decode(&e); err != nil {
+			break
+		}
+		if e.Msg != "" {
+			msgs = append(msgs, e.Msg)
+		}
 	}
-	defer f.Close()
+	return strings.Join(msgs, "; ")
+}
+
+// readBounded reads up to max bytes of f from its start.
+func readBounded(f *os.File, max int64) ([]byte, error) {
 	var b bytes.Buffer
-	_, err = b.ReadFrom(io.LimitReader(f, max))
+	_, err := b.ReadFrom(io.NewSectionReader(f, 0, max))
 	return b.Bytes(), err
 }
 

@@ -211,6 +211,9 @@ func bundleSpec(id, rootfs, hostname, hostAgentDir, agentBinary string, l api.Li
 				{Type: "RLIMIT_NOFILE", Hard: noFile, Soft: noFile},
 				{Type: "RLIMIT_CORE", Hard: 0, Soft: 0},
 			},
+			// As native's sandboxes: no privilege gained through execve
+			// (setuid binaries, file capabilities).
+			NoNewPrivileges: true,
 		},
 		Root:     ociRoot{Path: rootfs},
 		Hostname: hostname,
