@@ -31,7 +31,17 @@ type instance struct {
 	mu     sync.Mutex
 	pid    int             // sandbox (sentry) pid on the host; 0 when not running
 	exited <-chan struct{} // closed when the sandbox process exits
+
+	// The sandbox's task count comes from the sentry through a runsc
+	// process, which costs tens of milliseconds; the manager reads Stats
+	// around every exec, so the count is reused for pidsTTL.
+	pidsMu   sync.Mutex
+	pidsAt   time.Time
+	pidsLast int64
 }
+
+// pidsTTL is how long a task count from the sentry is reused.
+const pidsTTL = time.Second
 
 var (
 	_ runtime.Instance       = (*instance)(nil)
@@ -268,6 +278,9 @@ func (i *instance) stopLocked(ctx context.Context) error {
 		return errors.Join(errs...)
 	}
 	i.pid, i.exited = 0, nil
+	i.pidsMu.Lock()
+	i.pidsAt = time.Time{}
+	i.pidsMu.Unlock()
 	// runsc removes the cgroups it made; a sandbox that died without runsc
 	// may leave them (with a gofer still in them).
 	i.killCgroup()
@@ -349,9 +362,21 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	if err != nil {
 		return s, err
 	}
+	s.Pids, err = i.taskCount(ctx)
+	return s, err
+}
+
+// taskCount is the number of tasks in the sandbox as the sentry counts
+// them, at most pidsTTL old.
+func (i *instance) taskCount(ctx context.Context) (int64, error) {
+	i.pidsMu.Lock()
+	defer i.pidsMu.Unlock()
+	if time.Since(i.pidsAt) < pidsTTL {
+		return i.pidsLast, nil
+	}
 	out, err := i.rs.run(ctx, 10*time.Second, "events", "--stats", i.spec.ID)
 	if err != nil {
-		return s, err
+		return 0, err
 	}
 	var ev struct {
 		Data struct {
@@ -361,10 +386,10 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 		} `json:"data"`
 	}
 	if err := json.Unmarshal(out, &ev); err != nil {
-		return s, fmt.Errorf("runsc events --stats: %v", err)
+		return 0, fmt.Errorf("runsc events --stats: %v", err)
 	}
-	s.Pids = ev.Data.Pids.Current
-	return s, nil
+	i.pidsAt, i.pidsLast = time.Now(), ev.Data.Pids.Current
+	return i.pidsLast, nil
 }
 
 // Changes implements runtime.ChangeExporter: the overlay's upper directory

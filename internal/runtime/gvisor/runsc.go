@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/spacehq/space/internal/errdefs"
@@ -135,6 +136,9 @@ func (r *runsc) run(ctx context.Context, timeout time.Duration, sub string, args
 		cmd.Stdout, cmd.Stderr = outF, errF
 	}
 	cmd.ExtraFiles = []*os.File{logF}
+	// Its own session: a signal to the server's process group (Ctrl-C in
+	// a terminal) must not reach a sandbox runsc leaves running.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	cmd.WaitDelay = time.Second
 	runErr := cmd.Run()
 	var out []byte
