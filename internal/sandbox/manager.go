@@ -488,6 +488,9 @@ func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
 	}); err != nil {
 		return fail(fmt.Errorf("template %s: %w", sb.Template, err))
 	}
+	// Until the record below names it, nothing but this create keeps an
+	// untagged template from a concurrent gc.
+	defer m.cfg.Templates.Hold(tmpl.Digest)()
 	sb.TemplateDigest = tmpl.Digest
 	// The template's defaults become the sandbox's own, so a later template
 	// change (a moved tag) never changes how an existing sandbox runs.

@@ -65,10 +65,14 @@ func (s *Server) templateUsers(ctx context.Context) (map[string][]string, error)
 	}
 	out := map[string][]string{}
 	for _, sb := range sbs {
-		if sb.State == api.StateDeleted || sb.TemplateDigest == "" {
+		d := sb.TemplateDigest
+		if d == "" && strings.HasPrefix(sb.Template, "sha256:") && len(sb.Template) == len("sha256:")+64 {
+			d = sb.Template // a create that has not resolved its template yet
+		}
+		if sb.State == api.StateDeleted || d == "" {
 			continue
 		}
-		out[sb.TemplateDigest] = append(out[sb.TemplateDigest], sb.ID)
+		out[d] = append(out[d], sb.ID)
 	}
 	return out, nil
 }
