@@ -136,7 +136,7 @@ type ExecRequest struct {
 	Cmd            []string          `json:"cmd"`
 	Env            map[string]string `json:"env,omitempty"`
 	Workdir        string            `json:"workdir,omitempty"`
-	User           string            `json:"user,omitempty"`  // "uid[:gid]" inside the sandbox; default 0:0
+	User           string            `json:"user,omitempty"`  // "uid[:gid]" or names; default the sandbox's user, else root
 	Stdin          string            `json:"stdin,omitempty"` // sync exec only
 	TimeoutSeconds float64           `json:"timeout_seconds,omitempty"`
 	MaxOutputBytes int64             `json:"max_output_bytes,omitempty"` // sync exec only; per stream

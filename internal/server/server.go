@@ -44,6 +44,10 @@ type Config struct {
 	// MaxFileBytes bounds one file upload/download; MaxTemplateBytes a template import.
 	MaxFileBytes     int64
 	MaxTemplateBytes int64
+	// AllowPrivateRegistries lets template pulls reach loopback, private
+	// and link-local addresses (off: an API client cannot make the server
+	// probe its own network).
+	AllowPrivateRegistries bool
 	// APIKeyOut receives the one-time notice of a newly generated API key.
 	APIKeyOut *os.File
 }

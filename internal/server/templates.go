@@ -304,7 +304,7 @@ func (s *Server) pullTemplate(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, fmt.Errorf("image is empty; want a reference like registry:5000/app:1: %w", errdefs.ErrInvalidArgument))
 		return
 	}
-	t, err := s.tmpl.ImportOCI(r.Context(), template.OCISource{Image: req.Image, Insecure: req.Insecure},
+	t, err := s.tmpl.ImportOCI(r.Context(), template.OCISource{Image: req.Image, Insecure: req.Insecure, AllowPrivate: s.cfg.AllowPrivateRegistries},
 		template.ImportOptions{Tags: req.Tags, MaxBytes: s.cfg.MaxTemplateBytes})
 	if err != nil {
 		writeError(w, r, err)

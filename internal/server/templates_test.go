@@ -43,7 +43,7 @@ func templateServer(t *testing.T) (*Server, string) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { tmpl.Close() })
-	s := &Server{cfg: Config{Logger: slog.Default(), MaxTemplateBytes: 1 << 20}, db: db, tmpl: tmpl,
+	s := &Server{cfg: Config{Logger: slog.Default(), MaxTemplateBytes: 1 << 20, AllowPrivateRegistries: true}, db: db, tmpl: tmpl,
 		metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890"}
 	return s, filepath.Join(dir, "templates", "tmp")
 }

@@ -22,6 +22,8 @@ import (
 	"regexp"
 	"sort"
 	"strings"
+	"syscall"
+	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -59,6 +61,12 @@ type OCISource struct {
 	// Platform is "os/arch[/variant]" picked from a multi-platform image;
 	// default linux/amd64.
 	Platform string
+	// AllowPrivate lets a pull connect to loopback, private (RFC 1918,
+	// ULA), link-local and unspecified addresses. Off, a pull can only
+	// reach public addresses, checked on every connection after DNS (so a
+	// name that re-resolves to 127.0.0.1 is refused too): an API client
+	// must not be able to make the server probe its own network.
+	AllowPrivate bool
 }
 
 // Bounds on image metadata, which is read into memory.
@@ -892,6 +900,10 @@ func resolveRemote(ctx context.Context, src OCISource, plat v1.Platform) (*ociIm
 		}
 	}
 	base := remote.DefaultTransport.(*http.Transport).Clone()
+	if !src.AllowPrivate {
+		d := &net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second, Control: refusePrivate}
+		base.DialContext = d.DialContext
+	}
 	rt := &registryTransport{base: base, insecure: src.Insecure, loopbackRegistry: loopback}
 	img, err := remote.Image(ref, remote.WithContext(ctx), remote.WithTransport(rt),
 		remote.WithPlatform(plat), remote.WithUserAgent("space"))
@@ -996,6 +1008,21 @@ func (e shortErr) Error() string {
 	return e.err.Error()
 }
 func (e shortErr) Unwrap() error { return e.err }
+
+// refusePrivate is a net.Dialer Control: it sees the resolved address.
+func refusePrivate(network, address string, _ syscall.RawConn) error {
+	host, _, err := net.SplitHostPort(address)
+	if err != nil {
+		return err
+	}
+	ip := net.ParseIP(host)
+	if ip == nil || ip.IsLoopback() || ip.IsPrivate() || ip.IsLinkLocalUnicast() || ip.IsLinkLocalMulticast() ||
+		ip.IsUnspecified() || ip.IsMulticast() {
+		return fmt.Errorf("refusing to connect to %s: registries on loopback, private or link-local addresses are not allowed by this server: %w",
+			host, errdefs.ErrInvalidArgument)
+	}
+	return nil
+}
 
 func isLoopbackHost(hostport string) bool {
 	host := hostport

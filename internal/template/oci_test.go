@@ -12,6 +12,7 @@ import (
 	"io"
 	"io/fs"
 	"log"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -390,7 +391,7 @@ func TestImportOCISourcesAgree(t *testing.T) {
 	push(t, host+"/app:1", img)
 
 	var digests, trees []string
-	for _, src := range []OCISource{{LayoutDir: lay}, {ArchivePath: ociTar}, {ArchivePath: dockerTar, Ref: "app:1"}, {Image: host + "/app:1"}} {
+	for _, src := range []OCISource{{LayoutDir: lay}, {ArchivePath: ociTar}, {ArchivePath: dockerTar, Ref: "app:1"}, {Image: host + "/app:1", AllowPrivate: true}} {
 		tmpl, err := e.store.ImportOCI(ctx, src, ImportOptions{})
 		if err != nil {
 			t.Fatalf("%+v: %v", src, err)
@@ -461,18 +462,18 @@ func TestImportOCIPlatformsRefsAndCompression(t *testing.T) {
 		b, _ := os.ReadFile(filepath.Join(root, "arch"))
 		return string(b)
 	}
-	tmpl, err := e.store.ImportOCI(ctx, OCISource{Image: ref.String()}, ImportOptions{})
+	tmpl, err := e.store.ImportOCI(ctx, OCISource{Image: ref.String(), AllowPrivate: true}, ImportOptions{})
 	if err != nil || archOf(tmpl) != "amd64" {
 		t.Fatalf("default platform: %v", err)
 	}
-	tmpl, err = e.store.ImportOCI(ctx, OCISource{Image: ref.String(), Platform: "linux/arm64"}, ImportOptions{})
+	tmpl, err = e.store.ImportOCI(ctx, OCISource{Image: ref.String(), Platform: "linux/arm64", AllowPrivate: true}, ImportOptions{})
 	if err != nil || archOf(tmpl) != "arm64" {
 		t.Fatalf("linux/arm64 (zstd layer): %v", err)
 	}
-	if _, err := e.store.ImportOCI(ctx, OCISource{Image: ref.String(), Platform: "linux/s390x"}, ImportOptions{}); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := e.store.ImportOCI(ctx, OCISource{Image: ref.String(), Platform: "linux/s390x", AllowPrivate: true}, ImportOptions{}); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Errorf("missing platform: %v", err)
 	}
-	if _, err := e.store.ImportOCI(ctx, OCISource{Image: host + "/nope:1"}, ImportOptions{}); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := e.store.ImportOCI(ctx, OCISource{Image: host + "/nope:1", AllowPrivate: true}, ImportOptions{}); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Errorf("missing image: %v", err)
 	}
 	// The same index in a layout; two named images in another.
@@ -722,7 +723,7 @@ func TestImportOCIArchiveAndRegistryFailures(t *testing.T) {
 		{OCISource{ArchivePath: swapped}, errdefs.ErrInvalidArgument, ".tar.gz): corrupt"},
 		{OCISource{LayoutDir: tmp, ArchivePath: dockerTar}, errdefs.ErrInvalidArgument, "exactly one"},
 		{OCISource{LayoutDir: filepath.Join(tmp, "nope")}, errdefs.ErrNotFound, "nope"},
-		{OCISource{Image: "127.0.0.1:1/x:1", Platform: "amd64"}, errdefs.ErrInvalidArgument, "platform"},
+		{OCISource{Image: "127.0.0.1:1/x:1", Platform: "amd64", AllowPrivate: true}, errdefs.ErrInvalidArgument, "platform"},
 	} {
 		_, err := e.store.ImportOCI(ctx, c.src, ImportOptions{})
 		if !errors.Is(err, c.want) || !strings.Contains(err.Error(), c.msg) {
@@ -758,12 +759,12 @@ func TestImportOCIArchiveAndRegistryFailures(t *testing.T) {
 	layerGets.Store(0)
 	size, _ := img.Layers()
 	lsz, _ := size[0].Size()
-	_, err := e.store.ImportOCI(ctx, OCISource{Image: host + "/app:1"}, ImportOptions{MaxBytes: lsz - 1})
+	_, err := e.store.ImportOCI(ctx, OCISource{Image: host + "/app:1", AllowPrivate: true}, ImportOptions{MaxBytes: lsz - 1})
 	if !errors.Is(err, errdefs.ErrTooLarge) || layerGets.Load() != 0 {
 		t.Errorf("over-limit layer: %v after %d layer downloads (want ErrTooLarge before any)", err, layerGets.Load())
 	}
 	corrupt.Store(true)
-	_, err = e.store.ImportOCI(ctx, OCISource{Image: host + "/app:1"}, ImportOptions{})
+	_, err = e.store.ImportOCI(ctx, OCISource{Image: host + "/app:1", AllowPrivate: true}, ImportOptions{})
 	if !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), "mismatch") {
 		t.Errorf("corrupt registry blob: %v", err)
 	}
@@ -916,7 +917,7 @@ func TestImportOCICancel(t *testing.T) {
 		})
 	})
 	push(t, host+"/app:1", img)
-	_, err := e.store.ImportOCI(ctx, OCISource{Image: host + "/app:1"}, ImportOptions{})
+	_, err := e.store.ImportOCI(ctx, OCISource{Image: host + "/app:1", AllowPrivate: true}, ImportOptions{})
 	if !errors.Is(err, context.Canceled) {
 		t.Fatalf("cancelled import: %v", err)
 	}
@@ -943,4 +944,21 @@ func TestCopyUserXattrs(t *testing.T) {
 	if ds != dd {
 		t.Error("copy has another tree digest")
 	}
+}
+
+// A pull may not reach this host's or its network's private addresses
+// unless the server allows it, whatever name the registry is given by.
+func TestPullRefusesPrivateAddresses(t *testing.T) {
+	e := newEnv(t)
+	img := ociImageOf(t, nil, addHistory{ociLayerOf(t, file("a", "a", 0o644)), ""})
+	host := startRegistry(t, nil)
+	push(t, host+"/app:1", img)
+	_, port, _ := net.SplitHostPort(host)
+	for _, ref := range []string{host + "/app:1", "localhost:" + port + "/app:1"} {
+		_, err := e.store.ImportOCI(context.Background(), OCISource{Image: ref}, ImportOptions{})
+		if !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), "not allowed by this server") {
+			t.Errorf("%s: %v", ref, err)
+		}
+	}
+	e.assertClean(t, 0)
 }
