@@ -420,6 +420,10 @@ func (s *Server) buildTemplate(w http.ResponseWriter, r *http.Request) {
 			cancel()
 		}
 	}
+	if err := s.ensureBaseFor(bctx, bf, send); err != nil {
+		send(api.BuildEvent{Error: &api.ErrorBody{Code: errdefs.Code(err), Message: errorMessage(err)}})
+		return
+	}
 	t, err := build.Build(bctx, build.Options{
 		File: bf, ContextDir: dir, Tags: tags, Templates: s.tmpl, Runner: s.mgr,
 		MaxBytes: s.cfg.MaxTemplateBytes, NoCache: noCache, Network: network, Events: send,
@@ -526,4 +530,29 @@ func (s *Server) buildBase(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
+}
+
+// ensureBaseFor builds the base template when the build starts FROM it and
+// it is missing (a fresh server), as `space run` does, reporting progress
+// as build output instead of failing the first build.
+func (s *Server) ensureBaseFor(ctx context.Context, bf *build.File, send func(api.BuildEvent)) error {
+	if len(bf.Instructions) == 0 || bf.Instructions[0].Cmd != "FROM" || len(bf.Instructions[0].Args) == 0 {
+		return nil
+	}
+	ref, err := template.ParseTag(bf.Instructions[0].Args[0])
+	if err != nil || ref != template.BaseTag {
+		return nil
+	}
+	if _, err := s.tmpl.Get(ctx, ref); !errors.Is(err, errdefs.ErrNotFound) {
+		return nil
+	}
+	send(api.BuildEvent{Output: "building the base template first (once; a few minutes)\n"})
+	last := ""
+	_, err = s.tmpl.EnsureBase(ctx, func(p template.Progress) {
+		if p.Phase != last {
+			last = p.Phase
+			send(api.BuildEvent{Output: "base: " + p.Phase + "\n"})
+		}
+	})
+	return err
 }
