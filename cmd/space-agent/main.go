@@ -4,6 +4,8 @@
 // When a runtime starts it as a sandbox's init (internal/runtime/native),
 // nsinit.Enter first finishes building the sandbox around it (mounts,
 // pivot_root, seccomp, Landlock) and only then does the agent start serving.
+// Under the gvisor runtime, ginit.Enter first moves it into a user
+// namespace of its own inside gVisor.
 package main
 
 import (
@@ -11,10 +13,15 @@ import (
 	"os"
 
 	"github.com/spacehq/space/internal/agent"
+	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
 	"github.com/spacehq/space/internal/runtime/native/nsinit"
 )
 
 func main() {
+	if err := ginit.Enter(); err != nil {
+		fmt.Fprintln(os.Stderr, "space-agent: gvisor init:", err)
+		os.Exit(125)
+	}
 	if err := nsinit.Enter(); err != nil {
 		fmt.Fprintln(os.Stderr, "space-agent: sandbox setup:", err)
 		os.Exit(125)

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
 )
 
 // The writable layer of a sandbox is a sparse ext4 image of Limits.DiskMiB
@@ -37,7 +39,7 @@ func formatDisk(ctx context.Context, img string, sizeMiB int64) error {
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, "mkfs.ext4", "-q", "-F", "-m", "0",
-		"-E", "lazy_itable_init=1,lazy_journal_init=1", img)
+		"-E", fmt.Sprintf("lazy_itable_init=1,lazy_journal_init=1,root_owner=%d:%d", ginit.IDBase, ginit.IDBase), img)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		os.Remove(img)
 		return fmt.Errorf("mkfs.ext4: %v: %s", err, strings.TrimSpace(string(out)))
@@ -104,7 +106,12 @@ func mountDisk(img, dir string) error {
 		return fmt.Errorf("mount %s: %w", img, err)
 	}
 	for _, sub := range []string{"upper", "work"} {
-		if err := os.Mkdir(filepath.Join(dir, sub), 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		p := filepath.Join(dir, sub)
+		if err := os.Mkdir(p, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+			return err
+		}
+		// The upper's root is the sandbox's "/": owned by its root.
+		if err := os.Lchown(p, ginit.IDBase, ginit.IDBase); err != nil {
 			return err
 		}
 	}

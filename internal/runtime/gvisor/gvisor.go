@@ -28,6 +28,12 @@
 // /run/space/agent.sock, a host directory mounted into the sandbox. With
 // --host-uds=create the sentry binds that socket on the host, so the
 // server dials a plain unix socket, also after a restart.
+//
+// User namespace: the init first moves the agent into a user, pid and mount
+// namespace of its own inside gVisor (package ginit), where sandbox root is
+// uid 100000000 of the sentry; the template is mounted id-mapped to match.
+//
+// See docs/gvisor.md for flags, measurements and known gaps.
 package gvisor
 
 import (
@@ -71,6 +77,10 @@ type Runtime struct {
 	runscOnce sync.Once
 	rs        *runsc
 	rsErr     error
+
+	usernsOnce sync.Once
+	userns     int // user namespace for id-mapped mounts (idmap.go)
+	usernsErr  error
 }
 
 var (

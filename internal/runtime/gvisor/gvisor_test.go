@@ -91,29 +91,23 @@ func harness(t *testing.T) runtimetest.Harness {
 	}
 }
 
-// knownGaps are the conformance subtests gVisor does not pass yet, each
-// for a reason docs/gvisor.md explains (issue 4 closes them):
-//
-//   - limits/memory (flaky) and limits/pids: all sandbox memory is the
-//     sentry's memfd, which the sentry maps too, so on a memory-cgroup OOM
-//     the host's OOM killer often picks the sentry (the most resident
-//     pages) and the whole sandbox dies; killing an application's stub
-//     frees nothing until the sentry releases its pages, so a second kill
-//     follows. A fork bomb always gets there: gVisor breaks copy-on-write
-//     in 2 MiB units, ~56 forked Pythons need ~190 MiB of a 128 MiB limit.
-//     Protecting the sentry (oom_score_adj < 0) needs CAP_SYS_RESOURCE,
-//     which this host's root lacks.
-//   - isolation/capabilities: inside gVisor the agent runs in the sentry's
-//     root user namespace, whose uid_map reads "0 0 4294967295"; passing
-//     needs a nested user namespace (and id-mapped layers) inside gVisor.
+// knownGaps are the conformance subtests gVisor does not pass yet, for a
+// reason docs/gvisor.md explains (issue 4 closes them): limits/memory
+// (flaky) and limits/pids. All sandbox memory is the sentry's memfd, which
+// the sentry maps too, so on a memory-cgroup OOM the host's OOM killer
+// often picks the sentry (the most resident pages) and the whole sandbox
+// dies; killing an application's stub frees nothing until the sentry
+// releases its pages, so a second kill follows. A fork bomb always gets
+// there: gVisor breaks copy-on-write in 2 MiB units, ~56 forked Pythons
+// need ~190 MiB of a 128 MiB limit. Protecting the sentry (oom_score_adj
+// < 0) needs CAP_SYS_RESOURCE, which this host's root lacks.
 //
 // TestConformance runs every other subtest; SPACE_GVISOR_STRICT=1 runs all.
-var knownGaps = []string{"limits/memory", "limits/pids", "isolation/capabilities"}
+var knownGaps = []string{"limits/memory", "limits/pids"}
 
-// skipPattern is the -test.skip pattern of knownGaps: one element per
-// level (go test splits patterns at '/'); no other subtest has these names
-// below limits or isolation.
-const skipPattern = "^TestConformance$/^(limits|isolation)$/^(memory|pids|capabilities)$"
+// skipPattern is the -test.skip pattern of knownGaps (go test splits
+// patterns at '/', one element per level).
+const skipPattern = "^TestConformance$/^limits$/^(memory|pids)$"
 
 // TestConformance runs the shared suite, unchanged, in a child test
 // process (this binary again) so that the known gaps can be skipped with
@@ -263,26 +257,38 @@ func TestDialRefusesPlantedSocket(t *testing.T) {
 }
 
 // TestStartErrorIsRunscs: a runsc failure comes back promptly with runsc's
-// own message, and leaves nothing running.
+// own message, and leaves nothing running or mounted.
 func TestStartErrorIsRunscs(t *testing.T) {
 	h := harness(t)
-	rt, err := runtime.New(gvisor.Name, runtime.Config{DataDir: shortTempDir(t), AgentBinary: "/nonexistent/space-agent", Logger: testLogger})
+	// The runtime's agent is a copy that disappears between two starts:
+	// the second fails inside runsc (the sandbox cannot mount it).
+	agent := filepath.Join(shortTempDir(t), "space-agent")
+	data, err := os.ReadFile(testenv.AgentBinary(t))
 	if err != nil {
 		t.Fatal(err)
 	}
-	closeWithTest(t, rt)
+	if err := os.WriteFile(agent, data, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	rt := newRuntime(t, agent)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	inst, err := rt.Create(ctx, runtime.Spec{ID: "sb-err", RootFS: h.RootFS, TemplateDigest: h.TemplateDigest, Limits: runtimetest.DefaultLimits})
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { inst.Destroy(context.Background()) })
+	if err := inst.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := inst.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	os.Remove(agent)
 	t0 := time.Now()
 	err = inst.Start(ctx)
-	// The failure is the sandbox's own (its mount of the agent fails), so
-	// runsc reports it as the sandbox not starting.
 	if err == nil || !strings.Contains(err.Error(), "runsc run: ") || errors.Is(err, errdefs.ErrTimeout) || time.Since(t0) > 30*time.Second {
-		t.Fatalf("Start with a missing agent: %v, want runsc's own message, promptly", err)
+		t.Fatalf("Start without its agent binary: %v, want runsc's own message, promptly", err)
 	}
 	t.Logf("after %v: %v", time.Since(t0).Round(time.Millisecond), err)
 	if inst.Alive() {

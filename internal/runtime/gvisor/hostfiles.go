@@ -8,6 +8,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
 )
 
 // writeHostFiles makes the hostname resolve inside the sandbox, as native
@@ -73,8 +75,16 @@ func writeInRoot(dir int, path string, data []byte) error {
 		return err
 	}
 	defer f.Close()
-	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
 		return fmt.Errorf("%s is not a regular file", path)
+	}
+	// A file the host just created belongs to the host's root, who is
+	// nobody inside: give it to sandbox root.
+	if st.Uid == 0 {
+		if err := f.Chown(ginit.IDBase, ginit.IDBase); err != nil {
+			return err
+		}
 	}
 	_, err = f.Write(data)
 	return err

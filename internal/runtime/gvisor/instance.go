@@ -17,6 +17,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
 )
 
 // startTimeout bounds `runsc run` plus the agent binding its socket.
@@ -52,6 +53,7 @@ var (
 func (i *instance) diskImage() string { return filepath.Join(i.dir, "disk.img") }
 func (i *instance) rwDir() string     { return filepath.Join(i.dir, "rw") }
 func (i *instance) rootfsDir() string { return filepath.Join(i.dir, "rootfs") }
+func (i *instance) lowerDir() string  { return filepath.Join(i.dir, "lower") }
 func (i *instance) agentDir() string  { return filepath.Join(i.dir, "agent") }
 func (i *instance) sockPath() string  { return filepath.Join(i.agentDir(), agentSock) }
 func (i *instance) pidFile() string   { return filepath.Join(i.dir, "sandbox.pid") }
@@ -148,13 +150,27 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		return fmt.Errorf("sandbox %s: %w", i.spec.ID, errdefs.ErrNotFound)
 	}
 	t0 := time.Now()
+	// Whatever step fails, nothing of this start stays (mounts, runsc
+	// container, processes); the disk image is kept.
+	defer func() {
+		if err != nil {
+			i.stopLocked(context.WithoutCancel(ctx))
+		}
+	}()
 	if err := mountDisk(i.diskImage(), i.rwDir()); err != nil {
 		return err
 	}
-	if err := mountOverlay(i.spec.RootFS, filepath.Join(i.rwDir(), "upper"), filepath.Join(i.rwDir(), "work"), i.rootfsDir()); err != nil {
+	userns, err := i.rt.usernsFD()
+	if err != nil {
 		return err
 	}
-	if err := os.MkdirAll(i.agentDir(), 0o700); err != nil {
+	if err := mountIDMapped(i.spec.RootFS, i.lowerDir(), userns); err != nil {
+		return err
+	}
+	if err := mountOverlay(i.lowerDir(), filepath.Join(i.rwDir(), "upper"), filepath.Join(i.rwDir(), "work"), i.rootfsDir()); err != nil {
+		return err
+	}
+	if err := makeAgentDir(i.agentDir()); err != nil {
 		return err
 	}
 	for _, p := range []string{i.sockPath(), i.runscPid(), i.pidFile()} {
@@ -170,11 +186,6 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if err := writeSpec(i.dir, bundleSpec(i.spec.ID, i.rootfsDir(), hostname, i.agentDir(), i.rt.cfg.AgentBinary, i.spec.Limits)); err != nil {
 		return err
 	}
-	defer func() {
-		if err != nil {
-			i.stopLocked(context.WithoutCancel(ctx))
-		}
-	}()
 	tPrepared := time.Now()
 	ctx, cancel := context.WithTimeout(ctx, startTimeout)
 	defer cancel()
@@ -409,6 +420,7 @@ func (i *instance) Changes(ctx context.Context) (runtime.Changes, error) {
 	return runtime.Changes{
 		Dir:         filepath.Join(i.rwDir(), "upper"),
 		OpaqueXattr: "trusted.overlay.opaque",
+		IDBase:      ginit.IDBase,
 		Release: func() error {
 			var err error
 			once.Do(func() {
@@ -422,3 +434,12 @@ func (i *instance) Changes(ctx context.Context) (runtime.Changes, error) {
 }
 
 func timeSince(t time.Time) time.Duration { return time.Since(t) }
+
+// makeAgentDir makes the directory the agent binds its socket in, owned by
+// sandbox root (the agent runs as root of its own user namespace).
+func makeAgentDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	return os.Lchown(dir, ginit.IDBase, ginit.IDBase)
+}

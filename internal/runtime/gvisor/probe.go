@@ -110,10 +110,11 @@ func (r *Runtime) probeRun(ctx context.Context, rs *runsc) (time.Duration, error
 	defer os.RemoveAll(dir)
 	root := filepath.Join(dir, "rootfs")
 	agent := filepath.Join(dir, "agent")
-	for _, d := range []string{root, agent} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return 0, err
-		}
+	if err := os.MkdirAll(root, 0o755); err != nil {
+		return 0, err
+	}
+	if err := makeAgentDir(agent); err != nil {
+		return 0, err
 	}
 	id := "probe-" + strconv.FormatInt(time.Now().UnixNano()%1e12, 36)
 	spec := bundleSpec(id, root, id, agent, r.cfg.AgentBinary, api.Limits{CPUs: 1, MemoryMiB: 128, Pids: 32})

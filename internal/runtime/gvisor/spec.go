@@ -8,6 +8,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
 )
 
 // The OCI runtime spec, only the fields this runtime writes. Declared here
@@ -138,8 +139,11 @@ var dockerCaps = []string{
 }
 
 // agentEnv is the environment of the agent, the same as native's: each
-// command gets its own environment from the request anyway.
+// command gets its own environment from the request anyway. The marker
+// makes space-agent enter its user namespace first (package ginit), and
+// is gone from the agent's own environment.
 var agentEnv = []string{
+	ginit.EnvStage + "=" + ginit.StageOuter,
 	"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
 	"HOME=/root",
 	"LANG=C.UTF-8",
@@ -164,8 +168,7 @@ func seccompPolicy() *ociSeccomp {
 				"process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd", "setns",
 				"kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
 				"userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
-				"open_by_handle_at", "name_to_handle_at", "mount", "umount2", "pivot_root",
-				"fsopen", "fsmount", "fsconfig", "fspick", "move_mount", "open_tree", "mount_setattr",
+				"open_by_handle_at", "name_to_handle_at",
 				"swapon", "swapoff", "reboot", "syslog", "acct", "quotactl", "sethostname", "setdomainname",
 			}, Action: "SCMP_ACT_ERRNO", ErrnoRet: eperm},
 			// clone3 passes its flags in memory a filter cannot read: ENOSYS
@@ -173,22 +176,9 @@ func seccompPolicy() *ociSeccomp {
 			{Names: []string{"clone3"}, Action: "SCMP_ACT_ERRNO", ErrnoRet: u(uint(unix.ENOSYS))},
 		},
 	}
-	// No new namespaces through clone or unshare: one rule per flag, as a
-	// rule's argument conditions all must hold and "any bit set" is not
-	// one masked comparison. CLONE_NEWTIME overlaps clone's exit-signal
-	// byte, so it is checked for unshare only.
-	flags := []uint64{unix.CLONE_NEWNS, unix.CLONE_NEWCGROUP, unix.CLONE_NEWUTS, unix.CLONE_NEWIPC,
-		unix.CLONE_NEWUSER, unix.CLONE_NEWPID, unix.CLONE_NEWNET}
-	for _, call := range []string{"clone", "unshare"} {
-		fl := flags
-		if call == "unshare" {
-			fl = append(fl[:len(fl):len(fl)], unix.CLONE_NEWTIME)
-		}
-		for _, f := range fl {
-			p.Syscalls = append(p.Syscalls, ociSeccompRule{Names: []string{call}, Action: "SCMP_ACT_ERRNO", ErrnoRet: eperm,
-				Args: []ociSeccompArg{{Index: 0, Value: f, ValueTwo: f, Op: "SCMP_CMP_MASKED_EQ"}}})
-		}
-	}
+	// New namespaces (clone/unshare flags) and mounts are refused by
+	// ginit's own filter in the agent's namespaces: the container's init
+	// needs to create them once, to put the agent there.
 	return p
 }
 

@@ -1,0 +1,259 @@
+// Package ginit runs inside space-agent when the gvisor runtime starts it as
+// a sandbox's init. It puts the agent in a user namespace of its own inside
+// gVisor, as native does on the host: sandbox root is then uid 100000000 of
+// the sentry's root namespace, its capabilities are confined to that
+// namespace, and /proc/self/uid_map says so.
+//
+// Stages, chosen by EnvStage:
+//
+//	outer  the container's init (root of the sentry's root user namespace).
+//	       Starts itself again in a new user and pid namespace with ids
+//	       0..65535 mapped to IDBase…, then waits for it and exits with its
+//	       status, so the sandbox ends when the agent does.
+//	inner  first process of the new namespaces. Bounds its capabilities to
+//	       docker's default set, sets no_new_privs and a seccomp filter that
+//	       refuses new namespaces, then execs the agent (exec makes this
+//	       thread's state the whole process's).
+//
+// The host maps the template (an id-mapped mount) and the writable layer to
+// IDBase, so files are owned by root inside.
+package ginit
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	goruntime "runtime"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// EnvStage selects the stage; the agent proper runs without it.
+const EnvStage = "SPACE_GINIT"
+
+// Stage values.
+const (
+	StageOuter = "outer"
+	stageInner = "inner"
+	// StageHold blocks until stdin reaches EOF, then exits. The host starts
+	// it in a new user namespace to hold that namespace while it opens it
+	// (for id-mapped mounts): a Go program cannot create one in-process.
+	StageHold = "hold"
+)
+
+// IDBase is the sentry-side uid/gid of sandbox root, IDSize the mapped range
+// (the same numbers as native's host mapping).
+const (
+	IDBase = 100000000
+	IDSize = 65536
+)
+
+// Enter does nothing unless the process was started by the gvisor runtime.
+// In the outer stage it never returns.
+func Enter() error {
+	switch stage := os.Getenv(EnvStage); stage {
+	case "":
+		return nil
+	case StageOuter:
+		os.Exit(outer())
+	case stageInner:
+		goruntime.LockOSThread()
+		return inner()
+	case StageHold:
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		os.Exit(0)
+	default:
+		return fmt.Errorf("unknown %s=%q", EnvStage, stage)
+	}
+	return nil
+}
+
+func outer() int {
+	// The agent handles termination signals itself; this process only
+	// waits, so it ignores them (as PID 1 it gets only those it handles).
+	signal.Ignore(unix.SIGTERM, unix.SIGINT, unix.SIGHUP, unix.SIGQUIT, unix.SIGUSR1, unix.SIGUSR2, unix.SIGPIPE)
+	cmd := exec.Command("/proc/self/exe", os.Args[1:]...)
+	cmd.Args[0] = os.Args[0]
+	cmd.Env = append(withoutStage(os.Environ()), EnvStage+"="+stageInner)
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		// A mount namespace of its own, so that it can mount the /proc of
+		// its pid namespace.
+		Cloneflags:                 unix.CLONE_NEWUSER | unix.CLONE_NEWPID | unix.CLONE_NEWNS,
+		UidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: IDBase, Size: IDSize}},
+		GidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: IDBase, Size: IDSize}},
+		GidMappingsEnableSetgroups: true,
+		Credential:                 &syscall.Credential{Uid: 0, Gid: 0},
+	}
+	if err := cmd.Start(); err != nil {
+		fmt.Fprintln(os.Stderr, "space-agent: gvisor init: starting the agent in its user namespace:", err)
+		return 125
+	}
+	err := cmd.Wait()
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+			return 128 + int(ws.Signal())
+		}
+		return ee.ExitCode()
+	}
+	if err != nil {
+		return 125
+	}
+	return 0
+}
+
+func withoutStage(env []string) []string {
+	out := env[:0:0]
+	for _, e := range env {
+		if len(e) > len(EnvStage) && e[:len(EnvStage)+1] == EnvStage+"=" {
+			continue
+		}
+		out = append(out, e)
+	}
+	return out
+}
+
+// mountProc mounts the /proc of the agent's pid namespace over the
+// container's, so that the agent is PID 1 there too (as it is to itself),
+// and masks sysrq-trigger again as the runtime's spec does.
+func mountProc() error {
+	_ = unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, "")
+	if err := unix.Mount("proc", "/proc", "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return fmt.Errorf("mount /proc: %w", err)
+	}
+	if _, err := os.Stat("/proc/sysrq-trigger"); err == nil {
+		if err := unix.Mount("/dev/null", "/proc/sysrq-trigger", "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("mask /proc/sysrq-trigger: %w", err)
+		}
+	}
+	return nil
+}
+
+// dockerCaps is docker's default capability set.
+var dockerCaps = []uintptr{
+	unix.CAP_CHOWN, unix.CAP_DAC_OVERRIDE, unix.CAP_FOWNER, unix.CAP_FSETID, unix.CAP_KILL,
+	unix.CAP_SETGID, unix.CAP_SETUID, unix.CAP_SETPCAP, unix.CAP_NET_BIND_SERVICE, unix.CAP_NET_RAW,
+	unix.CAP_SYS_CHROOT, unix.CAP_MKNOD, unix.CAP_AUDIT_WRITE, unix.CAP_SETFCAP,
+}
+
+func inner() error {
+	os.Unsetenv(EnvStage)
+	if err := mountProc(); err != nil {
+		return err
+	}
+	if err := limitCapabilities(); err != nil {
+		return err
+	}
+	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
+		return fmt.Errorf("no_new_privs: %w", err)
+	}
+	if err := loadSeccomp(); err != nil {
+		return err
+	}
+	exe, err := os.Readlink("/proc/self/exe")
+	if err != nil {
+		return err
+	}
+	return fmt.Errorf("exec agent: %w", unix.Exec(exe, os.Args, os.Environ()))
+}
+
+// limitCapabilities drops every capability outside docker's set from the
+// bounding set, and sets the permitted, effective and inheritable sets to
+// it, on this (locked) thread; exec then carries them to the agent.
+func limitCapabilities() error {
+	keep := map[uintptr]bool{}
+	var mask [2]uint32
+	for _, c := range dockerCaps {
+		keep[c] = true
+		mask[c/32] |= 1 << (c % 32)
+	}
+	for c := uintptr(0); c <= unix.CAP_LAST_CAP; c++ {
+		if keep[c] {
+			continue
+		}
+		if err := unix.Prctl(unix.PR_CAPBSET_DROP, c, 0, 0, 0); err != nil && !errors.Is(err, unix.EINVAL) {
+			return fmt.Errorf("drop capability %d from the bounding set: %w", c, err)
+		}
+	}
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	data := [2]unix.CapUserData{
+		{Effective: mask[0], Permitted: mask[0], Inheritable: 0},
+		{Effective: mask[1], Permitted: mask[1], Inheritable: 0},
+	}
+	if err := unix.Capset(&hdr, &data[0]); err != nil {
+		return fmt.Errorf("capset: %w", err)
+	}
+	// The agent runs as root: after exec, root's permitted set is the
+	// bounding set anyway; ambient stays empty.
+	return nil
+}
+
+// Seccomp: inside the agent's user namespace nothing may create another
+// namespace (which would hand back every capability dropped above) or
+// mount anything. Everything else the sandbox may not do is refused by the
+// OCI spec's filter, which applies to every process of the sandbox.
+const (
+	offNr    = 0
+	offArch  = 4
+	offArg0  = 16
+	retAllow = unix.SECCOMP_RET_ALLOW
+	nsFlags  = unix.CLONE_NEWNS | unix.CLONE_NEWCGROUP | unix.CLONE_NEWUTS | unix.CLONE_NEWIPC |
+		unix.CLONE_NEWUSER | unix.CLONE_NEWPID | unix.CLONE_NEWNET
+)
+
+func stmt(code uint16, k uint32) unix.SockFilter { return unix.SockFilter{Code: code, K: k} }
+func jump(code uint16, k uint32, jt, jf uint8) unix.SockFilter {
+	return unix.SockFilter{Code: code, Jt: jt, Jf: jf, K: k}
+}
+
+// deniedMounts are refused by this filter rather than the OCI spec's,
+// which would also refuse them to mountProc.
+var deniedMounts = []uint32{
+	unix.SYS_MOUNT, unix.SYS_UMOUNT2, unix.SYS_PIVOT_ROOT, unix.SYS_FSOPEN, unix.SYS_FSMOUNT,
+	unix.SYS_FSCONFIG, unix.SYS_FSPICK, unix.SYS_MOVE_MOUNT, unix.SYS_OPEN_TREE, unix.SYS_MOUNT_SETATTR,
+}
+
+func filter() []unix.SockFilter {
+	eperm := uint32(unix.SECCOMP_RET_ERRNO | uint32(unix.EPERM))
+	enosys := uint32(unix.SECCOMP_RET_ERRNO | uint32(unix.ENOSYS))
+	ld := uint16(unix.BPF_LD | unix.BPF_W | unix.BPF_ABS)
+	jeq := uint16(unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K)
+	jset := uint16(unix.BPF_JMP | unix.BPF_JSET | unix.BPF_K)
+	ret := uint16(unix.BPF_RET | unix.BPF_K)
+	p := []unix.SockFilter{
+		stmt(ld, offArch),
+		jump(jeq, unix.AUDIT_ARCH_X86_64, 1, 0),
+		stmt(ret, uint32(unix.SECCOMP_RET_KILL_PROCESS)),
+		stmt(ld, offNr),
+	}
+	for _, nr := range deniedMounts {
+		p = append(p, jump(jeq, nr, 0, 1), stmt(ret, eperm))
+	}
+	return append(p,
+		jump(jeq, unix.SYS_CLONE3, 0, 1),
+		stmt(ret, enosys), // libc falls back to clone, checked below
+		jump(jeq, unix.SYS_CLONE, 1, 0),
+		jump(jeq, unix.SYS_UNSHARE, 0, 3),
+		stmt(ld, offArg0),
+		jump(jset, nsFlags, 0, 1),
+		stmt(ret, eperm),
+		stmt(ret, retAllow),
+	)
+}
+
+// loadSeccomp installs the filter on this thread; no_new_privs is set.
+func loadSeccomp() error {
+	f := filter()
+	prog := unix.SockFprog{Len: uint16(len(f)), Filter: &f[0]}
+	_, _, errno := unix.RawSyscall(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, 0, uintptr(unsafe.Pointer(&prog)))
+	if errno != 0 {
+		return fmt.Errorf("load seccomp filter: %w", errno)
+	}
+	return nil
+}
