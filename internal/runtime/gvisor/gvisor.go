@@ -103,11 +103,11 @@ func New(cfg runtime.Config) (runtime.Runtime, error) {
 // Name implements runtime.Runtime.
 func (r *Runtime) Name() string { return Name }
 
-// Close releases what runsc keeps mounted for the runtime as a whole: the
-// bind mount of its empty gofer network namespace (state/null-netns), which
-// would otherwise make the state directory impossible to remove. Sandboxes
-// keep running (their processes hold the namespace) and runsc recreates
-// the mount on its next start. The runtime still works after Close.
+// Close removes the bind mount runsc pins its shared empty gofer network
+// namespace with (state/null-netns), left by a runsc run without
+// --gofer-network-namespace=new (an earlier configuration); it would make
+// the state directory impossible to remove. Sandboxes keep running (their
+// processes hold their namespaces). The runtime still works after Close.
 func (r *Runtime) Close() error {
 	path := filepath.Join(r.cfg.DataDir, "state", "null-netns")
 	// Concurrent runsc starts may have stacked several mounts on it.

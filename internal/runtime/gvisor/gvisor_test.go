@@ -212,6 +212,15 @@ func TestSweepAfterRestart(t *testing.T) {
 	if _, err := os.Stat(filepath.Join("/sys/fs/cgroup/memory/space-gvisor", sb.Spec.ID)); err == nil {
 		t.Fatal("cgroup left behind")
 	}
+	// Nothing stays mounted below DataDir, not even runsc's own state (a
+	// killed server must leave a removable directory).
+	mi, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(mi), " "+dir+"/") {
+		t.Fatalf("mounts left below %s", dir)
+	}
 }
 
 // TestDialRefusesPlantedSocket: the agent's socket lives in a directory the

@@ -62,6 +62,11 @@ func globalFlags() []string {
 		// own user namespace rather than as root (runsc's directfs mode
 		// keeps it root so that it can open host files itself).
 		"--directfs=false",
+		// Each gofer gets a fresh empty network namespace. runsc's default
+		// pins one shared namespace by a bind mount in the state directory:
+		// a mount that outlives a killed server and makes its data
+		// directory impossible to remove.
+		"--gofer-network-namespace=new",
 		// Linux's seccomp filters from the OCI spec apply inside the
 		// sandbox (see spec.go: no user namespaces, keyrings, bpf, …).
 		"--oci-seccomp",
