@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spacehq/space/internal/agentproto"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/gvisor"
@@ -305,5 +306,30 @@ func TestStartErrorIsRunscs(t *testing.T) {
 	}
 	if err := inst.Destroy(ctx); err != nil {
 		t.Fatalf("Destroy: %v", err)
+	}
+}
+
+// TestStartAfterCrash: a sandbox whose agent died on its own starts again
+// without a Stop in between (runsc still knows the dead container), with
+// its files.
+func TestStartAfterCrash(t *testing.T) {
+	h := harness(t)
+	sb := runtimetest.Start(t, h, nil, runtimetest.DefaultLimits)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	sb.MustSh(t, "echo kept > /root/kept")
+	// The agent is PID 1 of its namespace: SIGABRT is the signal it dies of.
+	sb.Client.Exec(ctx, agentproto.ExecRequest{Cmd: []string{"/bin/sh", "-c", "kill -ABRT 1"}, TimeoutSeconds: 5})
+	select {
+	case <-sb.Inst.Exited():
+	case <-time.After(15 * time.Second):
+		t.Fatal("Exited did not fire")
+	}
+	if err := sb.Inst.Start(ctx); err != nil {
+		t.Fatalf("Start after a crash: %v", err)
+	}
+	sb.Connect(t)
+	if out := sb.MustSh(t, "cat /root/kept"); out != "kept\n" {
+		t.Fatalf("after the restart /root/kept reads %q", out)
 	}
 }
