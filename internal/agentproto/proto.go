@@ -22,6 +22,15 @@ const (
 	// /v1/procs/{id}/attach   GET (WebSocket) ?stdout_offset=N&stderr_offset=M
 	// /v1/procs/{id}/signal   POST api.SignalRequest
 
+	// PathRestored: POST Restored → 204. The host calls it after every
+	// restore or fork: the agent mixes the host's seed into the kernel
+	// entropy pool, sets the hostname (fork) and the clock when it can.
+	PathRestored = "/v1/restored"
+	// PathQuiesce: POST → 204. Before a checkpoint: the agent closes its
+	// listener and host connections (runtimes that cannot save host
+	// sockets need this) until the runtime lets it listen again.
+	PathQuiesce = "/v1/quiesce"
+
 	PathFiles       = "/v1/files"        // GET ?path= → content; PUT ?path=&mode= (atomic replace) body=content; DELETE ?path=&recursive=1
 	PathFilesStat   = "/v1/files/stat"   // GET ?path= → api.FileInfo
 	PathFilesList   = "/v1/files/list"   // GET ?path= → api.FileList
@@ -79,4 +88,17 @@ type ProcInfo struct {
 	TTY     bool            `json:"tty"`
 	Running bool            `json:"running"`
 	Exit    *api.ExitStatus `json:"exit,omitempty"`
+}
+
+// Restored is the body of PathRestored.
+type Restored struct {
+	// Seed is fresh host entropy (at least 32 bytes) to mix into the
+	// kernel pool, so forked children never share random streams.
+	Seed []byte `json:"seed"`
+	// Hostname, when set, becomes the sandbox's hostname (a fork child
+	// takes its own id).
+	Hostname string `json:"hostname,omitempty"`
+	// TimeUnixNano is the host's clock; the agent sets the sandbox clock
+	// from it where it may (a microVM guest after a snapshot restore).
+	TimeUnixNano int64 `json:"time_unix_nano"`
 }

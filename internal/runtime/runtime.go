@@ -116,6 +116,32 @@ type Pauser interface {
 	Resume(ctx context.Context) error
 }
 
+// Suspender is implemented by instances that can save their whole state —
+// processes, memory, open files — to disk and then hold no host process or
+// memory at all, and later continue exactly where they were.
+type Suspender interface {
+	// Suspend saves the running (or paused) instance into its own
+	// directory and stops it. On error the instance keeps running as it
+	// was: a failed checkpoint never costs the sandbox.
+	Suspend(ctx context.Context) error
+	// Restore continues a suspended instance from its saved image, also on
+	// an instance from Runtime.Open after a server restart. It returns once
+	// the agent's stream can be dialled; the image is removed afterwards.
+	Restore(ctx context.Context) error
+	// Suspended reports whether a saved image is waiting to be restored.
+	Suspended() bool
+}
+
+// Forker is implemented by instances that can be cloned while running.
+type Forker interface {
+	// Fork checkpoints the running instance (which keeps running) and
+	// creates and starts one new instance per spec from that checkpoint,
+	// each with its own copy of the writable layer. On error no child is
+	// left behind. The caller then tells each child's agent it was forked
+	// (agentproto.PathRestored) so it reseeds entropy and its identity.
+	Fork(ctx context.Context, children []Spec) ([]Instance, error)
+}
+
 // TemplatePreparer is implemented by runtimes that derive their own format
 // from a template tree (a uid-shifted copy, a disk image). The server calls
 // PrepareTemplate when a template is imported or built, so that creating a
