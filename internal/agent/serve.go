@@ -49,7 +49,11 @@ type Config struct {
 	// long without a request in flight (see memory.go). The agent binary
 	// uses DefaultIdleTrim.
 	IdleTrim time.Duration
-	Logger   *slog.Logger
+	// OwnsSystem says the agent is its sandbox's init and may change
+	// system-wide state on PathRestored (hostname, clock). Off in tests
+	// that run an agent on the host.
+	OwnsSystem bool
+	Logger     *slog.Logger
 }
 
 // idleStreamTimeout closes keep-alive streams nobody uses: each costs a
@@ -72,6 +76,8 @@ type Agent struct {
 
 	mu    sync.Mutex
 	procs map[string]*proc
+
+	lc listenCtl // host sessions and listener, for PathQuiesce
 
 	closeOnce sync.Once
 }
@@ -139,6 +145,8 @@ func (a *Agent) Handler() http.Handler {
 	mux.HandleFunc("GET "+agentproto.PathFilesList, a.handleList)
 	mux.HandleFunc("POST "+agentproto.PathFilesMkdir, a.handleMkdir)
 	mux.HandleFunc("POST "+agentproto.PathFilesRename, a.handleRename)
+	mux.HandleFunc("POST "+agentproto.PathQuiesce, a.handleQuiesce)
+	mux.HandleFunc("POST "+agentproto.PathRestored, a.handleRestored)
 	mux.HandleFunc("GET "+agentproto.PathFilesTar, a.handleTarGet)
 	mux.HandleFunc("PUT "+agentproto.PathFilesTar, a.handleTarPut)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
@@ -171,6 +179,10 @@ func (a *Agent) ServeConn(conn io.ReadWriteCloser) error {
 		return fmt.Errorf("yamux server: %w", err)
 	}
 	defer sess.Close()
+	if !a.lc.track(sess) {
+		return nil // quiesced: no host connection until resumed
+	}
+	defer a.lc.untrack(sess)
 	err = a.srv.Serve(sess)
 	if errors.Is(err, yamux.ErrSessionShutdown) || errors.Is(err, http.ErrServerClosed) {
 		return nil
@@ -274,7 +286,7 @@ func serveMain(args []string) error {
 	}
 
 	tuneRuntime()
-	a, err := New(Config{Root: *root, Logger: log, IdleTrim: DefaultIdleTrim})
+	a, err := New(Config{Root: *root, Logger: log, IdleTrim: DefaultIdleTrim, OwnsSystem: true})
 	if err != nil {
 		return err
 	}
@@ -284,13 +296,7 @@ func serveMain(args []string) error {
 	case *serial != "":
 		return a.serveSerial(context.Background(), *serial)
 	case *sock != "":
-		os.Remove(*sock)
-		ln, err := net.Listen("unix", *sock)
-		if err != nil {
-			return err
-		}
-		log.Info("agent listening", "socket", *sock, "root", *root)
-		return a.Serve(ln)
+		return a.serveSocket(context.Background(), *sock)
 	default:
 		f := os.NewFile(uintptr(*fd), "agent-listener")
 		unix.CloseOnExec(*fd)

@@ -521,3 +521,17 @@ func (c *Client) TarGet(ctx context.Context, path string) (io.ReadCloser, error)
 func (c *Client) TarPut(ctx context.Context, path string, r io.Reader) error {
 	return c.upload(ctx, call{method: http.MethodPut, path: agentproto.PathFilesTar, query: pathQuery(path), body: r, contentType: "application/x-tar"}, nil)
 }
+
+// Quiesce asks the agent to close its listener and every host connection,
+// this client's session included, before a checkpoint (agentproto.PathQuiesce).
+// The caller closes the client afterwards; the agent listens again when its
+// runtime lets it.
+func (c *Client) Quiesce(ctx context.Context) error {
+	return c.doJSON(ctx, call{method: http.MethodPost, path: agentproto.PathQuiesce}, nil, nil, 0)
+}
+
+// Restored tells the agent it was restored or forked: it mixes r.Seed into
+// the kernel's entropy pool and takes r.Hostname (agentproto.PathRestored).
+func (c *Client) Restored(ctx context.Context, r agentproto.Restored) error {
+	return c.doJSON(ctx, call{method: http.MethodPost, path: agentproto.PathRestored}, r, nil, 0)
+}
