@@ -146,6 +146,9 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if i.aliveLocked() {
 		return fmt.Errorf("sandbox %s is already running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
+	if i.suspendedLocked() {
+		return fmt.Errorf("sandbox %s is suspended (restore or destroy it): %w", i.spec.ID, errdefs.ErrConflict)
+	}
 	if _, err := os.Stat(i.dir); err != nil {
 		return fmt.Errorf("sandbox %s: %w", i.spec.ID, errdefs.ErrNotFound)
 	}
@@ -157,26 +160,8 @@ func (i *instance) Start(ctx context.Context) (err error) {
 			i.stopLocked(context.WithoutCancel(ctx))
 		}
 	}()
-	if err := mountDisk(i.diskImage(), i.rwDir()); err != nil {
+	if err := i.mountRootLocked(); err != nil {
 		return err
-	}
-	userns, err := i.rt.usernsFD()
-	if err != nil {
-		return err
-	}
-	if err := mountIDMapped(i.spec.RootFS, i.lowerDir(), userns); err != nil {
-		return err
-	}
-	if err := mountOverlay(i.lowerDir(), filepath.Join(i.rwDir(), "upper"), filepath.Join(i.rwDir(), "work"), i.rootfsDir()); err != nil {
-		return err
-	}
-	if err := makeAgentDir(i.agentDir()); err != nil {
-		return err
-	}
-	for _, p := range []string{i.sockPath(), i.runscPid(), i.pidFile()} {
-		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return err
-		}
 	}
 	hostname := i.spec.Hostname
 	if hostname == "" {
@@ -204,27 +189,9 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		}
 	}
 	tRun := time.Now()
-	data, err := os.ReadFile(i.runscPid())
+	exited, pid, err := i.trackSandboxLocked()
 	if err != nil {
-		return fmt.Errorf("start sandbox %s: runsc wrote no pid: %v", i.spec.ID, err)
-	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
-	if err != nil || pid <= 0 {
-		return fmt.Errorf("start sandbox %s: bad pid %q", i.spec.ID, data)
-	}
-	pidfd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
-	if err != nil {
-		return fmt.Errorf("start sandbox %s: sandbox process %d: %v", i.spec.ID, pid, err)
-	}
-	st, err := procStartTime(pid)
-	if err != nil {
-		unix.Close(pidfd)
-		return fmt.Errorf("start sandbox %s: %v", i.spec.ID, err)
-	}
-	exited := watchExit(pidfd)
-	i.pid, i.exited = pid, exited
-	if err := writePidFile(i.pidFile(), pidRecord{Pid: pid, StartTime: st}); err != nil {
-		return err
+		return fmt.Errorf("start sandbox %s: %w", i.spec.ID, err)
 	}
 	if err := i.waitSocket(ctx, exited); err != nil {
 		return err
@@ -373,6 +340,9 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	if err != nil {
 		return s, err
 	}
+	// The host cgroup counts the host's OOM kills (a backstop that kills
+	// the whole sandbox); the memory guard inside counts its own.
+	s.OOMKills += guardKills(i.agentDir())
 	s.Pids, err = i.taskCount(ctx)
 	return s, err
 }
@@ -442,4 +412,62 @@ func makeAgentDir(dir string) error {
 		return err
 	}
 	return os.Lchown(dir, ginit.IDBase, ginit.IDBase)
+}
+
+// mountRootLocked mounts the writable disk, the id-mapped template and the
+// overlay, and readies the agent's directory (no stale socket or pid files).
+func (i *instance) mountRootLocked() error {
+	if err := mountDisk(i.diskImage(), i.rwDir()); err != nil {
+		return err
+	}
+	userns, err := i.rt.usernsFD()
+	if err != nil {
+		return err
+	}
+	if err := mountIDMapped(i.spec.RootFS, i.lowerDir(), userns); err != nil {
+		return err
+	}
+	if err := mountOverlay(i.lowerDir(), filepath.Join(i.rwDir(), "upper"), filepath.Join(i.rwDir(), "work"), i.rootfsDir()); err != nil {
+		return err
+	}
+	if err := makeAgentDir(i.agentDir()); err != nil {
+		return err
+	}
+	for _, p := range []string{i.sockPath(), i.runscPid(), i.pidFile()} {
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+	}
+	return nil
+}
+
+// trackSandboxLocked reads the pid runsc wrote (run or restore), watches
+// the process and records it for re-adoption.
+func (i *instance) trackSandboxLocked() (<-chan struct{}, int, error) {
+	data, err := os.ReadFile(i.runscPid())
+	if err != nil {
+		return nil, 0, fmt.Errorf("runsc wrote no pid: %v", err)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
+	if err != nil || pid <= 0 {
+		return nil, 0, fmt.Errorf("bad pid %q", data)
+	}
+	pidfd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
+	if err != nil {
+		return nil, 0, fmt.Errorf("sandbox process %d: %v", pid, err)
+	}
+	st, err := procStartTime(pid)
+	if err != nil {
+		unix.Close(pidfd)
+		return nil, 0, err
+	}
+	exited := watchExit(pidfd)
+	i.pid, i.exited = pid, exited
+	if err := raiseHostMemory(i.spec.ID, i.spec.Limits); err != nil {
+		return nil, 0, err
+	}
+	if err := writePidFile(i.pidFile(), pidRecord{Pid: pid, StartTime: st}); err != nil {
+		return nil, 0, err
+	}
+	return exited, pid, nil
 }

@@ -2,6 +2,7 @@ package gvisor
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -21,6 +22,9 @@ const Isolation = "gvisor(systrap)+seccomp+cgroups"
 type probeCache struct {
 	once sync.Once
 	caps runtime.Capabilities
+	// checkpointErr is why a checkpoint and restore of the probe's
+	// sandbox failed (nil: they work).
+	checkpointErr error
 }
 
 // Probe implements runtime.Runtime. It finds runsc, reads its version, and
@@ -54,15 +58,22 @@ func (r *Runtime) measure(ctx context.Context) runtime.Capabilities {
 	} else {
 		c.Available = true
 	}
-	for _, v := range []string{api.OpCreate, api.OpDelete, api.OpStop, api.OpStart, api.OpPause, api.OpResume, api.OpWake} {
+	for _, v := range []string{api.OpCreate, api.OpDelete, api.OpStop, api.OpStart, api.OpPause, api.OpResume} {
 		c.Verbs[v] = c.Available
 		if !c.Available {
 			c.VerbReasons[v] = c.Reason
 		}
 	}
-	for _, v := range []string{api.OpSuspend, api.OpRestore, api.OpFork} {
-		c.Verbs[v] = false
-		c.VerbReasons[v] = "the gvisor runtime does not implement checkpoints yet"
+	ckptErr := errors.New(c.Reason)
+	if c.Available {
+		ckptErr = r.probe.checkpointErr
+	}
+	// Wake needs restore: a suspended sandbox can only wake through it.
+	for _, v := range []string{api.OpSuspend, api.OpRestore, api.OpFork, api.OpWake} {
+		c.Verbs[v] = ckptErr == nil
+		if ckptErr != nil {
+			c.VerbReasons[v] = "checkpoint/restore does not work here: " + ckptErr.Error()
+		}
 	}
 	return c
 }
@@ -90,7 +101,13 @@ func (r *Runtime) check(ctx context.Context, c *runtime.Capabilities) error {
 	if _, err := os.Stat("/dev/loop-control"); err != nil {
 		return fmt.Errorf("no loop devices: %v", err)
 	}
-	d, err := r.probeRun(ctx, rs)
+	d, err := r.probeRun(ctx, rs, func(id, dir string) {
+		t0 := time.Now()
+		r.probe.checkpointErr = probeCheckpoint(ctx, rs, id, dir)
+		if r.probe.checkpointErr == nil {
+			c.Details["probe_checkpoint_restore_ms"] = strconv.FormatFloat(float64(time.Since(t0).Microseconds())/1000, 'f', 1, 64)
+		}
+	})
 	if err != nil {
 		return err
 	}
@@ -100,9 +117,9 @@ func (r *Runtime) check(ctx context.Context, c *runtime.Capabilities) error {
 
 // probeRun starts a sandbox the way Start does — the agent as init on a
 // socket the sentry binds on a host directory — from a root holding
-// nothing, dials the agent, and deletes the sandbox. It returns how long
-// `runsc run` took until the agent answered the dial.
-func (r *Runtime) probeRun(ctx context.Context, rs *runsc) (time.Duration, error) {
+// nothing, dials the agent, runs then, and deletes the sandbox. It returns
+// how long `runsc run` took until the agent answered the dial.
+func (r *Runtime) probeRun(ctx context.Context, rs *runsc, then func(id, dir string)) (time.Duration, error) {
 	dir, err := os.MkdirTemp(r.cfg.DataDir, ".probe-")
 	if err != nil {
 		return 0, err
@@ -133,8 +150,10 @@ func (r *Runtime) probeRun(ctx context.Context, rs *runsc) (time.Duration, error
 		var d net.Dialer
 		c, err := d.DialContext(ctx, "unix", sock)
 		if err == nil {
+			d := time.Since(t0)
 			c.Close()
-			return time.Since(t0), nil
+			then(id, dir)
+			return d, nil
 		}
 		select {
 		case <-ctx.Done():

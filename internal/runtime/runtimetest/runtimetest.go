@@ -3,7 +3,7 @@
 // the runtime interfaces and the agent through internal/agentclient, so the
 // same suite holds every backend to the same guarantees: lifecycle, exec,
 // PTY sessions, file confinement, limits, isolation probes, pause, and
-// crash cleanup.
+// crash cleanup; suspend/restore and fork where a runtime implements them.
 package runtimetest
 
 import (
@@ -52,6 +52,9 @@ func Run(t *testing.T, h Harness) {
 	t.Run("isolation", func(t *testing.T) { testIsolation(t, h) })
 	t.Run("pause", func(t *testing.T) { testPause(t, h) })
 	t.Run("crash", func(t *testing.T) { testCrash(t, h) })
+	// Optional: skipped where the runtime does not implement them.
+	t.Run("suspend", func(t *testing.T) { testSuspend(t, h) })
+	t.Run("fork", func(t *testing.T) { testFork(t, h) })
 }
 
 // Sandbox is one started instance and a client for its agent.

@@ -1,0 +1,246 @@
+package gvisor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+)
+
+// Fork.
+//
+// The parent (its agent quiesced by the manager) is paused, checkpointed
+// with --leave-running into a temporary image, and its writable disk is
+// frozen (FIFREEZE) and copied while it stays paused, so every child's disk
+// matches the memory image. Then the parent resumes and its agent listens
+// again, and each child — its own directory, id, disk copy, overlay, agent
+// directory and bundle, with the same mounts at the same places — is
+// restored from the image. Children take the parent's disk size.
+
+// Fork implements runtime.Forker.
+func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runtime.Instance, err error) {
+	if len(children) == 0 {
+		return nil, fmt.Errorf("fork: no children: %w", errdefs.ErrInvalidArgument)
+	}
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if !i.aliveLocked() {
+		return nil, fmt.Errorf("fork sandbox %s: not running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	if err := i.waitQuiesced(ctx); err != nil {
+		return nil, fmt.Errorf("fork sandbox %s: %w", i.spec.ID, err)
+	}
+	t0 := time.Now()
+	image, err := os.MkdirTemp(i.dir, "fork-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(image)
+	kids := make([]*instance, 0, len(children))
+	defer func() {
+		if err != nil {
+			for _, k := range kids {
+				if derr := k.Destroy(context.WithoutCancel(ctx)); derr != nil {
+					i.rt.log.Warn("fork: removing a child", "id", k.spec.ID, "err", derr)
+				}
+			}
+		}
+	}()
+	for _, spec := range children {
+		k, err := i.rt.newChild(spec)
+		if err != nil {
+			return nil, fmt.Errorf("fork sandbox %s: child %s: %w", i.spec.ID, spec.ID, err)
+		}
+		kids = append(kids, k)
+	}
+	if err := i.snapshotLocked(ctx, image, kids); err != nil {
+		return nil, i.checkpointFailed(ctx, "fork", err)
+	}
+	if err := i.resumeAgent(ctx); err != nil {
+		return nil, fmt.Errorf("fork sandbox %s: the parent's agent did not listen again: %w", i.spec.ID, err)
+	}
+	tSnap := time.Since(t0)
+	out := make([]runtime.Instance, 0, len(kids))
+	for _, k := range kids {
+		if err := k.restoreChild(ctx, image); err != nil {
+			return nil, fmt.Errorf("fork sandbox %s: child %s: %w", i.spec.ID, k.spec.ID, err)
+		}
+		out = append(out, k)
+	}
+	i.rt.log.Debug("sandbox forked", "id", i.spec.ID, "children", len(kids), "snapshot", tSnap, "total", time.Since(t0))
+	return out, nil
+}
+
+// snapshotLocked pauses the parent, checkpoints it into image (it keeps
+// running: --leave-running), copies its frozen disk to every child, and
+// resumes it whatever happened.
+func (i *instance) snapshotLocked(ctx context.Context, image string, kids []*instance) (err error) {
+	if _, err := i.rs.run(ctx, 0, "pause", i.spec.ID); err != nil {
+		return err
+	}
+	defer func() {
+		if _, rerr := i.rs.run(context.WithoutCancel(ctx), 0, "resume", i.spec.ID); rerr != nil {
+			err = errors.Join(err, rerr)
+		}
+	}()
+	if _, err := i.rs.run(ctx, checkpointTimeout, "checkpoint", "--leave-running", "--image-path", image, i.spec.ID); err != nil {
+		return err
+	}
+	st, err := i.rs.state(ctx, i.spec.ID)
+	if err != nil {
+		return err
+	}
+	if st.Status != "paused" {
+		// The disk copy would not match the memory image.
+		return fmt.Errorf("runsc left the container %s after checkpoint --leave-running, not paused", st.Status)
+	}
+	return withFrozen(i.rwDir(), func() error {
+		for _, k := range kids {
+			if err := copySparse(i.diskImage(), k.diskImage()); err != nil {
+				return fmt.Errorf("copying the disk to %s: %w", k.spec.ID, err)
+			}
+		}
+		return nil
+	})
+}
+
+// FIFREEZE and FITHAW: _IOWR('X', 119, int) and _IOWR('X', 120, int).
+const (
+	fiFreeze = 0xc0045877
+	fiThaw   = 0xc0045878
+)
+
+// withFrozen runs fn with the filesystem mounted at dir frozen: flushed
+// and consistent on its device, with writes blocked.
+func withFrozen(dir string, fn func() error) error {
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	if err := unix.IoctlSetInt(fd, fiFreeze, 0); err != nil {
+		return fmt.Errorf("freezing %s: %w", dir, err)
+	}
+	ferr := fn()
+	if err := unix.IoctlSetInt(fd, fiThaw, 0); err != nil {
+		return errors.Join(ferr, fmt.Errorf("thawing %s: %w", dir, err))
+	}
+	return ferr
+}
+
+// copySparse copies src to a new file dst, leaving holes as holes
+// (SEEK_DATA/SEEK_HOLE; copy_file_range shares blocks where the
+// filesystem can).
+func copySparse(src, dst string) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	fi, err := in.Stat()
+	if err != nil {
+		return err
+	}
+	out, err := os.OpenFile(dst, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+	if err != nil {
+		return err
+	}
+	fail := func(err error) error {
+		out.Close()
+		os.Remove(dst)
+		return err
+	}
+	if err := out.Truncate(fi.Size()); err != nil {
+		return fail(err)
+	}
+	size := fi.Size()
+	for off := int64(0); off < size; {
+		data, err := unix.Seek(int(in.Fd()), off, unix.SEEK_DATA)
+		if errors.Is(err, unix.ENXIO) {
+			break // only a hole remains
+		}
+		if err != nil {
+			return fail(err)
+		}
+		hole, err := unix.Seek(int(in.Fd()), data, unix.SEEK_HOLE)
+		if err != nil {
+			return fail(err)
+		}
+		for data < hole {
+			roff, woff := data, data
+			n, err := unix.CopyFileRange(int(in.Fd()), &roff, int(out.Fd()), &woff, int(hole-data), 0)
+			if err != nil || n == 0 {
+				// Fall back to a plain copy of this extent.
+				if _, err := io.Copy(io.NewOffsetWriter(out, data), io.NewSectionReader(in, data, hole-data)); err != nil {
+					return fail(err)
+				}
+				break
+			}
+			data += int64(n)
+		}
+		off = hole
+	}
+	if err := out.Close(); err != nil {
+		os.Remove(dst)
+		return err
+	}
+	return nil
+}
+
+// newChild makes a fork child's directory (its disk comes from the
+// parent). The child is removed by Destroy like any instance.
+func (r *Runtime) newChild(spec runtime.Spec) (*instance, error) {
+	k, err := r.newInstance(spec)
+	if err != nil {
+		return nil, err
+	}
+	if fi, err := os.Stat(spec.RootFS); err != nil || !fi.IsDir() {
+		return nil, fmt.Errorf("template root %q is not a directory: %w", spec.RootFS, errdefs.ErrInvalidArgument)
+	}
+	if err := os.MkdirAll(r.sandboxesDir(), 0o700); err != nil {
+		return nil, err
+	}
+	if err := os.Mkdir(k.dir, 0o700); err != nil {
+		if errors.Is(err, os.ErrExist) {
+			return nil, fmt.Errorf("sandbox %s already exists: %w", spec.ID, errdefs.ErrConflict)
+		}
+		return nil, err
+	}
+	return k, nil
+}
+
+// restoreChild mounts the child's root over its disk copy, writes its
+// bundle and restores it from the parent's image.
+func (k *instance) restoreChild(ctx context.Context, image string) (err error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if err := k.mountRootLocked(); err != nil {
+		return err
+	}
+	hostname := k.spec.Hostname
+	if hostname == "" {
+		hostname = k.spec.ID
+	}
+	if err := writeSpec(k.dir, bundleSpec(k.spec.ID, k.rootfsDir(), hostname, k.agentDir(), k.rt.cfg.AgentBinary, k.spec.Limits)); err != nil {
+		return err
+	}
+	if err := writeResumeMarker(k.agentDir()); err != nil {
+		return err
+	}
+	if err := k.restoreFrom(ctx, image); err != nil {
+		return err
+	}
+	if err := k.waitSocket(ctx, k.exited); err != nil {
+		return err
+	}
+	removeResumeMarker(k.agentDir())
+	return nil
+}
+

@@ -1,0 +1,227 @@
+package gvisor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+)
+
+// Suspend and restore.
+//
+// gVisor cannot save a socket bound on the host (the agent's channel) nor a
+// connection accepted on one, so the agent must be quiet first: the manager
+// calls its PathQuiesce, the agent closes its listener and sessions and
+// removes its socket, and Suspend waits for the socket file to go. The
+// agent listens again when the resume marker (agent.sock.resume, see
+// internal/agent's ResumeSuffix) appears in its directory: Suspend writes it
+// after a failed checkpoint, Restore before `runsc restore`, so that the
+// restored agent finds it on its first look (it polls every 2 ms).
+//
+// The image is written to checkpoint.tmp/ and renamed to checkpoint/ once
+// runsc has finished, so Suspended (the directory's presence) never sees a
+// partial image, also after a server restart.
+
+var (
+	_ runtime.Suspender = (*instance)(nil)
+	_ runtime.Forker    = (*instance)(nil)
+)
+
+const (
+	// resumeMarker is agent.ResumeSuffix appended to agentSock (a test
+	// checks that they agree).
+	resumeMarker = agentSock + ".resume"
+	// quiesceWait bounds the wait for a quiesced agent to remove its
+	// socket (it closes sessions the host left open after 0.5 s).
+	quiesceWait = 5 * time.Second
+	// checkpointTimeout and restoreTimeout bound runsc; both scale with the
+	// sandbox's memory (~1 GB/s here).
+	checkpointTimeout = 2 * time.Minute
+	restoreTimeout    = 2 * time.Minute
+)
+
+func (i *instance) imageDir() string { return filepath.Join(i.dir, "checkpoint") }
+
+// Suspended implements runtime.Suspender.
+func (i *instance) Suspended() bool {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	return i.suspendedLocked()
+}
+
+func (i *instance) suspendedLocked() bool {
+	fi, err := os.Lstat(i.imageDir())
+	return err == nil && fi.IsDir()
+}
+
+// Suspend implements runtime.Suspender. The agent must have been quiesced.
+func (i *instance) Suspend(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if !i.aliveLocked() {
+		return fmt.Errorf("suspend sandbox %s: not running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	if i.suspendedLocked() {
+		return fmt.Errorf("suspend sandbox %s: already holds a checkpoint: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	if err := i.waitQuiesced(ctx); err != nil {
+		return fmt.Errorf("suspend sandbox %s: %w", i.spec.ID, err)
+	}
+	tmp := i.imageDir() + ".tmp"
+	if err := os.RemoveAll(tmp); err != nil {
+		return err
+	}
+	if err := os.Mkdir(tmp, 0o700); err != nil {
+		return err
+	}
+	t0 := time.Now()
+	if _, err := i.rs.run(ctx, checkpointTimeout, "checkpoint", "--image-path", tmp, i.spec.ID); err != nil {
+		os.RemoveAll(tmp)
+		return i.checkpointFailed(ctx, "suspend", err)
+	}
+	if err := os.Rename(tmp, i.imageDir()); err != nil {
+		return err
+	}
+	tCheckpoint := time.Since(t0)
+	// The sandbox exits once saved; release the container, its mounts and
+	// cgroups exactly as Stop does. The image stays.
+	if err := i.stopLocked(ctx); err != nil {
+		return fmt.Errorf("suspend sandbox %s: saved, but stopping it: %w", i.spec.ID, err)
+	}
+	if pids := cgroupProcs(i.spec.ID); len(pids) > 0 {
+		return fmt.Errorf("suspend sandbox %s: host processes %v remain", i.spec.ID, pids)
+	}
+	i.rt.log.Debug("sandbox suspended", "id", i.spec.ID, "checkpoint", tCheckpoint, "total", time.Since(t0))
+	return nil
+}
+
+// waitQuiesced waits for the agent to remove its socket (PathQuiesce).
+func (i *instance) waitQuiesced(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, quiesceWait)
+	defer cancel()
+	for {
+		var st unix.Stat_t
+		if err := unix.Lstat(i.sockPath(), &st); errors.Is(err, unix.ENOENT) {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("its agent still listens (not quiesced): %w", errdefs.ErrConflict)
+		case <-time.After(time.Millisecond):
+		}
+	}
+}
+
+// checkpointFailed lets the agent listen again after a failed checkpoint
+// (the sandbox kept running) and returns runsc's error.
+func (i *instance) checkpointFailed(ctx context.Context, verb string, err error) error {
+	err = fmt.Errorf("%s sandbox %s: %w", verb, i.spec.ID, err)
+	if rerr := i.resumeAgent(ctx); rerr != nil {
+		return errors.Join(err, fmt.Errorf("and its agent did not listen again: %w", rerr))
+	}
+	return err
+}
+
+// resumeAgent writes the resume marker and waits for the agent's socket.
+func (i *instance) resumeAgent(ctx context.Context) error {
+	if err := writeResumeMarker(i.agentDir()); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), quiesceWait)
+	defer cancel()
+	err := i.waitSocket(ctx, i.exited)
+	removeResumeMarker(i.agentDir())
+	return err
+}
+
+// writeResumeMarker creates the marker in the agent's directory. The
+// directory is the sandbox's to write: whatever it planted under that name
+// is removed first, and the file is created without following a symlink.
+func writeResumeMarker(agentDir string) error {
+	dfd, err := unix.Open(agentDir, unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("resume marker: %w", err)
+	}
+	defer unix.Close(dfd)
+	_ = unix.Unlinkat(dfd, resumeMarker, 0)
+	fd, err := unix.Openat(dfd, resumeMarker, unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_WRONLY|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return fmt.Errorf("resume marker: %w", err)
+	}
+	return unix.Close(fd)
+}
+
+func removeResumeMarker(agentDir string) {
+	_ = os.Remove(filepath.Join(agentDir, resumeMarker))
+}
+
+// Restore implements runtime.Suspender: the same bundle, the writable disk
+// mounted again, `runsc restore` from the image; the image is removed once
+// the agent's socket is back. On error the image stays (Restore may be
+// retried) and nothing of the attempt runs.
+func (i *instance) Restore(ctx context.Context) (err error) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.aliveLocked() {
+		return fmt.Errorf("restore sandbox %s: running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	if !i.suspendedLocked() {
+		return fmt.Errorf("restore sandbox %s: no checkpoint: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	t0 := time.Now()
+	defer func() {
+		if err != nil {
+			i.stopLocked(context.WithoutCancel(ctx))
+		}
+	}()
+	if err := i.mountRootLocked(); err != nil {
+		return err
+	}
+	if err := writeResumeMarker(i.agentDir()); err != nil {
+		return err
+	}
+	tPrepared := time.Now()
+	if err := i.restoreFrom(ctx, i.imageDir()); err != nil {
+		return fmt.Errorf("restore sandbox %s: %w", i.spec.ID, err)
+	}
+	tRestored := time.Now()
+	if err := i.waitSocket(ctx, i.exited); err != nil {
+		return err
+	}
+	removeResumeMarker(i.agentDir())
+	if err := os.RemoveAll(i.imageDir()); err != nil {
+		return fmt.Errorf("restore sandbox %s: removing its image: %w", i.spec.ID, err)
+	}
+	i.rt.log.Debug("sandbox restored", "id", i.spec.ID, "prepare", tPrepared.Sub(t0),
+		"runsc_restore", tRestored.Sub(tPrepared), "agent_socket", time.Since(tRestored))
+	return nil
+}
+
+// restoreFrom runs `runsc restore` of this instance's bundle from image and
+// tracks the sandbox process.
+func (i *instance) restoreFrom(ctx context.Context, image string) error {
+	args := []string{"--detach", "--image-path", image, "--bundle", i.dir, "--pid-file", i.runscPid(), i.spec.ID}
+	if _, err := i.rs.run(ctx, restoreTimeout, "restore", args...); err != nil {
+		if !strings.Contains(err.Error(), "already exists") {
+			return err
+		}
+		// A container of this id left in runsc's state (a crash between
+		// its checkpoint and our delete): remove it and try once more.
+		if err := i.rs.deleteForce(ctx, i.spec.ID); err != nil {
+			return err
+		}
+		if _, err := i.rs.run(ctx, restoreTimeout, "restore", args...); err != nil {
+			return err
+		}
+	}
+	_, _, err := i.trackSandboxLocked()
+	return err
+}
