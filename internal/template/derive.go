@@ -104,8 +104,13 @@ func (s *Store) Derive(ctx context.Context, parent string, o DeriveOptions) (api
 	if err := ctx.Err(); err != nil {
 		return api.Template{}, err
 	}
-	rec.tree, rec.size, err = treeDigest(rootfs)
+	parentDir := filepath.Dir(s.rootfsDir(p.TreeDigest))
+	var sums map[string]string
+	rec.tree, rec.size, sums, err = treeDigest(rootfs, &treeRef{root: s.rootfsDir(p.TreeDigest), sums: readSums(parentDir)})
 	if err != nil {
+		return api.Template{}, err
+	}
+	if err := writeSums(stage, sums); err != nil {
 		return api.Template{}, err
 	}
 	rec.layers[len(layers)-1].Digest = imageDigest(rec.tree, rec.config)

@@ -42,7 +42,14 @@ const digestVersion = "space-template-tree-v1\n"
 // are host-specific (SELinux labels, ACLs) and not part of the content.
 // Times and inode numbers are not part of it, so the same tree imported
 // twice, from a directory or from a tar, has the same digest.
-func treeDigest(root string) (digest string, size int64, err error) {
+//
+// With ref, a file that is the very inode ref's tree has at the same path
+// (a Derive clone shares unchanged files with its parent by hard links, and
+// stored inodes are never written) takes its content hash from ref.sums
+// instead of being read again. sums returns every regular file's hash by
+// path, for the next tree to reuse.
+func treeDigest(root string, ref *treeRef) (digest string, size int64, sums map[string]string, err error) {
+	sums = map[string]string{}
 	h := sha256.New()
 	io.WriteString(h, digestVersion)
 	type inode struct{ dev, ino uint64 }
@@ -85,10 +92,13 @@ func treeDigest(root string) (digest string, size int64, err error) {
 			if st.Nlink > 1 {
 				seen[key] = rel
 			}
-			sum, err := fileSHA256(p, buf)
-			if err != nil {
-				return err
+			sum, ok := ref.reuse(rel, &st)
+			if !ok {
+				if sum, err = fileSHA256(p, buf); err != nil {
+					return err
+				}
 			}
+			sums[rel] = sum
 			detail = sum
 			size += st.Size
 		case unix.S_IFIFO:
@@ -105,9 +115,9 @@ func treeDigest(root string) (digest string, size int64, err error) {
 		return nil
 	})
 	if err != nil {
-		return "", 0, fmt.Errorf("digest %s: %w", root, err)
+		return "", 0, nil, fmt.Errorf("digest %s: %w", root, err)
 	}
-	return "sha256:" + hex.EncodeToString(h.Sum(nil)), size, nil
+	return "sha256:" + hex.EncodeToString(h.Sum(nil)), size, sums, nil
 }
 
 // xattrSuffix returns the digest suffix for p's user.* extended attributes
@@ -202,4 +212,68 @@ func imageDigest(tree string, cfg api.TemplateConfig) string {
 
 func isZeroConfig(c api.TemplateConfig) bool {
 	return len(c.Env) == 0 && c.Workdir == "" && c.User == "" && c.Start == nil
+}
+
+// treeRef is a stored tree whose file hashes a digest may reuse.
+type treeRef struct {
+	root string
+	sums map[string]string
+}
+
+func (r *treeRef) reuse(rel string, st *unix.Stat_t) (string, bool) {
+	if r == nil {
+		return "", false
+	}
+	sum, ok := r.sums[rel]
+	if !ok {
+		return "", false
+	}
+	// rel is a regular file's walked path in r's tree (no symlink on the
+	// way), so this lstat names exactly that file.
+	var pst unix.Stat_t
+	if unix.Lstat(filepath.Join(r.root, rel), &pst) != nil || pst.Dev != st.Dev || pst.Ino != st.Ino {
+		return "", false
+	}
+	return sum, true
+}
+
+// sumsFile sits next to a stored tree's rootfs: its files' content hashes.
+const sumsFile = "sums"
+
+func writeSums(dir string, sums map[string]string) error {
+	keys := make([]string, 0, len(sums))
+	for k := range sums {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	var b strings.Builder
+	for _, k := range keys {
+		b.WriteString(sums[k])
+		b.WriteByte(' ')
+		b.WriteString(strconv.Quote(k))
+		b.WriteByte('\n')
+	}
+	return os.WriteFile(filepath.Join(dir, sumsFile), []byte(b.String()), 0o600)
+}
+
+// readSums loads a stored tree's hashes; a missing or damaged file just
+// means nothing is reused.
+func readSums(dir string) map[string]string {
+	b, err := os.ReadFile(filepath.Join(dir, sumsFile))
+	if err != nil {
+		return nil
+	}
+	out := map[string]string{}
+	for _, line := range strings.Split(string(b), "\n") {
+		sum, q, ok := strings.Cut(line, " ")
+		if !ok || len(sum) != 64 {
+			continue
+		}
+		rel, err := strconv.Unquote(q)
+		if err != nil {
+			return nil
+		}
+		out[rel] = sum
+	}
+	return out
 }

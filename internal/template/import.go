@@ -129,8 +129,11 @@ func (s *Store) importWith(ctx context.Context, o ImportOptions, fill func(*stag
 		return api.Template{}, err
 	}
 	progress(o.Progress, Progress{Phase: PhaseImport, Message: "computing digest"})
-	tree, size, err := treeDigest(rootfs)
+	tree, size, sums, err := treeDigest(rootfs, nil)
 	if err != nil {
+		return api.Template{}, err
+	}
+	if err := writeSums(stage, sums); err != nil {
 		return api.Template{}, err
 	}
 	rec := record{tree: tree, size: size, source: o.Source, parent: parent, config: o.Config, layers: o.Layers}

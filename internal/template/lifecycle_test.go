@@ -255,3 +255,54 @@ func TestGCKeepsWhatIsNeededAndReportsBytes(t *testing.T) {
 	}
 	e.assertClean(t, 0)
 }
+
+// A derived tree reuses the parent's file hashes only for the very same
+// inodes: a changed file is hashed again, so the digest stays the content's.
+func TestDeriveReusesHashesOnlyForSharedInodes(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	p := mergedUsr(t, e)
+	pdir := filepath.Dir(filepath.Join(e.dir, strings.TrimPrefix(p.TreeDigest, "sha256:"), "rootfs"))
+	sums := readSums(pdir)
+	if len(sums) == 0 || sums["etc/hostname"] == "" {
+		t.Fatalf("import wrote no sums: %v", sums)
+	}
+	// Poison the parent's recorded hash of a file the child replaces, and of
+	// one it keeps: only the kept one may be trusted (same inode).
+	sums["usr/bin/tool"] = strings.Repeat("0", 64)
+	if err := writeSums(pdir, sums); err != nil {
+		t.Fatal(err)
+	}
+	up := t.TempDir()
+	os.MkdirAll(filepath.Join(up, "usr/bin"), 0o755)
+	os.WriteFile(filepath.Join(up, "usr/bin/tool"), []byte("v2"), 0o755)
+	c, err := e.store.Derive(ctx, p.Digest, DeriveOptions{Apply: func(ctx context.Context, tr *Tree) error {
+		return tr.ApplyUpperDir(ctx, Upper{Dir: up})
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, root, _ := e.store.Resolve(ctx, c.Digest)
+	want, _, _, err := treeDigest(root, nil) // from scratch, no reuse
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.TreeDigest != want {
+		t.Fatalf("derived digest %s, from scratch %s", c.TreeDigest, want)
+	}
+	// And reuse is really in effect: a poisoned hash of a kept (shared)
+	// file does flow into the child's digest.
+	sums["etc/hostname"] = strings.Repeat("1", 64)
+	writeSums(pdir, sums)
+	os.WriteFile(filepath.Join(up, "usr/bin/tool"), []byte("v3"), 0o755)
+	c2, err := e.store.Derive(ctx, p.Digest, DeriveOptions{Apply: func(ctx context.Context, tr *Tree) error {
+		return tr.ApplyUpperDir(ctx, Upper{Dir: up})
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, root2, _ := e.store.Resolve(ctx, c2.Digest)
+	if scratch, _, _, _ := treeDigest(root2, nil); scratch == c2.TreeDigest {
+		t.Fatal("the parent's recorded hashes were not reused")
+	}
+}

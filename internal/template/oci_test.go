@@ -358,14 +358,14 @@ func TestImportOCIAppliesLayers(t *testing.T) {
 		t.Errorf("directory xattr: %q %v", v, err)
 	}
 	// xattrs are part of the tree digest.
-	if d, _, err := treeDigest(root); err != nil || d != tmpl.TreeDigest {
+	if d, _, _, err := treeDigest(root, nil); err != nil || d != tmpl.TreeDigest {
 		t.Fatalf("tree digest %s %v, want %s", d, err, tmpl.TreeDigest)
 	}
 	p := filepath.Join(root, "usr/bin/ping")
 	if err := unix.Lsetxattr(p, "user.mime", []byte("text/plain"), 0); err != nil {
 		t.Fatal(err)
 	}
-	d2, _, _ := treeDigest(root)
+	d2, _, _, _ := treeDigest(root, nil)
 	unix.Lsetxattr(p, "user.mime", []byte("application/x-ping"), 0)
 	if d2 == tmpl.TreeDigest {
 		t.Error("changing a user.* xattr does not change the tree digest")
@@ -939,8 +939,8 @@ func TestCopyUserXattrs(t *testing.T) {
 	if _, err := lgetxattr(dst, "trusted.b"); !errors.Is(err, unix.ENODATA) {
 		t.Errorf("trusted.b copied: %v", err)
 	}
-	ds, _, _ := treeDigest(src)
-	dd, _, _ := treeDigest(dst)
+	ds, _, _, _ := treeDigest(src, nil)
+	dd, _, _, _ := treeDigest(dst, nil)
 	if ds != dd {
 		t.Error("copy has another tree digest")
 	}
