@@ -243,4 +243,3 @@ func (k *instance) restoreChild(ctx context.Context, image string) (err error) {
 	removeResumeMarker(k.agentDir())
 	return nil
 }
-

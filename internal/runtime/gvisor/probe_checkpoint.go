@@ -92,4 +92,3 @@ func waitGone(ctx context.Context, path string) error {
 		}
 	}
 }
-
