@@ -125,6 +125,9 @@ type Operation struct {
 	Phases     []Phase    `json:"phases"`
 	CreatedAt  time.Time  `json:"created_at"`
 	FinishedAt *time.Time `json:"finished_at,omitempty"`
+	// Children are the ids of the sandboxes a fork creates (their records
+	// exist from the moment the fork is accepted).
+	Children []string `json:"children,omitempty"`
 }
 
 // Done reports whether the operation has finished (either way).

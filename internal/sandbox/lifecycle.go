@@ -58,7 +58,7 @@ func (m *Manager) Lifecycle(ctx context.Context, id, verb string, force bool) (a
 	case api.OpDelete:
 		if !force {
 			switch sb.State {
-			case api.StateStopped, api.StateError:
+			case api.StateStopped, api.StateSuspended, api.StateError:
 			default:
 				return api.Operation{}, fmt.Errorf("sandbox %s is %s; stop it first or delete with force: %w", id, sb.State, errdefs.ErrConflict)
 			}
@@ -69,13 +69,18 @@ func (m *Manager) Lifecycle(ctx context.Context, id, verb string, force bool) (a
 			return api.Operation{}, err
 		}
 		fn = func(ctx context.Context, p *phases) error { return m.doVerb(ctx, p, id, verb) }
-	case api.OpSuspend, api.OpRestore, api.OpFork:
-		if err := m.verbSupported(sb, verb); err != nil {
+	case api.OpSuspend:
+		if err := m.checkVerb(sb, verb); err != nil {
 			return api.Operation{}, err
 		}
-		// No runtime registered today implements these; a runtime that
-		// claims the verb but lacks the interface is a bug, not a user error.
-		return api.Operation{}, fmt.Errorf("runtime %s claims %s but this server has no implementation for it", sb.Runtime, verb)
+		fn = func(ctx context.Context, p *phases) error { return m.doSuspend(ctx, p, id) }
+	case api.OpRestore:
+		if err := m.checkVerb(sb, verb); err != nil {
+			return api.Operation{}, err
+		}
+		fn = func(ctx context.Context, p *phases) error { return m.doVerb(ctx, p, id, api.OpRestore) }
+	case api.OpFork:
+		return m.Fork(ctx, id, api.ForkRequest{Count: 1})
 	default:
 		return api.Operation{}, invalid("unknown lifecycle verb %q", truncate(verb, 32))
 	}
@@ -93,9 +98,20 @@ func (m *Manager) checkVerb(sb api.Sandbox, verb string) error {
 	ok := false
 	switch verb {
 	case api.OpStop:
-		ok = sb.State == api.StateRunning || sb.State == api.StatePaused || sb.State == api.StateStopped
+		ok = sb.State == api.StateRunning || sb.State == api.StatePaused || sb.State == api.StateStopped || sb.State == api.StateSuspended
 	case api.OpStart:
-		ok = sb.State == api.StateStopped || sb.State == api.StateRunning
+		ok = sb.State == api.StateStopped || sb.State == api.StateRunning || sb.State == api.StateSuspended
+	case api.OpSuspend:
+		// What the runtime cannot do at all is said first, whatever the state.
+		if err := m.verbSupported(sb, verb); err != nil {
+			return err
+		}
+		ok = sb.State == api.StateRunning || sb.State == api.StatePaused || sb.State == api.StateSuspended
+	case api.OpRestore:
+		if err := m.verbSupported(sb, verb); err != nil {
+			return err
+		}
+		ok = sb.State == api.StateSuspended || sb.State == api.StateRunning
 	case api.OpPause:
 		ok = sb.State == api.StateRunning || sb.State == api.StatePaused
 		if ok {
@@ -106,7 +122,7 @@ func (m *Manager) checkVerb(sb api.Sandbox, verb string) error {
 	case api.OpResume:
 		ok = sb.State == api.StatePaused || sb.State == api.StateRunning
 	case api.OpWake:
-		ok = sb.State == api.StatePaused || sb.State == api.StateStopped || sb.State == api.StateRunning
+		ok = sb.State == api.StatePaused || sb.State == api.StateStopped || sb.State == api.StateRunning || sb.State == api.StateSuspended
 	}
 	if !ok {
 		return wrongState(sb.ID, sb.State, verb)
@@ -126,7 +142,7 @@ func (m *Manager) verbSupported(sb api.Sandbox, verb string) error {
 	return nil
 }
 
-// doVerb runs stop/start/pause/resume/wake; the caller holds e.mu.
+// doVerb runs stop/start/pause/resume/wake/restore; the caller holds e.mu.
 func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error {
 	e := m.entry(id)
 	sb, err := m.cfg.DB.GetSandbox(ctx, id)
@@ -141,9 +157,14 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 			verb = api.OpResume
 		case api.StateStopped:
 			verb = api.OpStart
+		case api.StateSuspended:
+			verb = api.OpRestore
 		default:
 			return wrongState(id, sb.State, "wake")
 		}
+	}
+	if verb == api.OpStart && sb.State == api.StateSuspended {
+		verb = api.OpRestore
 	}
 	// Re-check under the lock: another operation may have run meanwhile.
 	if err := m.checkVerb(sb, verb); err != nil {
@@ -154,6 +175,11 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 		return err
 	}
 	switch verb {
+	case api.OpRestore:
+		if sb.State == api.StateRunning {
+			return nil
+		}
+		return m.doRestore(ctx, p, e, sb)
 	case api.OpStop:
 		if sb.State == api.StateStopped {
 			return nil
@@ -161,7 +187,13 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 		m.setState(id, api.StateStopping, "", "")
 		e.expectExit.Store(true)
 		m.dropClient(e)
+		// Stopping a suspended instance discards its saved image.
 		if err := p.run("stop_runtime", func() error { return inst.Stop(ctx) }); err != nil {
+			m.setState(id, api.StateError, err.Error(), "")
+			return err
+		}
+		if sp, ok := inst.(runtime.Suspender); ok && sp.Suspended() {
+			err := fmt.Errorf("runtime %s kept the saved image of sandbox %s after a stop", sb.Runtime, id)
 			m.setState(id, api.StateError, err.Error(), "")
 			return err
 		}
@@ -291,15 +323,20 @@ func (m *Manager) ensureRunning(ctx context.Context, id string) (*entry, *agentC
 					return e, c, sb, nil
 				}
 			}
-			// Running but no client: re-dial (after a restart or a dropped stream).
+			// Running but no client: re-dial (after a restart or a dropped
+			// stream). An operation (a suspend) may hold the lock and
+			// change the state meanwhile: re-read it under the lock.
 			e.mu.Lock()
-			err := m.redial(ctx, e, sb)
+			cur, err := m.cfg.DB.GetSandbox(ctx, id)
+			if err == nil && cur.State == api.StateRunning {
+				err = m.redial(ctx, e, cur)
+			}
 			e.mu.Unlock()
 			if err != nil {
 				return nil, nil, api.Sandbox{}, err
 			}
 			continue
-		case api.StatePaused, api.StateStopped:
+		case api.StatePaused, api.StateStopped, api.StateSuspended:
 			op := newOperation(api.OpWake, id)
 			if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
 				return nil, nil, api.Sandbox{}, err

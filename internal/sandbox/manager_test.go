@@ -28,9 +28,18 @@ type harness struct {
 	db   *store.DB
 	tmpl *template.Store
 	m    *Manager
+	opts fakeruntime.Options
+	rt   *fakeruntime.Runtime // of the current manager
 }
 
 func newHarness(t *testing.T) *harness {
+	t.Helper()
+	return newHarnessWith(t, fakeruntime.Options{})
+}
+
+// newHarnessWith is newHarness with the fake's optional (memory-less)
+// suspend and fork abilities.
+func newHarnessWith(t *testing.T, opts fakeruntime.Options) *harness {
 	t.Helper()
 	testenv.RequireRoot(t) // template imports keep ownership
 	dir := t.TempDir()
@@ -49,7 +58,7 @@ func newHarness(t *testing.T) *harness {
 	if _, err := tmpl.ImportDir(context.Background(), src, template.ImportOptions{Tags: []string{"tiny:latest"}, Source: "dir"}); err != nil {
 		t.Fatal(err)
 	}
-	h := &harness{t: t, dir: dir, db: db, tmpl: tmpl}
+	h := &harness{t: t, dir: dir, db: db, tmpl: tmpl, opts: opts}
 	h.m = h.manager()
 	t.Cleanup(func() {
 		ctx := context.Background()
@@ -66,7 +75,8 @@ func newHarness(t *testing.T) *harness {
 }
 
 func (h *harness) manager() *Manager {
-	rt := fakeruntime.New(runtime.Config{DataDir: filepath.Join(h.dir, "fake"), AgentBinary: testenv.AgentBinary(h.t)})
+	rt := fakeruntime.NewWithOptions(runtime.Config{DataDir: filepath.Join(h.dir, "fake"), AgentBinary: testenv.AgentBinary(h.t)}, h.opts)
+	h.rt = rt
 	return New(Config{
 		DB: h.db, Templates: h.tmpl, Runtimes: map[string]runtime.Runtime{fakeruntime.Name: rt},
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), BaseTemplateRef: "tiny:latest",

@@ -7,6 +7,7 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/store"
 )
 
@@ -96,11 +97,21 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 		return
 	}
 	switch sb.State {
-	case api.StateRunning, api.StatePaused, api.StateStarting, api.StateStopping:
+	case api.StateRunning, api.StatePaused, api.StateStarting, api.StateStopping, api.StateSuspended:
 		inst, _, err := m.instance(ctx, e, sb)
 		if err != nil {
 			log.Warn("cannot re-open sandbox", "err", err)
 			m.setState(sb.ID, api.StateError, "re-open after restart failed: "+err.Error(), "")
+			return
+		}
+		// A saved image with nothing running is a suspended sandbox,
+		// whatever the record says (a suspend finished, or a restore had
+		// not begun, when the server went down). No process is expected.
+		if sp, ok := inst.(runtime.Suspender); ok && sb.State != api.StateStopping && !inst.Alive() && sp.Suspended() {
+			if sb.State != api.StateSuspended {
+				m.setState(sb.ID, api.StateSuspended, "", "")
+			}
+			log.Info("sandbox is suspended")
 			return
 		}
 		if sb.State == api.StateStopping || !inst.Alive() {
@@ -108,7 +119,11 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 			inst.Stop(ctx)
 			m.markCommandsExited(sb.ID, "the sandbox's processes ended while the server was down")
 			note := ""
-			if sb.State != api.StateStopping {
+			switch sb.State {
+			case api.StateStopping:
+			case api.StateSuspended:
+				note = "the suspended image was gone after a server restart; its disk is kept and the next request starts it afresh"
+			default:
 				note = "the sandbox's processes were gone after a server restart; its disk is kept and the next request starts it"
 			}
 			m.setState(sb.ID, api.StateStopped, note, "")
@@ -132,8 +147,21 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 		m.setState(sb.ID, api.StateRunning, "", "")
 		log.Info("re-adopted running sandbox")
 	case api.StateCreating:
-		// A create whose operation record is missing: nothing to re-drive.
-		m.setState(sb.ID, api.StateError, "create was interrupted and its operation is missing", "")
+		// A fork child whose fork was interrupted, or a create whose
+		// operation record is missing: nothing to re-drive. Whatever
+		// instance it got is thrown away; the record says why.
+		msg := "create was interrupted and its operation is missing"
+		if sb.Labels[LabelForkOf] != "" {
+			msg = "the fork that created this sandbox was interrupted by a server restart"
+		}
+		if inst, _, err := m.instance(ctx, e, sb); err == nil {
+			e.expectExit.Store(true)
+			inst.Destroy(ctx)
+			e.cmu.Lock()
+			e.inst = nil
+			e.cmu.Unlock()
+		}
+		m.setState(sb.ID, api.StateError, msg, "")
 	case api.StateDeleting:
 		op := newOperation(api.OpDelete, sb.ID)
 		m.putOp(op)

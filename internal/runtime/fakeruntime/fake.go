@@ -47,11 +47,58 @@ type process struct {
 
 // Runtime is the fake runtime.
 type Runtime struct {
-	cfg runtime.Config
+	cfg  runtime.Config
+	opts Options
+
+	faultMu sync.Mutex
+	faults  map[string]fault // by verb: the next call fails
+}
+
+// Options turn on the fake's optional abilities.
+type Options struct {
+	// Suspend makes instances runtime.Suspenders and Fork makes them
+	// runtime.Forkers — WITHOUT ANY MEMORY: the fake cannot checkpoint a
+	// process. Suspend stops the agent and leaves a marker file (the
+	// "image"), Restore starts a fresh agent and removes it, Fork starts a
+	// fresh agent per child on a copy of the parent's files. Every process
+	// of the sandbox and its memory are LOST across these verbs. They exist
+	// only to drive the manager's state machine (phases, failures, wake,
+	// idle suspend, restart) in tests; real suspend/fork semantics are
+	// tested against real runtimes.
+	Suspend, Fork bool
+}
+
+type fault struct {
+	err          error
+	discardImage bool
 }
 
 // New builds a fake runtime rooted at cfg.DataDir.
-func New(cfg runtime.Config) *Runtime { return &Runtime{cfg: cfg} }
+func New(cfg runtime.Config) *Runtime { return NewWithOptions(cfg, Options{}) }
+
+// NewWithOptions builds a fake runtime with optional abilities.
+func NewWithOptions(cfg runtime.Config, opts Options) *Runtime {
+	return &Runtime{cfg: cfg, opts: opts, faults: map[string]fault{}}
+}
+
+// FailNext makes the next call of verb (api.OpSuspend, api.OpRestore or
+// api.OpFork) on any instance fail with err, honouring the runtime
+// contract for failures: a failed suspend leaves the instance running, a
+// failed restore keeps the image unless discardImage, a failed fork leaves
+// no child behind.
+func (r *Runtime) FailNext(verb string, err error, discardImage bool) {
+	r.faultMu.Lock()
+	defer r.faultMu.Unlock()
+	r.faults[verb] = fault{err: err, discardImage: discardImage}
+}
+
+func (r *Runtime) takeFault(verb string) (fault, bool) {
+	r.faultMu.Lock()
+	defer r.faultMu.Unlock()
+	f, ok := r.faults[verb]
+	delete(r.faults, verb)
+	return f, ok
+}
 
 func (r *Runtime) Name() string { return Name }
 
@@ -61,10 +108,33 @@ func (r *Runtime) Probe(context.Context) runtime.Capabilities {
 		verbs[v] = true
 	}
 	why := "the fake runtime keeps no memory images"
-	return runtime.Capabilities{
-		Available: true, Isolation: "none (test fake)", Strength: 0, Verbs: verbs,
-		VerbReasons: map[string]string{api.OpSuspend: why, api.OpRestore: why, api.OpFork: why},
+	reasons := map[string]string{}
+	if r.opts.Suspend {
+		verbs[api.OpSuspend], verbs[api.OpRestore] = true, true
+	} else {
+		reasons[api.OpSuspend], reasons[api.OpRestore] = why, why
 	}
+	if r.opts.Fork {
+		verbs[api.OpFork] = true
+	} else {
+		reasons[api.OpFork] = why
+	}
+	return runtime.Capabilities{
+		Available: true, Isolation: "none (test fake)", Strength: 0, Verbs: verbs, VerbReasons: reasons,
+	}
+}
+
+// instance wraps a base instance with the optional abilities turned on.
+func (r *Runtime) instance(i *Instance) runtime.Instance {
+	switch {
+	case r.opts.Suspend && r.opts.Fork:
+		return &suspendForkInstance{suspendInstance{i}}
+	case r.opts.Suspend:
+		return &suspendInstance{i}
+	case r.opts.Fork:
+		return &forkInstance{i}
+	}
+	return i
 }
 
 func (r *Runtime) dir(id string) string { return filepath.Join(r.cfg.DataDir, id) }
@@ -74,7 +144,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (runtime.Instan
 	if err := os.MkdirAll(filepath.Join(d, "root"), 0o755); err != nil {
 		return nil, err
 	}
-	return &Instance{rt: r, id: spec.ID, dir: d}, nil
+	return r.instance(&Instance{rt: r, id: spec.ID, dir: d}), nil
 }
 
 func (r *Runtime) Open(ctx context.Context, spec runtime.Spec) (runtime.Instance, error) {
@@ -82,7 +152,7 @@ func (r *Runtime) Open(ctx context.Context, spec runtime.Spec) (runtime.Instance
 	if _, err := os.Stat(d); err != nil {
 		return nil, fmt.Errorf("fake instance %s: %w", spec.ID, errdefs.ErrNotFound)
 	}
-	return &Instance{rt: r, id: spec.ID, dir: d}, nil
+	return r.instance(&Instance{rt: r, id: spec.ID, dir: d}), nil
 }
 
 func (r *Runtime) Sweep(ctx context.Context, keep func(string) bool) ([]string, error) {
@@ -134,7 +204,16 @@ func (i *Instance) Start(ctx context.Context) error {
 	}
 	os.Remove(i.sock())
 	cmd := exec.Command(i.rt.cfg.AgentBinary, "--socket", i.sock(), "--root", filepath.Join(i.dir, "root"))
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// Its own UTS namespace: a restored or forked agent sets its hostname
+	// (agentproto.PathRestored), which must not rename the test host.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Cloneflags: syscall.CLONE_NEWUTS}
+	// The agent's log, for a test that wonders why it died.
+	logf, err := os.OpenFile(filepath.Join(i.dir, "agent.log"), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		return err
+	}
+	defer logf.Close()
+	cmd.Stderr = logf
 	if err := cmd.Start(); err != nil {
 		return err
 	}
@@ -186,6 +265,15 @@ func (i *Instance) signal(sig syscall.Signal) error {
 }
 
 func (i *Instance) Stop(ctx context.Context) error {
+	// Stopping a suspended instance discards its image.
+	if err := os.Remove(i.imagePath()); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return i.kill(ctx)
+}
+
+// kill ends the agent process (and its group).
+func (i *Instance) kill(ctx context.Context) error {
 	p := i.proc()
 	if p == nil {
 		return nil

@@ -1,0 +1,201 @@
+package sandbox
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"time"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+)
+
+// Fork limits and the label that ties a child to its parent.
+const (
+	MaxForkCount = 16
+	// LabelForkOf is set on every fork child to its parent's id.
+	LabelForkOf = "space.fork_of"
+)
+
+// Fork clones a running sandbox into req.Count (default 1, at most
+// MaxForkCount) new sandboxes. The child records exist (state creating)
+// when Fork returns; their ids are in the operation's Children. A paused or
+// suspended parent is refused (wake it first): forking must not change the
+// parent's state.
+func (m *Manager) Fork(ctx context.Context, id string, req api.ForkRequest) (api.Operation, error) {
+	if req.Count == 0 {
+		req.Count = 1
+	}
+	if req.Count < 1 || req.Count > MaxForkCount {
+		return api.Operation{}, invalid("count must be between 1 and %d, got %d", MaxForkCount, req.Count)
+	}
+	sb, err := m.Get(ctx, id)
+	if err != nil {
+		return api.Operation{}, err
+	}
+	if err := m.verbSupported(sb, api.OpFork); err != nil {
+		return api.Operation{}, err
+	}
+	if sb.State != api.StateRunning {
+		return api.Operation{}, fmt.Errorf("sandbox %s is %s; only a running sandbox can be forked (wake it first): %w", id, sb.State, errdefs.ErrConflict)
+	}
+	op := newOperation(api.OpFork, id)
+	now := time.Now().UTC()
+	var kids []*entry
+	for range req.Count {
+		child := api.Sandbox{
+			ID: newID("sb"), State: api.StateCreating, Runtime: sb.Runtime, Isolation: sb.Isolation,
+			Template: sb.Template, TemplateDigest: sb.TemplateDigest, Limits: sb.Limits,
+			Env: maps.Clone(sb.Env), Workdir: sb.Workdir, User: sb.User, Labels: maps.Clone(sb.Labels),
+			TTLSeconds: sb.TTLSeconds, Idle: sb.Idle, CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
+			OperationID: op.ID,
+		}
+		if child.Labels == nil {
+			child.Labels = map[string]string{}
+		}
+		child.Labels[LabelForkOf] = id
+		if sb.Idle != nil {
+			idle := *sb.Idle
+			child.Idle = &idle
+		}
+		if sb.TTLSeconds > 0 {
+			exp := now.Add(time.Duration(sb.TTLSeconds) * time.Second)
+			child.ExpiresAt = &exp
+		}
+		// The child is locked before anyone can see it, so nothing (a
+		// forced delete, a wake) acts on it before the fork settles it.
+		ce := m.entry(child.ID)
+		ce.mu.Lock()
+		kids = append(kids, ce)
+		if err := m.cfg.DB.PutSandbox(ctx, child); err != nil {
+			m.abandonChildren(kids, op.Children, err)
+			return api.Operation{}, err
+		}
+		op.Children = append(op.Children, child.ID)
+	}
+	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
+		m.abandonChildren(kids, op.Children, err)
+		return api.Operation{}, err
+	}
+	children := op.Children
+	m.start(op, func(ctx context.Context, p *phases) error {
+		defer func() {
+			for _, ce := range kids {
+				ce.mu.Unlock()
+			}
+		}()
+		return m.doFork(ctx, p, id, children)
+	})
+	return op, nil
+}
+
+// abandonChildren undoes a Fork that failed before its operation started.
+func (m *Manager) abandonChildren(kids []*entry, ids []string, cause error) {
+	for _, id := range ids {
+		m.setState(id, api.StateError, "fork failed: "+cause.Error(), "")
+	}
+	for _, ce := range kids {
+		ce.mu.Unlock()
+	}
+}
+
+// doFork runs a fork operation; the caller holds the parent's and every
+// child's entry lock. All or nothing: on any error every child instance is
+// destroyed and every child record is left in the error state with the
+// reason, and the parent keeps running.
+func (m *Manager) doFork(ctx context.Context, p *phases, id string, children []string) (err error) {
+	e := m.entry(id)
+	var insts []runtime.Instance
+	defer func() {
+		if err == nil {
+			return
+		}
+		for _, inst := range insts {
+			if inst != nil {
+				inst.Destroy(context.Background())
+			}
+		}
+		for _, cid := range children {
+			ce := m.entry(cid)
+			ce.expectExit.Store(true)
+			m.dropClient(ce)
+			ce.cmu.Lock()
+			ce.inst = nil
+			ce.cmu.Unlock()
+			m.setState(cid, api.StateError, "fork failed: "+err.Error(), "")
+		}
+	}()
+	sb, err := m.cfg.DB.GetSandbox(ctx, id)
+	if err != nil {
+		return err
+	}
+	if sb.State != api.StateRunning {
+		return fmt.Errorf("sandbox %s is %s; only a running sandbox can be forked: %w", id, sb.State, errdefs.ErrConflict)
+	}
+	inst, _, err := m.instance(ctx, e, sb)
+	if err != nil {
+		return err
+	}
+	fk, ok := inst.(runtime.Forker)
+	if !ok {
+		return runtime.NotSupported(sb.Runtime, "fork", "its instances cannot be cloned")
+	}
+	specs := make([]runtime.Spec, len(children))
+	for i, cid := range children {
+		child, err := m.cfg.DB.GetSandbox(ctx, cid)
+		if err != nil {
+			return err
+		}
+		if specs[i], _, err = m.spec(ctx, child); err != nil {
+			return err
+		}
+		specs[i].Hostname = cid
+	}
+	c, err := m.liveClient(ctx, p, e, inst)
+	if err != nil {
+		return err
+	}
+	if err := p.run("quiesce", func() error { return c.Quiesce(ctx) }); err != nil {
+		return fmt.Errorf("the sandbox's agent did not quiesce: %w", err)
+	}
+	m.dropClient(e)
+	ferr := p.run("fork", func() (err error) {
+		insts, err = fk.Fork(ctx, specs)
+		return err
+	})
+	// The parent runs on either way; its agent listens again.
+	if rerr := p.run("reconnect", func() error { return m.connect(ctx, e, inst) }); rerr != nil {
+		m.log.Warn("parent's agent did not come back after a fork; the next request re-dials", "sandbox", id, "err", rerr)
+	}
+	if ferr != nil {
+		return fmt.Errorf("fork failed: %w", ferr)
+	}
+	if len(insts) != len(children) {
+		return fmt.Errorf("runtime %s returned %d instances for %d fork children", sb.Runtime, len(insts), len(children))
+	}
+	for i, cid := range children {
+		ce := m.entry(cid)
+		ce.cmu.Lock()
+		ce.inst = insts[i]
+		ce.cmu.Unlock()
+		ce.expectExit.Store(false)
+		if err := p.run("agent_ready", func() error { return m.connect(ctx, ce, insts[i]) }); err != nil {
+			return fmt.Errorf("child %s: %w", cid, err)
+		}
+		// A child that has not reseeded shares its parent's random
+		// streams: that is a failed fork, not a warning.
+		if err := p.run("reseed", func() error { return m.reseed(ctx, ce, cid) }); err != nil {
+			return fmt.Errorf("child %s did not reseed: %w", cid, err)
+		}
+	}
+	for i, cid := range children {
+		ce := m.entry(cid)
+		m.watchExit(ce, insts[i])
+		ce.lastActive.Store(time.Now().UnixNano())
+		if _, err := m.setState(cid, api.StateRunning, "", ""); err != nil {
+			return err
+		}
+	}
+	return nil
+}
