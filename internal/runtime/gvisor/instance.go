@@ -39,6 +39,7 @@ type instance struct {
 	pidsMu   sync.Mutex
 	pidsAt   time.Time
 	pidsLast int64
+	memLast  int64 // the sentry's memory accounting, read with pidsLast
 }
 
 // pidsTTL is how long a task count from the sentry is reused.
@@ -329,9 +330,12 @@ func (i *instance) Resume(ctx context.Context) error {
 	return err
 }
 
-// Stats implements runtime.Instance: memory, OOM kills and CPU from the
-// host's cgroups; the process count from the sentry (runsc events), since
-// on the host the sandbox's processes are not host processes.
+// Stats implements runtime.Instance: OOM kills and CPU from the host's
+// cgroups plus the memory guard's kills; memory and the process count from
+// the sentry (runsc events), since on the host the sandbox's processes are
+// not host processes and the host cgroup also holds the sentry's own
+// overhead (its limit has headroom for it): the sentry's accounting is
+// what the sandbox's limit applies to.
 func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	if !i.Alive() {
 		return runtime.Stats{}, nil
@@ -343,34 +347,43 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	// The host cgroup counts the host's OOM kills (a backstop that kills
 	// the whole sandbox); the memory guard inside counts its own.
 	s.OOMKills += guardKills(i.agentDir())
-	s.Pids, err = i.taskCount(ctx)
+	var mem int64
+	s.Pids, mem, err = i.sentryCounts(ctx)
+	if err == nil && mem > 0 {
+		s.MemoryBytes = mem
+	}
 	return s, err
 }
 
-// taskCount is the number of tasks in the sandbox as the sentry counts
-// them, at most pidsTTL old.
-func (i *instance) taskCount(ctx context.Context) (int64, error) {
+// sentryCounts is the number of tasks in the sandbox and its memory usage
+// as the sentry counts them, at most pidsTTL old.
+func (i *instance) sentryCounts(ctx context.Context) (pids, mem int64, err error) {
 	i.pidsMu.Lock()
 	defer i.pidsMu.Unlock()
 	if time.Since(i.pidsAt) < pidsTTL {
-		return i.pidsLast, nil
+		return i.pidsLast, i.memLast, nil
 	}
 	out, err := i.rs.run(ctx, 10*time.Second, "events", "--stats", i.spec.ID)
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	var ev struct {
 		Data struct {
 			Pids struct {
 				Current int64 `json:"current"`
 			} `json:"pids"`
+			Memory struct {
+				Usage struct {
+					Usage int64 `json:"usage"`
+				} `json:"usage"`
+			} `json:"memory"`
 		} `json:"data"`
 	}
 	if err := json.Unmarshal(out, &ev); err != nil {
-		return 0, fmt.Errorf("runsc events --stats: %v", err)
+		return 0, 0, fmt.Errorf("runsc events --stats: %v", err)
 	}
-	i.pidsAt, i.pidsLast = time.Now(), ev.Data.Pids.Current
-	return i.pidsLast, nil
+	i.pidsAt, i.pidsLast, i.memLast = time.Now(), ev.Data.Pids.Current, ev.Data.Memory.Usage.Usage
+	return i.pidsLast, i.memLast, nil
 }
 
 // Changes implements runtime.ChangeExporter: the overlay's upper directory

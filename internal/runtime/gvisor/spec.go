@@ -230,8 +230,13 @@ func bundleSpec(id, rootfs, hostname, hostAgentDir, agentBinary string, l api.Li
 	}
 	if l.MemoryMiB > 0 {
 		mem := l.MemoryMiB << 20
+		// runsc applies this to the host cgroup and tells the sentry it is
+		// the sandbox's total memory; the runtime then raises the host
+		// limit to leave the sentry headroom (raiseHostMemory), and ginit's
+		// memory guard enforces this one inside (limits.go).
 		// swap = memory: no swap beyond the limit.
 		s.Linux.Resources.Memory = &ociMemory{Limit: mem, Swap: mem}
+		s.Process.Env = append(append([]string(nil), agentEnv...), guardEnv(l)...)
 	}
 	if l.CPUs > 0 {
 		s.Linux.Resources.CPU = &ociCPU{Quota: int64(l.CPUs * cpuPeriod), Period: cpuPeriod}

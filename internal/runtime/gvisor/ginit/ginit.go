@@ -27,6 +27,8 @@ import (
 	"os/exec"
 	"os/signal"
 	goruntime "runtime"
+	"strconv"
+	"strings"
 	"syscall"
 	"unsafe"
 
@@ -76,6 +78,17 @@ func outer() int {
 	// The agent handles termination signals itself; this process only
 	// waits, so it ignores them (as PID 1 it gets only those it handles).
 	signal.Ignore(unix.SIGTERM, unix.SIGINT, unix.SIGHUP, unix.SIGQUIT, unix.SIGUSR1, unix.SIGUSR2, unix.SIGPIPE)
+	// The memory guard's count file is made before the agent exists, so
+	// nothing in the sandbox can race its creation.
+	limit, _ := strconv.ParseUint(os.Getenv(EnvMemoryLimit), 10, 64)
+	var count *os.File
+	if dir := os.Getenv(EnvOOMDir); limit > 0 && dir != "" {
+		f, err := openOOMCount(dir)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "space-agent: gvisor init: OOM count:", err)
+		}
+		count = f
+	}
 	cmd := exec.Command("/proc/self/exe", os.Args[1:]...)
 	cmd.Args[0] = os.Args[0]
 	cmd.Env = append(withoutStage(os.Environ()), EnvStage+"="+stageInner)
@@ -93,6 +106,9 @@ func outer() int {
 		fmt.Fprintln(os.Stderr, "space-agent: gvisor init: starting the agent in its user namespace:", err)
 		return 125
 	}
+	if limit > 0 {
+		startMemoryGuard(cmd.Process.Pid, limit, count)
+	}
 	err := cmd.Wait()
 	var ee *exec.ExitError
 	if errors.As(err, &ee) {
@@ -107,10 +123,12 @@ func outer() int {
 	return 0
 }
 
+// withoutStage drops this package's variables (the stage, the memory
+// guard's settings) from env.
 func withoutStage(env []string) []string {
 	out := env[:0:0]
 	for _, e := range env {
-		if len(e) > len(EnvStage) && e[:len(EnvStage)+1] == EnvStage+"=" {
+		if strings.HasPrefix(e, EnvStage+"=") || strings.HasPrefix(e, EnvStage+"_") {
 			continue
 		}
 		out = append(out, e)

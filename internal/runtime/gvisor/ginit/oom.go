@@ -1,0 +1,272 @@
+package ginit
+
+import (
+	"bytes"
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// The memory guard is the sandbox's OOM killer. gVisor does not enforce a
+// memory limit inside the sandbox (its cgroupfs memory files are stubs),
+// and the host's memory cgroup cannot stand in for one: every page of the
+// sandbox is the sentry's, so a host OOM kill picks the sentry (or a
+// systrap stub, whose death makes the sentry kill itself) and the whole
+// sandbox dies. So the host gives its cgroup headroom above the limit, and
+// this guard, running in the outer init stage — root of the sentry's root
+// user namespace, outside the agent's pid namespace, out of reach of
+// anything the sandbox runs — kills a process inside when the sentry's own
+// memory accounting reaches the sandbox's limit, as Linux's memory cgroup
+// OOM killer would.
+const (
+	// EnvMemoryLimit is the sandbox's memory limit in bytes; no guard
+	// runs without it.
+	EnvMemoryLimit = "SPACE_GINIT_MEMORY"
+	// EnvOOMDir is a directory on a host mount where the guard keeps its
+	// kill count, in the file OOMCountFile, for the host's Stats. The
+	// guard makes it, owned by the sentry's root: the sandbox cannot write
+	// there, and the host trusts only a directory and file owned by root.
+	EnvOOMDir    = "SPACE_GINIT_OOM_DIR"
+	OOMCountFile = "kills"
+)
+
+// Poll intervals: usage is read often only while it is close to the limit,
+// so an idle sandbox costs next to nothing.
+const (
+	pollIdle = 50 * time.Millisecond
+	pollNear = 5 * time.Millisecond
+	// victimWait bounds the wait for a killed process to release its
+	// memory before the guard looks again.
+	victimWait = 500 * time.Millisecond
+)
+
+type memoryGuard struct {
+	limit   uint64
+	exclude map[int]bool // this process and the agent
+	count   *os.File     // nil when the host gave no directory
+	kills   int64
+}
+
+// startMemoryGuard runs the guard for the rest of the process's life when
+// the runtime set a limit. agentPid is never killed: the sandbox without
+// its agent is unusable, and the agent's own memory is small and bounded.
+func startMemoryGuard(agentPid int, limit uint64, count *os.File) {
+	g := &memoryGuard{limit: limit, exclude: map[int]bool{os.Getpid(): true, agentPid: true}, count: count}
+	go g.run()
+}
+
+// openOOMCount makes dir (replacing whatever the sandbox may have left
+// there in an earlier run) and the count file in it, zeroed. It runs
+// before the agent starts, so nothing in the sandbox can race it; the
+// guard keeps the descriptor and never resolves the path again.
+func openOOMCount(dir string) (*os.File, error) {
+	if fi, err := os.Lstat(dir); err == nil {
+		if st, ok := fi.Sys().(*unix.Stat_t); !ok || !fi.IsDir() || st.Uid != 0 || fi.Mode().Perm()&0o022 != 0 {
+			if err := os.RemoveAll(dir); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		return nil, err
+	}
+	p := filepath.Join(dir, OOMCountFile)
+	_ = os.Remove(p)
+	f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	_, _ = f.WriteAt([]byte("0\n"), 0)
+	return f, nil
+}
+
+func (g *memoryGuard) run() {
+	for {
+		used, err := memoryUsed()
+		if err != nil {
+			time.Sleep(time.Second)
+			continue
+		}
+		if used >= g.limit {
+			if pid, start, ok := g.victim(); ok && killProcess(pid, start) {
+				g.kills++
+				g.report()
+				waitGone(pid, start, victimWait)
+				continue
+			}
+		}
+		if used >= g.limit/2 {
+			time.Sleep(pollNear)
+		} else {
+			time.Sleep(pollIdle)
+		}
+	}
+}
+
+func (g *memoryGuard) report() {
+	if g.count == nil {
+		return
+	}
+	b := strconv.AppendInt(nil, g.kills, 10)
+	b = append(b, '\n')
+	_, _ = g.count.WriteAt(b, 0)
+	_ = g.count.Truncate(int64(len(b)))
+}
+
+// memoryUsed is the sentry's accounting of the sandbox's memory (anonymous,
+// page cache, tmpfs, its own), the number /proc/meminfo reports as
+// MemTotal − MemFree. The sentry reports MemTotal as the limit and clamps
+// MemFree at 0, so "used ≥ limit" is also how an overrun reads.
+func memoryUsed() (uint64, error) {
+	data, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 0, err
+	}
+	total, ok1 := meminfoKB(data, "MemTotal:")
+	free, ok2 := meminfoKB(data, "MemFree:")
+	if !ok1 || !ok2 {
+		return 0, errors.New("/proc/meminfo without MemTotal/MemFree")
+	}
+	if free > total {
+		return 0, nil
+	}
+	return (total - free) * 1024, nil
+}
+
+func meminfoKB(data []byte, key string) (uint64, bool) {
+	i := bytes.Index(data, []byte(key))
+	if i < 0 {
+		return 0, false
+	}
+	f := bytes.Fields(data[i+len(key):])
+	if len(f) == 0 {
+		return 0, false
+	}
+	n, err := strconv.ParseUint(string(f[0]), 10, 64)
+	return n, err == nil
+}
+
+// procInfo is what the guard reads from /proc/<pid>/stat.
+type procInfo struct {
+	pid    int
+	state  byte
+	start  uint64 // start time in clock ticks since boot
+	rssPgs uint64
+}
+
+func readProcStat(pid int) (procInfo, bool) {
+	data, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return procInfo{}, false
+	}
+	// The command name is in parentheses and may hold anything, spaces
+	// and parentheses included: the fields start after the last ')'.
+	i := bytes.LastIndexByte(data, ')')
+	if i < 0 {
+		return procInfo{}, false
+	}
+	f := bytes.Fields(data[i+1:])
+	// f[0] is field 3 (state); starttime is field 22, rss field 24.
+	if len(f) < 22 {
+		return procInfo{}, false
+	}
+	start, err1 := strconv.ParseUint(string(f[19]), 10, 64)
+	rss, err2 := strconv.ParseUint(string(f[21]), 10, 64)
+	if err1 != nil || err2 != nil || len(f[0]) != 1 {
+		return procInfo{}, false
+	}
+	return procInfo{pid: pid, state: f[0][0], start: start, rssPgs: rss}, true
+}
+
+// victimShare: among the processes whose badness is at least this share of
+// the largest, the guard kills the newest. Linux kills the largest (the
+// newest on a tie). Under gVisor a forked child breaks copy-on-write in
+// 2 MiB units, so a parent and its children weigh nearly the same while
+// the children are what grew: killing the newest of the near-largest frees
+// what the latest fork cost and spares the long-running parent (a shell, a
+// server's master process), while a single hog still stands alone.
+const victimShare = 0.75
+
+// victim picks the process to kill, by Linux's badness (resident memory
+// plus oom_score_adj's share of the limit). A negative oom_score_adj counts
+// as 0: gVisor lets any process lower its own, which Linux allows only with
+// CAP_SYS_RESOURCE, so a process could otherwise exempt itself.
+func (g *memoryGuard) victim() (pid int, start uint64, ok bool) {
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0, 0, false
+	}
+	type cand struct {
+		procInfo
+		score float64
+	}
+	var cands []cand
+	best := 0.0
+	page := float64(os.Getpagesize())
+	for _, e := range ents {
+		n, err := strconv.Atoi(e.Name())
+		if err != nil || g.exclude[n] {
+			continue
+		}
+		p, ok := readProcStat(n)
+		if !ok || p.state == 'Z' || p.state == 'X' || p.rssPgs == 0 {
+			continue
+		}
+		score := float64(p.rssPgs) * page
+		if b, err := os.ReadFile("/proc/" + e.Name() + "/oom_score_adj"); err == nil {
+			if adj, err := strconv.Atoi(string(bytes.TrimSpace(b))); err == nil && adj > 0 {
+				score += float64(min(adj, 1000)) / 1000 * float64(g.limit)
+			}
+		}
+		cands = append(cands, cand{p, score})
+		best = max(best, score)
+	}
+	var chosen *cand
+	for k := range cands {
+		c := &cands[k]
+		if c.score < victimShare*best {
+			continue
+		}
+		if chosen == nil || c.start > chosen.start || (c.start == chosen.start && c.pid > chosen.pid) {
+			chosen = c
+		}
+	}
+	if chosen == nil {
+		return 0, 0, false
+	}
+	return chosen.pid, chosen.start, true
+}
+
+// killProcess sends SIGKILL to pid if it is still the process that started
+// at start (through a pidfd, so a reused pid is never hit).
+func killProcess(pid int, start uint64) bool {
+	fd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(fd)
+	if p, ok := readProcStat(pid); !ok || p.start != start {
+		return false
+	}
+	return unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0) == nil
+}
+
+// waitGone waits until the killed process has exited (a zombie holds no
+// memory) or d passed.
+func waitGone(pid int, start uint64, d time.Duration) {
+	deadline := time.Now().Add(d)
+	for time.Now().Before(deadline) {
+		p, ok := readProcStat(pid)
+		if !ok || p.start != start || p.state == 'Z' || p.state == 'X' {
+			// The sentry updates its accounting when the address space
+			// is released; give it a tick.
+			time.Sleep(pollNear)
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
