@@ -2,8 +2,19 @@ package gvisor_test
 
 import (
 	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
+	"time"
 
+	"github.com/spacehq/space/internal/agentproto"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/gvisor"
+	"github.com/spacehq/space/internal/runtime/runtimetest"
 	"github.com/spacehq/space/internal/testenv"
 )
 
@@ -15,4 +26,94 @@ func TestProbeCheckpoint(t *testing.T) {
 	if !c.Verbs["suspend"] {
 		t.Fatal(c.VerbReasons["suspend"])
 	}
+}
+
+// TestCheckpointFailureKeepsRunning forces runsc checkpoint to fail — a
+// process in the sandbox binds a unix socket in /run/space, which is a
+// host directory, and gVisor cannot save a bound host socket — and checks
+// that suspend and fork then fail with runsc's message while the sandbox
+// keeps running and its agent listens again; fork leaves no child. Once the
+// socket is gone, a suspend succeeds and leaves no host process.
+func TestCheckpointFailureKeepsRunning(t *testing.T) {
+	h := harness(t)
+	rt := h.New(t)
+	sb := runtimetest.Start(t, h, rt, runtimetest.DefaultLimits)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	if _, err := sb.Client.StartProc(ctx, agentproto.ProcStart{ID: "binder", Cmd: []string{"python3", "-c",
+		"import socket,time; s=socket.socket(socket.AF_UNIX); s.bind('/run/space/held.sock'); s.listen(); time.sleep(3600)"}}); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; ; i++ {
+		if sb.Exec(t, "test", "-S", "/run/space/held.sock").ExitCode == 0 {
+			break
+		}
+		if i > 100 {
+			t.Fatal("the sandbox never bound its socket")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	quiesce := func() {
+		if err := sb.Client.Quiesce(ctx); err != nil {
+			t.Fatal(err)
+		}
+		sb.Client.Close()
+	}
+	quiesce()
+	err := sb.Inst.(runtime.Suspender).Suspend(ctx)
+	var re *gvisor.RunscError
+	if !errors.As(err, &re) || !strings.Contains(err.Error(), "socket") {
+		t.Fatalf("Suspend = %v, want runsc's checkpoint error", err)
+	}
+	t.Logf("suspend failed as it should: %v", err)
+	if !sb.Inst.Alive() || sb.Inst.(runtime.Suspender).Suspended() {
+		t.Fatalf("after a failed suspend: alive %v suspended %v", sb.Inst.Alive(), sb.Inst.(runtime.Suspender).Suspended())
+	}
+	sb.Connect(t)
+	if got := sb.MustSh(t, "echo alive"); got != "alive\n" {
+		t.Fatalf("exec after a failed suspend: %q", got)
+	}
+
+	quiesce()
+	kid := runtime.Spec{ID: sb.Spec.ID + "k", RootFS: h.RootFS, TemplateDigest: h.TemplateDigest, Limits: runtimetest.DefaultLimits}
+	if _, err := sb.Inst.(runtime.Forker).Fork(ctx, []runtime.Spec{kid}); !errors.As(err, &re) {
+		t.Fatalf("Fork = %v, want runsc's checkpoint error", err)
+	}
+	if inst, err := rt.Open(ctx, kid); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("a failed fork left its child: %v %v", inst, err)
+	}
+	sb.Connect(t)
+	if info, err := sb.Client.Proc(ctx, "binder"); err != nil || !info.Running {
+		t.Fatalf("after a failed fork: %+v %v", info, err)
+	}
+
+	// Without the bound socket the same sandbox suspends, and then nothing
+	// of it runs on the host.
+	if err := sb.Client.ForgetProc(ctx, "binder"); err != nil {
+		t.Fatal(err)
+	}
+	sb.MustSh(t, "rm -f /run/space/held.sock")
+	quiesce()
+	if err := sb.Inst.(runtime.Suspender).Suspend(ctx); err != nil {
+		t.Fatalf("Suspend: %v", err)
+	}
+	if procs := hostProcsNaming(sb.Spec.ID); len(procs) > 0 {
+		t.Fatalf("host processes of a suspended sandbox: %v", procs)
+	}
+}
+
+// hostProcsNaming lists host processes whose command line names id.
+func hostProcsNaming(id string) []string {
+	var out []string
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		if _, err := strconv.Atoi(e.Name()); err != nil {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err == nil && strings.Contains(string(b), id) {
+			out = append(out, e.Name()+": "+strings.ReplaceAll(string(b), "\x00", " "))
+		}
+	}
+	return out
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -22,7 +23,11 @@ import (
 // matches the memory image. Then the parent resumes and its agent listens
 // again, and each child — its own directory, id, disk copy, overlay, agent
 // directory and bundle, with the same mounts at the same places — is
-// restored from the image. Children take the parent's disk size.
+// restored from the image. Children take the parent's disk size, and a copy
+// of the parent's /run/space (see copyAgentDir).
+
+// forkParallel is how many children restore at once.
+const forkParallel = 4
 
 // Fork implements runtime.Forker.
 func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runtime.Instance, err error) {
@@ -67,11 +72,29 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 		return nil, fmt.Errorf("fork sandbox %s: the parent's agent did not listen again: %w", i.spec.ID, err)
 	}
 	tSnap := time.Since(t0)
+	// Children restore concurrently: much of a restore is waiting (runsc
+	// start-up, the gofer, page loading), so a few at once finish sooner
+	// even on two cores.
+	errs := make([]error, len(kids))
+	sem := make(chan struct{}, forkParallel)
+	var wg sync.WaitGroup
+	for n, k := range kids {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			if err := k.restoreChild(ctx, image); err != nil {
+				errs[n] = fmt.Errorf("fork sandbox %s: child %s: %w", i.spec.ID, k.spec.ID, err)
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
 	out := make([]runtime.Instance, 0, len(kids))
 	for _, k := range kids {
-		if err := k.restoreChild(ctx, image); err != nil {
-			return nil, fmt.Errorf("fork sandbox %s: child %s: %w", i.spec.ID, k.spec.ID, err)
-		}
 		out = append(out, k)
 	}
 	i.rt.log.Debug("sandbox forked", "id", i.spec.ID, "children", len(kids), "snapshot", tSnap, "total", time.Since(t0))
@@ -82,24 +105,21 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 // running: --leave-running), copies its frozen disk to every child, and
 // resumes it whatever happened.
 func (i *instance) snapshotLocked(ctx context.Context, image string, kids []*instance) (err error) {
-	if _, err := i.rs.run(ctx, 0, "pause", i.spec.ID); err != nil {
+	if err := i.checkpointPausedLocked(ctx, image); err != nil {
 		return err
 	}
 	defer func() {
-		if _, rerr := i.rs.run(context.WithoutCancel(ctx), 0, "resume", i.spec.ID); rerr != nil {
+		if rerr := i.resumeLocked(ctx); rerr != nil {
 			err = errors.Join(err, rerr)
 		}
 	}()
-	if _, err := i.rs.run(ctx, checkpointTimeout, "checkpoint", "--leave-running", "--image-path", image, i.spec.ID); err != nil {
-		return err
-	}
-	st, err := i.rs.state(ctx, i.spec.ID)
-	if err != nil {
-		return err
-	}
-	if st.Status != "paused" {
-		// The disk copy would not match the memory image.
-		return fmt.Errorf("runsc left the container %s after checkpoint --leave-running, not paused", st.Status)
+	for _, k := range kids {
+		if err := makeAgentDir(k.agentDir()); err != nil {
+			return err
+		}
+		if err := copyAgentDir(i.agentDir(), k.agentDir()); err != nil {
+			return fmt.Errorf("copying /run/space to %s: %w", k.spec.ID, err)
+		}
 	}
 	return withFrozen(i.rwDir(), func() error {
 		for _, k := range kids {
@@ -242,4 +262,134 @@ func (k *instance) restoreChild(ctx context.Context, image string) (err error) {
 	}
 	removeResumeMarker(k.agentDir())
 	return nil
+}
+
+// Bounds of the agent directory a fork copies: the sandbox can write it.
+const (
+	agentDirMaxEntries = 256
+	agentDirMaxBytes   = 4 << 20
+	agentDirMaxDepth   = 8
+)
+
+// copyAgentDir copies the parent's agent directory (mounted at /run/space)
+// into a child's: a restore walks again every path the sentry knew, so
+// what the sandbox or ginit's guard made there must exist in the child as
+// well. Owners and modes are kept; nothing is followed; the agent's socket
+// and the resume marker are left out. The directory is the sandbox's to
+// write, so the copy is bounded and a too large one fails the fork.
+func copyAgentDir(src, dst string) error {
+	sfd, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(sfd)
+	dfd, err := unix.Open(dst, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(dfd)
+	b := &copyBudget{entries: agentDirMaxEntries, bytes: agentDirMaxBytes}
+	return copyDirAt(sfd, dfd, 0, b)
+}
+
+type copyBudget struct{ entries, bytes int64 }
+
+func copyDirAt(sfd, dfd, depth int, b *copyBudget) error {
+	if depth > agentDirMaxDepth {
+		return fmt.Errorf("agent directory deeper than %d", agentDirMaxDepth)
+	}
+	dup, err := unix.Dup(sfd)
+	if err != nil {
+		return err
+	}
+	d := os.NewFile(uintptr(dup), "agentdir")
+	names, err := d.Readdirnames(-1)
+	d.Close()
+	if err != nil {
+		return err
+	}
+	for _, name := range names {
+		if depth == 0 && (name == agentSock || name == resumeMarker) {
+			continue
+		}
+		if b.entries--; b.entries < 0 {
+			return fmt.Errorf("agent directory has more than %d entries", agentDirMaxEntries)
+		}
+		var st unix.Stat_t
+		if err := unix.Fstatat(sfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return err
+		}
+		mode := st.Mode & 0o7777
+		switch st.Mode & unix.S_IFMT {
+		case unix.S_IFDIR:
+			if err := unix.Mkdirat(dfd, name, 0o700); err != nil {
+				return err
+			}
+			csfd, err := unix.Openat(sfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+			if err != nil {
+				return err
+			}
+			cdfd, err := unix.Openat(dfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+			if err != nil {
+				unix.Close(csfd)
+				return err
+			}
+			err = copyDirAt(csfd, cdfd, depth+1, b)
+			if err == nil {
+				err = fchownmod(cdfd, st.Uid, st.Gid, mode)
+			}
+			unix.Close(csfd)
+			unix.Close(cdfd)
+			if err != nil {
+				return err
+			}
+		case unix.S_IFREG:
+			if b.bytes -= st.Size; b.bytes < 0 {
+				return fmt.Errorf("agent directory holds more than %d bytes", agentDirMaxBytes)
+			}
+			in, err := unix.Openat(sfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+			if err != nil {
+				return err
+			}
+			out, err := unix.Openat(dfd, name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+			if err != nil {
+				unix.Close(in)
+				return err
+			}
+			inF, outF := os.NewFile(uintptr(in), name), os.NewFile(uintptr(out), name)
+			_, err = io.Copy(outF, io.LimitReader(inF, st.Size))
+			if err == nil {
+				err = fchownmod(out, st.Uid, st.Gid, mode)
+			}
+			inF.Close()
+			outF.Close()
+			if err != nil {
+				return err
+			}
+		case unix.S_IFLNK:
+			buf := make([]byte, 4096)
+			n, err := unix.Readlinkat(sfd, name, buf)
+			if err != nil {
+				return err
+			}
+			if err := unix.Symlinkat(string(buf[:n]), dfd, name); err != nil {
+				return err
+			}
+			if err := unix.Fchownat(dfd, name, int(st.Uid), int(st.Gid), unix.AT_SYMLINK_NOFOLLOW); err != nil {
+				return err
+			}
+		default:
+			// Sockets, fifos, devices: a bound socket already failed the
+			// checkpoint; the rest cannot be copied meaningfully.
+			return fmt.Errorf("agent directory holds %q of type %#o, which a fork cannot copy", name, st.Mode&unix.S_IFMT)
+		}
+	}
+	return nil
+}
+
+func fchownmod(fd int, uid, gid, mode uint32) error {
+	if err := unix.Fchown(fd, int(uid), int(gid)); err != nil {
+		return err
+	}
+	return unix.Fchmod(fd, mode)
 }

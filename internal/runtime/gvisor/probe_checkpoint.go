@@ -14,7 +14,8 @@ import (
 )
 
 // probeCheckpoint suspends and restores the probe's running sandbox the
-// way Suspend and Restore do — quiesce the agent, checkpoint, restore with
+// way Suspend and Restore do — quiesce the agent, pause, checkpoint
+// --leave-running, delete, restore with
 // the resume marker written, dial the agent again — so that the checkpoint
 // verbs are offered only where they really work.
 func probeCheckpoint(ctx context.Context, rs *runsc, id, dir string) error {
@@ -54,7 +55,10 @@ func probeCheckpoint(ctx context.Context, rs *runsc, id, dir string) error {
 		return err
 	}
 	image := filepath.Join(dir, "checkpoint")
-	if _, err := rs.run(ctx, checkpointTimeout, "checkpoint", "--image-path", image, id); err != nil {
+	if _, err := rs.run(ctx, 0, "pause", id); err != nil {
+		return err
+	}
+	if _, err := rs.run(ctx, checkpointTimeout, "checkpoint", "--leave-running", "--image-path", image, id); err != nil {
 		return err
 	}
 	if err := rs.deleteForce(ctx, id); err != nil {

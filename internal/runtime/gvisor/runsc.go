@@ -177,7 +177,13 @@ func logMessages(f *os.File) string {
 			break
 		}
 		if e.Msg != "" {
-			msgs = append(msgs, e.Msg)
+			// A failed save carries the sentry's panic dump (goroutine
+			// stacks, whole objects) after the first line: keep the line.
+			m, _, _ := strings.Cut(e.Msg, "\n")
+			if len(m) > 1024 {
+				m = m[:1024] + "…"
+			}
+			msgs = append(msgs, strings.TrimSuffix(m, ":"))
 		}
 	}
 	return strings.Join(msgs, "; ")

@@ -83,16 +83,19 @@ func (i *instance) Suspend(ctx context.Context) error {
 		return err
 	}
 	t0 := time.Now()
-	if _, err := i.rs.run(ctx, checkpointTimeout, "checkpoint", "--image-path", tmp, i.spec.ID); err != nil {
+	if err := i.checkpointPausedLocked(ctx, tmp); err != nil {
 		os.RemoveAll(tmp)
 		return i.checkpointFailed(ctx, "suspend", err)
 	}
 	if err := os.Rename(tmp, i.imageDir()); err != nil {
-		return err
+		os.RemoveAll(tmp)
+		i.resumeLocked(ctx)
+		return i.checkpointFailed(ctx, "suspend", err)
 	}
 	tCheckpoint := time.Since(t0)
-	// The sandbox exits once saved; release the container, its mounts and
-	// cgroups exactly as Stop does. The image stays.
+	// Still paused, nothing changed since the save: release the
+	// container, its mounts and cgroups exactly as Stop does. The image
+	// stays.
 	if err := i.stopLocked(ctx); err != nil {
 		return fmt.Errorf("suspend sandbox %s: saved, but stopping it: %w", i.spec.ID, err)
 	}
@@ -101,6 +104,42 @@ func (i *instance) Suspend(ctx context.Context) error {
 	}
 	i.rt.log.Debug("sandbox suspended", "id", i.spec.ID, "checkpoint", tCheckpoint, "total", time.Since(t0))
 	return nil
+}
+
+// checkpointPausedLocked pauses the sandbox and saves it into image with
+// --leave-running. Without --leave-running gVisor kills the sandbox after
+// the save whether or not the save succeeded; with it a failed save leaves
+// the sandbox as it was. Paused first, the sandbox stays paused after the
+// save (runsc resumes only what it paused itself), so nothing — no disk
+// write — happens between the image and what the caller does next. On
+// error the sandbox is resumed.
+func (i *instance) checkpointPausedLocked(ctx context.Context, image string) (err error) {
+	if _, err := i.rs.run(ctx, 0, "pause", i.spec.ID); err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			if rerr := i.resumeLocked(ctx); rerr != nil {
+				err = errors.Join(err, rerr)
+			}
+		}
+	}()
+	if _, err := i.rs.run(ctx, checkpointTimeout, "checkpoint", "--leave-running", "--image-path", image, i.spec.ID); err != nil {
+		return err
+	}
+	st, err := i.rs.state(ctx, i.spec.ID)
+	if err != nil {
+		return err
+	}
+	if st.Status != "paused" {
+		return fmt.Errorf("runsc left the container %s after checkpoint --leave-running, not paused: the image may not match its disk", st.Status)
+	}
+	return nil
+}
+
+func (i *instance) resumeLocked(ctx context.Context) error {
+	_, err := i.rs.run(context.WithoutCancel(ctx), 0, "resume", i.spec.ID)
+	return err
 }
 
 // waitQuiesced waits for the agent to remove its socket (PathQuiesce).
