@@ -156,17 +156,27 @@ func (c *Client) Wake(ctx context.Context, id string) (*api.Operation, error) {
 	return c.Lifecycle(ctx, id, api.OpWake)
 }
 
-// Suspend persists a sandbox's memory and state to disk and releases it.
+// Suspend saves a running or paused sandbox's processes, memory and open
+// files to disk and releases every host resource (state "suspended"). The
+// operation fails with the runtime's message if the checkpoint fails, and the
+// sandbox keeps running. Any later exec, command or file call restores it
+// transparently; a runtime without the ability answers ErrNotSupported.
 func (c *Client) Suspend(ctx context.Context, id string) (*api.Operation, error) {
 	return c.Lifecycle(ctx, id, api.OpSuspend)
 }
 
-// Restore brings a suspended sandbox back.
+// Restore continues a suspended sandbox where it was (Wake does the same
+// and also resumes paused and starts stopped sandboxes).
 func (c *Client) Restore(ctx context.Context, id string) (*api.Operation, error) {
 	return c.Lifecycle(ctx, id, api.OpRestore)
 }
 
-// Fork is POST /v1/sandboxes/{id}/fork.
+// Fork is POST /v1/sandboxes/{id}/fork: req.Count (default 1, at most 16)
+// new sandboxes continue from the running sandbox's memory, each with its own
+// disk copy, hostname (its id) and entropy, labelled "space.fork_of" = id.
+// The returned operation's Children are the new sandboxes' ids; they exist at
+// once (state "creating") and run when the operation has succeeded. On
+// failure every child is left in state "error" with the reason.
 func (c *Client) Fork(ctx context.Context, id string, req api.ForkRequest) (*api.Operation, error) {
 	if req.Count < 0 {
 		return nil, fmt.Errorf("fork count %d: %w", req.Count, errdefs.ErrInvalidArgument)

@@ -109,7 +109,11 @@ func newFakeServer(t *testing.T) (*fake, string) {
 			fail(w, errdefs.ErrNotSupported, "runtime native cannot suspend: no memory checkpoint")
 			return
 		}
-		reply(w, 202, op(r.PathValue("verb"), r.PathValue("id")))
+		o := op(r.PathValue("verb"), r.PathValue("id"))
+		if r.PathValue("verb") == "fork" {
+			o.Children = []string{"sb-2", "sb-3"}
+		}
+		reply(w, 202, o)
 	}))
 	mux.HandleFunc("GET /v1/operations/{id}", auth(func(w http.ResponseWriter, r *http.Request) {
 		fin := now.Add(1500 * time.Millisecond)
@@ -293,6 +297,7 @@ func TestCreateFlagValidation(t *testing.T) {
 		{[]string{"create", "-w", "relative"}, "absolute"},
 		{[]string{"create", "--bogus"}, "unknown flag"},
 		{[]string{"fork", "sb-1", "--count", "0"}, "--count"},
+		{[]string{"fork", "sb-1", "--count", "17"}, "want 1 to 16"},
 		{[]string{"exec", "sb-1"}, "requires at least 2"},
 		{[]string{"exec", "-u", "root", "sb-1", "--", "id"}, "--user"},
 		{[]string{"exec", "-t", "sb-1", "--", "sh"}, "needs a terminal"},
@@ -413,8 +418,21 @@ func TestLifecycleAndOps(t *testing.T) {
 	if code != 0 || json.Unmarshal([]byte(out), &op) != nil || op.Kind != "fork" {
 		t.Fatalf("fork: %d %s", code, out)
 	}
-	if f.verbs[len(f.verbs)-1] != `fork {"count":3}` {
-		t.Fatalf("fork body %q", f.verbs[len(f.verbs)-1])
+	if f.verbs[len(f.verbs)-1] != `fork {"count":3}` || len(op.Children) != 2 {
+		t.Fatalf("fork body %q, op %+v", f.verbs[len(f.verbs)-1], op)
+	}
+	code, out, _ = runCLI(t, url, "", "fork", "-q", "--wait", "sb-1", "--count", "2")
+	if code != 0 || out != "sb-2\nsb-3\n" {
+		t.Fatalf("fork -q: %d %q", code, out)
+	}
+	code, out, _ = runCLI(t, url, "", "fork", "--wait", "sb-1")
+	if code != 0 || !strings.Contains(out, "op-fork") || !strings.Contains(out, "CHILD") || !strings.Contains(out, "sb-3") {
+		t.Fatalf("fork table:\n%s", out)
+	}
+	for _, verb := range []string{"restore", "wake"} {
+		if code, out, _ := runCLI(t, url, "", verb, "--wait", "sb-1"); code != 0 || !strings.Contains(out, "op-"+verb) {
+			t.Fatalf("%s: %d\n%s", verb, code, out)
+		}
 	}
 	code, out, _ = runCLI(t, url, "", "op", "wait", "op-stop")
 	if code != 0 || !strings.Contains(out, "rootfs") || !strings.Contains(out, "12.5ms") {

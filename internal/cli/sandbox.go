@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/sandbox"
 	"github.com/spacehq/space/sdk"
 )
 
@@ -401,14 +402,17 @@ func printOps(a *app, ops []*api.Operation) {
 
 func newForkCmd(a *app) *cobra.Command {
 	var count int
-	var wait bool
+	var wait, quiet bool
 	cmd := &cobra.Command{
 		Use:   "fork ID",
 		Short: "Fork new sandboxes from a running one's memory and disk",
-		Args:  cobra.ExactArgs(1),
+		Long: "Fork clones a running sandbox: each child continues from the parent's memory with its own copy of\n" +
+			"the disk, its own id as hostname and fresh entropy, labelled " + sandbox.LabelForkOf + "=ID. The children exist\n" +
+			"(state creating) as soon as the fork is accepted; with --wait they are running when it returns.",
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if count < 1 || count > 64 {
-				return usagef("--count %d: want 1 to 64", count)
+			if count < 1 || count > sandbox.MaxForkCount {
+				return usagef("--count %d: want 1 to %d", count, sandbox.MaxForkCount)
 			}
 			c, err := a.Client()
 			if err != nil {
@@ -418,11 +422,30 @@ func newForkCmd(a *app) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return a.finishOp(op, wait)
+			if quiet {
+				if wait {
+					if _, err := c.WaitOperation(a.ctx, op.ID); err != nil {
+						return err
+					}
+				}
+				for _, id := range op.Children {
+					fmt.Fprintln(a.out, id)
+				}
+				return nil
+			}
+			if err := a.finishOp(op, wait); err != nil || a.json {
+				return err
+			}
+			t := newTable(a.out, "CHILD")
+			for _, id := range op.Children {
+				t.row(id)
+			}
+			return t.flush()
 		},
 	}
-	cmd.Flags().IntVar(&count, "count", 1, "how many sandboxes to fork")
-	cmd.Flags().BoolVar(&wait, "wait", false, "wait until the fork has finished")
+	cmd.Flags().IntVar(&count, "count", 1, fmt.Sprintf("how many sandboxes to fork (1 to %d)", sandbox.MaxForkCount))
+	cmd.Flags().BoolVar(&wait, "wait", false, "wait until the fork has finished (the children are running)")
+	cmd.Flags().BoolVarP(&quiet, "quiet", "q", false, "print only the children's ids, one per line")
 	return cmd
 }
 

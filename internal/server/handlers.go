@@ -109,10 +109,14 @@ func (s *Server) lifecycle(w http.ResponseWriter, r *http.Request) {
 				return
 			}
 		}
-		if req.Count < 0 || req.Count > 64 {
-			writeError(w, r, fmt.Errorf("count must be between 1 and 64: %w", errdefs.ErrInvalidArgument))
+		// The manager validates the count (1..sandbox.MaxForkCount, 0 = 1).
+		op, err := s.mgr.Fork(r.Context(), r.PathValue("id"), req)
+		if err != nil {
+			writeError(w, r, err)
 			return
 		}
+		writeJSON(w, http.StatusAccepted, op)
+		return
 	default:
 		writeError(w, r, fmt.Errorf("unknown lifecycle verb %q (stop, start, pause, resume, wake, suspend, restore, fork): %w", verb, errdefs.ErrNotFound))
 		return

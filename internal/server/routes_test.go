@@ -4,12 +4,14 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"reflect"
 	"strings"
 	"testing"
 
 	"go.yaml.in/yaml/v3"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/sandbox"
 )
 
 // TestOpenAPIMatchesRoutes checks that every operation the OpenAPI file
@@ -62,5 +64,40 @@ func TestOpenAPIMatchesRoutes(t *testing.T) {
 		if rec.Code != c.status || json.Unmarshal(rec.Body.Bytes(), &e) != nil || e.Error.Code == "" {
 			t.Errorf("%s %s: %d %s", c.method, c.path, rec.Code, rec.Body)
 		}
+	}
+}
+
+// TestOpenAPILifecycleSchemas keeps the documented Operation and fork body
+// in step with the Go types the server really sends and accepts.
+func TestOpenAPILifecycleSchemas(t *testing.T) {
+	var doc struct {
+		Components struct {
+			Schemas map[string]struct {
+				Properties map[string]struct {
+					Maximum *int `yaml:"maximum"`
+				} `yaml:"properties"`
+			} `yaml:"schemas"`
+		} `yaml:"components"`
+	}
+	if err := yaml.Unmarshal(api.OpenAPI, &doc); err != nil {
+		t.Fatal(err)
+	}
+	for name, typ := range map[string]reflect.Type{
+		"Operation":   reflect.TypeFor[api.Operation](),
+		"ForkRequest": reflect.TypeFor[api.ForkRequest](),
+	} {
+		props := doc.Components.Schemas[name].Properties
+		for i := range typ.NumField() {
+			tag, _, _ := strings.Cut(typ.Field(i).Tag.Get("json"), ",")
+			if _, ok := props[tag]; !ok {
+				t.Errorf("schema %s lacks property %q", name, tag)
+			}
+		}
+		if len(props) != typ.NumField() {
+			t.Errorf("schema %s has %d properties, the Go type %d fields", name, len(props), typ.NumField())
+		}
+	}
+	if m := doc.Components.Schemas["ForkRequest"].Properties["count"].Maximum; m == nil || *m != sandbox.MaxForkCount {
+		t.Errorf("ForkRequest.count maximum %v, want %d", m, sandbox.MaxForkCount)
 	}
 }
