@@ -69,4 +69,3 @@ func TestNativeRefusesSuspendAndFork(t *testing.T) {
 		t.Fatalf("refusals recorded operations: %+v", ops)
 	}
 }
-
