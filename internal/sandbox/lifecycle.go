@@ -193,8 +193,10 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 			return err
 		}
 		if sp, ok := inst.(runtime.Suspender); ok && sp.Suspended() {
-			err := fmt.Errorf("runtime %s kept the saved image of sandbox %s after a stop", sb.Runtime, id)
-			m.setState(id, api.StateError, err.Error(), "")
+			// The runtime broke its contract; the record says what is
+			// true: nothing runs and the image is there.
+			err := fmt.Errorf("runtime %s kept the saved image of sandbox %s after a stop (a runtime bug); it stays suspended", sb.Runtime, id)
+			m.setState(id, api.StateSuspended, err.Error(), "")
 			return err
 		}
 		m.markCommandsExited(id, "the sandbox was stopped")
