@@ -49,6 +49,12 @@ func (m *Manager) dropClient(e *entry) {
 
 // Lifecycle requests a verb (api.Op*) on a sandbox and returns its operation.
 func (m *Manager) Lifecycle(ctx context.Context, id, verb string, force bool) (api.Operation, error) {
+	return m.lifecycle(ctx, id, verb, force, nil)
+}
+
+// lifecycle is Lifecycle with an optional guard the operation runs first,
+// under the sandbox's lock; a guard error fails the operation untouched.
+func (m *Manager) lifecycle(ctx context.Context, id, verb string, force bool, guard func() error) (api.Operation, error) {
 	sb, err := m.Get(ctx, id)
 	if err != nil {
 		return api.Operation{}, err
@@ -83,6 +89,15 @@ func (m *Manager) Lifecycle(ctx context.Context, id, verb string, force bool) (a
 		return m.Fork(ctx, id, api.ForkRequest{Count: 1})
 	default:
 		return api.Operation{}, invalid("unknown lifecycle verb %q", truncate(verb, 32))
+	}
+	if guard != nil {
+		do := fn
+		fn = func(ctx context.Context, p *phases) error {
+			if err := guard(); err != nil {
+				return err
+			}
+			return do(ctx, p)
+		}
 	}
 	op := newOperation(verb, id)
 	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {

@@ -3,6 +3,7 @@ package sandbox
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/spacehq/space/api"
@@ -218,6 +219,15 @@ func (m *Manager) tick(ctx context.Context) {
 			continue
 		}
 		m.log.Info("sandbox idle; applying idle policy", "sandbox", sb.ID, "action", sb.Idle.Action, "idle_for", idleFor.Round(time.Second))
-		m.Lifecycle(ctx, sb.ID, sb.Idle.Action, false)
+		after := time.Duration(sb.Idle.AfterSeconds) * time.Second
+		// A request may arrive between this check and the operation taking
+		// the sandbox's lock: a pause or suspend would then cut it off (a
+		// suspend quiesces the agent). The operation checks again.
+		m.lifecycle(ctx, sb.ID, sb.Idle.Action, false, func() error {
+			if e.active.Load() > 0 || time.Since(time.Unix(0, e.lastActive.Load())) < after {
+				return fmt.Errorf("sandbox %s became active; idle %s skipped: %w", sb.ID, sb.Idle.Action, errdefs.ErrConflict)
+			}
+			return nil
+		})
 	}
 }
