@@ -92,49 +92,10 @@ func harness(t *testing.T) runtimetest.Harness {
 	}
 }
 
-// knownGaps are the conformance subtests gVisor does not pass yet, for a
-// reason docs/gvisor.md explains (issue 4 closes them): limits/memory
-// (flaky) and limits/pids. All sandbox memory is the sentry's memfd, which
-// the sentry maps too, so on a memory-cgroup OOM the host's OOM killer
-// often picks the sentry (the most resident pages) and the whole sandbox
-// dies; killing an application's stub frees nothing until the sentry
-// releases its pages, so a second kill follows. A fork bomb always gets
-// there: gVisor breaks copy-on-write in 2 MiB units, ~56 forked Pythons
-// need ~190 MiB of a 128 MiB limit. Protecting the sentry (oom_score_adj
-// < 0) needs CAP_SYS_RESOURCE, which this host's root lacks.
-//
-// TestConformance runs every other subtest; SPACE_GVISOR_STRICT=1 runs all.
-var knownGaps = []string{"limits/memory", "limits/pids"}
-
-// skipPattern is the -test.skip pattern of knownGaps (go test splits
-// patterns at '/', one element per level).
-const skipPattern = "^TestConformance$/^limits$/^(memory|pids)$"
-
-// TestConformance runs the shared suite, unchanged, in a child test
-// process (this binary again) so that the known gaps can be skipped with
-// -test.skip while every other subtest must pass.
+// TestConformance runs the shared suite unchanged: every subtest, the
+// memory and fork-bomb limits included (ginit's memory guard, limits.go).
 func TestConformance(t *testing.T) {
-	if os.Getenv("SPACE_GVISOR_CONFORMANCE_CHILD") == "1" {
-		runtimetest.Run(t, harness(t))
-		return
-	}
-	harness(t) // skip (locally) or fail (CI) before spawning anything
-	args := []string{"-test.run=^TestConformance$", "-test.v=true", "-test.count=1", "-test.timeout=10m"}
-	if os.Getenv("SPACE_GVISOR_STRICT") != "1" {
-		args = append(args, "-test.skip="+skipPattern)
-		t.Logf("known gaps skipped (SPACE_GVISOR_STRICT=1 runs them): %v", knownGaps)
-	}
-	cmd := exec.Command(os.Args[0], args...)
-	cmd.Env = append(os.Environ(), "SPACE_GVISOR_CONFORMANCE_CHILD=1")
-	out, err := cmd.CombinedOutput()
-	for _, line := range strings.Split(strings.TrimRight(string(out), "\n"), "\n") {
-		if strings.Contains(line, "--- ") || strings.Contains(line, ".go:") || strings.HasPrefix(line, "FAIL") || strings.HasPrefix(line, "panic") {
-			t.Log(line)
-		}
-	}
-	if err != nil {
-		t.Fatalf("conformance suite failed: %v", err)
-	}
+	runtimetest.Run(t, harness(t))
 }
 
 func TestProbe(t *testing.T) {
@@ -164,6 +125,55 @@ func TestProbe(t *testing.T) {
 	closeWithTest(t, bad)
 	if c := bad.Probe(context.Background()); c.Available || !strings.Contains(c.Reason, "agent") {
 		t.Errorf("probe with a missing agent: available=%v reason %q", c.Available, c.Reason)
+	}
+}
+
+// TestProbeKeptForBoot: a second runtime on the same DataDir (a restarted
+// server) takes the first one's successful probe instead of starting a
+// sandbox again; a changed agent binary probes anew.
+func TestProbeKeptForBoot(t *testing.T) {
+	requireRunsc(t)
+	dir := shortTempDir(t)
+	agent := filepath.Join(dir, "space-agent")
+	data, err := os.ReadFile(testenv.AgentBinary(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(agent, data, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	mk := func() runtime.Runtime {
+		rt, err := runtime.New(gvisor.Name, runtime.Config{DataDir: dir, AgentBinary: agent, Logger: testLogger})
+		if err != nil {
+			t.Fatal(err)
+		}
+		closeWithTest(t, rt)
+		return rt
+	}
+	t0 := time.Now()
+	first := mk().Probe(context.Background())
+	if !first.Available || first.Details["probe_cached"] != "" {
+		t.Fatalf("first probe: %+v", first)
+	}
+	t.Logf("probe %v", time.Since(t0))
+	t0 = time.Now()
+	second := mk().Probe(context.Background())
+	if !second.Available || second.Details["probe_cached"] != "true" || second.Strength != first.Strength ||
+		second.Details["probe_run_ms"] != first.Details["probe_run_ms"] {
+		t.Fatalf("second probe was not the kept one: %+v", second)
+	}
+	if d := time.Since(t0); d > 200*time.Millisecond {
+		t.Errorf("kept probe took %v", d)
+	} else {
+		t.Logf("kept probe %v", d)
+	}
+	// Another agent binary (same content, new mtime) is probed again.
+	time.Sleep(10 * time.Millisecond)
+	if err := os.Chtimes(agent, time.Now(), time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	if third := mk().Probe(context.Background()); !third.Available || third.Details["probe_cached"] != "" {
+		t.Fatalf("probe after the agent changed: %+v", third)
 	}
 }
 

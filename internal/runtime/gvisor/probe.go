@@ -30,9 +30,22 @@ type probeCache struct {
 // Probe implements runtime.Runtime. It finds runsc, reads its version, and
 // really runs a tiny sandbox once (the agent binary printing its usage
 // error is enough to prove runsc, the platform, the gofer and cgroups
-// work); the result is cached.
+// work); the result is cached, and a successful one is kept in DataDir for
+// the rest of the boot (probecache.go).
 func (r *Runtime) Probe(ctx context.Context) runtime.Capabilities {
-	r.probe.once.Do(func() { r.probe.caps = r.measure(ctx) })
+	r.probe.once.Do(func() {
+		key, err := r.probeKey()
+		if err == nil {
+			if c, ok := r.loadProbe(key); ok {
+				r.probe.caps = c
+				return
+			}
+		}
+		r.probe.caps = r.measure(ctx)
+		if err == nil {
+			r.storeProbe(key, r.probe.caps)
+		}
+	})
 	return r.probe.caps
 }
 

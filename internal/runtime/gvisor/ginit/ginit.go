@@ -9,7 +9,9 @@
 //	outer  the container's init (root of the sentry's root user namespace).
 //	       Starts itself again in a new user and pid namespace with ids
 //	       0..65535 mapped to IDBase…, then waits for it and exits with its
-//	       status, so the sandbox ends when the agent does.
+//	       status, so the sandbox ends when the agent does. Meanwhile it is
+//	       the sandbox's OOM killer when the runtime set EnvMemoryLimit
+//	       (oom.go): gVisor enforces no memory limit inside.
 //	inner  first process of the new namespaces. Mounts its /proc, bounds
 //	       its capabilities to docker's default set, sets no_new_privs and a
 //	       seccomp filter that refuses new namespaces and mounts, on every
@@ -78,16 +80,9 @@ func outer() int {
 	// The agent handles termination signals itself; this process only
 	// waits, so it ignores them (as PID 1 it gets only those it handles).
 	signal.Ignore(unix.SIGTERM, unix.SIGINT, unix.SIGHUP, unix.SIGQUIT, unix.SIGUSR1, unix.SIGUSR2, unix.SIGPIPE)
-	// The memory guard's count file is made before the agent exists, so
-	// nothing in the sandbox can race its creation.
-	limit, _ := strconv.ParseUint(os.Getenv(EnvMemoryLimit), 10, 64)
-	var count *os.File
-	if dir := os.Getenv(EnvOOMDir); limit > 0 && dir != "" {
-		f, err := openOOMCount(dir)
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "space-agent: gvisor init: OOM count:", err)
-		}
-		count = f
+	var guard *memoryGuard
+	if limit, _ := strconv.ParseUint(os.Getenv(EnvMemoryLimit), 10, 64); limit > 0 {
+		guard = newMemoryGuard(limit, os.Getenv(EnvOOMDir))
 	}
 	cmd := exec.Command("/proc/self/exe", os.Args[1:]...)
 	cmd.Args[0] = os.Args[0]
@@ -106,8 +101,8 @@ func outer() int {
 		fmt.Fprintln(os.Stderr, "space-agent: gvisor init: starting the agent in its user namespace:", err)
 		return 125
 	}
-	if limit > 0 {
-		startMemoryGuard(cmd.Process.Pid, limit, count)
+	if guard != nil {
+		guard.start(cmd.Process.Pid)
 	}
 	err := cmd.Wait()
 	var ee *exec.ExitError

@@ -3,8 +3,8 @@ package ginit
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"os"
-	"path/filepath"
 	"strconv"
 	"time"
 
@@ -47,41 +47,77 @@ const (
 type memoryGuard struct {
 	limit   uint64
 	exclude map[int]bool // this process and the agent
-	count   *os.File     // nil when the host gave no directory
+	dir     string       // where the count goes; "" for nowhere
 	kills   int64
 }
 
-// startMemoryGuard runs the guard for the rest of the process's life when
-// the runtime set a limit. agentPid is never killed: the sandbox without
-// its agent is unusable, and the agent's own memory is small and bounded.
-func startMemoryGuard(agentPid int, limit uint64, count *os.File) {
-	g := &memoryGuard{limit: limit, exclude: map[int]bool{os.Getpid(): true, agentPid: true}, count: count}
+// newMemoryGuard makes the guard and writes its count (0) into dir, before
+// the agent exists, so nothing in the sandbox races that first write.
+func newMemoryGuard(limit uint64, dir string) *memoryGuard {
+	g := &memoryGuard{limit: limit, exclude: map[int]bool{os.Getpid(): true}, dir: dir}
+	g.report()
+	return g
+}
+
+// start runs the guard for the rest of the process's life. agentPid is
+// never killed: the sandbox without its agent is unusable, and the agent's
+// own memory is small and bounded.
+func (g *memoryGuard) start(agentPid int) {
+	g.exclude[agentPid] = true
 	go g.run()
 }
 
-// openOOMCount makes dir (replacing whatever the sandbox may have left
-// there in an earlier run) and the count file in it, zeroed. It runs
-// before the agent starts, so nothing in the sandbox can race it; the
-// guard keeps the descriptor and never resolves the path again.
-func openOOMCount(dir string) (*os.File, error) {
-	if fi, err := os.Lstat(dir); err == nil {
-		if st, ok := fi.Sys().(*unix.Stat_t); !ok || !fi.IsDir() || st.Uid != 0 || fi.Mode().Perm()&0o022 != 0 {
-			if err := os.RemoveAll(dir); err != nil {
-				return nil, err
-			}
+// report writes the kill count to dir/OOMCountFile. It opens the file
+// anew each time rather than keeping a descriptor: a checkpointed sandbox
+// may be restored (or forked) onto another host directory, where a kept
+// descriptor could not be reopened. The sandbox can rename entries of
+// the agent's directory, so dir is replaced when it is not the guard's
+// own (root-owned, not group/world writable), and nothing is followed.
+func (g *memoryGuard) report() {
+	if g.dir == "" {
+		return
+	}
+	if err := g.writeCount(); err != nil {
+		fmt.Fprintln(os.Stderr, "space-agent: gvisor init: OOM count:", err)
+	}
+}
+
+func (g *memoryGuard) writeCount() error {
+	dfd, err := unix.Open(g.dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err == nil {
+		var st unix.Stat_t
+		if unix.Fstat(dfd, &st) != nil || st.Uid != 0 || st.Mode&0o022 != 0 {
+			unix.Close(dfd)
+			dfd = -1
 		}
 	}
-	if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
-		return nil, err
+	if dfd < 0 {
+		if err := os.RemoveAll(g.dir); err != nil {
+			return err
+		}
+		if err := unix.Mkdir(g.dir, 0o755); err != nil {
+			return err
+		}
+		if dfd, err = unix.Open(g.dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0); err != nil {
+			return err
+		}
 	}
-	p := filepath.Join(dir, OOMCountFile)
-	_ = os.Remove(p)
-	f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW, 0o644)
+	defer unix.Close(dfd)
+	// Write a new file and rename it over the count: the host never reads
+	// a half-written number.
+	const tmp = ".kills.tmp"
+	_ = unix.Unlinkat(dfd, tmp, 0)
+	fd, err := unix.Openat(dfd, tmp, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o644)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	_, _ = f.WriteAt([]byte("0\n"), 0)
-	return f, nil
+	b := strconv.AppendInt(nil, g.kills, 10)
+	_, err = unix.Write(fd, append(b, '\n'))
+	unix.Close(fd)
+	if err != nil {
+		return err
+	}
+	return unix.Renameat(dfd, tmp, dfd, OOMCountFile)
 }
 
 func (g *memoryGuard) run() {
@@ -105,16 +141,6 @@ func (g *memoryGuard) run() {
 			time.Sleep(pollIdle)
 		}
 	}
-}
-
-func (g *memoryGuard) report() {
-	if g.count == nil {
-		return
-	}
-	b := strconv.AppendInt(nil, g.kills, 10)
-	b = append(b, '\n')
-	_, _ = g.count.WriteAt(b, 0)
-	_ = g.count.Truncate(int64(len(b)))
 }
 
 // memoryUsed is the sentry's accounting of the sandbox's memory (anonymous,
