@@ -24,46 +24,9 @@ import (
 // transparent wake (memory kept, not restarted), and fork children run on,
 // each with its own hostname and random stream.
 func TestGvisorSuspendAndForkThroughTheManager(t *testing.T) {
-	testenv.RequireRoot(t)
-	if testing.Short() {
-		t.Skip("slow: real gVisor checkpoints")
-	}
-	base := testenv.BaseRootfs(t)
-	dataDir, err := os.MkdirTemp("", "sg-") // short: the agent socket path must fit in sockaddr_un
-	if err != nil {
-		t.Fatal(err)
-	}
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	rt, err := gvisor.New(runtime.Config{DataDir: dataDir, AgentBinary: testenv.AgentBinary(t), Logger: log})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		rt.(io.Closer).Close()
-		if err := os.RemoveAll(dataDir); err != nil {
-			t.Errorf("runtime directory left behind: %v", err)
-		}
-	})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	caps := rt.Probe(ctx)
-	testenv.Require(t, "gvisor", caps.Available, caps.Reason)
-	testenv.Require(t, "gvisor suspend", caps.Verbs[api.OpSuspend] && caps.Verbs[api.OpFork], caps.VerbReasons[api.OpSuspend]+caps.VerbReasons[api.OpFork])
-
-	dir := t.TempDir()
-	db, err := store.Open(filepath.Join(dir, "space.db"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-	tmpl, err := template.Open(db.SQL(), filepath.Join(dir, "templates"), filepath.Join(dir, "cache"), log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := tmpl.ImportDir(ctx, base, template.ImportOptions{Tags: []string{"base:latest"}, Source: "dir"}); err != nil {
-		t.Fatal(err)
-	}
-	m := New(Config{DB: db, Templates: tmpl, Runtimes: map[string]runtime.Runtime{gvisor.Name: rt}, Logger: log})
+	m, newManager := gvisorManager(t, ctx)
 	defer func() { m.Close() }()
 	var ids []string
 	defer func() {
@@ -155,11 +118,7 @@ func TestGvisorSuspendAndForkThroughTheManager(t *testing.T) {
 	// it from the persisted image.
 	wait(m.Lifecycle(ctx, sb.ID, api.OpSuspend, false))
 	m.Close()
-	rt.(io.Closer).Close()
-	if rt, err = gvisor.New(runtime.Config{DataDir: dataDir, AgentBinary: testenv.AgentBinary(t), Logger: log}); err != nil {
-		t.Fatal(err)
-	}
-	m = New(Config{DB: db, Templates: tmpl, Runtimes: map[string]runtime.Runtime{gvisor.Name: rt}, Logger: log})
+	m = newManager()
 	if err := m.Reconcile(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -175,5 +134,103 @@ func TestGvisorSuspendAndForkThroughTheManager(t *testing.T) {
 		if s, _ := m.Get(ctx, id); s.State != api.StateRunning {
 			t.Errorf("child %s after a restart: %s", id, s.State)
 		}
+	}
+}
+
+// gvisorManager is a manager over the real gVisor runtime with the base
+// template imported, or skips. newManager builds another manager over the
+// same store and runtime directory (a restarted server).
+func gvisorManager(t *testing.T, ctx context.Context) (m *Manager, newManager func() *Manager) {
+	t.Helper()
+	testenv.RequireRoot(t)
+	if testing.Short() {
+		t.Skip("slow: real gVisor checkpoints")
+	}
+	base := testenv.BaseRootfs(t)
+	dataDir, err := os.MkdirTemp("", "sg-") // short: the agent socket path must fit in sockaddr_un
+	if err != nil {
+		t.Fatal(err)
+	}
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	rt, err := gvisor.New(runtime.Config{DataDir: dataDir, AgentBinary: testenv.AgentBinary(t), Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		rt.(io.Closer).Close()
+		if err := os.RemoveAll(dataDir); err != nil {
+			t.Errorf("runtime directory left behind: %v", err)
+		}
+	})
+	caps := rt.Probe(ctx)
+	testenv.Require(t, "gvisor", caps.Available, caps.Reason)
+	testenv.Require(t, "gvisor suspend", caps.Verbs[api.OpSuspend] && caps.Verbs[api.OpFork], caps.VerbReasons[api.OpSuspend]+caps.VerbReasons[api.OpFork])
+
+	dir := t.TempDir()
+	db, err := store.Open(filepath.Join(dir, "space.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	tmpl, err := template.Open(db.SQL(), filepath.Join(dir, "templates"), filepath.Join(dir, "cache"), log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tmpl.ImportDir(ctx, base, template.ImportOptions{Tags: []string{"base:latest"}, Source: "dir"}); err != nil {
+		t.Fatal(err)
+	}
+	newManager = func() *Manager {
+		rt.(io.Closer).Close()
+		if rt, err = gvisor.New(runtime.Config{DataDir: dataDir, AgentBinary: testenv.AgentBinary(t), Logger: log}); err != nil {
+			t.Fatal(err)
+		}
+		return New(Config{DB: db, Templates: tmpl, Runtimes: map[string]runtime.Runtime{gvisor.Name: rt}, Logger: log})
+	}
+	return New(Config{DB: db, Templates: tmpl, Runtimes: map[string]runtime.Runtime{gvisor.Name: rt}, Logger: log}), newManager
+}
+
+// TestGvisorStopDiscardsTheSuspendedImage: stopping a suspended sandbox
+// throws its memory image away (runtime.Instance.Stop releases memory, the
+// saved one included) and keeps its disk; start then boots it afresh.
+func TestGvisorStopDiscardsTheSuspendedImage(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	m, _ := gvisorManager(t, ctx)
+	defer m.Close()
+	wait := func(op api.Operation, err error) api.Operation {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+		op, err = m.Wait(ctx, op.ID)
+		if err != nil || op.State != api.OpSucceeded {
+			t.Fatalf("%s: %v %+v", op.Kind, err, op.Error)
+		}
+		return op
+	}
+	sb, op, err := m.Create(ctx, api.CreateSandboxRequest{Runtime: gvisor.Name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if op, err := m.Lifecycle(context.Background(), sb.ID, api.OpDelete, true); err == nil {
+			m.Wait(context.Background(), op.ID)
+		}
+	}()
+	wait(op, err)
+	if res, err := m.Exec(ctx, sb.ID, api.ExecRequest{Cmd: []string{"sh", "-c", "echo kept > /root/f"}}); err != nil || res.ExitCode != 0 {
+		t.Fatalf("write: %v %+v", err, res)
+	}
+	wait(m.Lifecycle(ctx, sb.ID, api.OpSuspend, false))
+	wait(m.Lifecycle(ctx, sb.ID, api.OpStop, false))
+	if got, _ := m.Get(ctx, sb.ID); got.State != api.StateStopped {
+		t.Fatalf("after stop of suspended: %s %q", got.State, got.Error)
+	}
+	op = wait(m.Lifecycle(ctx, sb.ID, api.OpStart, false))
+	if got := phaseNames(op); !strings.HasPrefix(got, "start_runtime,agent_ready") {
+		t.Fatalf("start after the image was discarded: %s", got)
+	}
+	if res, err := m.Exec(ctx, sb.ID, api.ExecRequest{Cmd: []string{"cat", "/root/f"}}); err != nil || res.Stdout != "kept\n" {
+		t.Fatalf("disk after stop of suspended: %v %+v", err, res)
 	}
 }
