@@ -425,11 +425,46 @@ func TestRestartKeepsSuspendedSandboxesAndRestoresThem(t *testing.T) {
 	stale.State = api.OpRunning
 	h.db.PutOperation(h.ctx(), stale)
 
+	// A suspended sandbox whose image vanished while the server was down.
+	lost := h.create(api.CreateSandboxRequest{}).ID
+	h.verb(lost, api.OpSuspend)
+	if err := os.Remove(filepath.Join(h.dir, "fake", lost, "suspended")); err != nil {
+		t.Fatal(err)
+	}
+	// A fork child whose fork was cut off: its record says creating and an
+	// instance of it exists.
+	parent := h.create(api.CreateSandboxRequest{}).ID
+	forkOp, err := h.m.Fork(h.ctx(), parent, api.ForkRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.wait(forkOp)
+	child := forkOp.Children[0]
+	sb, _ = h.db.GetSandbox(h.ctx(), child)
+	sb.State = api.StateCreating
+	h.db.PutSandbox(h.ctx(), sb)
+	forkOp.State, forkOp.FinishedAt = api.OpRunning, nil
+	h.db.PutOperation(h.ctx(), forkOp)
+
 	h.m.Close()
 	h.m = h.manager()
 	if err := h.m.Reconcile(h.ctx()); err != nil {
 		t.Fatal(err)
 	}
+	if sb, _ := h.m.Get(h.ctx(), lost); sb.State != api.StateStopped || !strings.Contains(sb.Error, "suspended image was gone") {
+		t.Fatalf("suspended sandbox without its image after a restart: %+v", sb)
+	}
+	h.exec(lost)
+	if sb, _ := h.m.Get(h.ctx(), child); sb.State != api.StateError || !strings.Contains(sb.Error, "fork that created this sandbox was interrupted") {
+		t.Fatalf("child of an interrupted fork: %+v", sb)
+	}
+	if _, err := os.Stat(filepath.Join(h.dir, "fake", child)); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the interrupted child's instance was kept: %v", err)
+	}
+	if got, _ := h.db.GetOperation(h.ctx(), forkOp.ID); got.State != api.OpFailed || got.Error.Code != "interrupted" || len(got.Children) != 1 {
+		t.Fatalf("interrupted fork %+v", got)
+	}
+	h.exec(parent)
 	for _, x := range []string{id, mid} {
 		if s := h.state(x); s != api.StateSuspended {
 			t.Fatalf("%s after restart: %s", x, s)
