@@ -2,8 +2,10 @@ package sandbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
+	"sync"
 	"time"
 
 	"github.com/spacehq/space/api"
@@ -14,6 +16,9 @@ import (
 // Fork limits and the label that ties a child to its parent.
 const (
 	MaxForkCount = 16
+	// forkReadyParallel bounds how many children are dialled and reseeded
+	// at once.
+	forkReadyParallel = 4
 	// LabelForkOf is set on every fork child to its parent's id.
 	LabelForkOf = "space.fork_of"
 )
@@ -174,20 +179,44 @@ func (m *Manager) doFork(ctx context.Context, p *phases, id string, children []s
 	if len(insts) != len(children) {
 		return fmt.Errorf("runtime %s returned %d instances for %d fork children", sb.Runtime, len(insts), len(children))
 	}
+	// Children come up side by side (mostly waiting on their agents);
+	// their phases are recorded in children order all the same.
+	kidPhases := make([]*phases, len(children))
+	errs := make([]error, len(children))
+	sem := make(chan struct{}, forkReadyParallel)
+	var wg sync.WaitGroup
 	for i, cid := range children {
 		ce := m.entry(cid)
 		ce.cmu.Lock()
 		ce.inst = insts[i]
 		ce.cmu.Unlock()
 		ce.expectExit.Store(false)
-		if err := p.run("agent_ready", func() error { return m.connect(ctx, ce, insts[i]) }); err != nil {
-			return fmt.Errorf("child %s: %w", cid, err)
-		}
-		// A child that has not reseeded shares its parent's random
-		// streams: that is a failed fork, not a warning.
-		if err := p.run("reseed", func() error { return m.reseed(ctx, ce, cid) }); err != nil {
-			return fmt.Errorf("child %s did not reseed: %w", cid, err)
-		}
+		kp := &phases{kind: p.kind, obs: p.obs}
+		kidPhases[i] = kp
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			if err := kp.run("agent_ready", func() error { return m.connect(ctx, ce, insts[i]) }); err != nil {
+				errs[i] = fmt.Errorf("child %s: %w", cid, err)
+				return
+			}
+			// A child that has not reseeded shares its parent's random
+			// streams: that is a failed fork, not a warning.
+			if err := kp.run("reseed", func() error { return m.reseed(ctx, ce, cid) }); err != nil {
+				errs[i] = fmt.Errorf("child %s did not reseed: %w", cid, err)
+			}
+		}()
+	}
+	wg.Wait()
+	p.mu.Lock()
+	for _, kp := range kidPhases {
+		p.list = append(p.list, kp.list...)
+	}
+	p.mu.Unlock()
+	if err := errors.Join(errs...); err != nil {
+		return err
 	}
 	for i, cid := range children {
 		ce := m.entry(cid)
