@@ -128,11 +128,18 @@ func (g *memoryGuard) run() {
 			continue
 		}
 		if used >= g.limit {
-			if pid, start, ok := g.victim(); ok && killProcess(pid, start) {
+			if pid, start, ok := g.victim(); ok {
+				// Counted before the kill, as Linux counts oom_kill: the
+				// victim's exit status reaches the host through the agent
+				// at once, and the host's Stats must already show it.
 				g.kills++
 				g.report()
-				waitGone(pid, start, victimWait)
-				continue
+				if killProcess(pid, start) {
+					waitGone(pid, start, victimWait)
+					continue
+				}
+				g.kills--
+				g.report()
 			}
 		}
 		if used >= g.limit/2 {
