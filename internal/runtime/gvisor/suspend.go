@@ -72,9 +72,11 @@ func (i *instance) Suspend(ctx context.Context) error {
 	if i.suspendedLocked() {
 		return fmt.Errorf("suspend sandbox %s: already holds a checkpoint: %w", i.spec.ID, errdefs.ErrConflict)
 	}
+	t0 := time.Now()
 	if err := i.waitQuiesced(ctx); err != nil {
 		return fmt.Errorf("suspend sandbox %s: %w", i.spec.ID, err)
 	}
+	tQuiesced := time.Now()
 	tmp := i.imageDir() + ".tmp"
 	if err := os.RemoveAll(tmp); err != nil {
 		return err
@@ -82,8 +84,7 @@ func (i *instance) Suspend(ctx context.Context) error {
 	if err := os.Mkdir(tmp, 0o700); err != nil {
 		return err
 	}
-	t0 := time.Now()
-	if err := i.checkpointPausedLocked(ctx, tmp); err != nil {
+	if err := i.checkpointPausedLocked(ctx, tmp, false); err != nil {
 		os.RemoveAll(tmp)
 		return i.checkpointFailed(ctx, "suspend", err)
 	}
@@ -92,7 +93,7 @@ func (i *instance) Suspend(ctx context.Context) error {
 		i.resumeLocked(ctx)
 		return i.checkpointFailed(ctx, "suspend", err)
 	}
-	tCheckpoint := time.Since(t0)
+	tCheckpoint := time.Now()
 	// Still paused, nothing changed since the save: release the
 	// container, its mounts and cgroups exactly as Stop does. The image
 	// stays.
@@ -102,7 +103,8 @@ func (i *instance) Suspend(ctx context.Context) error {
 	if pids := cgroupProcs(i.spec.ID); len(pids) > 0 {
 		return fmt.Errorf("suspend sandbox %s: host processes %v remain", i.spec.ID, pids)
 	}
-	i.rt.log.Debug("sandbox suspended", "id", i.spec.ID, "checkpoint", tCheckpoint, "total", time.Since(t0))
+	i.rt.log.Debug("sandbox suspended", "id", i.spec.ID, "quiesce_wait", tQuiesced.Sub(t0),
+		"checkpoint", tCheckpoint.Sub(tQuiesced), "stop", time.Since(tCheckpoint))
 	return nil
 }
 
@@ -113,7 +115,12 @@ func (i *instance) Suspend(ctx context.Context) error {
 // save (runsc resumes only what it paused itself), so nothing — no disk
 // write — happens between the image and what the caller does next. On
 // error the sandbox is resumed.
-func (i *instance) checkpointPausedLocked(ctx context.Context, image string) (err error) {
+//
+// verifyPaused asks runsc whether the sandbox is still paused afterwards
+// (one more runsc call): Fork does, since it copies the disk while the
+// parent must not run; Suspend deletes the sandbox right away instead.
+func (i *instance) checkpointPausedLocked(ctx context.Context, image string, verifyPaused bool) (err error) {
+	t0 := time.Now()
 	if _, err := i.rs.run(ctx, 0, "pause", i.spec.ID); err != nil {
 		return err
 	}
@@ -124,8 +131,16 @@ func (i *instance) checkpointPausedLocked(ctx context.Context, image string) (er
 			}
 		}
 	}()
+	tPaused := time.Now()
 	if _, err := i.rs.run(ctx, checkpointTimeout, "checkpoint", "--leave-running", "--image-path", image, i.spec.ID); err != nil {
 		return err
+	}
+	tSaved := time.Now()
+	defer func() {
+		i.rt.log.Debug("checkpoint", "id", i.spec.ID, "pause", tPaused.Sub(t0), "save", tSaved.Sub(tPaused), "state", time.Since(tSaved))
+	}()
+	if !verifyPaused {
+		return nil
 	}
 	st, err := i.rs.state(ctx, i.spec.ID)
 	if err != nil {
