@@ -15,6 +15,12 @@
 // reconnect any number of times; processes and their replay buffers
 // outlive connections.
 //
+// Before a checkpoint the host asks the agent to quiesce (PathQuiesce): it
+// drops every host connection and, on --socket, its listener and socket
+// file, until a resume marker (socket path + ResumeSuffix) appears; after a
+// restore or fork, PathRestored mixes host entropy into the kernel pool and
+// takes a new hostname (see quiesce.go).
+//
 // The agent is its sandbox's PID 1 and reaps every process in it (see
 // reaper.go). File operations resolve every path in the kernel with
 // openat2(RESOLVE_IN_ROOT) against a descriptor of --root, so no path,
