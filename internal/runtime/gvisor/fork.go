@@ -257,7 +257,7 @@ func (k *instance) restoreChild(ctx context.Context, image string) (err error) {
 	if err := k.restoreFrom(ctx, image); err != nil {
 		return err
 	}
-	if err := k.waitSocket(ctx, k.exited); err != nil {
+	if err := k.waitSocketPolling(ctx, k.exited); err != nil {
 		return err
 	}
 	removeResumeMarker(k.agentDir())

@@ -191,7 +191,7 @@ func (i *instance) resumeAgent(ctx context.Context) error {
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), quiesceWait)
 	defer cancel()
-	err := i.waitSocket(ctx, i.exited)
+	err := i.waitSocketPolling(ctx, i.exited)
 	removeResumeMarker(i.agentDir())
 	return err
 }
@@ -247,7 +247,7 @@ func (i *instance) Restore(ctx context.Context) (err error) {
 		return fmt.Errorf("restore sandbox %s: %w", i.spec.ID, err)
 	}
 	tRestored := time.Now()
-	if err := i.waitSocket(ctx, i.exited); err != nil {
+	if err := i.waitSocketPolling(ctx, i.exited); err != nil {
 		return err
 	}
 	removeResumeMarker(i.agentDir())
@@ -278,4 +278,25 @@ func (i *instance) restoreFrom(ctx context.Context, image string) error {
 	}
 	_, _, err := i.trackSandboxLocked()
 	return err
+}
+
+// waitSocketPolling waits for the agent's socket like waitSocket but polls
+// every millisecond: after a restore the socket comes back within tens of
+// milliseconds, and that wait counts against every wake.
+func (i *instance) waitSocketPolling(ctx context.Context, exited <-chan struct{}) error {
+	t := time.NewTicker(time.Millisecond)
+	defer t.Stop()
+	for {
+		var st unix.Stat_t
+		if err := unix.Lstat(i.sockPath(), &st); err == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK {
+			return nil
+		}
+		select {
+		case <-exited:
+			return fmt.Errorf("sandbox %s exited before its agent listened", i.spec.ID)
+		case <-ctx.Done():
+			return fmt.Errorf("sandbox %s: agent did not listen: %w", i.spec.ID, errors.Join(ctx.Err(), errdefs.ErrTimeout))
+		case <-t.C:
+		}
+	}
 }
