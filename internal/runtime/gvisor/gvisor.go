@@ -147,12 +147,10 @@ func (r *Runtime) newInstance(spec runtime.Spec) (*instance, error) {
 		return nil, fmt.Errorf("gvisor runtime: %v: %w", err, errdefs.ErrUnavailable)
 	}
 	dir := filepath.Join(r.sandboxesDir(), spec.ID)
-	i := &instance{rt: r, rs: rs, spec: spec, dir: dir}
-	// sockaddr_un holds 108 bytes including the NUL.
-	if n := len(i.sockPath()); n >= 108 {
-		return nil, fmt.Errorf("agent socket path is %d bytes, unix sockets allow 107; use a shorter DataDir: %w", n, errdefs.ErrInvalidArgument)
-	}
-	return i, nil
+	// The agent socket's host path may be longer than a sockaddr_un
+	// holds: the gofer binds it at its own short path and the host dials
+	// it through an O_PATH descriptor (dialSocket, DialAgent).
+	return &instance{rt: r, rs: rs, spec: spec, dir: dir}, nil
 }
 
 // Create implements runtime.Runtime: the sandbox directory and its

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/agentproto"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
@@ -174,6 +175,30 @@ func TestProbeKeptForBoot(t *testing.T) {
 	}
 	if third := mk().Probe(context.Background()); !third.Available || third.Details["probe_cached"] != "" {
 		t.Fatalf("probe after the agent changed: %+v", third)
+	}
+}
+
+// TestLongDataDir: a DataDir whose agent socket path is far longer than a
+// sockaddr_un holds (the e2e crash test's was 108 bytes) still probes and
+// runs sandboxes: the gofer binds at its own short path, and the host
+// dials through an O_PATH descriptor.
+func TestLongDataDir(t *testing.T) {
+	h := harness(t)
+	dir := filepath.Join(shortTempDir(t), strings.Repeat("d", 150))
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	rt, err := runtime.New(gvisor.Name, runtime.Config{DataDir: dir, AgentBinary: testenv.AgentBinary(t), Logger: testLogger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeWithTest(t, rt)
+	if c := rt.Probe(context.Background()); !c.Available || !c.Verbs[api.OpSuspend] {
+		t.Fatalf("probe with a %d-byte DataDir: %+v", len(dir), c)
+	}
+	sb := runtimetest.Start(t, h, rt, runtimetest.DefaultLimits)
+	if out := sb.MustSh(t, "echo ok"); out != "ok\n" {
+		t.Fatalf("exec: %q", out)
 	}
 }
 

@@ -12,6 +12,8 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/runtime"
 )
@@ -160,8 +162,7 @@ func (r *Runtime) probeRun(ctx context.Context, rs *runsc, then func(id, dir str
 	}
 	sock := filepath.Join(agent, agentSock)
 	for {
-		var d net.Dialer
-		c, err := d.DialContext(ctx, "unix", sock)
+		c, err := dialSocket(ctx, sock)
 		if err == nil {
 			d := time.Since(t0)
 			c.Close()
@@ -174,4 +175,27 @@ func (r *Runtime) probeRun(ctx context.Context, rs *runsc, then func(id, dir str
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
+}
+
+// dialSocket connects to the unix socket at path through an O_PATH
+// descriptor (/proc/self/fd/N), so the path may be longer than a
+// sockaddr_un holds (107 bytes): the sentry's gofer binds the agent's
+// socket at its own short path (/run/space/agent.sock in its root), and
+// only the host's dial would otherwise be limited. Nothing is followed and
+// the path must be a socket, since the sandbox can write its directory.
+func dialSocket(ctx context.Context, path string) (net.Conn, error) {
+	fd, err := unix.Open(path, unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, err
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFSOCK {
+		return nil, fmt.Errorf("%s is not a socket", path)
+	}
+	var d net.Dialer
+	return d.DialContext(ctx, "unix", "/proc/self/fd/"+strconv.Itoa(fd))
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"path/filepath"
 	"time"
 
@@ -24,8 +23,7 @@ func probeCheckpoint(ctx context.Context, rs *runsc, id, dir string) error {
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
 	dialHealthy := func() error {
-		var d net.Dialer
-		conn, err := d.DialContext(ctx, "unix", sock)
+		conn, err := dialSocket(ctx, sock)
 		if err != nil {
 			return err
 		}
@@ -37,8 +35,7 @@ func probeCheckpoint(ctx context.Context, rs *runsc, id, dir string) error {
 		_, err = c.Health(ctx)
 		return err
 	}
-	var d net.Dialer
-	conn, err := d.DialContext(ctx, "unix", sock)
+	conn, err := dialSocket(ctx, sock)
 	if err != nil {
 		return err
 	}
