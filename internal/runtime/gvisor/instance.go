@@ -224,10 +224,15 @@ func (i *instance) waitSocket(ctx context.Context, exited <-chan struct{}) error
 
 // Stop implements runtime.Instance: runsc deletes the container (killing
 // the sandbox), the overlay and disk are unmounted and kept.
+// A suspended instance's memory image is discarded: stopped means no saved
+// processes, and the next Start boots afresh from the disk.
 func (i *instance) Stop(ctx context.Context) error {
 	i.mu.Lock()
 	defer i.mu.Unlock()
-	return i.stopLocked(ctx)
+	if err := i.stopLocked(ctx); err != nil {
+		return err
+	}
+	return i.discardImageLocked()
 }
 
 func (i *instance) stopLocked(ctx context.Context) error {

@@ -62,6 +62,16 @@ func (i *instance) suspendedLocked() bool {
 	return err == nil && fi.IsDir()
 }
 
+// discardImageLocked removes a suspended instance's image (Stop).
+func (i *instance) discardImageLocked() error {
+	for _, d := range []string{i.imageDir(), i.imageDir() + ".tmp"} {
+		if err := os.RemoveAll(d); err != nil {
+			return fmt.Errorf("sandbox %s: discarding its checkpoint: %w", i.spec.ID, err)
+		}
+	}
+	return nil
+}
+
 // Suspend implements runtime.Suspender. The agent must have been quiesced.
 func (i *instance) Suspend(ctx context.Context) error {
 	i.mu.Lock()

@@ -170,6 +170,24 @@ func testSuspend(t *testing.T, h Harness) {
 	if x3, _ := sb2.memState(t); x3 != x0 {
 		t.Fatalf("memory after a second restore: %s, want %s", x3, x0)
 	}
+	// Stop of a suspended sandbox discards its memory and keeps its disk.
+	sb2.quiesce(t)
+	if err := sus2.Suspend(ctx); err != nil {
+		t.Fatalf("third Suspend: %v", err)
+	}
+	if err := inst2.Stop(ctx); err != nil {
+		t.Fatalf("Stop of a suspended sandbox: %v", err)
+	}
+	if sus2.Suspended() {
+		t.Fatal("Stop kept the memory image")
+	}
+	if err := inst2.Start(ctx); err != nil {
+		t.Fatalf("Start after Stop of a suspended sandbox: %v", err)
+	}
+	sb2.Connect(t)
+	if got := sb2.MustSh(t, "cat /root/before; cat /tmp/mem 2>/dev/null || echo no-mem"); got != "on-disk\nno-mem\n" {
+		t.Fatalf("after Stop+Start: %q (want the disk, not the memory)", got)
+	}
 }
 
 func testFork(t *testing.T, h Harness) {
