@@ -87,6 +87,16 @@ func TestCheckpointFailureKeepsRunning(t *testing.T) {
 		t.Fatalf("after a failed fork: %+v %v", info, err)
 	}
 
+	// A fork refused before any checkpoint (a child id that exists) also
+	// lets the parent's agent listen again.
+	quiesce()
+	dup := kid
+	dup.ID = sb.Spec.ID
+	if _, err := sb.Inst.(runtime.Forker).Fork(ctx, []runtime.Spec{dup}); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("Fork into an existing id = %v, want conflict", err)
+	}
+	sb.Connect(t)
+
 	// Without the bound socket the same sandbox suspends, and then nothing
 	// of it runs on the host.
 	if err := sb.Client.ForgetProc(ctx, "binder"); err != nil {

@@ -42,6 +42,16 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 	if err := i.waitQuiesced(ctx); err != nil {
 		return nil, fmt.Errorf("fork sandbox %s: %w", i.spec.ID, err)
 	}
+	// From here on the parent's agent is quiet: whatever fails, it must
+	// listen again.
+	agentBack := false
+	defer func() {
+		if err != nil && !agentBack && i.aliveLocked() {
+			if rerr := i.resumeAgent(ctx); rerr != nil {
+				err = errors.Join(err, fmt.Errorf("and the parent's agent did not listen again: %w", rerr))
+			}
+		}
+	}()
 	t0 := time.Now()
 	image, err := os.MkdirTemp(i.dir, "fork-")
 	if err != nil {
@@ -66,8 +76,9 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 		kids = append(kids, k)
 	}
 	if err := i.snapshotLocked(ctx, image, kids); err != nil {
-		return nil, i.checkpointFailed(ctx, "fork", err)
+		return nil, fmt.Errorf("fork sandbox %s: %w", i.spec.ID, err)
 	}
+	agentBack = true
 	if err := i.resumeAgent(ctx); err != nil {
 		return nil, fmt.Errorf("fork sandbox %s: the parent's agent did not listen again: %w", i.spec.ID, err)
 	}

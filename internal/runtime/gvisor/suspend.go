@@ -89,10 +89,10 @@ func (i *instance) Suspend(ctx context.Context) error {
 	tQuiesced := time.Now()
 	tmp := i.imageDir() + ".tmp"
 	if err := os.RemoveAll(tmp); err != nil {
-		return err
+		return i.checkpointFailed(ctx, "suspend", err)
 	}
 	if err := os.Mkdir(tmp, 0o700); err != nil {
-		return err
+		return i.checkpointFailed(ctx, "suspend", err)
 	}
 	if err := i.checkpointPausedLocked(ctx, tmp, false); err != nil {
 		os.RemoveAll(tmp)
