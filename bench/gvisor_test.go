@@ -48,7 +48,9 @@ type gvBench struct {
 	rootfs  string
 	runsc   string
 	rawRoot string // --root of the raw runsc calls
-	dir     string
+	// rawRootfs is a scratch copy of rootfs for raw runsc bundles.
+	rawRootfs string
+	dir       string
 }
 
 func envInt(name string, def int) int {
@@ -89,7 +91,13 @@ func newGVBench(t *testing.T) *gvBench {
 		t.Skipf("gvisor here: available %v (%s), suspend: %s", c.Available, c.Reason, c.VerbReasons[api.OpSuspend])
 	}
 	runscPath = c.Details["runsc"]
-	b := &gvBench{rt: rt, rootfs: rootfs, runsc: runscPath, rawRoot: rawRoot, dir: dir}
+	// Raw runsc creates its mount points inside the root it is given, even
+	// a read-only one: give it a scratch copy, never the shared base cache.
+	rawRootfs := filepath.Join(dir, "raw-rootfs")
+	if out, err := exec.Command("cp", "-a", rootfs, rawRootfs).CombinedOutput(); err != nil {
+		t.Fatalf("copy rootfs for raw runsc: %v %s", err, out)
+	}
+	b := &gvBench{rt: rt, rootfs: rootfs, rawRootfs: rawRootfs, runsc: runscPath, rawRoot: rawRoot, dir: dir}
 	if err := os.MkdirAll(b.rawRoot, 0o700); err != nil {
 		t.Fatal(err)
 	}
@@ -202,7 +210,7 @@ func (b *gvBench) rawBundle(t *testing.T, from runtime.Instance, id string, args
 		t.Fatal(err)
 	}
 	os.Chown(agentDir, 100000000, 100000000)
-	spec["root"] = map[string]any{"path": b.rootfs, "readonly": true}
+	spec["root"] = map[string]any{"path": b.rawRootfs, "readonly": true}
 	spec["hostname"] = id
 	proc := spec["process"].(map[string]any)
 	if args != nil {

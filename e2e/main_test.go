@@ -111,9 +111,11 @@ func hostLeaks(data string) []string {
 			}
 		}
 	}
-	ents, _ := os.ReadDir(filepath.Join(data, "runtimes", "native", "sandboxes"))
-	for _, e := range ents {
-		out = append(out, "dir: "+e.Name())
+	for _, rt := range []string{"native", "gvisor"} {
+		ents, _ := os.ReadDir(filepath.Join(data, "runtimes", rt, "sandboxes"))
+		for _, e := range ents {
+			out = append(out, "dir: "+rt+"/"+e.Name())
+		}
 	}
 	return out
 }

@@ -58,11 +58,10 @@ import (
 // Name is the name the runtime registers under.
 const Name = "gvisor"
 
-// strength ranks the runtime for "auto". gVisor isolates more than native
-// (10), but it stays below native until suspend/restore/fork land (issue
-// 4): otherwise every test and deployment would switch runtimes while the
-// runtime is half done. Raise it above native's then.
-const strength = 5
+// strength ranks the runtime for "auto": gVisor's user-space kernel isolates
+// more than native's namespaces (10), and with suspend/restore/fork it can do
+// more, so auto prefers it wherever its probe sandbox really runs.
+const strength = 20
 
 func init() {
 	runtime.Register(Name, New)

@@ -12,6 +12,8 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io/fs"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -44,6 +46,14 @@ var DefaultLimits = api.Limits{CPUs: 1, MemoryMiB: 256, Pids: 256, DiskMiB: 256}
 
 // Run runs every conformance subtest against h.
 func Run(t *testing.T, h Harness) {
+	// Templates are shared and content-addressed: no runtime may change the
+	// tree it is given (not even by creating mount points in it).
+	before := treeListing(t, h.RootFS)
+	defer func() {
+		if after := treeListing(t, h.RootFS); after != before {
+			t.Errorf("the runtime changed its template tree %s (entries, modes, sizes or times differ)", h.RootFS)
+		}
+	}()
 	t.Run("lifecycle", func(t *testing.T) { testLifecycle(t, h) })
 	t.Run("exec", func(t *testing.T) { testExec(t, h) })
 	t.Run("pty", func(t *testing.T) { testPTY(t, h) })
@@ -334,4 +344,25 @@ func contains(s string, subs ...string) bool {
 		}
 	}
 	return true
+}
+
+// treeListing describes every entry of root (path, mode, size, mtime).
+func treeListing(t *testing.T, root string) string {
+	t.Helper()
+	var b strings.Builder
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		fi, err := d.Info()
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(&b, "%s %o %d %d\n", p, fi.Mode(), fi.Size(), fi.ModTime().UnixNano())
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("list template tree: %v", err)
+	}
+	return b.String()
 }
