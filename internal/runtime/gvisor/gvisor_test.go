@@ -112,9 +112,9 @@ func TestProbe(t *testing.T) {
 	if c.Details["platform"] != "systrap" || !strings.HasPrefix(c.Isolation, "gvisor(systrap)") {
 		t.Errorf("platform %q isolation %q", c.Details["platform"], c.Isolation)
 	}
-	// Deliberately below native (10) until suspend/restore/fork exist.
-	if c.Strength >= 10 {
-		t.Errorf("strength %d: must stay below native's until issue 4 is complete", c.Strength)
+	// Above native (10): auto prefers the user-space kernel where it works.
+	if c.Strength <= 10 {
+		t.Errorf("strength %d: must rank above native's 10 for auto", c.Strength)
 	}
 	t.Logf("probe: %+v", c)
 
