@@ -63,7 +63,7 @@ func start(b testing.TB) *harness {
 	})
 	// Warm: the first create imports the base template and derives the
 	// runtime's root; that one-time cost is not what these benchmarks measure.
-	sb, err := c.CreateSandboxAndWait(context.Background(), api.CreateSandboxRequest{})
+	sb, err := c.CreateSandboxAndWait(context.Background(), api.CreateSandboxRequest{Runtime: "native"})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -112,7 +112,7 @@ func BenchmarkCreateToFirstOutput(b *testing.B) {
 		bw = append(bw, time.Since(t0))
 
 		t0 = time.Now()
-		sb, err := h.client.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{})
+		sb, err := h.client.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native"})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -139,7 +139,7 @@ func BenchmarkCreateToFirstOutput(b *testing.B) {
 func BenchmarkExecRoundTrip(b *testing.B) {
 	h := start(b)
 	ctx := context.Background()
-	sb, err := h.client.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{})
+	sb, err := h.client.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native"})
 	if err != nil {
 		b.Fatal(err)
 	}

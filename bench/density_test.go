@@ -61,7 +61,7 @@ func TestIdleDensity(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			defer func() { <-sem }()
-			sb, err := h.client.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Limits: api.Limits{MemoryMiB: 64, DiskMiB: 64, Pids: 64}})
+			sb, err := h.client.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native", Limits: api.Limits{MemoryMiB: 64, DiskMiB: 64, Pids: 64}})
 			if err != nil {
 				failed.Add(1)
 				firstErr.CompareAndSwap(nil, err.Error())

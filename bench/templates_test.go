@@ -165,7 +165,7 @@ RUN mkdir /big && for i in $(seq 1 64); do head -c 16777216 /dev/urandom > /big/
 	fmt.Printf("built big:1 (%d MB) in %s; base is %d MB\n", big.SizeBytes>>20, time.Since(t0).Round(time.Millisecond), base.SizeBytes>>20)
 	create := func(ref string) time.Duration {
 		t0 := time.Now()
-		sb, err := h.client.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Template: ref})
+		sb, err := h.client.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Template: ref, Runtime: "native"})
 		if err != nil {
 			t.Fatal(err)
 		}
