@@ -57,6 +57,55 @@ if readelf -l bin/runsc 2>/dev/null | grep -q 'Requesting program interpreter'; 
 fi
 
 CACHE=${SPACE_CACHE:-/var/cache/space}
+
+# microvm runtime: QEMU (TCG here, KVM where a guest really runs under it),
+# erofs-utils for root images, and a pinned Debian cloud kernel unpacked into
+# the cache — never installed into the host's /boot. apt-get download checks
+# the .deb against the signed archive; the sha256 pinned here also catches a
+# different build published under the same version.
+MICROVM_PKGS=(qemu-system-x86 erofs-utils)
+missing=()
+for p in "${MICROVM_PKGS[@]}"; do
+	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+	echo "setup: installing ${missing[*]}"
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+MICROVM_KERNEL_PKG=linux-image-6.1.0-50-cloud-amd64
+MICROVM_KERNEL_VERSION=6.1.176-1
+MICROVM_KERNEL_RELEASE=6.1.0-50-cloud-amd64
+MICROVM_KERNEL_SHA256=efe19f605b6f54a8352e68d85a629abb2d30b72a085faef603a9152590baa791
+MICROVM_DIR="$CACHE/microvm"
+MICROVM_KERNEL_DIR="$MICROVM_DIR/kernel-$MICROVM_KERNEL_RELEASE"
+if [ -e "$MICROVM_KERNEL_DIR/complete" ]; then
+	echo "setup: guest kernel $MICROVM_KERNEL_RELEASE is in $MICROVM_KERNEL_DIR"
+else
+	echo "setup: fetching guest kernel $MICROVM_KERNEL_PKG=$MICROVM_KERNEL_VERSION"
+	mkdir -p "$MICROVM_DIR/debs"
+	deb="$MICROVM_DIR/debs/${MICROVM_KERNEL_PKG}_${MICROVM_KERNEL_VERSION}_amd64.deb"
+	if [ ! -e "$deb" ]; then
+		(cd "$MICROVM_DIR/debs" && apt-get download -q "$MICROVM_KERNEL_PKG=$MICROVM_KERNEL_VERSION" 2>&1 | grep -v '^W: Download is performed unsandboxed' || true)
+	fi
+	[ -e "$deb" ] || { echo "setup: apt-get download $MICROVM_KERNEL_PKG=$MICROVM_KERNEL_VERSION failed (run apt-get update?)" >&2; exit 1; }
+	if ! echo "$MICROVM_KERNEL_SHA256  $deb" | sha256sum -c --quiet -; then
+		rm -f "$deb"
+		echo "setup: $deb does not match the pinned sha256" >&2
+		exit 1
+	fi
+	rm -rf "$MICROVM_KERNEL_DIR.tmp"
+	mkdir -p "$MICROVM_KERNEL_DIR.tmp"
+	dpkg -x "$deb" "$MICROVM_KERNEL_DIR.tmp"
+	[ -e "$MICROVM_KERNEL_DIR.tmp/boot/vmlinuz-$MICROVM_KERNEL_RELEASE" ] &&
+		[ -d "$MICROVM_KERNEL_DIR.tmp/lib/modules/$MICROVM_KERNEL_RELEASE" ] ||
+		{ echo "setup: $deb has no vmlinuz/modules for $MICROVM_KERNEL_RELEASE" >&2; exit 1; }
+	rm -rf "$MICROVM_KERNEL_DIR"
+	mv "$MICROVM_KERNEL_DIR.tmp" "$MICROVM_KERNEL_DIR"
+	touch "$MICROVM_KERNEL_DIR/complete"
+fi
+echo "setup: microvm kernel $MICROVM_KERNEL_DIR/boot/vmlinuz-$MICROVM_KERNEL_RELEASE, modules $MICROVM_KERNEL_DIR/lib/modules/$MICROVM_KERNEL_RELEASE"
+
 if [ ! -e "$CACHE/base-bookworm/complete" ]; then
 	echo "setup: building the Debian base root filesystem into $CACHE (once; a few minutes)"
 fi
