@@ -5,7 +5,9 @@
 // nsinit.Enter first finishes building the sandbox around it (mounts,
 // pivot_root, seccomp, Landlock) and only then does the agent start serving.
 // Under the gvisor runtime, ginit.Enter first moves it into a user
-// namespace of its own inside gVisor.
+// namespace of its own inside gVisor. As the init of a microvm guest,
+// vminit.Enter first mounts the kernel filesystems, loads the guest's
+// modules and finds the virtio-serial port the agent serves on.
 package main
 
 import (
@@ -14,10 +16,15 @@ import (
 
 	"github.com/spacehq/space/internal/agent"
 	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/microvm/vminit"
 	"github.com/spacehq/space/internal/runtime/native/nsinit"
 )
 
 func main() {
+	args := os.Args[1:]
+	if vmArgs := vminit.Enter(); vmArgs != nil {
+		args = vmArgs
+	}
 	if err := ginit.Enter(); err != nil {
 		fmt.Fprintln(os.Stderr, "space-agent: gvisor init:", err)
 		os.Exit(125)
@@ -26,7 +33,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "space-agent: sandbox setup:", err)
 		os.Exit(125)
 	}
-	if err := agent.Main(os.Args[1:]); err != nil {
+	if err := agent.Main(args); err != nil {
 		fmt.Fprintln(os.Stderr, "space-agent:", err)
 		os.Exit(1)
 	}

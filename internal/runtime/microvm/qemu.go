@@ -1,0 +1,255 @@
+package microvm
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/spacehq/space/internal/agentclient"
+	"github.com/spacehq/space/internal/agentproto"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime/microvm/vminit"
+)
+
+// Accelerators QEMU can run a guest with.
+const (
+	AccelKVM = "kvm"
+	AccelTCG = "tcg"
+)
+
+// DefaultQEMU is the QEMU binary (Debian's qemu-system-x86).
+const DefaultQEMU = "qemu-system-x86_64"
+
+// VM describes one QEMU -M microvm guest.
+type VM struct {
+	QEMU      string // empty: DefaultQEMU from PATH
+	Kernel    string // bzImage
+	Initrd    string // from BuildInitramfs
+	Accel     string // AccelKVM or AccelTCG
+	CPUs      int
+	MemoryMiB int
+	// AgentSocket is the unix socket QEMU listens on for the agent's
+	// virtio-serial port; the host dials it.
+	AgentSocket string
+	// ConsoleLog receives the guest's serial console (kernel messages,
+	// the agent's stderr).
+	ConsoleLog string
+}
+
+// maxUnixPath is the longest path a sockaddr_un holds (108 bytes with NUL).
+const maxUnixPath = 107
+
+// Args returns QEMU's command line (without the program name).
+//
+// Choices, measured on this project's hosts (../shared/MACHINE.md): the
+// compressed bzImage (the uncompressed vmlinux's PVH entry hangs under
+// TCG); microvm keeps ACPI, through which the guest finds its virtio-mmio
+// devices without virtio_mmio.device= parameters; virtio-serial instead of
+// vsock (no vhost-vsock on the host); panic=-1 with -no-reboot, so a guest
+// that panics or whose init dies ends its QEMU instead of hanging.
+func (v VM) Args() ([]string, error) {
+	for _, p := range []string{v.Kernel, v.Initrd, v.AgentSocket, v.ConsoleLog} {
+		// QEMU's option syntax splits on commas; refuse rather than escape.
+		if p == "" || strings.ContainsRune(p, ',') {
+			return nil, fmt.Errorf("microvm: path %q is empty or has a comma: %w", p, errdefs.ErrInvalidArgument)
+		}
+	}
+	if len(v.AgentSocket) > maxUnixPath {
+		return nil, fmt.Errorf("microvm: agent socket path %q is longer than %d bytes: %w", v.AgentSocket, maxUnixPath, errdefs.ErrInvalidArgument)
+	}
+	if v.Accel != AccelKVM && v.Accel != AccelTCG {
+		return nil, fmt.Errorf("microvm: accelerator %q: %w", v.Accel, errdefs.ErrInvalidArgument)
+	}
+	cpus, mem := v.CPUs, v.MemoryMiB
+	if cpus <= 0 {
+		cpus = 1
+	}
+	if mem <= 0 {
+		mem = 256
+	}
+	return []string{
+		"-M", "microvm",
+		"-accel", v.Accel,
+		"-cpu", "max",
+		"-smp", strconv.Itoa(cpus),
+		"-m", strconv.Itoa(mem),
+		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+		"-serial", "file:" + v.ConsoleLog,
+		"-kernel", v.Kernel,
+		"-initrd", v.Initrd,
+		"-append", "console=ttyS0 quiet panic=-1 " + vminit.EnvFlag + "=1",
+		"-device", "virtio-rng-device",
+		"-device", "virtio-serial-device",
+		"-chardev", "socket,id=agent,path=" + v.AgentSocket + ",server=on,wait=off",
+		"-device", "virtserialport,chardev=agent,name=" + vminit.PortName,
+	}, nil
+}
+
+// Process is a running QEMU.
+type Process struct {
+	vm   VM
+	cmd  *exec.Cmd
+	done chan struct{}
+	mu   sync.Mutex
+	err  error // Wait's result, once done is closed
+}
+
+// Start starts QEMU for v. It does not wait for the guest.
+func Start(v VM) (*Process, error) {
+	args, err := v.Args()
+	if err != nil {
+		return nil, err
+	}
+	bin := v.QEMU
+	if bin == "" {
+		bin = DefaultQEMU
+	}
+	_ = os.Remove(v.AgentSocket) // a stale socket makes QEMU fail to bind
+	cmd := exec.Command(bin, args...)
+	var stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = io.Discard, &limitedBuffer{buf: &stderr, max: 8 << 10}
+	// Its own session (no terminal signals); killed if this thread's
+	// process dies first. The jailer (own namespaces, uid, cgroup,
+	// -sandbox) is the runtime's job and not done here yet.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("starting %s: %w", bin, err)
+	}
+	p := &Process{vm: v, cmd: cmd, done: make(chan struct{})}
+	go func() {
+		err := cmd.Wait()
+		if msg := strings.TrimSpace(stderr.String()); msg != "" {
+			err = fmt.Errorf("qemu: %v: %s", err, msg)
+		}
+		p.mu.Lock()
+		p.err = err
+		p.mu.Unlock()
+		close(p.done)
+	}()
+	return p, nil
+}
+
+// Done is closed when QEMU has exited.
+func (p *Process) Done() <-chan struct{} { return p.done }
+
+// Err is QEMU's exit status (with its stderr) once Done is closed.
+func (p *Process) Err() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.err
+}
+
+// Kill ends QEMU and waits for it. Idempotent.
+func (p *Process) Kill() {
+	_ = p.cmd.Process.Kill()
+	<-p.done
+}
+
+// ConsoleTail returns the last max bytes of the guest's console.
+func (p *Process) ConsoleTail(max int64) string {
+	f, err := os.Open(p.vm.ConsoleLog)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	if st, err := f.Stat(); err == nil && st.Size() > max {
+		_, _ = f.Seek(-max, io.SeekEnd)
+	}
+	b, _ := io.ReadAll(io.LimitReader(f, max))
+	return string(b)
+}
+
+// DialAgent connects to the agent's port once QEMU listens on its socket.
+// Bytes sent before the guest opens the port wait in the socket: QEMU reads
+// from the chardev only while the guest has the port open.
+func (p *Process) DialAgent(ctx context.Context) (net.Conn, error) {
+	var d net.Dialer
+	for {
+		conn, err := d.DialContext(ctx, "unix", p.vm.AgentSocket)
+		if err == nil {
+			return conn, nil
+		}
+		select {
+		case <-p.done:
+			return nil, p.exitError()
+		case <-ctx.Done():
+			return nil, fmt.Errorf("dialling the agent of the VM: %v: %w", ctx.Err(), errdefs.ErrUnavailable)
+		case <-time.After(2 * time.Millisecond):
+		}
+	}
+}
+
+func (p *Process) exitError() error {
+	return fmt.Errorf("the VM exited (%v); console:\n%s: %w", p.Err(), p.ConsoleTail(2048), errdefs.ErrUnavailable)
+}
+
+// WaitHealthy dials the agent and waits for its health answer, failing as
+// soon as QEMU exits (with the console's tail) or ctx ends. On success the
+// caller owns the client.
+func (p *Process) WaitHealthy(ctx context.Context) (*agentclient.Client, agentproto.Health, error) {
+	conn, err := p.DialAgent(ctx)
+	if err != nil {
+		return nil, agentproto.Health{}, err
+	}
+	c, err := agentclient.New(conn)
+	if err != nil {
+		return nil, agentproto.Health{}, err
+	}
+	type result struct {
+		h   agentproto.Health
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		h, err := c.Health(ctx)
+		ch <- result{h, err}
+	}()
+	select {
+	case r := <-ch:
+		if r.err != nil {
+			c.Close()
+			return nil, r.h, r.err
+		}
+		return c, r.h, nil
+	case <-p.done:
+		c.Close()
+		return nil, agentproto.Health{}, p.exitError()
+	case <-ctx.Done():
+		c.Close()
+		<-ch
+		return nil, agentproto.Health{}, fmt.Errorf("waiting for the agent of the VM: %v: %w", ctx.Err(), errdefs.ErrUnavailable)
+	}
+}
+
+// limitedBuffer keeps the first max bytes written to it (QEMU's stderr:
+// its first complaint is the one that explains a failure).
+type limitedBuffer struct {
+	mu  sync.Mutex
+	buf *bytes.Buffer
+	max int
+}
+
+func (l *limitedBuffer) Write(b []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if room := l.max - l.buf.Len(); room > 0 {
+		if len(b) > room {
+			l.buf.Write(b[:room])
+		} else {
+			l.buf.Write(b)
+		}
+	}
+	return len(b), nil
+}
+
+var errNoKVM = errors.New("no /dev/kvm")

@@ -1,0 +1,168 @@
+// Package vminit runs inside space-agent when it is the init of a microvm
+// guest (PID 1 of a guest kernel booted by internal/runtime/microvm). It
+// prepares the guest before the agent serves: kernel filesystems, the
+// kernel modules from the initramfs (in order), and the virtio-serial port
+// named "agent" through which the host talks to the agent.
+//
+// The host marks the guest by putting EnvFlag=1 on the kernel command line:
+// the kernel hands such undotted key=value parameters to init as
+// environment variables (a dotted one such as space.init=1 would be taken
+// for a module parameter and dropped).
+package vminit
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// EnvFlag is the kernel command line parameter (and so init's environment
+// variable) that says space-agent runs as the init of a microvm guest.
+const EnvFlag = "SPACE_VMINIT"
+
+// ModulesDir is where the initramfs holds the guest's kernel modules, named
+// NN-name.ko and loaded in lexical order.
+const ModulesDir = "/lib/modules/space"
+
+// PortName is the name of the virtio-serial port the agent serves on (the
+// host's -device virtserialport,name=…).
+const PortName = "agent"
+
+// portWait bounds the wait for the port: the device answers the driver's
+// probe at once, but names its ports in control messages that follow.
+const portWait = 10 * time.Second
+
+// defaultPath is the PATH the agent and its children get: the kernel gives
+// init only HOME and TERM.
+const defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+// Enter does nothing and returns nil unless the process is PID 1 with
+// EnvFlag=1. Then it prepares the guest and returns the agent's arguments
+// (serve on the port). If preparing fails it writes why to the console and
+// reboots the guest, which ends the VM (QEMU runs with -no-reboot): it never
+// returns an error to a guest without an agent.
+func Enter() []string {
+	if os.Getpid() != 1 || os.Getenv(EnvFlag) != "1" {
+		return nil
+	}
+	os.Unsetenv(EnvFlag) // not for the agent's children
+	if os.Getenv("PATH") == "" {
+		os.Setenv("PATH", defaultPath)
+	}
+	port, err := setup()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "space-agent: vm init:", err)
+		halt()
+	}
+	return []string{"--serial", port}
+}
+
+func setup() (string, error) {
+	if err := mountKernelFS(); err != nil {
+		return "", err
+	}
+	if err := loadModules(ModulesDir); err != nil {
+		return "", err
+	}
+	return findPort(PortName, portWait)
+}
+
+func mountKernelFS() error {
+	const nodev = unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC
+	mounts := []struct {
+		src, dst, fstype string
+		flags            uintptr
+		data             string
+	}{
+		{"proc", "/proc", "proc", nodev, ""},
+		{"sysfs", "/sys", "sysfs", nodev, ""},
+		{"devtmpfs", "/dev", "devtmpfs", unix.MS_NOSUID | unix.MS_NOEXEC, "mode=0755"},
+		{"devpts", "/dev/pts", "devpts", unix.MS_NOSUID | unix.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620"},
+		{"tmpfs", "/dev/shm", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=1777"},
+	}
+	for _, m := range mounts {
+		if err := os.MkdirAll(m.dst, 0o755); err != nil {
+			return err
+		}
+		if err := unix.Mount(m.src, m.dst, m.fstype, m.flags, m.data); err != nil && !errors.Is(err, unix.EBUSY) {
+			return fmt.Errorf("mount %s on %s: %w", m.fstype, m.dst, err)
+		}
+	}
+	// /dev/ptmx of the devpts instance just mounted, not devtmpfs's.
+	_ = os.Remove("/dev/ptmx")
+	if err := os.Symlink("pts/ptmx", "/dev/ptmx"); err != nil {
+		return fmt.Errorf("/dev/ptmx: %w", err)
+	}
+	return nil
+}
+
+// loadModules loads every .ko in dir in lexical order. A module already
+// present (built in, or loaded as a dependency) is fine.
+func loadModules(dir string) error {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return fmt.Errorf("kernel modules: %w", err)
+	}
+	names := make([]string, 0, len(ents))
+	for _, e := range ents {
+		if strings.HasSuffix(e.Name(), ".ko") {
+			names = append(names, e.Name())
+		}
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		if err := loadModule(filepath.Join(dir, n)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func loadModule(path string) error {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("module %s: %w", path, err)
+	}
+	defer unix.Close(fd)
+	if err := unix.FinitModule(fd, "", 0); err != nil && !errors.Is(err, unix.EEXIST) {
+		return fmt.Errorf("loading module %s: %w", filepath.Base(path), err)
+	}
+	return nil
+}
+
+// findPort waits until a virtio-serial port called name appears in sysfs
+// and its device node in /dev, and returns the node's path.
+func findPort(name string, wait time.Duration) (string, error) {
+	deadline := time.Now().Add(wait)
+	for {
+		ents, _ := os.ReadDir("/sys/class/virtio-ports")
+		for _, e := range ents {
+			b, err := os.ReadFile(filepath.Join("/sys/class/virtio-ports", e.Name(), "name"))
+			if err != nil || strings.TrimSpace(string(b)) != name {
+				continue
+			}
+			dev := filepath.Join("/dev", e.Name())
+			if _, err := os.Stat(dev); err == nil {
+				return dev, nil
+			}
+		}
+		if time.Now().After(deadline) {
+			return "", fmt.Errorf("no virtio-serial port named %q after %v (ports: %d)", name, wait, len(ents))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// halt ends the guest. The reboot request makes QEMU (-no-reboot) exit; if
+// it fails, exiting panics the kernel, which with panic=-1 does the same.
+func halt() {
+	unix.Sync()
+	_ = unix.Reboot(unix.LINUX_REBOOT_CMD_RESTART)
+	os.Exit(1)
+}
