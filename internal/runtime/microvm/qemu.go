@@ -3,7 +3,6 @@ package microvm
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -87,12 +86,79 @@ func (v VM) Args() ([]string, error) {
 		"-serial", "file:" + v.ConsoleLog,
 		"-kernel", v.Kernel,
 		"-initrd", v.Initrd,
-		"-append", "console=ttyS0 quiet panic=-1 " + vminit.EnvFlag + "=1",
+		"-append", v.kernelCmdline(),
 		"-device", "virtio-rng-device",
 		"-device", "virtio-serial-device",
 		"-chardev", "socket,id=agent,path=" + v.AgentSocket + ",server=on,wait=off",
 		"-device", "virtserialport,chardev=agent,name=" + vminit.PortName,
 	}, nil
+}
+
+// kernelCmdline is the guest kernel's command line.
+//
+// Under TCG the guest's TSC is the host's (QEMU reads the host TSC for
+// rdtsc), but the guest must calibrate it against the emulated PIT, and on
+// a busy host that calibration fails ("tsc: Unable to calibrate against
+// PIT"): the guest then has no usable clocksource (microvm has no HPET or
+// PM timer) and hangs before init. Telling it the frequency
+// (tsc_early_khz) skips the calibration. Under KVM the guest uses kvmclock.
+func (v VM) kernelCmdline() string {
+	cmd := "console=ttyS0 quiet panic=-1"
+	if v.Accel == AccelTCG {
+		if khz := hostTSCKHz(); khz > 0 {
+			cmd += " tsc_early_khz=" + strconv.FormatUint(khz, 10)
+		}
+	}
+	return cmd + " " + vminit.EnvFlag + "=1"
+}
+
+var (
+	tscOnce sync.Once
+	tscKHz  uint64
+)
+
+// hostTSCKHz is the host's TSC frequency, or 0 when it cannot be trusted
+// from /proc/cpuinfo: "cpu MHz" is the TSC's frequency only on a CPU whose
+// TSC runs at a constant rate and without APERF/MPERF (with them the line
+// shows the current core clock).
+func hostTSCKHz() uint64 {
+	tscOnce.Do(func() { tscKHz = parseTSCKHz(readFileOrEmpty("/proc/cpuinfo")) })
+	return tscKHz
+}
+
+func readFileOrEmpty(p string) string {
+	b, _ := os.ReadFile(p)
+	return string(b)
+}
+
+func parseTSCKHz(cpuinfo string) uint64 {
+	// The first processor's block is enough: the TSC is one clock.
+	block, _, _ := strings.Cut(cpuinfo, "\n\n")
+	var mhz string
+	var flags map[string]bool
+	for _, line := range strings.Split(block, "\n") {
+		k, v, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		switch strings.TrimSpace(k) {
+		case "cpu MHz":
+			mhz = strings.TrimSpace(v)
+		case "flags":
+			flags = map[string]bool{}
+			for _, f := range strings.Fields(v) {
+				flags[f] = true
+			}
+		}
+	}
+	if !flags["constant_tsc"] || !flags["nonstop_tsc"] || flags["aperfmperf"] {
+		return 0
+	}
+	f, err := strconv.ParseFloat(mhz, 64)
+	if err != nil || f < 100 || f > 100000 {
+		return 0
+	}
+	return uint64(f*1000 + 0.5)
 }
 
 // Process is a running QEMU.
@@ -196,7 +262,28 @@ func (p *Process) exitError() error {
 // WaitHealthy dials the agent and waits for its health answer, failing as
 // soon as QEMU exits (with the console's tail) or ctx ends. On success the
 // caller owns the client.
+//
+// An attempt whose session breaks while QEMU runs is retried on a new
+// connection: the host's multiplexer gives up on a stream the guest has not
+// acknowledged within its open timeout (10 s), which a slow boot under TCG
+// on a loaded host can exceed.
 func (p *Process) WaitHealthy(ctx context.Context) (*agentclient.Client, agentproto.Health, error) {
+	for {
+		c, h, err := p.tryHealth(ctx)
+		if err == nil {
+			return c, h, nil
+		}
+		select {
+		case <-p.done:
+			return nil, h, p.exitError()
+		case <-ctx.Done():
+			return nil, h, fmt.Errorf("waiting for the agent of the VM: %v (last: %v): %w", ctx.Err(), err, errdefs.ErrUnavailable)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func (p *Process) tryHealth(ctx context.Context) (*agentclient.Client, agentproto.Health, error) {
 	conn, err := p.DialAgent(ctx)
 	if err != nil {
 		return nil, agentproto.Health{}, err
@@ -211,8 +298,23 @@ func (p *Process) WaitHealthy(ctx context.Context) (*agentclient.Client, agentpr
 	}
 	ch := make(chan result, 1)
 	go func() {
-		h, err := c.Health(ctx)
-		ch <- result{h, err}
+		// One short health call after another on the same session:
+		// each opens a stream, and so writes to the socket.
+		for {
+			cctx, cancel := context.WithTimeout(ctx, healthAttempt)
+			h, err := c.Health(cctx)
+			cancel()
+			closed := false
+			select {
+			case <-c.Done():
+				closed = true
+			default:
+			}
+			if err == nil || ctx.Err() != nil || closed {
+				ch <- result{h, err}
+				return
+			}
+		}
 	}()
 	select {
 	case r := <-ch:
@@ -223,13 +325,17 @@ func (p *Process) WaitHealthy(ctx context.Context) (*agentclient.Client, agentpr
 		return c, r.h, nil
 	case <-p.done:
 		c.Close()
+		<-ch
 		return nil, agentproto.Health{}, p.exitError()
 	case <-ctx.Done():
 		c.Close()
 		<-ch
-		return nil, agentproto.Health{}, fmt.Errorf("waiting for the agent of the VM: %v: %w", ctx.Err(), errdefs.ErrUnavailable)
+		return nil, agentproto.Health{}, ctx.Err()
 	}
 }
+
+// healthAttempt bounds one health call while the guest boots.
+const healthAttempt = time.Second
 
 // limitedBuffer keeps the first max bytes written to it (QEMU's stderr:
 // its first complaint is the one that explains a failure).
@@ -251,5 +357,3 @@ func (l *limitedBuffer) Write(b []byte) (int, error) {
 	}
 	return len(b), nil
 }
-
-var errNoKVM = errors.New("no /dev/kvm")
