@@ -22,7 +22,9 @@ func requireBoot(t *testing.T) (Kernel, string) {
 	k, err := FindKernel(testenv.CacheDir())
 	testenv.Require(t, "microvm-kernel", err == nil, "scripts/setup.sh unpacks the guest kernel: "+errString(err))
 	agent := testenv.AgentBinary(t)
-	initrd, err := BuildInitramfs(k, agent, filepath.Join(testenv.CacheDir(), "microvm", "test-initramfs"))
+	// A cache of its own per test: a shared one would keep one image per
+	// agent build forever.
+	initrd, err := BuildInitramfs(k, agent, t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -256,7 +256,11 @@ func (p *Process) DialAgent(ctx context.Context) (net.Conn, error) {
 }
 
 func (p *Process) exitError() error {
-	return fmt.Errorf("the VM exited (%v); console:\n%s: %w", p.Err(), p.ConsoleTail(2048), errdefs.ErrUnavailable)
+	how := "QEMU exited normally (guest reboot or power-off)"
+	if err := p.Err(); err != nil {
+		how = err.Error()
+	}
+	return fmt.Errorf("the VM ended: %s; console:\n%s: %w", how, p.ConsoleTail(2048), errdefs.ErrUnavailable)
 }
 
 // WaitHealthy dials the agent and waits for its health answer, failing as
