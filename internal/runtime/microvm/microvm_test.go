@@ -70,6 +70,11 @@ func TestBootHealth(t *testing.T) {
 	}
 	defer c.Close()
 	t.Logf("boot→health %v under TCG (agent %s, pid %d)", time.Since(start).Round(time.Millisecond), h.Version, h.Pid)
+	for _, line := range strings.Split(p.ConsoleTail(4096), "\n") {
+		if strings.Contains(line, "vm init:") {
+			t.Log(strings.TrimSpace(line))
+		}
+	}
 	if h.Pid != 1 {
 		t.Errorf("agent pid in the guest = %d, want 1 (it is the guest's init)", h.Pid)
 	}

@@ -64,13 +64,23 @@ func Enter() []string {
 }
 
 func setup() (string, error) {
+	t0 := time.Now()
 	if err := mountKernelFS(); err != nil {
 		return "", err
 	}
+	t1 := time.Now()
 	if err := loadModules(ModulesDir); err != nil {
 		return "", err
 	}
-	return findPort(PortName, portWait)
+	t2 := time.Now()
+	port, err := findPort(PortName, portWait)
+	if err != nil {
+		return "", err
+	}
+	// One console line per boot, for boot-time work: where init's time went.
+	fmt.Fprintf(os.Stderr, "space-agent: vm init: mounts %v, modules %v, port %s %v\n",
+		t1.Sub(t0).Round(time.Millisecond), t2.Sub(t1).Round(time.Millisecond), port, time.Since(t2).Round(time.Millisecond))
+	return port, nil
 }
 
 func mountKernelFS() error {
