@@ -85,8 +85,13 @@ else
 	echo "setup: fetching guest kernel $MICROVM_KERNEL_PKG=$MICROVM_KERNEL_VERSION"
 	mkdir -p "$MICROVM_DIR/debs"
 	deb="$MICROVM_DIR/debs/${MICROVM_KERNEL_PKG}_${MICROVM_KERNEL_VERSION}_amd64.deb"
-	if [ ! -e "$deb" ]; then
+	microvm_download() {
 		(cd "$MICROVM_DIR/debs" && apt-get download -q "$MICROVM_KERNEL_PKG=$MICROVM_KERNEL_VERSION" 2>&1 | grep -v '^W: Download is performed unsandboxed' || true)
+	}
+	if [ ! -e "$deb" ]; then
+		microvm_download
+		# Package lists older than the pin (or none yet): refresh once.
+		[ -e "$deb" ] || { apt-get update -qq && microvm_download; }
 	fi
 	[ -e "$deb" ] || { echo "setup: apt-get download $MICROVM_KERNEL_PKG=$MICROVM_KERNEL_VERSION failed (run apt-get update?)" >&2; exit 1; }
 	if ! echo "$MICROVM_KERNEL_SHA256  $deb" | sha256sum -c --quiet -; then
