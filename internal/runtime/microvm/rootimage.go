@@ -93,6 +93,12 @@ func (im *Images) Prepare(ctx context.Context, treeDigest, rootfs string) (strin
 	if _, err := os.Stat(dst); err == nil {
 		return dst, nil // built by someone else while we waited
 	}
+	// A build that died with its process (crash, SIGKILL) left its temp
+	// file; under the lock nobody else builds this image, so drop them.
+	stale, _ := filepath.Glob(filepath.Join(im.Dir, ".tmp-"+filepath.Base(dst)+"-*"))
+	for _, f := range stale {
+		os.Remove(f)
+	}
 	tmp, err := os.CreateTemp(im.Dir, ".tmp-"+filepath.Base(dst)+"-")
 	if err != nil {
 		return "", err

@@ -246,6 +246,43 @@ func verifyDumped(t *testing.T, img string) {
 	}
 }
 
+// TestImagesLockWaitAndStaleTemp: a Prepare waiting for another's lock
+// gives up with its context, and a temp file left by a build that died is
+// removed by the next build.
+func TestImagesLockWaitAndStaleTemp(t *testing.T) {
+	requireMkfsErofs(t)
+	im := &Images{Dir: t.TempDir()}
+	img, err := im.Path("sha256:bb")
+	if err != nil {
+		t.Fatal(err)
+	}
+	unlock, err := im.lock(context.Background(), img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tree := t.TempDir()
+	if err := os.WriteFile(filepath.Join(tree, "f"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	if _, err := im.Prepare(ctx, "sha256:bb", tree); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Prepare while locked: %v, want deadline exceeded", err)
+	}
+	unlock()
+
+	stale := filepath.Join(im.Dir, ".tmp-sha256-bb.erofs-123")
+	if err := os.WriteFile(stale, []byte("half an image"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := im.Prepare(context.Background(), "sha256:bb", tree); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(stale); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("stale temp file kept: %v", err)
+	}
+}
+
 func TestImagesRefuse(t *testing.T) {
 	im := &Images{Dir: t.TempDir()}
 	ctx := context.Background()
