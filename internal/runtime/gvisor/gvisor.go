@@ -53,6 +53,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
 // Name is the name the runtime registers under.
@@ -222,7 +223,7 @@ func (r *Runtime) Sweep(ctx context.Context, keep func(id string) bool) ([]strin
 	} else {
 		errs = append(errs, fmt.Errorf("listing runsc containers: %w", err))
 	}
-	if mps, err := mountsUnder(r.sandboxesDir()); err == nil {
+	if mps, err := hostfs.MountsUnder(r.sandboxesDir()); err == nil {
 		for _, mp := range mps {
 			if rel, err := filepath.Rel(r.sandboxesDir(), mp); err == nil && rel != "." {
 				id, _, _ := strings.Cut(rel, "/")

@@ -9,6 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
 // Inside gVisor the agent runs in a user namespace of its own (package
@@ -59,7 +60,7 @@ func makeUserns(agent string) (int, error) {
 // mountIDMapped attaches at dst a read-only, id-mapped (per userns) view of
 // the tree at src and everything mounted below it.
 func mountIDMapped(src, dst string, userns int) error {
-	if isMountPoint(dst) {
+	if hostfs.IsMountPoint(dst) {
 		return nil
 	}
 	if err := os.MkdirAll(dst, 0o700); err != nil {

@@ -18,6 +18,7 @@ import (
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
 // startTimeout bounds `runsc run` plus the agent binding its socket.
@@ -274,7 +275,7 @@ func (i *instance) stopLocked(ctx context.Context) error {
 			errs = append(errs, err)
 		}
 	}
-	if err := unmountAll(i.dir); err != nil {
+	if err := hostfs.UnmountAll(i.dir); err != nil {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
@@ -306,7 +307,7 @@ func (i *instance) Destroy(ctx context.Context) error {
 	if err := i.stopLocked(ctx); err != nil {
 		return err
 	}
-	if mps, err := mountsUnder(i.dir); err != nil || len(mps) > 0 {
+	if mps, err := hostfs.MountsUnder(i.dir); err != nil || len(mps) > 0 {
 		// Never RemoveAll through a live mount: it would delete the template.
 		return fmt.Errorf("sandbox %s still has mounts %v (%v)", i.spec.ID, mps, err)
 	}
@@ -400,7 +401,7 @@ func (i *instance) Changes(ctx context.Context) (runtime.Changes, error) {
 	if i.aliveLocked() {
 		return runtime.Changes{}, fmt.Errorf("sandbox %s is running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	mounted := isMountPoint(i.rwDir())
+	mounted := hostfs.IsMountPoint(i.rwDir())
 	if err := mountDisk(i.diskImage(), i.rwDir()); err != nil {
 		return runtime.Changes{}, err
 	}
@@ -413,7 +414,7 @@ func (i *instance) Changes(ctx context.Context) (runtime.Changes, error) {
 			var err error
 			once.Do(func() {
 				if !mounted {
-					err = unmountAll(i.rwDir())
+					err = hostfs.UnmountAll(i.rwDir())
 				}
 			})
 			return err

@@ -13,6 +13,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/hostfs"
 	"github.com/spacehq/space/internal/runtime/native/nsinit"
 )
 
@@ -47,7 +48,7 @@ func (i *instance) Changes(ctx context.Context) (runtime.Changes, error) {
 	if err := ctx.Err(); err != nil {
 		return runtime.Changes{}, err
 	}
-	if !isMountPoint(i.exportDir()) {
+	if !hostfs.IsMountPoint(i.exportDir()) {
 		if err := i.exportLocked(); err != nil {
 			return runtime.Changes{}, fmt.Errorf("expose changes of sandbox %s: %w", i.spec.ID, err)
 		}
@@ -67,7 +68,7 @@ func (i *instance) Changes(ctx context.Context) (runtime.Changes, error) {
 func (i *instance) exportLocked() error {
 	attrs := unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC
 	var mfd int
-	if isMountPoint(i.rwDir()) {
+	if hostfs.IsMountPoint(i.rwDir()) {
 		fd, err := unix.OpenTree(unix.AT_FDCWD, i.rwDir(), unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_SYMLINK_NOFOLLOW)
 		if err != nil {
 			return fmt.Errorf("clone disk mount: %w", err)
@@ -206,7 +207,7 @@ func (i *instance) releaseChanges() error {
 // image mounted for it detaches by itself (autoclear).
 func (i *instance) releaseChangesLocked() error {
 	dir := i.exportDir()
-	if err := unmountAll(dir); err != nil {
+	if err := hostfs.UnmountAll(dir); err != nil {
 		return err
 	}
 	if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {

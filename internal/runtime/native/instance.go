@@ -19,6 +19,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/hostfs"
 	"github.com/spacehq/space/internal/runtime/native/nsinit"
 )
 
@@ -379,7 +380,7 @@ func (i *instance) stopLocked(ctx context.Context) error {
 			errs = append(errs, err)
 		}
 	}
-	if err := unmountAll(i.dir); err != nil {
+	if err := hostfs.UnmountAll(i.dir); err != nil {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
@@ -392,7 +393,7 @@ func (i *instance) Destroy(ctx context.Context) error {
 	if err := i.stopLocked(ctx); err != nil {
 		return err
 	}
-	if mps, err := mountsUnder(i.dir); err != nil || len(mps) > 0 {
+	if mps, err := hostfs.MountsUnder(i.dir); err != nil || len(mps) > 0 {
 		// Never RemoveAll through a live mount.
 		return fmt.Errorf("sandbox %s still has mounts %v (%v)", i.spec.ID, mps, err)
 	}

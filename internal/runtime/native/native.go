@@ -68,6 +68,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
 // Name is the name the runtime registers under.
@@ -213,7 +214,7 @@ func (r *Runtime) Sweep(ctx context.Context, keep func(id string) bool) ([]strin
 			ids[e.Name()] = true
 		}
 	}
-	if mps, err := mountsUnder(r.sandboxesDir()); err == nil {
+	if mps, err := hostfs.MountsUnder(r.sandboxesDir()); err == nil {
 		for _, mp := range mps {
 			rel, err := filepath.Rel(r.sandboxesDir(), mp)
 			if err == nil && rel != "." {

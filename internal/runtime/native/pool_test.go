@@ -8,6 +8,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacehq/space/internal/runtime/hostfs"
 	"github.com/spacehq/space/internal/testenv"
 )
 
@@ -34,7 +35,7 @@ func TestDiskPool(t *testing.T) {
 		t.Fatal("spare came without its mount")
 	}
 	// Spares are in no mount table until attached.
-	if m, _ := mountsUnder(dir); len(m) != 0 {
+	if m, _ := hostfs.MountsUnder(dir); len(m) != 0 {
 		t.Fatalf("pool left mounts in the table: %v", m)
 	}
 	mnt := filepath.Join(dir, "mnt")
@@ -48,7 +49,7 @@ func TestDiskPool(t *testing.T) {
 	if fi, err := os.Stat(dst); err != nil || fi.Size() != 16<<20 {
 		t.Fatalf("taken image: %v %v", fi, err)
 	}
-	if err := unmountAll(mnt); err != nil {
+	if err := hostfs.UnmountAll(mnt); err != nil {
 		t.Fatal(err)
 	}
 	if len(p.images(32)) != 0 {
@@ -81,20 +82,20 @@ func TestDiskPool(t *testing.T) {
 func TestIsMountPoint(t *testing.T) {
 	testenv.RequireRoot(t)
 	dir := t.TempDir()
-	if isMountPoint(dir) {
+	if hostfs.IsMountPoint(dir) {
 		t.Fatalf("%s is not a mount point", dir)
 	}
-	if !isMountPoint("/proc") {
+	if !hostfs.IsMountPoint("/proc") {
 		t.Fatal("/proc is a mount point")
 	}
 	if err := unix.Mount(dir, dir, "", unix.MS_BIND, ""); err != nil {
 		t.Fatal(err)
 	}
 	defer unix.Unmount(dir, 0)
-	if !isMountPoint(dir) {
+	if !hostfs.IsMountPoint(dir) {
 		t.Fatalf("bind-mounted %s is a mount point", dir)
 	}
-	if isMountPoint(filepath.Join(dir, "missing")) {
+	if hostfs.IsMountPoint(filepath.Join(dir, "missing")) {
 		t.Fatal("a missing path is no mount point")
 	}
 }

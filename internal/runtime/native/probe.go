@@ -18,6 +18,7 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/hostfs"
 	"github.com/spacehq/space/internal/runtime/native/nsinit"
 )
 
@@ -236,7 +237,7 @@ func (r *Runtime) probeDisk(ctx context.Context) (time.Duration, error) {
 		return 0, fmt.Errorf("probe disk: %w", err)
 	}
 	d := time.Since(t0)
-	if err := unmountAll(mnt); err != nil {
+	if err := hostfs.UnmountAll(mnt); err != nil {
 		return 0, fmt.Errorf("probe disk: %w", err)
 	}
 	return d, nil

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 
@@ -100,76 +99,4 @@ func watchExit(pidfd int) <-chan struct{} {
 		})
 	}()
 	return ch
-}
-
-// mountsUnder lists mount points at or below dir, deepest first, from
-// /proc/self/mountinfo.
-func mountsUnder(dir string) ([]string, error) {
-	data, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return nil, err
-	}
-	dir = filepath.Clean(dir)
-	var out []string
-	for _, line := range strings.Split(string(data), "\n") {
-		f := strings.Fields(line)
-		if len(f) < 5 {
-			continue
-		}
-		mp := unescapeMount(f[4])
-		if mp == dir || strings.HasPrefix(mp, dir+"/") {
-			out = append(out, mp)
-		}
-	}
-	// Deeper paths first so nested mounts go before their parents.
-	for i := 0; i < len(out); i++ {
-		for j := i + 1; j < len(out); j++ {
-			if len(out[j]) > len(out[i]) {
-				out[i], out[j] = out[j], out[i]
-			}
-		}
-	}
-	return out, nil
-}
-
-// unescapeMount undoes mountinfo's octal escapes (\040 for space, …).
-func unescapeMount(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
-}
-
-// isMountPoint reports whether dir is the root of a mount. statx answers
-// in O(1); the mount table, which grows with every running sandbox, is
-// only read on kernels without STATX_ATTR_MOUNT_ROOT.
-func isMountPoint(dir string) bool {
-	var stx unix.Statx_t
-	if err := unix.Statx(unix.AT_FDCWD, dir, unix.AT_SYMLINK_NOFOLLOW, unix.STATX_BASIC_STATS, &stx); err != nil {
-		return false
-	}
-	if stx.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT != 0 {
-		return stx.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0
-	}
-	m, err := mountsUnder(dir)
-	if err != nil {
-		return false
-	}
-	for _, p := range m {
-		if p == filepath.Clean(dir) {
-			return true
-		}
-	}
-	return false
 }
