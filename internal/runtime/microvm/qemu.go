@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -17,6 +18,7 @@ import (
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/agentproto"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime/microvm/vmctl"
 	"github.com/spacehq/space/internal/runtime/microvm/vminit"
 )
 
@@ -43,6 +45,33 @@ type VM struct {
 	// ConsoleLog receives the guest's serial console (kernel messages,
 	// the agent's stderr).
 	ConsoleLog string
+
+	// RootImage is the template's read-only erofs image (Images.Prepare)
+	// and Disk the sandbox's writable ext4 image; the guest finds them by
+	// their virtio-blk serials (vminit.RootSerial, vminit.DiskSerial) and
+	// joins them with overlayfs. Both empty: the guest runs from its
+	// initramfs alone (boot tests).
+	RootImage string
+	Disk      string
+	// CtlSocket is the unix socket of the guest init's control port
+	// (package vmctl); empty: no control port.
+	CtlSocket string
+	// QMPSocket is QEMU's machine protocol socket; empty: none.
+	QMPSocket string
+	// Hostname, SandboxMemoryMiB and Pids reach the guest's init on the
+	// kernel command line (vminit.Env*): the sandbox's hostname and the
+	// limits of its cgroup inside the guest.
+	Hostname         string
+	SandboxMemoryMiB int64
+	Pids             int64
+	// IncomingFD > 0 starts QEMU waiting for a migration stream on that
+	// descriptor (-incoming fd:N) instead of booting: a restore.
+	IncomingFD int
+	// Seccomp enables QEMU's own seccomp sandbox (-sandbox on,…).
+	Seccomp bool
+	// TBSizeMiB bounds TCG's translation cache (default 1 GiB); 0 leaves
+	// QEMU's default.
+	TBSizeMiB int
 }
 
 // maxUnixPath is the longest path a sockaddr_un holds (108 bytes with NUL).
@@ -63,8 +92,21 @@ func (v VM) Args() ([]string, error) {
 			return nil, fmt.Errorf("microvm: path %q is empty or has a comma: %w", p, errdefs.ErrInvalidArgument)
 		}
 	}
-	if len(v.AgentSocket) > maxUnixPath {
-		return nil, fmt.Errorf("microvm: agent socket path %q is longer than %d bytes: %w", v.AgentSocket, maxUnixPath, errdefs.ErrInvalidArgument)
+	for _, p := range []string{v.RootImage, v.Disk, v.CtlSocket, v.QMPSocket} {
+		if strings.ContainsRune(p, ',') {
+			return nil, fmt.Errorf("microvm: path %q has a comma: %w", p, errdefs.ErrInvalidArgument)
+		}
+	}
+	if (v.RootImage == "") != (v.Disk == "") {
+		return nil, fmt.Errorf("microvm: a root image needs a writable disk and the other way round: %w", errdefs.ErrInvalidArgument)
+	}
+	for _, p := range []string{v.AgentSocket, v.CtlSocket, v.QMPSocket} {
+		if len(p) > maxUnixPath {
+			return nil, fmt.Errorf("microvm: socket path %q is longer than %d bytes: %w", p, maxUnixPath, errdefs.ErrInvalidArgument)
+		}
+	}
+	if v.Hostname != "" && !hostnameRE.MatchString(v.Hostname) {
+		return nil, fmt.Errorf("microvm: hostname %q: %w", v.Hostname, errdefs.ErrInvalidArgument)
 	}
 	if v.Accel != AccelKVM && v.Accel != AccelTCG {
 		return nil, fmt.Errorf("microvm: accelerator %q: %w", v.Accel, errdefs.ErrInvalidArgument)
@@ -76,9 +118,13 @@ func (v VM) Args() ([]string, error) {
 	if mem <= 0 {
 		mem = 256
 	}
-	return []string{
+	accel := v.Accel
+	if v.Accel == AccelTCG && v.TBSizeMiB > 0 {
+		accel += ",tb-size=" + strconv.Itoa(v.TBSizeMiB)
+	}
+	args := []string{
 		"-M", "microvm",
-		"-accel", v.Accel,
+		"-accel", accel,
 		"-cpu", "max",
 		"-smp", strconv.Itoa(cpus),
 		"-m", strconv.Itoa(mem),
@@ -91,8 +137,34 @@ func (v VM) Args() ([]string, error) {
 		"-device", "virtio-serial-device",
 		"-chardev", "socket,id=agent,path=" + v.AgentSocket + ",server=on,wait=off",
 		"-device", "virtserialport,chardev=agent,name=" + vminit.PortName,
-	}, nil
+	}
+	if v.CtlSocket != "" {
+		args = append(args,
+			"-chardev", "socket,id=ctl,path="+v.CtlSocket+",server=on,wait=off",
+			"-device", "virtserialport,chardev=ctl,name="+vmctl.PortName)
+	}
+	if v.RootImage != "" {
+		args = append(args,
+			"-drive", "id=root,file="+v.RootImage+",format=raw,if=none,readonly=on",
+			"-device", "virtio-blk-device,drive=root,serial="+vminit.RootSerial,
+			"-drive", "id=disk,file="+v.Disk+",format=raw,if=none,discard=unmap",
+			"-device", "virtio-blk-device,drive=disk,serial="+vminit.DiskSerial)
+	}
+	if v.QMPSocket != "" {
+		args = append(args, "-qmp", "unix:"+v.QMPSocket+",server=on,wait=off")
+	}
+	if v.IncomingFD > 0 {
+		args = append(args, "-incoming", "fd:"+strconv.Itoa(v.IncomingFD))
+	}
+	if v.Seccomp {
+		args = append(args, "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny")
+	}
+	return args, nil
 }
+
+// hostnameRE is what goes on the kernel command line as the hostname: one
+// RFC 1123 label (no spaces or quotes that would split the line).
+var hostnameRE = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$`)
 
 // kernelCmdline is the guest kernel's command line.
 //
@@ -109,7 +181,17 @@ func (v VM) kernelCmdline() string {
 			cmd += " tsc_early_khz=" + strconv.FormatUint(khz, 10)
 		}
 	}
-	return cmd + " " + vminit.EnvFlag + "=1"
+	cmd += " " + vminit.EnvFlag + "=1"
+	if v.Hostname != "" {
+		cmd += " " + vminit.EnvHostname + "=" + v.Hostname
+	}
+	if v.SandboxMemoryMiB > 0 {
+		cmd += " " + vminit.EnvMemoryMiB + "=" + strconv.FormatInt(v.SandboxMemoryMiB, 10)
+	}
+	if v.Pids > 0 {
+		cmd += " " + vminit.EnvPids + "=" + strconv.FormatInt(v.Pids, 10)
+	}
+	return cmd
 }
 
 var (

@@ -26,6 +26,21 @@ import (
 // variable) that says space-agent runs as the init of a microvm guest.
 const EnvFlag = "SPACE_VMINIT"
 
+// Kernel command line parameters (init's environment) from the host.
+const (
+	EnvHostname  = "SPACE_HOSTNAME" // the sandbox's hostname
+	EnvMemoryMiB = "SPACE_MEM_MIB"  // memory.max of the sandbox's cgroup
+	EnvPids      = "SPACE_PIDS"     // pids.max of the sandbox's cgroup
+)
+
+// Serials of the virtio-blk devices: the template's read-only erofs image
+// and the sandbox's writable ext4 disk. The guest finds them by serial
+// (/sys/block/vdX/serial), not by probe order.
+const (
+	RootSerial = "space-root"
+	DiskSerial = "space-disk"
+)
+
 // ModulesDir is where the initramfs holds the guest's kernel modules, named
 // NN-name.ko and loaded in lexical order.
 const ModulesDir = "/lib/modules/space"

@@ -1,0 +1,102 @@
+package vmctl
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacehq/space/internal/errdefs"
+)
+
+type fakeHandler struct {
+	seed     []byte
+	t        int64
+	hostname string
+}
+
+func (f *fakeHandler) Stats() (Stats, error) {
+	return Stats{MemoryBytes: 42, OOMKills: 1, Pids: 3}, nil
+}
+func (f *fakeHandler) Restored(seed []byte, t int64, h string) error {
+	if h == "bad" {
+		return errors.New("refused")
+	}
+	f.seed, f.t, f.hostname = seed, t, h
+	return nil
+}
+
+var _ Handler = (*fakeHandler)(nil)
+
+func TestRoundTrip(t *testing.T) {
+	host, guest := net.Pipe()
+	h := &fakeHandler{}
+	go Serve(guest, h)
+	c := NewClient(host)
+	defer c.Close()
+	ctx := context.Background()
+	if err := c.Ping(ctx); err != nil {
+		t.Fatal(err)
+	}
+	s, err := c.Stats(ctx)
+	if err != nil || s != (Stats{42, 1, 3}) {
+		t.Fatalf("stats %+v %v", s, err)
+	}
+	now := time.Unix(1700000000, 5)
+	if err := c.Restored(ctx, []byte("0123456789abcdef"), now, "sb-1"); err != nil {
+		t.Fatal(err)
+	}
+	if string(h.seed) != "0123456789abcdef" || h.t != now.UnixNano() || h.hostname != "sb-1" {
+		t.Fatalf("handler got %+v", h)
+	}
+	if err := c.Restored(ctx, nil, now, "bad"); err == nil || !strings.Contains(err.Error(), "refused") {
+		t.Fatalf("guest error not surfaced: %v", err)
+	}
+}
+
+// A hostile guest: oversized lines, garbage, silence.
+func TestClientDistrustsGuest(t *testing.T) {
+	for name, reply := range map[string][]byte{
+		"oversized": bytes.Repeat([]byte("x"), 2*MaxLine),
+		"garbage":   []byte("{not json\n"),
+		"negative":  []byte(`{"stats":{"memory_bytes":-5,"oom_kills":-1,"pids":-9}}` + "\n"),
+	} {
+		t.Run(name, func(t *testing.T) {
+			host, guest := net.Pipe()
+			go func() {
+				buf := make([]byte, 4096)
+				guest.Read(buf)
+				guest.Write(reply)
+			}()
+			c := NewClient(host)
+			defer c.Close()
+			s, err := c.Stats(context.Background())
+			if name == "negative" {
+				if err != nil || s != (Stats{}) {
+					t.Fatalf("negative counters: %+v %v", s, err)
+				}
+				return
+			}
+			if !errors.Is(err, errdefs.ErrUnavailable) {
+				t.Fatalf("want ErrUnavailable, got %v", err)
+			}
+			if err := c.Ping(context.Background()); !errors.Is(err, errdefs.ErrUnavailable) {
+				t.Fatalf("a broken connection must stay broken: %v", err)
+			}
+		})
+	}
+	t.Run("silent", func(t *testing.T) {
+		host, guest := net.Pipe()
+		defer guest.Close()
+		go func() { buf := make([]byte, 4096); guest.Read(buf) }()
+		c := NewClient(host)
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		defer cancel()
+		if err := c.Ping(ctx); !errors.Is(err, errdefs.ErrUnavailable) {
+			t.Fatalf("silent guest: %v", err)
+		}
+	})
+}
