@@ -110,6 +110,14 @@ type Instance interface {
 	Exited() <-chan struct{}
 }
 
+// ExitReasoner is implemented by instances that can say why their init
+// ended on its own (a guest kernel panic, a hung guest killed by the
+// runtime's watchdog), with the evidence (a console tail). The manager puts
+// it in the sandbox's error. Empty while running or when unknown.
+type ExitReasoner interface {
+	ExitReason() string
+}
+
 // Pauser is implemented by instances that can stay resident without CPU.
 type Pauser interface {
 	Pause(ctx context.Context) error

@@ -588,6 +588,9 @@ func (m *Manager) connect(ctx context.Context, e *entry, inst runtime.Instance) 
 		case <-ctx.Done():
 			return fmt.Errorf("agent did not become ready within %s: %v: %w", m.cfg.AgentReadyTimeout, last, errdefs.ErrUnavailable)
 		case <-inst.Exited():
+			if why := exitReason(inst); why != "" {
+				return fmt.Errorf("sandbox init exited before its agent became ready: %s: %w", why, errdefs.ErrUnavailable)
+			}
 			return fmt.Errorf("sandbox init exited before its agent became ready (last error: %v): %w", last, errdefs.ErrUnavailable)
 		case <-time.After(delay):
 		}
@@ -614,6 +617,14 @@ func (m *Manager) dial(ctx context.Context, inst runtime.Instance) (*agentclient
 		return nil, err
 	}
 	return c, nil
+}
+
+// exitReason is the runtime's account of why inst's init ended, if it has one.
+func exitReason(inst runtime.Instance) string {
+	if r, ok := inst.(runtime.ExitReasoner); ok {
+		return r.ExitReason()
+	}
+	return ""
 }
 
 // watchExit marks the sandbox stopped (with the reason) when its init dies
@@ -650,9 +661,14 @@ func (m *Manager) watchExit(e *entry, inst runtime.Instance) {
 		if !same {
 			return
 		}
+		why := exitReason(inst)
 		inst.Stop(context.Background())
-		m.log.Warn("sandbox init exited unexpectedly", "sandbox", e.id)
+		m.log.Warn("sandbox init exited unexpectedly", "sandbox", e.id, "reason", why)
 		m.markCommandsExited(e.id, "the sandbox's init exited")
-		m.setState(e.id, api.StateStopped, "sandbox init (the agent) exited unexpectedly; start or wake it to run again", "")
+		msg := "sandbox init (the agent) exited unexpectedly; start or wake it to run again"
+		if why != "" {
+			msg = "sandbox init exited unexpectedly: " + why + "; start or wake it to run again"
+		}
+		m.setState(e.id, api.StateStopped, msg, "")
 	}()
 }
