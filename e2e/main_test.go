@@ -111,7 +111,7 @@ func hostLeaks(data string) []string {
 			}
 		}
 	}
-	for _, rt := range []string{"native", "gvisor"} {
+	for _, rt := range []string{"native", "gvisor", "microvm"} {
 		ents, _ := os.ReadDir(filepath.Join(data, "runtimes", rt, "sandboxes"))
 		for _, e := range ents {
 			out = append(out, "dir: "+rt+"/"+e.Name())
