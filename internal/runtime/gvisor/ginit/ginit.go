@@ -44,6 +44,13 @@ const EnvStage = "SPACE_GINIT"
 const (
 	StageOuter = "outer"
 	stageInner = "inner"
+	// StageConfine is inner for a sandbox with no outer filter around it:
+	// the microvm guest's init starts the agent in its namespaces itself
+	// (package vminit) and there is no OCI spec whose seccomp policy
+	// would apply. Besides what inner does it masks the /proc files a
+	// real kernel has and gVisor's lacks, and adds the spec's denials to
+	// the filter (confine.go).
+	StageConfine = "confine"
 	// StageHold blocks until stdin reaches EOF, then exits. The host starts
 	// it in a new user namespace to hold that namespace while it opens it
 	// (for id-mapped mounts): a Go program cannot create one in-process.
@@ -67,6 +74,8 @@ func Enter() error {
 		os.Exit(outer())
 	case stageInner:
 		return inner()
+	case StageConfine:
+		return confine()
 	case StageHold:
 		_, _ = io.Copy(io.Discard, os.Stdin)
 		os.Exit(0)
@@ -154,9 +163,17 @@ var dockerCaps = []uintptr{
 	unix.CAP_SYS_CHROOT, unix.CAP_MKNOD, unix.CAP_AUDIT_WRITE, unix.CAP_SETFCAP,
 }
 
-func inner() error {
+func inner() error { return enterConfined(nil, nil) }
+
+// enterConfined is the inner stage, with maskedProc (besides
+// sysrq-trigger) bound over by /dev/null and extraDenied refused with
+// EPERM by the seccomp filter.
+func enterConfined(maskedProc []string, extraDenied []uint32) error {
 	os.Unsetenv(EnvStage)
 	if err := mountProc(); err != nil {
+		return err
+	}
+	if err := maskProc(maskedProc); err != nil {
 		return err
 	}
 	// Capabilities, no_new_privs and seccomp are per-thread. Applied to
@@ -167,7 +184,7 @@ func inner() error {
 	// one.
 	err := limitCapabilities(allThreads)
 	if errors.Is(err, syscall.ENOTSUP) {
-		return innerExec()
+		return innerExec(extraDenied)
 	}
 	if err != nil {
 		return err
@@ -175,11 +192,11 @@ func inner() error {
 	if _, _, errno := syscall.AllThreadsSyscall(unix.SYS_PRCTL, unix.PR_SET_NO_NEW_PRIVS, 1, 0); errno != 0 {
 		return fmt.Errorf("no_new_privs: %w", errno)
 	}
-	return loadSeccomp(unix.SECCOMP_FILTER_FLAG_TSYNC)
+	return loadSeccomp(unix.SECCOMP_FILTER_FLAG_TSYNC, extraDenied)
 }
 
 // innerExec is inner for a process that cannot change all its threads.
-func innerExec() error {
+func innerExec(extraDenied []uint32) error {
 	goruntime.LockOSThread()
 	if err := limitCapabilities(thisThread); err != nil {
 		return err
@@ -187,7 +204,7 @@ func innerExec() error {
 	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
 		return fmt.Errorf("no_new_privs: %w", err)
 	}
-	if err := loadSeccomp(0); err != nil {
+	if err := loadSeccomp(0, extraDenied); err != nil {
 		return err
 	}
 	exe, err := os.Readlink("/proc/self/exe")
@@ -266,7 +283,7 @@ var deniedMounts = []uint32{
 	unix.SYS_FSCONFIG, unix.SYS_FSPICK, unix.SYS_MOVE_MOUNT, unix.SYS_OPEN_TREE, unix.SYS_MOUNT_SETATTR,
 }
 
-func filter() []unix.SockFilter {
+func filter(extraDenied []uint32) []unix.SockFilter {
 	eperm := uint32(unix.SECCOMP_RET_ERRNO | uint32(unix.EPERM))
 	enosys := uint32(unix.SECCOMP_RET_ERRNO | uint32(unix.ENOSYS))
 	ld := uint16(unix.BPF_LD | unix.BPF_W | unix.BPF_ABS)
@@ -279,7 +296,7 @@ func filter() []unix.SockFilter {
 		stmt(ret, uint32(unix.SECCOMP_RET_KILL_PROCESS)),
 		stmt(ld, offNr),
 	}
-	for _, nr := range deniedMounts {
+	for _, nr := range append(deniedMounts[:len(deniedMounts):len(deniedMounts)], extraDenied...) {
 		p = append(p, jump(jeq, nr, 0, 1), stmt(ret, eperm))
 	}
 	return append(p,
@@ -296,8 +313,8 @@ func filter() []unix.SockFilter {
 
 // loadSeccomp installs the filter on this thread, or on all threads with
 // SECCOMP_FILTER_FLAG_TSYNC; no_new_privs is set.
-func loadSeccomp(flags uintptr) error {
-	f := filter()
+func loadSeccomp(flags uintptr, extraDenied []uint32) error {
+	f := filter(extraDenied)
 	prog := unix.SockFprog{Len: uint16(len(f)), Filter: &f[0]}
 	_, _, errno := unix.RawSyscall(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, flags, uintptr(unsafe.Pointer(&prog)))
 	if errno != 0 {
