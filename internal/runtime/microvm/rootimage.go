@@ -17,6 +17,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
 // DefaultMkfsErofs is the erofs-utils image builder scripts/setup.sh installs.
@@ -32,11 +34,20 @@ const DefaultImageBuildTimeout = 5 * time.Minute
 // immutable, so an image, once renamed into place, never changes; a guest
 // mounts it read-only as the lower layer of its root overlay.
 //
-// Owners, modes, times, symlinks, hard links, device nodes and xattrs are
-// kept as they are in the tree: the guest has its own kernel and user ids,
-// so nothing is shifted (unlike native's uid-shifted copies).
+// Modes, times, symlinks, hard links, device nodes and xattrs are kept as
+// they are in the tree; owners are shifted by ginit.IDBase. Inside the
+// guest the sandbox runs in a user namespace whose root is guest uid
+// IDBase (package vminit), so a file the template gives to root must be
+// IDBase's in the image for the sandbox to see it as root's. The shift is
+// made by building from a read-only id-mapped mount of the tree (host id N
+// → IDBase+N for N < ginit.IDSize); the tree on disk is not touched. Ids
+// ≥ IDSize in the tree have no mapping and land in the image as the
+// overflow id (65534, nobody) — Debian's trees use none.
 type Images struct {
 	Dir string
+	// AgentBinary is space-agent: started in a new user namespace (its
+	// hold stage), it makes the namespace of the id-mapped mount. Required.
+	AgentBinary string
 	// Mkfs is the mkfs.erofs binary; DefaultMkfsErofs when empty.
 	Mkfs string
 	// Timeout bounds one build; DefaultImageBuildTimeout when zero.
@@ -44,6 +55,10 @@ type Images struct {
 
 	builds atomic.Int64 // mkfs runs that produced an image, for tests
 }
+
+// imageSuffix names the image format: ".v2" has owners shifted by IDBase;
+// an unshifted image of an older build (".erofs") is never reused.
+const imageSuffix = ".v2.erofs"
 
 var imageNameRE = regexp.MustCompile(`^[A-Za-z0-9._:-]{1,200}$`)
 
@@ -62,7 +77,7 @@ func (im *Images) Path(treeDigest string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	return filepath.Join(im.Dir, name+".erofs"), nil
+	return filepath.Join(im.Dir, name+imageSuffix), nil
 }
 
 // Prepare returns the image of the tree rootfs, whose digest is treeDigest,
@@ -99,13 +114,19 @@ func (im *Images) Prepare(ctx context.Context, treeDigest, rootfs string) (strin
 	for _, f := range stale {
 		os.Remove(f)
 	}
+	// And its id-mapped mount, if it died before unmounting.
+	mnts, _ := filepath.Glob(filepath.Join(im.Dir, ".mnt-"+filepath.Base(dst)+"-*"))
+	for _, m := range mnts {
+		_ = unix.Unmount(m, unix.MNT_DETACH)
+		os.Remove(m)
+	}
 	tmp, err := os.CreateTemp(im.Dir, ".tmp-"+filepath.Base(dst)+"-")
 	if err != nil {
 		return "", err
 	}
 	tmp.Close()
 	defer os.Remove(tmp.Name()) // a no-op after the rename
-	if err := im.mkfs(ctx, tmp.Name(), rootfs); err != nil {
+	if err := im.buildShifted(ctx, tmp.Name(), rootfs, dst); err != nil {
 		return "", fmt.Errorf("microvm: image of %s: %w", treeDigest, err)
 	}
 	// The image is shared read-only by every guest of the template.
@@ -200,10 +221,37 @@ func flockContext(ctx context.Context, f *os.File) error {
 //   - -zlz4: the guest kernel has EROFS_FS_ZIP with LZ4 built in; lz4 is
 //     fast to build and to read (lz4hc builds several times slower).
 //   - --preserve-mtime: keep every file's mtime, not the build time.
-//   - no --all-root/--force-uid: real owners are the point.
+//   - no --all-root/--force-uid: real (shifted) owners are the point.
 //   - -x left at its default: xattrs (user.*, security.capability, ACLs) are
 //     kept; device nodes, fifos and sockets are kept as inodes.
 var mkfsArgs = []string{"-zlz4", "--preserve-mtime", "--quiet"}
+
+// buildShifted writes into image the erofs of rootfs as seen through a
+// read-only id-mapped mount (host 0 → IDBase), which it always unmounts.
+// The mount point is named after dst so that the next build of the same
+// image, under the same lock, finds one a crash left behind.
+func (im *Images) buildShifted(ctx context.Context, image, rootfs, dst string) error {
+	if im.AgentBinary == "" {
+		return fmt.Errorf("no agent binary for the id-mapped mount: %w", errdefs.ErrInvalidArgument)
+	}
+	userns, err := hostfs.OpenUserns([]string{im.AgentBinary}, []string{ginit.EnvStage + "=" + ginit.StageHold},
+		hostfs.IDMap{HostID: ginit.IDBase, Size: ginit.IDSize})
+	if err != nil {
+		return err
+	}
+	defer unix.Close(userns)
+	mnt, err := os.MkdirTemp(im.Dir, ".mnt-"+filepath.Base(dst)+"-")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(mnt)
+	if err := hostfs.MountIDMapped(rootfs, mnt, userns); err != nil {
+		return err
+	}
+	// Lazily: mkfs may be killed by the timeout with files still open.
+	defer unix.Unmount(mnt, unix.MNT_DETACH)
+	return im.mkfs(ctx, image, mnt)
+}
 
 // mkfs runs mkfs.erofs into image (which it overwrites) from rootfs, bounded
 // by the build timeout, and returns its stderr in the error.

@@ -15,6 +15,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/hostfs"
 	"github.com/spacehq/space/internal/testenv"
 )
 
@@ -34,7 +36,8 @@ func hostMountsErofs() bool {
 }
 
 // makeTree builds a small tree with the things an image must keep: modes,
-// owners, mtimes, a symlink, a hard link, a device node and a user xattr.
+// owners (shifted), mtimes, a symlink, a hard link, a device node and a
+// user xattr; and a file owned by an id the shift does not map.
 func makeTree(t *testing.T) string {
 	t.Helper()
 	root := filepath.Join(t.TempDir(), "tree")
@@ -57,6 +60,8 @@ func makeTree(t *testing.T) string {
 	must(unix.Mknod(filepath.Join(root, "etc", "null"), unix.S_IFCHR|0o666, int(unix.Mkdev(1, 3))))
 	must(unix.Chmod(filepath.Join(root, "etc", "null"), 0o666)) // past the umask
 	must(unix.Setxattr(filepath.Join(root, "etc", "tool"), "user.space.test", []byte("kept"), 0))
+	must(os.WriteFile(filepath.Join(root, "etc", "far"), nil, 0o644))
+	must(os.Chown(filepath.Join(root, "etc", "far"), 70000, 70000))
 	old := time.Date(2020, 1, 2, 3, 4, 5, 0, time.UTC)
 	must(os.Chtimes(filepath.Join(root, "etc", "tool"), old, old))
 	return root
@@ -66,7 +71,7 @@ func TestImagesPrepareForget(t *testing.T) {
 	testenv.RequireRoot(t) // real owners and device nodes in the test tree
 	requireMkfsErofs(t)
 	tree := makeTree(t)
-	im := &Images{Dir: filepath.Join(t.TempDir(), "images")}
+	im := &Images{Dir: filepath.Join(t.TempDir(), "images"), AgentBinary: testenv.AgentBinary(t)}
 	const digest = "sha256:0123456789abcdef"
 	ctx := context.Background()
 
@@ -91,7 +96,7 @@ func TestImagesPrepareForget(t *testing.T) {
 		}
 	}
 	img := paths[0]
-	if want := filepath.Join(im.Dir, "sha256-0123456789abcdef.erofs"); img != want {
+	if want := filepath.Join(im.Dir, "sha256-0123456789abcdef.v2.erofs"); img != want {
 		t.Fatalf("image at %q, want %q", img, want)
 	}
 	var before unix.Stat_t
@@ -111,8 +116,13 @@ func TestImagesPrepareForget(t *testing.T) {
 	if before.Mode&0o777 != 0o444 {
 		t.Errorf("image mode %o, want 0444", before.Mode&0o777)
 	}
-	if left, _ := filepath.Glob(filepath.Join(im.Dir, ".tmp-*")); len(left) != 0 {
-		t.Errorf("temp files left: %v", left)
+	for _, pat := range []string{".tmp-*", ".mnt-*"} {
+		if left, _ := filepath.Glob(filepath.Join(im.Dir, pat)); len(left) != 0 {
+			t.Errorf("temp files left: %v", left)
+		}
+	}
+	if mnts, err := hostfs.MountsUnder(im.Dir); err != nil || len(mnts) != 0 {
+		t.Errorf("mounts left under the image dir: %v %v", mnts, err)
 	}
 
 	// erofs-utils' view always; the kernel's too when this host mounts erofs
@@ -168,7 +178,7 @@ func verifyMounted(t *testing.T, img string) {
 		t.Errorf("etc/tool: %d bytes, %v", len(b), err)
 	}
 	sec := st("etc/secret")
-	if sec.Mode != unix.S_IFREG|0o600 || sec.Uid != 1000 || sec.Gid != 1001 || sec.Nlink != 2 {
+	if sec.Mode != unix.S_IFREG|0o600 || sec.Uid != ginit.IDBase+1000 || sec.Gid != ginit.IDBase+1001 || sec.Nlink != 2 {
 		t.Errorf("etc/secret mode %o owner %d:%d nlink %d", sec.Mode, sec.Uid, sec.Gid, sec.Nlink)
 	}
 	if hard := st("etc/sub/hard"); hard.Ino != sec.Ino {
@@ -184,8 +194,15 @@ func verifyMounted(t *testing.T, img string) {
 	if link, err := os.Readlink(p("etc/sub/link")); err != nil || link != "../secret" {
 		t.Errorf("link → %q, %v", link, err)
 	}
-	if l := st("etc/sub/link"); l.Uid != 7 || l.Gid != 8 {
+	if l := st("etc/sub/link"); l.Uid != ginit.IDBase+7 || l.Gid != ginit.IDBase+8 {
 		t.Errorf("link owner %d:%d", l.Uid, l.Gid)
+	}
+	if r := st("etc"); r.Uid != ginit.IDBase || r.Gid != ginit.IDBase {
+		t.Errorf("root-owned etc is %d:%d in the image, want IDBase", r.Uid, r.Gid)
+	}
+	// Outside the mapped range: the overflow id, not the tree's.
+	if f := st("etc/far"); f.Uid != 65534 || f.Gid != 65534 {
+		t.Errorf("etc/far owner %d:%d, want the overflow id 65534", f.Uid, f.Gid)
 	}
 	if null := st("etc/null"); null.Mode != unix.S_IFCHR|0o666 || null.Rdev != unix.Mkdev(1, 3) {
 		t.Errorf("etc/null mode %o rdev %x", null.Mode, null.Rdev)
@@ -218,7 +235,7 @@ func verifyDumped(t *testing.T, img string) {
 		return f[1]
 	}
 	sec, hard := dump("/etc/secret"), dump("/etc/sub/hard")
-	for _, want := range []string{"Links: 2", "Uid: 1000   Gid: 1001", "Access: 0600/"} {
+	for _, want := range []string{"Links: 2", "Uid: 100001000   Gid: 100001001", "Access: 0600/"} {
 		if !strings.Contains(sec, want) {
 			t.Errorf("dump of /etc/secret lacks %q:\n%s", want, sec)
 		}
@@ -231,7 +248,7 @@ func verifyDumped(t *testing.T, img string) {
 	if tool := dump("/etc/tool"); !strings.Contains(tool, "Access: 0755/") || strings.Contains(tool, "Xattr size: 0\n") {
 		t.Errorf("dump of /etc/tool:\n%s", tool)
 	}
-	if link := dump("/etc/sub/link"); !strings.Contains(link, "Uid: 7   Gid: 8") {
+	if link := dump("/etc/sub/link"); !strings.Contains(link, "Uid: 100000007   Gid: 100000008") {
 		t.Errorf("dump of /etc/sub/link:\n%s", link)
 	}
 	out := filepath.Join(t.TempDir(), "x")
@@ -250,8 +267,9 @@ func verifyDumped(t *testing.T, img string) {
 // gives up with its context, and a temp file left by a build that died is
 // removed by the next build.
 func TestImagesLockWaitAndStaleTemp(t *testing.T) {
+	testenv.RequireRoot(t) // the build's id-mapped mount
 	requireMkfsErofs(t)
-	im := &Images{Dir: t.TempDir()}
+	im := &Images{Dir: t.TempDir(), AgentBinary: testenv.AgentBinary(t)}
 	img, err := im.Path("sha256:bb")
 	if err != nil {
 		t.Fatal(err)
@@ -271,15 +289,27 @@ func TestImagesLockWaitAndStaleTemp(t *testing.T) {
 	}
 	unlock()
 
-	stale := filepath.Join(im.Dir, ".tmp-sha256-bb.erofs-123")
+	stale := filepath.Join(im.Dir, ".tmp-sha256-bb.v2.erofs-123")
 	if err := os.WriteFile(stale, []byte("half an image"), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	// A build that died also left its id-mapped mount attached.
+	staleMnt := filepath.Join(im.Dir, ".mnt-sha256-bb.v2.erofs-123")
+	if err := os.Mkdir(staleMnt, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", staleMnt, "tmpfs", 0, "size=1m"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(staleMnt, unix.MNT_DETACH) })
 	if _, err := im.Prepare(context.Background(), "sha256:bb", tree); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := os.Stat(stale); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("stale temp file kept: %v", err)
+	}
+	if _, err := os.Stat(staleMnt); !errors.Is(err, os.ErrNotExist) || hostfs.IsMountPoint(staleMnt) {
+		t.Errorf("stale mount kept: %v", err)
 	}
 }
 
@@ -301,12 +331,19 @@ func TestImagesRefuse(t *testing.T) {
 	if _, err := im.Prepare(ctx, "sha256:aa", f); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Errorf("Prepare of a file: %v", err)
 	}
+	// Without the agent there is no shift: refuse rather than build an
+	// image whose root files the sandbox would not own.
+	if _, err := im.Prepare(ctx, "sha256:aa", t.TempDir()); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Errorf("Prepare without AgentBinary: %v", err)
+	}
 }
 
 // TestImagesMkfsFailureAndTimeout: mkfs.erofs's own message reaches the
 // error, and a builder that hangs is ended by the timeout without leaving
 // an image or a temp file behind.
 func TestImagesMkfsFailureAndTimeout(t *testing.T) {
+	testenv.RequireRoot(t) // the build's id-mapped mount
+	agent := testenv.AgentBinary(t)
 	dir := t.TempDir()
 	fail := filepath.Join(dir, "mkfs-fail")
 	hang := filepath.Join(dir, "mkfs-hang")
@@ -319,19 +356,19 @@ func TestImagesMkfsFailureAndTimeout(t *testing.T) {
 	tree := t.TempDir()
 	ctx := context.Background()
 
-	im := &Images{Dir: filepath.Join(dir, "images"), Mkfs: fail}
+	im := &Images{Dir: filepath.Join(dir, "images"), Mkfs: fail, AgentBinary: agent}
 	_, err := im.Prepare(ctx, "sha256:aa", tree)
 	if err == nil || !strings.Contains(err.Error(), "bad tree: boom") {
 		t.Fatalf("failed mkfs: %v, want its stderr", err)
 	}
 
-	im = &Images{Dir: filepath.Join(dir, "images"), Mkfs: hang, Timeout: 300 * time.Millisecond}
+	im = &Images{Dir: filepath.Join(dir, "images"), Mkfs: hang, Timeout: 300 * time.Millisecond, AgentBinary: agent}
 	start := time.Now()
 	_, err = im.Prepare(ctx, "sha256:aa", tree)
 	if !errors.Is(err, context.DeadlineExceeded) || time.Since(start) > 10*time.Second {
 		t.Fatalf("hung mkfs: %v after %s", err, time.Since(start))
 	}
-	for _, pat := range []string{"*.erofs", ".tmp-*"} {
+	for _, pat := range []string{"*.erofs", ".tmp-*", ".mnt-*"} {
 		if left, _ := filepath.Glob(filepath.Join(im.Dir, pat)); len(left) != 0 {
 			t.Errorf("left behind: %v", left)
 		}
@@ -347,7 +384,7 @@ func TestImageOfBaseRootfs(t *testing.T) {
 	testenv.RequireRoot(t)
 	requireMkfsErofs(t)
 	base := testenv.BaseRootfs(t)
-	im := &Images{Dir: t.TempDir()}
+	im := &Images{Dir: t.TempDir(), AgentBinary: testenv.AgentBinary(t)}
 	start := time.Now()
 	img, err := im.Prepare(context.Background(), "sha256:base", base)
 	if err != nil {
@@ -366,6 +403,10 @@ func TestImageOfBaseRootfs(t *testing.T) {
 		defer unix.Unmount(mnt, 0)
 		if _, err := os.Stat(filepath.Join(mnt, "bin", "sh")); err != nil {
 			t.Errorf("base image has no /bin/sh: %v", err)
+		}
+		var st unix.Stat_t
+		if err := unix.Stat(filepath.Join(mnt, "etc", "passwd"), &st); err != nil || st.Uid != ginit.IDBase {
+			t.Errorf("base image /etc/passwd owner %d (%v), want IDBase", st.Uid, err)
 		}
 	}
 }
