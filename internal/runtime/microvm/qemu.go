@@ -252,31 +252,78 @@ type Process struct {
 	err  error // Wait's result, once done is closed
 }
 
-// Start starts QEMU for v. It does not wait for the guest.
-func Start(v VM) (*Process, error) {
+// Start starts QEMU for v, tied to this process (Pdeathsig): probes and
+// tests. It does not wait for the guest.
+func Start(v VM) (*Process, error) { return Launch(v, LaunchOptions{}) }
+
+// LaunchOptions are how a QEMU process is started, beyond its command line.
+type LaunchOptions struct {
+	// Incoming becomes QEMU's descriptor 3; set v.IncomingFD to 3 with it
+	// (a restore reads its migration stream from there).
+	Incoming *os.File
+	// Detached keeps QEMU alive when this process dies (a sandbox must
+	// survive a server restart): no Pdeathsig, and QEMU's stderr goes to
+	// StderrPath instead of a pipe that would break with the server.
+	Detached   bool
+	StderrPath string
+	// Dir is QEMU's working directory ("" = this process's).
+	Dir string
+}
+
+// Launch starts QEMU for v with o. It does not wait for the guest.
+func Launch(v VM, o LaunchOptions) (*Process, error) {
 	args, err := v.Args()
 	if err != nil {
 		return nil, err
+	}
+	if (o.Incoming != nil) != (v.IncomingFD == 3) {
+		return nil, fmt.Errorf("microvm: an incoming stream is descriptor 3 (IncomingFD %d): %w", v.IncomingFD, errdefs.ErrInvalidArgument)
 	}
 	bin := v.QEMU
 	if bin == "" {
 		bin = DefaultQEMU
 	}
-	_ = os.Remove(v.AgentSocket) // a stale socket makes QEMU fail to bind
+	// Stale sockets make QEMU fail to bind.
+	for _, s := range []string{v.AgentSocket, v.CtlSocket, v.QMPSocket} {
+		if s != "" {
+			_ = os.Remove(s)
+		}
+	}
 	cmd := exec.Command(bin, args...)
+	cmd.Dir = o.Dir
+	if o.Incoming != nil {
+		cmd.ExtraFiles = []*os.File{o.Incoming}
+	}
 	var stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = io.Discard, &limitedBuffer{buf: &stderr, max: 8 << 10}
-	// Its own session (no terminal signals); killed if this thread's
-	// process dies first. The jailer (own namespaces, uid, cgroup,
-	// -sandbox) is the runtime's job and not done here yet.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Pdeathsig: syscall.SIGKILL}
+	var errFile *os.File
+	cmd.Stdout = io.Discard
+	// Its own session (no terminal signals).
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if o.Detached {
+		if o.StderrPath == "" {
+			return nil, fmt.Errorf("microvm: a detached QEMU needs a stderr file: %w", errdefs.ErrInvalidArgument)
+		}
+		errFile, err = os.OpenFile(o.StderrPath, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
+		if err != nil {
+			return nil, err
+		}
+		defer errFile.Close()
+		cmd.Stdout, cmd.Stderr = nil, errFile
+	} else {
+		cmd.Stderr = &limitedBuffer{buf: &stderr, max: 8 << 10}
+		cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
+	}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("starting %s: %w", bin, err)
 	}
 	p := &Process{vm: v, cmd: cmd, done: make(chan struct{})}
 	go func() {
 		err := cmd.Wait()
-		if msg := strings.TrimSpace(stderr.String()); msg != "" {
+		msg := strings.TrimSpace(stderr.String())
+		if o.Detached {
+			msg = strings.TrimSpace(readTail(o.StderrPath, 8<<10))
+		}
+		if msg != "" {
 			err = fmt.Errorf("qemu: %v: %s", err, msg)
 		}
 		p.mu.Lock()
@@ -285,6 +332,23 @@ func Start(v VM) (*Process, error) {
 		close(p.done)
 	}()
 	return p, nil
+}
+
+// Pid is QEMU's host pid.
+func (p *Process) Pid() int { return p.cmd.Process.Pid }
+
+// readTail returns the last max bytes of the file at path ("" if unreadable).
+func readTail(path string, max int64) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	if st, err := f.Stat(); err == nil && st.Size() > max {
+		_, _ = f.Seek(-max, io.SeekEnd)
+	}
+	b, _ := io.ReadAll(io.LimitReader(f, max))
+	return string(b)
 }
 
 // Done is closed when QEMU has exited.
@@ -304,18 +368,7 @@ func (p *Process) Kill() {
 }
 
 // ConsoleTail returns the last max bytes of the guest's console.
-func (p *Process) ConsoleTail(max int64) string {
-	f, err := os.Open(p.vm.ConsoleLog)
-	if err != nil {
-		return ""
-	}
-	defer f.Close()
-	if st, err := f.Stat(); err == nil && st.Size() > max {
-		_, _ = f.Seek(-max, io.SeekEnd)
-	}
-	b, _ := io.ReadAll(io.LimitReader(f, max))
-	return string(b)
-}
+func (p *Process) ConsoleTail(max int64) string { return readTail(p.vm.ConsoleLog, max) }
 
 // DialAgent connects to the agent's port once QEMU listens on its socket.
 // Bytes sent before the guest opens the port wait in the socket: QEMU reads

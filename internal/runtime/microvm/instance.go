@@ -1,0 +1,818 @@
+package microvm
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/microvm/vmctl"
+)
+
+// An instance is one sandbox: one QEMU process at a time, booted cold from
+// the template's root image and the sandbox's disk, or restored from a
+// snapshot (suspend.go, fork.go, warm.go).
+//
+// Files in its directory (sandboxes/<id>/):
+//
+//	disk.img     the writable ext4 disk (virtio-blk serial space-disk)
+//	vm.json      the VM description of the last cold boot: a restore, also
+//	             after a server restart, starts QEMU with exactly that
+//	             command line (plus -incoming)
+//	qemu.pid     "pid starttime" of the running QEMU (re-adoption)
+//	qemu.err     QEMU's stderr
+//	console.log  the guest's serial console
+//	agent.sock   the agent's virtio-serial port (chardev socket)
+//	ctl.sock     the guest init's control port (package vmctl)
+//	qmp.sock     QEMU's monitor
+//	state/       a suspend image waits here; Start refuses while it holds
+//	             anything and Stop removes it
+//
+// For the snapshot code (suspend.go, fork.go, warm.go, migrate.go):
+//
+//   - i.mu is held by every lifecycle method (Start, Stop, Destroy, Pause,
+//     Resume) for its whole run; startWarm and afterColdBoot are called with
+//     it held, and launch, stopLocked and setPausedLocked expect it held.
+//   - launch(ctx, incoming) starts QEMU from vm.json; with incoming it gets
+//     -incoming fd:3 on that file and waits for the stream (QMP "inmigrate"
+//     until the migration completes, then "paused"; the caller sends cont).
+//     It records the pid, dials QMP and starts the exit watcher and the
+//     watchdog. writeVM stores a description first (cold boots do).
+//   - qmpClient(ctx) and ctlClient(ctx) are the VM's QMP and vmctl clients;
+//     after a failed call, dropClients() makes the next call dial again.
+//   - setPausedLocked(true) before a QMP stop keeps the watchdog from
+//     counting a paused guest's silence; cont + setPausedLocked(false).
+//   - stopLocked kills QEMU (the exit is not reported as a crash) and
+//     leaves disk and state/ alone; i.diskImage(), i.stateDir(), i.dir.
+type instance struct {
+	rt   *Runtime
+	spec runtime.Spec
+	dir  string
+
+	// mu serializes lifecycle changes; it may be held for a whole boot.
+	mu sync.Mutex
+
+	// smu guards the fields below for short reads (Alive, Stats, …),
+	// so they never wait for a boot.
+	smu        sync.Mutex
+	proc       *vmProc // the running QEMU; nil when none
+	paused     bool
+	exitReason string // why the last QEMU ended on its own
+}
+
+var (
+	_ runtime.Instance     = (*instance)(nil)
+	_ runtime.Pauser       = (*instance)(nil)
+	_ runtime.ExitReasoner = (*instance)(nil)
+)
+
+func (i *instance) diskImage() string   { return filepath.Join(i.dir, "disk.img") }
+func (i *instance) vmFile() string      { return filepath.Join(i.dir, "vm.json") }
+func (i *instance) pidFile() string     { return filepath.Join(i.dir, "qemu.pid") }
+func (i *instance) qemuErrLog() string  { return filepath.Join(i.dir, "qemu.err") }
+func (i *instance) consoleLog() string  { return filepath.Join(i.dir, "console.log") }
+func (i *instance) agentSocket() string { return filepath.Join(i.dir, "agent.sock") }
+func (i *instance) ctlSocket() string   { return filepath.Join(i.dir, "ctl.sock") }
+func (i *instance) qmpSocket() string   { return filepath.Join(i.dir, "qmp.sock") }
+func (i *instance) stateDir() string    { return filepath.Join(i.dir, "state") }
+
+// ID implements runtime.Instance.
+func (i *instance) ID() string { return i.spec.ID }
+
+// vmProc is one QEMU process, started here or re-adopted after a restart.
+type vmProc struct {
+	pid       int
+	startTime uint64
+	exited    chan struct{} // closed when QEMU has exited
+	p         *Process      // nil when adopted
+	pidfd     int           // adopted: the pidfd signals go through; -1 otherwise
+
+	// stopping marks an exit the runtime caused (Stop, Destroy, a failed
+	// start): not reported as the guest's own end.
+	stopping atomic.Bool
+	// hung is set by the watchdog before it kills a guest that stopped
+	// answering; it names what was seen.
+	hung atomic.Pointer[string]
+}
+
+func (pr *vmProc) alive() bool {
+	select {
+	case <-pr.exited:
+		return false
+	default:
+		return true
+	}
+}
+
+// kill SIGKILLs QEMU and waits up to d for it to be gone.
+func (pr *vmProc) kill(d time.Duration) error {
+	if pr.p != nil {
+		_ = pr.p.cmd.Process.Kill()
+	} else if pr.pidfd >= 0 {
+		_ = unix.PidfdSendSignal(pr.pidfd, unix.SIGKILL, nil, 0)
+	}
+	select {
+	case <-pr.exited:
+		return nil
+	case <-time.After(d):
+		return fmt.Errorf("QEMU (pid %d) did not exit after SIGKILL", pr.pid)
+	}
+}
+
+// qemuError is how QEMU exited, when known.
+func (pr *vmProc) qemuError(errLog string) error {
+	if pr.p != nil {
+		return pr.p.Err()
+	}
+	if msg := strings.TrimSpace(readTail(errLog, 2048)); msg != "" {
+		return errors.New("qemu: " + msg)
+	}
+	return nil
+}
+
+func (i *instance) current() *vmProc {
+	i.smu.Lock()
+	defer i.smu.Unlock()
+	return i.proc
+}
+
+// Alive implements runtime.Instance: QEMU runs (the guest may be paused).
+func (i *instance) Alive() bool {
+	pr := i.current()
+	return pr != nil && pr.alive()
+}
+
+// Exited implements runtime.Instance.
+func (i *instance) Exited() <-chan struct{} {
+	if pr := i.current(); pr != nil {
+		return pr.exited
+	}
+	return nil
+}
+
+// Pid is QEMU's host pid (0 when not running): the conformance suite
+// checks from the host that the process serving the sandbox is
+// unprivileged.
+func (i *instance) Pid() int {
+	if pr := i.current(); pr != nil && pr.alive() {
+		return pr.pid
+	}
+	return 0
+}
+
+// ExitReason implements runtime.ExitReasoner: why the last QEMU ended on
+// its own (guest panic, guest power-off, QEMU crash, hung guest), with the
+// console's tail. Empty while running or after a Stop.
+func (i *instance) ExitReason() string {
+	i.smu.Lock()
+	defer i.smu.Unlock()
+	if i.proc != nil && i.proc.alive() {
+		return ""
+	}
+	return i.exitReason
+}
+
+func (i *instance) consoleTail(max int64) string { return readTail(i.consoleLog(), max) }
+
+// DialAgent implements runtime.Instance. A VM that ended says why, with
+// its console's tail.
+func (i *instance) DialAgent(ctx context.Context) (net.Conn, error) {
+	pr := i.current()
+	if pr == nil || !pr.alive() {
+		if why := i.ExitReason(); why != "" {
+			return nil, fmt.Errorf("sandbox %s is not running: %s: %w", i.spec.ID, why, errdefs.ErrUnavailable)
+		}
+		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrUnavailable)
+	}
+	c, err := dialAgentSocket(ctx, i.agentSocket())
+	if err != nil {
+		return nil, fmt.Errorf("dial agent of %s: %v: %w", i.spec.ID, err, errdefs.ErrUnavailable)
+	}
+	return c, nil
+}
+
+// coldVM describes a cold boot of this sandbox: the template's root image,
+// the sandbox's disk, its limits and hostname.
+func (i *instance) coldVM(accel string) (VM, error) {
+	bf, err := i.rt.bootFiles()
+	if err != nil {
+		return VM{}, err
+	}
+	img, err := i.rt.images.Path(i.spec.TemplateDigest)
+	if err != nil {
+		return VM{}, err
+	}
+	if _, err := os.Stat(img); err != nil {
+		// Forgotten since Create (template garbage collection) or never
+		// prepared (an Open after a restart): derive it again.
+		if i.spec.RootFS == "" {
+			return VM{}, fmt.Errorf("root image of %s is missing and no template tree was given: %w", i.spec.TemplateDigest, errdefs.ErrNotFound)
+		}
+		if img, err = i.rt.images.Prepare(context.Background(), i.spec.TemplateDigest, i.spec.RootFS); err != nil {
+			return VM{}, err
+		}
+	}
+	hostname := i.spec.Hostname
+	if hostname == "" {
+		hostname = i.spec.ID
+	}
+	l := i.spec.Limits
+	vm := VM{
+		Kernel:           bf.kernel.Vmlinuz,
+		Initrd:           bf.initrd,
+		Accel:            accel,
+		CPUs:             vcpus(l.CPUs),
+		MemoryMiB:        int(l.MemoryMiB) + guestOverheadMiB,
+		AgentSocket:      i.agentSocket(),
+		ConsoleLog:       i.consoleLog(),
+		RootImage:        img,
+		Disk:             i.diskImage(),
+		CtlSocket:        i.ctlSocket(),
+		QMPSocket:        i.qmpSocket(),
+		Hostname:         hostname,
+		SandboxMemoryMiB: l.MemoryMiB,
+		Pids:             l.Pids,
+	}
+	if accel == AccelTCG {
+		vm.TBSizeMiB = tcgTBSizeMiB
+	}
+	return vm, nil
+}
+
+// vcpus is ceil(cpus), at least 1.
+func vcpus(cpus float64) int {
+	n := int(cpus)
+	if float64(n) < cpus {
+		n++
+	}
+	return max(n, 1)
+}
+
+// writeVM stores the VM description launch starts from.
+func (i *instance) writeVM(vm VM) error {
+	b, err := json.MarshalIndent(vm, "", "  ")
+	if err != nil {
+		return err
+	}
+	tmp := i.vmFile() + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, i.vmFile())
+}
+
+// readVM loads the stored VM description.
+func (i *instance) readVM() (VM, error) {
+	var vm VM
+	b, err := os.ReadFile(i.vmFile())
+	if err != nil {
+		return vm, fmt.Errorf("sandbox %s has no VM description: %v: %w", i.spec.ID, err, errdefs.ErrNotFound)
+	}
+	if err := json.Unmarshal(b, &vm); err != nil {
+		return vm, fmt.Errorf("sandbox %s: VM description: %w", i.spec.ID, err)
+	}
+	return vm, nil
+}
+
+// Start implements runtime.Instance: a warm restore when warm.go has a
+// snapshot for this sandbox's kind, else a cold boot. It returns when the
+// agent has answered a health check and the guest's init its control
+// port.
+func (i *instance) Start(ctx context.Context) (err error) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.Alive() {
+		return fmt.Errorf("sandbox %s is already running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	if i.hasSavedState() {
+		return fmt.Errorf("sandbox %s is suspended (restore or destroy it): %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	if _, err := os.Stat(i.diskImage()); err != nil {
+		return fmt.Errorf("sandbox %s: %w", i.spec.ID, errdefs.ErrNotFound)
+	}
+	ctx, cancel := context.WithTimeout(ctx, startTimeout)
+	defer cancel()
+	defer func() {
+		if err != nil {
+			if serr := i.stopLocked(context.WithoutCancel(ctx)); serr != nil {
+				i.rt.log.Warn("cleaning up a failed start", "id", i.spec.ID, "err", serr)
+			}
+		}
+	}()
+	t0 := time.Now()
+	switch err := i.startWarm(ctx); {
+	case err == nil:
+		i.rt.log.Debug("sandbox started warm", "id", i.spec.ID, "took", time.Since(t0))
+		return nil
+	case !errors.Is(err, errNoWarm):
+		i.rt.log.Warn("warm start failed; booting cold", "id", i.spec.ID, "err", err)
+		if err := i.stopLocked(ctx); err != nil {
+			return err
+		}
+	}
+	caps := i.rt.Probe(ctx)
+	accel := caps.Details["accel"]
+	if accel == "" {
+		accel = AccelTCG
+	}
+	vm, err := i.coldVM(accel)
+	if err != nil {
+		return err
+	}
+	if err := i.writeVM(vm); err != nil {
+		return err
+	}
+	if err := i.launch(ctx, nil); err != nil {
+		return err
+	}
+	tLaunched := time.Now()
+	if err := i.waitReady(ctx); err != nil {
+		return err
+	}
+	i.rt.log.Debug("sandbox booted", "id", i.spec.ID, "launch", tLaunched.Sub(t0), "boot", time.Since(tLaunched))
+	i.afterColdBoot(ctx)
+	return nil
+}
+
+// waitReady waits until the agent answers health and the guest's init
+// answers a ping, failing with the console's tail as soon as QEMU exits.
+func (i *instance) waitReady(ctx context.Context) error {
+	pr := i.current()
+	if pr == nil || pr.p == nil {
+		return fmt.Errorf("sandbox %s: no QEMU to wait for", i.spec.ID)
+	}
+	c, _, err := pr.p.WaitHealthy(ctx)
+	if err != nil {
+		return fmt.Errorf("sandbox %s did not boot: %w", i.spec.ID, err)
+	}
+	c.Close()
+	for {
+		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		err := i.ping(pctx)
+		cancel()
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-pr.exited:
+			return fmt.Errorf("sandbox %s ended during boot: %s: %w", i.spec.ID, i.describeExit(pr), errdefs.ErrUnavailable)
+		case <-ctx.Done():
+			return fmt.Errorf("sandbox %s: the guest's init does not answer its control port: %v: %w", i.spec.ID, err, errdefs.ErrUnavailable)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// launch starts QEMU from vm.json; incoming, when not nil, is the migration
+// stream it restores from (descriptor 3, -incoming fd:3). QEMU is detached
+// from this process (it outlives a server restart). launch records the
+// pid, dials QMP and starts watching. Called with i.mu held and no QEMU
+// running.
+func (i *instance) launch(ctx context.Context, incoming *os.File) (err error) {
+	if i.Alive() {
+		return fmt.Errorf("sandbox %s: QEMU already runs: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	vm, err := i.readVM()
+	if err != nil {
+		return err
+	}
+	vm.IncomingFD = 0
+	if incoming != nil {
+		vm.IncomingFD = 3
+	}
+	_ = os.Truncate(i.consoleLog(), 0)
+	releaseConns(i.agentSocket(), i.qmpSocket(), i.ctlSocket())
+	p, err := Launch(vm, LaunchOptions{Incoming: incoming, Detached: true, StderrPath: i.qemuErrLog(), Dir: i.dir})
+	if err != nil {
+		return err
+	}
+	pr := &vmProc{pid: p.Pid(), exited: make(chan struct{}), p: p, pidfd: -1}
+	go func() { <-p.Done(); close(pr.exited) }()
+	defer func() {
+		if err != nil {
+			pr.stopping.Store(true)
+			_ = pr.kill(10 * time.Second)
+		}
+	}()
+	st, err := procStartTime(pr.pid)
+	if err != nil {
+		return fmt.Errorf("QEMU exited at once: %v", pr.qemuError(i.qemuErrLog()))
+	}
+	pr.startTime = st
+	if err := writePidFile(i.pidFile(), pr.pid, st); err != nil {
+		return err
+	}
+	i.smu.Lock()
+	i.proc, i.paused, i.exitReason = pr, false, ""
+	i.smu.Unlock()
+	qctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if _, err := i.qmpClient(qctx); err != nil {
+		if !pr.alive() {
+			return fmt.Errorf("sandbox %s: QEMU ended: %s", i.spec.ID, i.describeExit(pr))
+		}
+		return err
+	}
+	go i.watch(pr)
+	return nil
+}
+
+// adoptLocked attaches to a QEMU that still runs (a server restart): the
+// pid file must name a live process with the recorded start time whose
+// command line names this sandbox's directory.
+func (i *instance) adoptLocked(ctx context.Context) {
+	pid, st, err := readPidFile(i.pidFile())
+	if err != nil || pid <= 0 {
+		return
+	}
+	fd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return
+	}
+	// Checked after opening the pidfd, so the pidfd names the process
+	// that matched.
+	cur, err := procStartTime(pid)
+	cmdline, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if err != nil || cur != st || !strings.Contains(string(cmdline), i.dir+"/") {
+		unix.Close(fd)
+		return
+	}
+	pr := &vmProc{pid: pid, startTime: st, exited: make(chan struct{}), pidfd: fd}
+	go func() {
+		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+		for {
+			if _, err := unix.Poll(fds, -1); err != unix.EINTR {
+				break
+			}
+		}
+		close(pr.exited)
+	}()
+	i.smu.Lock()
+	i.proc, i.exitReason = pr, ""
+	i.smu.Unlock()
+	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if q, err := i.qmpClient(qctx); err == nil {
+		if status, err := q.Status(qctx); err == nil {
+			i.smu.Lock()
+			i.paused = status == "paused"
+			i.smu.Unlock()
+		}
+	}
+	go i.watch(pr)
+}
+
+// qmpClient is the VM's QMP client (dialled when there is none).
+func (i *instance) qmpClient(ctx context.Context) (*QMP, error) {
+	if !i.Alive() {
+		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrUnavailable)
+	}
+	return sharedQMP(ctx, i.qmpSocket())
+}
+
+// ctlClient is the guest init's vmctl client (dialled when there is none).
+func (i *instance) ctlClient(ctx context.Context) (*vmctl.Client, error) {
+	if !i.Alive() {
+		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrUnavailable)
+	}
+	c, err := sharedCtl(ctx, i.ctlSocket())
+	if err != nil {
+		return nil, fmt.Errorf("sandbox %s: control port: %v: %w", i.spec.ID, err, errdefs.ErrUnavailable)
+	}
+	return c, nil
+}
+
+// dropClients closes the VM's QMP and vmctl clients; the next use dials.
+func (i *instance) dropClients() {
+	dropQMP(i.qmpSocket(), nil)
+	dropCtl(i.ctlSocket(), nil)
+}
+
+// qmp runs one QMP command; a failed transport drops the client.
+func (i *instance) qmp(ctx context.Context, cmd string) error {
+	q, err := i.qmpClient(ctx)
+	if err != nil {
+		return err
+	}
+	if _, err := q.Execute(ctx, cmd, nil); err != nil {
+		if errors.Is(err, errdefs.ErrUnavailable) {
+			dropQMP(i.qmpSocket(), q)
+		}
+		return fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
+	}
+	return nil
+}
+
+// ping asks the guest's init for a sign of life.
+func (i *instance) ping(ctx context.Context) error {
+	c, err := i.ctlClient(ctx)
+	if err != nil {
+		return err
+	}
+	if err := c.Ping(ctx); err != nil {
+		dropCtl(i.ctlSocket(), c)
+		return err
+	}
+	return nil
+}
+
+// Watchdog: a running, unpaused guest whose init answers no ping for
+// watchdogMisses rounds in a row is hung (a kernel stuck with interrupts
+// off, a livelocked guest): it is killed and ExitReason says so. The
+// bounds are generous because a TCG guest on a loaded host is slow, and a
+// sandbox's own load (a fork bomb at its pids limit) must not count.
+const (
+	watchdogInterval = 3 * time.Second
+	watchdogTimeout  = 5 * time.Second
+	watchdogMisses   = 5
+)
+
+// watch waits for pr to exit, pinging the guest's init meanwhile, and
+// records why it ended when the runtime did not end it.
+func (i *instance) watch(pr *vmProc) {
+	t := time.NewTicker(watchdogInterval)
+	defer t.Stop()
+	misses := 0
+	var first time.Time
+	for {
+		select {
+		case <-pr.exited:
+			i.recordExit(pr)
+			return
+		case <-t.C:
+		}
+		i.smu.Lock()
+		paused, current := i.paused, i.proc == pr
+		i.smu.Unlock()
+		if paused || !current || pr.stopping.Load() {
+			misses = 0
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), watchdogTimeout)
+		err := i.ping(ctx)
+		cancel()
+		i.smu.Lock()
+		paused = i.paused // paused while the ping was out: not a miss
+		i.smu.Unlock()
+		if err == nil || paused || !pr.alive() {
+			misses = 0
+			continue
+		}
+		if misses == 0 {
+			first = time.Now()
+		}
+		misses++
+		i.rt.log.Warn("guest did not answer a ping", "id", i.spec.ID, "misses", misses, "err", err)
+		if misses >= watchdogMisses {
+			why := fmt.Sprintf("the guest hung: its init answered no ping for %v (%d in a row; last: %v); QEMU was killed",
+				time.Since(first).Round(time.Second), misses, err)
+			pr.hung.Store(&why)
+			_ = pr.kill(10 * time.Second)
+		}
+	}
+}
+
+// recordExit keeps the reason of an exit the runtime did not cause.
+func (i *instance) recordExit(pr *vmProc) {
+	if pr.stopping.Load() {
+		return
+	}
+	why := i.describeExit(pr)
+	i.rt.log.Warn("sandbox VM ended", "id", i.spec.ID, "reason", oneLine(why, 400))
+	i.smu.Lock()
+	if i.proc == pr {
+		i.exitReason = why
+	}
+	i.smu.Unlock()
+}
+
+// describeExit says why pr ended, with the console's tail.
+func (i *instance) describeExit(pr *vmProc) string {
+	tail := strings.TrimSpace(i.consoleTail(2048))
+	var how string
+	switch qerr := pr.qemuError(i.qemuErrLog()); {
+	case pr.hung.Load() != nil:
+		how = *pr.hung.Load()
+	case strings.Contains(tail, "Kernel panic"):
+		how = "the guest kernel panicked"
+	case qerr != nil:
+		how = "QEMU failed: " + qerr.Error()
+	default:
+		how = "the guest powered off (its init ended, e.g. the agent exited or was killed)"
+	}
+	return how + "; console:\n" + tail
+}
+
+// Stop implements runtime.Instance: QEMU is killed (the guest's memory is
+// gone, its disk keeps what reached it), and a suspend image is discarded:
+// the next Start boots afresh from the disk.
+func (i *instance) Stop(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if err := i.stopLocked(ctx); err != nil {
+		return err
+	}
+	if err := os.RemoveAll(i.stateDir()); err != nil {
+		return fmt.Errorf("sandbox %s: removing its suspend image: %w", i.spec.ID, err)
+	}
+	return nil
+}
+
+// stopLocked kills QEMU if it runs and removes its run files; the disk,
+// vm.json, the console log and state/ stay.
+func (i *instance) stopLocked(ctx context.Context) error {
+	i.smu.Lock()
+	pr := i.proc
+	i.smu.Unlock()
+	if pr != nil {
+		pr.stopping.Store(true)
+		if err := pr.kill(15 * time.Second); err != nil {
+			return fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
+		}
+		if pr.pidfd >= 0 {
+			unix.Close(pr.pidfd)
+			pr.pidfd = -1
+		}
+	}
+	releaseConns(i.agentSocket(), i.qmpSocket(), i.ctlSocket())
+	i.smu.Lock()
+	if i.proc == pr {
+		i.proc, i.paused = nil, false
+	}
+	i.smu.Unlock()
+	var errs []error
+	for _, p := range []string{i.pidFile(), i.agentSocket(), i.ctlSocket(), i.qmpSocket()} {
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Destroy implements runtime.Instance: QEMU, the disk, every file. It
+// works on any partial state and is idempotent.
+func (i *instance) Destroy(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if err := i.stopLocked(ctx); err != nil {
+		return err
+	}
+	// A QEMU the pid file does not name (killed server between start
+	// and pid file) still has the sandbox's files open.
+	for _, pid := range qemuProcessesUnder(i.rt.sandboxesDir())[i.spec.ID] {
+		killPid(pid)
+	}
+	if err := os.RemoveAll(i.dir); err != nil {
+		return fmt.Errorf("remove sandbox %s: %w", i.spec.ID, err)
+	}
+	return nil
+}
+
+// hasSavedState reports whether a suspend image waits in state/.
+func (i *instance) hasSavedState() bool {
+	ents, err := os.ReadDir(i.stateDir())
+	return err == nil && len(ents) > 0
+}
+
+// Pause implements runtime.Pauser: QMP stop; the vCPUs stop, memory stays.
+func (i *instance) Pause(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if !i.Alive() {
+		return fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	i.setPausedLocked(true)
+	if err := i.qmp(ctx, "stop"); err != nil {
+		i.setPausedLocked(false)
+		return err
+	}
+	return nil
+}
+
+// Resume implements runtime.Pauser: QMP cont.
+func (i *instance) Resume(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if !i.Alive() {
+		return fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	if err := i.qmp(ctx, "cont"); err != nil {
+		return err
+	}
+	i.setPausedLocked(false)
+	return nil
+}
+
+// setPausedLocked records whether the guest is stopped on purpose (the
+// watchdog leaves it alone).
+func (i *instance) setPausedLocked(p bool) {
+	i.smu.Lock()
+	i.paused = p
+	i.smu.Unlock()
+}
+
+// Stats implements runtime.Instance: memory, OOM kills and processes of
+// the sandbox's cgroup as the guest kernel counts them (from the guest's
+// init, outside the sandbox's confinement; clamped by vmctl), CPU from the
+// host: the QEMU process's CPU time, which is all the guest ever ran.
+func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
+	pr := i.current()
+	if pr == nil || !pr.alive() {
+		return runtime.Stats{}, nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	c, err := i.ctlClient(ctx)
+	if err != nil {
+		return runtime.Stats{}, err
+	}
+	gs, err := c.Stats(ctx)
+	if err != nil {
+		if errors.Is(err, errdefs.ErrUnavailable) {
+			dropCtl(i.ctlSocket(), c)
+		}
+		return runtime.Stats{}, fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
+	}
+	cpu, err := procCPUNanos(pr.pid)
+	if err != nil && pr.alive() {
+		return runtime.Stats{}, err
+	}
+	return runtime.Stats{MemoryBytes: gs.MemoryBytes, OOMKills: gs.OOMKills, Pids: gs.Pids, CPUNanos: cpu}, nil
+}
+
+// procStat returns the fields of /proc/<pid>/stat after the command name.
+func procStat(pid int) ([]string, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return nil, err
+	}
+	// comm may hold spaces and parentheses: fields start after the last ')'.
+	s := string(data)
+	k := strings.LastIndexByte(s, ')')
+	if k < 0 {
+		return nil, fmt.Errorf("malformed /proc/%d/stat", pid)
+	}
+	f := strings.Fields(s[k+1:])
+	if len(f) < 20 {
+		return nil, fmt.Errorf("malformed /proc/%d/stat", pid)
+	}
+	return f, nil
+}
+
+// procStartTime is field 22 of /proc/<pid>/stat (clock ticks since boot).
+func procStartTime(pid int) (uint64, error) {
+	f, err := procStat(pid)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseUint(f[19], 10, 64)
+}
+
+// clockTicks is USER_HZ, the unit of /proc/<pid>/stat times (100 on every
+// Linux ABI Go supports).
+const clockTicks = 100
+
+// procCPUNanos is utime+stime of pid (fields 14 and 15).
+func procCPUNanos(pid int) (int64, error) {
+	f, err := procStat(pid)
+	if err != nil {
+		return 0, err
+	}
+	u, err1 := strconv.ParseInt(f[11], 10, 64)
+	s, err2 := strconv.ParseInt(f[12], 10, 64)
+	if err1 != nil || err2 != nil {
+		return 0, fmt.Errorf("malformed /proc/%d/stat", pid)
+	}
+	return (u + s) * (int64(time.Second) / clockTicks), nil
+}
+
+func writePidFile(path string, pid int, startTime uint64) error {
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, []byte(fmt.Sprintf("%d %d\n", pid, startTime)), 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
+}
+
+func readPidFile(path string) (pid int, startTime uint64, err error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return 0, 0, err
+	}
+	if _, err := fmt.Sscanf(string(data), "%d %d", &pid, &startTime); err != nil {
+		return 0, 0, fmt.Errorf("pid file %s: %v", path, err)
+	}
+	return pid, startTime, nil
+}
