@@ -7,7 +7,9 @@
 // Under the gvisor runtime, ginit.Enter first moves it into a user
 // namespace of its own inside gVisor. As the init of a microvm guest,
 // vminit.Enter first mounts the kernel filesystems, loads the guest's
-// modules and finds the virtio-serial port the agent serves on.
+// modules and finds the virtio-serial port the agent serves on. Started by
+// the microvm runtime's jailer (package jail), it is not the agent at all:
+// jail.Enter builds QEMU's jail and execs QEMU.
 package main
 
 import (
@@ -16,11 +18,13 @@ import (
 
 	"github.com/spacehq/space/internal/agent"
 	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/microvm/jail"
 	"github.com/spacehq/space/internal/runtime/microvm/vminit"
 	"github.com/spacehq/space/internal/runtime/native/nsinit"
 )
 
 func main() {
+	jail.Enter()
 	args := os.Args[1:]
 	if vmArgs := vminit.Enter(); vmArgs != nil {
 		args = vmArgs

@@ -1,0 +1,475 @@
+package jail_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/spacehq/space/internal/agentclient"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime/microvm"
+	"github.com/spacehq/space/internal/runtime/microvm/jail"
+	"github.com/spacehq/space/internal/testenv"
+)
+
+// bootInputs returns QEMU, the guest kernel and an initramfs with the
+// test's space-agent, or skips/fails as microvm's own boot tests do.
+func bootInputs(t *testing.T) (qemu string, k microvm.Kernel, initrd, agent string) {
+	t.Helper()
+	testenv.RequireRoot(t)
+	qemu, err := exec.LookPath(microvm.DefaultQEMU)
+	testenv.Require(t, "qemu", err == nil, "install qemu-system-x86 (scripts/setup.sh)")
+	k, err = microvm.FindKernel(testenv.CacheDir())
+	testenv.Require(t, "microvm-kernel", err == nil, fmt.Sprintf("scripts/setup.sh unpacks the guest kernel: %v", err))
+	agent = testenv.AgentBinary(t)
+	initrd, err = microvm.BuildInitramfs(k, agent, t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return qemu, k, initrd, agent
+}
+
+func randomID(t *testing.T) string {
+	b := make([]byte, 4)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	return "jailtest-" + hex.EncodeToString(b)
+}
+
+// procStatus reads the "Key:\tvalue" lines of /proc/<pid>/status.
+func procStatus(t *testing.T, pid int) map[string]string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := map[string]string{}
+	for _, line := range strings.Split(string(b), "\n") {
+		if k, v, ok := strings.Cut(line, ":"); ok {
+			m[k] = strings.TrimSpace(v)
+		}
+	}
+	return m
+}
+
+// mountPoints lists (mount point → options) of pid's mount namespace.
+func mountPoints(t *testing.T, pid int) map[string]string {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/mountinfo", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	m := map[string]string{}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fs := strings.Fields(sc.Text())
+		if len(fs) > 5 {
+			m[fs[4]] = fs[5]
+		}
+	}
+	return m
+}
+
+// TestJailedQEMU boots the groundwork guest under TCG through Start, with
+// QEMU's seccomp on, and checks from the host everything the jail
+// promises, then that killing it leaves nothing behind.
+func TestJailedQEMU(t *testing.T) {
+	qemu, k, initrd, agent := bootInputs(t)
+	dir, err := os.MkdirTemp("", "jail") // short: socket paths
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	id := randomID(t)
+	vm := microvm.VM{Kernel: k.Vmlinuz, Initrd: initrd, Accel: microvm.AccelTCG, CPUs: 1, MemoryMiB: 256,
+		AgentSocket: filepath.Join(dir, "agent.sock"), ConsoleLog: filepath.Join(dir, "console.log"), Seccomp: true}
+	args, err := vm.Args()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ro, err := jail.QEMUPaths(qemu)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ro = append(ro, k.Vmlinuz, initrd)
+	var stderr bytes.Buffer
+	const memLimit = 512 << 20
+	start := time.Now()
+	cmd, err := jail.Start(agent, jail.Spec{ID: id, Argv: append([]string{qemu}, args...), ReadOnly: ro, Writable: []string{dir},
+		Limits: jail.Limits{MemoryBytes: memLimit, CPUs: 1, Pids: 64}, Stderr: &stderr})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := cmd.Process.Pid
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	cleaned := false
+	defer func() {
+		if !cleaned {
+			_ = cmd.Process.Kill()
+			<-done
+			_ = jail.RemoveCgroup(id)
+		}
+	}()
+	t.Logf("jailed QEMU pid %d started in %v", pid, time.Since(start).Round(time.Millisecond))
+
+	// The guest answers through the socket in the jail's writable dir.
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	h, err := health(ctx, vm.AgentSocket, done)
+	if err != nil {
+		con, _ := os.ReadFile(vm.ConsoleLog)
+		t.Fatalf("health: %v\nqemu stderr: %s\nconsole tail: %s", err, stderr.String(), tail(string(con), 2048))
+	}
+	t.Logf("guest agent %s answered %v after start", h, time.Since(start).Round(time.Millisecond))
+
+	// Credentials: its own uid and gid, no groups, no capabilities,
+	// no_new_privs, QEMU's seccomp filter.
+	st := procStatus(t, pid)
+	want := strconv.Itoa(int(jail.UID(id)))
+	for _, key := range []string{"Uid", "Gid"} {
+		for _, f := range strings.Fields(st[key]) {
+			if f != want {
+				t.Errorf("%s: %q, want all %s", key, st[key], want)
+			}
+		}
+	}
+	for key, v := range map[string]string{"Groups": "", "NoNewPrivs": "1", "Seccomp": "2",
+		"CapInh": "0000000000000000", "CapPrm": "0000000000000000", "CapEff": "0000000000000000",
+		"CapBnd": "0000000000000000", "CapAmb": "0000000000000000"} {
+		if st[key] != v {
+			t.Errorf("%s: %q, want %q", key, st[key], v)
+		}
+	}
+	if !strings.Contains(st["NSpid"], "\t1") && !strings.HasSuffix(st["NSpid"], " 1") {
+		t.Errorf("NSpid %q: QEMU is not PID 1 of its own pid namespace", st["NSpid"])
+	}
+	if exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", pid)); err != nil || exe != qemu {
+		t.Errorf("exe %q (%v), want %s", exe, err, qemu)
+	}
+
+	// Namespaces: none shared with the host (the test's own).
+	for _, ns := range []string{"mnt", "pid", "net", "ipc", "uts"} {
+		mine, _ := os.Readlink("/proc/self/ns/" + ns)
+		its, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/%s", pid, ns))
+		if err != nil || its == mine {
+			t.Errorf("%s namespace %q (%v) is the host's %q", ns, its, err, mine)
+		}
+	}
+	// Its network namespace has a loopback only.
+	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/dev", pid)); err == nil {
+		var ifs []string
+		for _, line := range strings.Split(string(b), "\n")[2:] {
+			if name, _, ok := strings.Cut(strings.TrimSpace(line), ":"); ok {
+				ifs = append(ifs, name)
+			}
+		}
+		if len(ifs) != 1 || ifs[0] != "lo" {
+			t.Errorf("network interfaces %v, want [lo]", ifs)
+		}
+	}
+
+	// Its root: only the allowed paths.
+	root := fmt.Sprintf("/proc/%d/root", pid)
+	ents, err := os.ReadDir(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var top []string
+	for _, e := range ents {
+		top = append(top, e.Name())
+	}
+	sort.Strings(top)
+	allowed := map[string]bool{"dev": true, "usr": true, "lib": true, "lib64": true, "lib32": true, "etc": true, "var": true, "tmp": true}
+	for _, n := range top {
+		if !allowed[n] {
+			t.Errorf("unexpected /%s in the jail's root %v", n, top)
+		}
+	}
+	for _, p := range []string{"/work", "/root", "/home", "/etc/shadow", "/etc/passwd", "/proc/1", "/sys/kernel",
+		"/var/cache/space/base-bookworm", "/dev/sda", "/dev/kvm", "/dev/mem", agent, filepath.Dir(initrd) + "/../x"} {
+		if _, err := os.Lstat(root + p); err == nil {
+			t.Errorf("%s is visible in the jail", p)
+		}
+	}
+	devs, _ := os.ReadDir(root + "/dev")
+	var devNames []string
+	for _, d := range devs {
+		devNames = append(devNames, d.Name())
+	}
+	if strings.Join(devNames, " ") != "null urandom zero" {
+		t.Errorf("/dev holds %v, want null urandom zero", devNames)
+	}
+	for _, p := range []string{"/lib64/ld-linux-x86-64.so.2", k.Vmlinuz, initrd, qemu} {
+		if _, err := os.Stat(root + p); err != nil {
+			t.Errorf("%s is missing in the jail: %v", p, err)
+		}
+	}
+	mounts := mountPoints(t, pid)
+	for mp, opts := range mounts {
+		writable := mp == dir
+		if ro := strings.HasPrefix(opts, "ro"); ro == writable {
+			t.Errorf("mount %s has options %s (writable: %v)", mp, opts, writable)
+		}
+		if !strings.Contains(opts, "nosuid") {
+			t.Errorf("mount %s has options %s: no nosuid", mp, opts)
+		}
+	}
+	wantMounts := []string{"/", dir}
+	for _, p := range ro {
+		if fi, err := os.Lstat(p); err == nil && fi.Mode()&os.ModeSymlink == 0 {
+			wantMounts = append(wantMounts, p)
+		}
+	}
+	for _, mp := range wantMounts {
+		if _, ok := mounts[mp]; !ok {
+			t.Errorf("no mount at %s in the jail: %v", mp, mounts)
+		}
+	}
+	if len(mounts) != len(wantMounts) {
+		t.Errorf("jail mounts %v: want exactly %v", mounts, wantMounts)
+	}
+
+	// Its cgroup, with the limits, from before QEMU ran.
+	cg, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("cgroups:\n%s", cg)
+	v1 := !strings.HasPrefix(strings.TrimSpace(string(cg)), "0::") || strings.Contains(string(cg), ":memory:")
+	if v1 {
+		for _, c := range []string{"memory", "pids", "cpu"} {
+			if !regexpLine(string(cg), c, "/space-jail/"+id) {
+				t.Errorf("not in the %s cgroup /space-jail/%s", c, id)
+			}
+		}
+		checkFile(t, "/sys/fs/cgroup/memory/space-jail/"+id+"/memory.limit_in_bytes", strconv.Itoa(memLimit))
+		checkFile(t, "/sys/fs/cgroup/pids/space-jail/"+id+"/pids.max", "64")
+		checkFile(t, "/sys/fs/cgroup/cpu/space-jail/"+id+"/cpu.cfs_quota_us", "100000")
+		checkFile(t, "/sys/fs/cgroup/devices/space-jail/"+id+"/devices.list", "c 1:3 rwm\nc 1:5 rwm\nc 1:9 rwm")
+	} else {
+		if !strings.Contains(string(cg), "0::/space-jail/"+id) {
+			t.Errorf("not in /space-jail/%s", id)
+		}
+		checkFile(t, "/sys/fs/cgroup/space-jail/"+id+"/memory.max", strconv.Itoa(memLimit))
+		checkFile(t, "/sys/fs/cgroup/space-jail/"+id+"/pids.max", "64")
+		checkFile(t, "/sys/fs/cgroup/space-jail/"+id+"/cpu.max", "100000 100000")
+	}
+	cpu, err := jail.CgroupCPU(id)
+	if err != nil || cpu <= 0 {
+		t.Errorf("CgroupCPU: %d, %v (a guest booted: want > 0)", cpu, err)
+	}
+	t.Logf("cgroup CPU after boot: %v", time.Duration(cpu))
+	found := false
+	for _, x := range jail.CgroupIDs() {
+		found = found || x == id
+	}
+	if !found {
+		t.Errorf("CgroupIDs does not list %s", id)
+	}
+	if err := jail.RemoveCgroup(id); err == nil {
+		// RemoveCgroup kills what is inside: QEMU must be gone now.
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			t.Fatal("RemoveCgroup returned while QEMU still runs")
+		}
+	} else {
+		t.Fatalf("RemoveCgroup of a running jail: %v", err)
+	}
+	cleaned = true
+
+	// Nothing left: process, cgroup, mounts.
+	if err := syscall.Kill(pid, 0); !errors.Is(err, syscall.ESRCH) {
+		t.Errorf("QEMU pid %d still exists: %v", pid, err)
+	}
+	for _, x := range jail.CgroupIDs() {
+		if x == id {
+			t.Errorf("cgroup %s left", id)
+		}
+	}
+	if _, err := jail.CgroupCPU(id); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Errorf("CgroupCPU of a removed jail: %v, want not found", err)
+	}
+	mi, _ := os.ReadFile("/proc/self/mountinfo")
+	if strings.Contains(string(mi), dir) || strings.Contains(string(mi), initrd) {
+		t.Errorf("a mount of the jail is left on the host:\n%s", mi)
+	}
+	if err := jail.RemoveCgroup(id); err != nil {
+		t.Errorf("RemoveCgroup of a removed cgroup: %v", err)
+	}
+}
+
+func regexpLine(cg, controller, path string) bool {
+	for _, line := range strings.Split(cg, "\n") {
+		parts := strings.SplitN(line, ":", 3)
+		if len(parts) != 3 || parts[2] != path {
+			continue
+		}
+		for _, c := range strings.Split(parts[1], ",") {
+			if c == controller {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+func checkFile(t *testing.T, path, want string) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Errorf("%v", err)
+		return
+	}
+	if got := strings.TrimSpace(string(b)); got != want {
+		t.Errorf("%s = %q, want %q", path, got, want)
+	}
+}
+
+func tail(s string, n int) string {
+	if len(s) > n {
+		return s[len(s)-n:]
+	}
+	return s
+}
+
+// health asks the guest's agent for its health until it answers, QEMU
+// exits or ctx ends.
+func health(ctx context.Context, sock string, exited <-chan error) (string, error) {
+	var last error
+	for {
+		select {
+		case err := <-exited:
+			return "", fmt.Errorf("QEMU exited: %v (last: %v)", err, last)
+		case <-ctx.Done():
+			return "", fmt.Errorf("%v (last: %v)", ctx.Err(), last)
+		default:
+		}
+		var d net.Dialer
+		conn, err := d.DialContext(ctx, "unix", sock)
+		if err != nil {
+			last = err
+			time.Sleep(20 * time.Millisecond)
+			continue
+		}
+		c, err := agentclient.New(conn)
+		if err != nil {
+			last = err
+			conn.Close()
+			continue
+		}
+		for i := 0; i < 30; i++ {
+			hctx, cancel := context.WithTimeout(ctx, time.Second)
+			h, err := c.Health(hctx)
+			cancel()
+			if err == nil {
+				c.Close()
+				return h.Version, nil
+			}
+			last = err
+			select {
+			case <-c.Done():
+				i = 30
+			default:
+			}
+		}
+		c.Close()
+	}
+}
+
+// TestJailShell runs a shell instead of QEMU: it sees the jail from inside
+// (root listing, hostname, ids, no /proc) and writes what it saw to the
+// descriptor 3 that Start passed through.
+func TestJailShell(t *testing.T) {
+	testenv.RequireRoot(t)
+	agent := testenv.AgentBinary(t)
+	ro, err := jail.QEMUPaths("/usr/bin/sh")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	id := randomID(t)
+	script := `exec >&3 2>&3; ls -a /; ls /dev; hostname; id -u; id -g; id -G; echo x > ` + dir + `/f && echo wrote; ` +
+		`echo x > /usr/f || echo usr-ro; ls /proc/self || echo no-proc; ls ` + filepath.Dir(dir) + `; ` + dir + `/sh -c true || echo noexec`
+	if err := copyFile("/usr/bin/dash", dir+"/sh"); err != nil {
+		t.Fatal(err)
+	}
+	cmd, err := jail.Start(agent, jail.Spec{ID: id, Argv: []string{"/usr/bin/sh", "-c", script}, ReadOnly: ro, Writable: []string{dir},
+		ExtraFiles: []*os.File{w}, Limits: jail.Limits{MemoryBytes: 64 << 20, CPUs: 0.5}})
+	w.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer jail.RemoveCgroup(id)
+	var out bytes.Buffer
+	_, _ = out.ReadFrom(r)
+	if err := cmd.Wait(); err != nil {
+		t.Errorf("shell: %v", err)
+	}
+	got := out.String()
+	t.Logf("inside the jail:\n%s", got)
+	uid := strconv.Itoa(int(jail.UID(id)))
+	if want := ".\n..\ndev\netc\nlib\nlib64\ntmp\nusr\n"; !strings.HasPrefix(got, want) {
+		t.Errorf("the jail's root is not just %q", want)
+	}
+	for _, want := range []string{"null\nurandom\nzero\n", "\n" + jail.Hostname + "\n",
+		"\n" + uid + "\n" + uid + "\n" + uid + "\n", "wrote", "usr-ro", "no-proc", "\n" + filepath.Base(dir) + "\n", "noexec"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("output lacks %q", want)
+		}
+	}
+	if err := jail.RemoveCgroup(id); err != nil {
+		t.Error(err)
+	}
+}
+
+func copyFile(src, dst string) error {
+	b, err := os.ReadFile(src)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(dst, b, 0o755)
+}
+
+// TestStartFailureReported: a program that cannot run in the jail (its
+// ELF interpreter, under /lib64, is not bound) fails Start with the
+// stage's reason, and leaves no cgroup.
+func TestStartFailureReported(t *testing.T) {
+	testenv.RequireRoot(t)
+	agent := testenv.AgentBinary(t)
+	if fi, err := os.Lstat("/lib64"); err != nil || fi.Mode()&os.ModeSymlink == 0 {
+		t.Skip("needs a merged-usr host (/lib64 a symlink)")
+	}
+	id := randomID(t)
+	_, err := jail.Start(agent, jail.Spec{ID: id, Argv: []string{"/usr/bin/true"}, ReadOnly: []string{"/usr"},
+		Limits: jail.Limits{MemoryBytes: 64 << 20, CPUs: 1}})
+	if err == nil || !strings.Contains(err.Error(), "exec /usr/bin/true in the jail") || !errors.Is(err, errdefs.ErrUnavailable) {
+		t.Fatalf("err = %v, want the stage's exec failure", err)
+	}
+	t.Log(err)
+	for _, x := range jail.CgroupIDs() {
+		if x == id {
+			t.Errorf("failed start left cgroup %s", id)
+		}
+	}
+}
