@@ -1,13 +1,36 @@
 // Package vminit runs inside space-agent when it is the init of a microvm
-// guest (PID 1 of a guest kernel booted by internal/runtime/microvm). It
-// prepares the guest before the agent serves: kernel filesystems, the
-// kernel modules from the initramfs (in order), and the virtio-serial port
-// named "agent" through which the host talks to the agent.
+// guest (PID 1 of a guest kernel booted by internal/runtime/microvm).
+//
+// With a root image and a writable disk (virtio-blk serials RootSerial and
+// DiskSerial) PID 1 builds the sandbox and stays outside it:
+//
+//  1. kernel filesystems and the initramfs's modules;
+//  2. the read-only erofs template image and the ext4 disk (upper/ and
+//     work/ owned by IDBase) joined by overlayfs as the new root, with
+//     /etc/hostname and a /etc/hosts line for the hostname, the agent
+//     binary bound read-only at AgentPath, /proc, /sys (read-only) and
+//     /dev moved in, cgroup2 at /sys/fs/cgroup;
+//  3. switch root (MS_MOVE onto / and chroot, as busybox's switch_root);
+//  4. cgroup "sandbox" with memory.max, memory.swap.max=0 and pids.max from
+//     the kernel command line;
+//  5. the agent as a child in new user, pid and mount namespaces (ids
+//     0..65535 → IDBase…, as gvisor's ginit outer stage), started straight
+//     into the sandbox cgroup (CLONE_INTO_CGROUP), confined by ginit's
+//     StageConfine (its /proc, masks, docker's capabilities,
+//     no_new_privs, seccomp) and serving on the "agent" port, whose node
+//     is given to IDBase;
+//  6. PID 1 serves the control port (package vmctl: ping, stats from the
+//     sandbox cgroup, restored) on its root-only node, and when the agent
+//     exits syncs and reboots, which ends QEMU (-no-reboot).
+//
+// Without disks (boot tests) the agent itself runs as PID 1 from the
+// initramfs, serving on the port, as the groundwork did.
 //
 // The host marks the guest by putting EnvFlag=1 on the kernel command line:
 // the kernel hands such undotted key=value parameters to init as
 // environment variables (a dotted one such as space.init=1 would be taken
-// for a module parameter and dropped).
+// for a module parameter and dropped). Every value from the host is
+// checked; any failure is written to the console and halts the guest.
 package vminit
 
 import (
@@ -58,45 +81,79 @@ const portWait = 10 * time.Second
 const defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 // Enter does nothing and returns nil unless the process is PID 1 with
-// EnvFlag=1. Then it prepares the guest and returns the agent's arguments
-// (serve on the port). If preparing fails it writes why to the console and
-// reboots the guest, which ends the VM (QEMU runs with -no-reboot): it never
-// returns an error to a guest without an agent.
+// EnvFlag=1. Then it prepares the guest. Without disks it returns the
+// agent's arguments (serve on the port) and the agent runs as PID 1; with
+// them it runs the sandbox (see the package doc) and never returns. If
+// anything fails it writes why to the console and reboots the guest, which
+// ends the VM (QEMU runs with -no-reboot): it never returns an error to a
+// guest without an agent.
 func Enter() []string {
 	if os.Getpid() != 1 || os.Getenv(EnvFlag) != "1" {
 		return nil
 	}
-	os.Unsetenv(EnvFlag) // not for the agent's children
+	cfg, err := configFromEnv()
+	// None of these are for the agent's children.
+	for _, k := range []string{EnvFlag, EnvHostname, EnvMemoryMiB, EnvPids} {
+		os.Unsetenv(k)
+	}
 	if os.Getenv("PATH") == "" {
 		os.Setenv("PATH", defaultPath)
 	}
-	port, err := setup()
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "space-agent: vm init:", err)
-		halt()
+		fail(err)
 	}
-	return []string{"--serial", port}
+	var ph phases
+	if err := mountKernelFS(); err != nil {
+		fail(err)
+	}
+	ph.mark("mounts")
+	if err := loadModules(ModulesDir); err != nil {
+		fail(err)
+	}
+	ph.mark("modules")
+	root, disk, err := findDisks(diskWait)
+	if err != nil {
+		fail(err)
+	}
+	if root == "" {
+		port, err := findPort(PortName, portWait)
+		if err != nil {
+			fail(err)
+		}
+		ph.mark("port " + port)
+		// One console line per boot, for boot-time work: where init's time went.
+		fmt.Fprintf(os.Stderr, "space-agent: vm init: %s\n", &ph)
+		return []string{"--serial", port}
+	}
+	runSandbox(cfg, root, disk, &ph)
+	panic("unreachable")
 }
 
-func setup() (string, error) {
-	t0 := time.Now()
-	if err := mountKernelFS(); err != nil {
-		return "", err
-	}
-	t1 := time.Now()
-	if err := loadModules(ModulesDir); err != nil {
-		return "", err
-	}
-	t2 := time.Now()
-	port, err := findPort(PortName, portWait)
-	if err != nil {
-		return "", err
-	}
-	// One console line per boot, for boot-time work: where init's time went.
-	fmt.Fprintf(os.Stderr, "space-agent: vm init: mounts %v, modules %v, port %s %v\n",
-		t1.Sub(t0).Round(time.Millisecond), t2.Sub(t1).Round(time.Millisecond), port, time.Since(t2).Round(time.Millisecond))
-	return port, nil
+// fail writes why the guest cannot run to the console and ends it.
+func fail(err error) {
+	fmt.Fprintln(os.Stderr, "space-agent: vm init:", err)
+	halt()
 }
+
+// phases times init's steps for the one console line per boot.
+type phases struct {
+	last  time.Time
+	parts []string
+}
+
+func (p *phases) mark(name string) {
+	now := time.Now()
+	if p.last.IsZero() {
+		p.last = bootStart
+	}
+	p.parts = append(p.parts, fmt.Sprintf("%s %v", name, now.Sub(p.last).Round(time.Millisecond)))
+	p.last = now
+}
+
+func (p *phases) String() string { return strings.Join(p.parts, ", ") }
+
+// bootStart is when this process started (package initialisation).
+var bootStart = time.Now()
 
 func mountKernelFS() error {
 	const nodev = unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC
@@ -187,6 +244,8 @@ func findPort(name string, wait time.Duration) (string, error) {
 // halt ends the guest. The reboot request makes QEMU (-no-reboot) exit; if
 // it fails, exiting panics the kernel, which with panic=-1 does the same.
 func halt() {
+	// The console is a slow emulated UART: let the reason reach it.
+	_ = os.Stderr.Sync()
 	unix.Sync()
 	_ = unix.Reboot(unix.LINUX_REBOOT_CMD_RESTART)
 	os.Exit(1)
