@@ -137,6 +137,16 @@ func TestJailedQEMU(t *testing.T) {
 	}
 	t.Logf("guest agent %s answered %v after start", h, time.Since(start).Round(time.Millisecond))
 
+	// What QEMU made is its own and no one else's.
+	for _, p := range []string{vm.AgentSocket, vm.ConsoleLog} {
+		var fst syscall.Stat_t
+		if err := syscall.Lstat(p, &fst); err != nil {
+			t.Errorf("%v", err)
+		} else if fst.Uid != jail.UID(id) || fst.Mode&0o077 != 0 {
+			t.Errorf("%s: owner %d mode %o, want %d and no group/other access", p, fst.Uid, fst.Mode&0o777, jail.UID(id))
+		}
+	}
+
 	// Credentials: its own uid and gid, no groups, no capabilities,
 	// no_new_privs, QEMU's seccomp filter.
 	st := procStatus(t, pid)
@@ -414,8 +424,15 @@ func TestJailShell(t *testing.T) {
 	if err := copyFile("/usr/bin/dash", dir+"/sh"); err != nil {
 		t.Fatal(err)
 	}
+	// /dev/kvm (where the host has one) is the extra device a KVM guest
+	// gets: the jail's own node, owned by the jail's uid.
+	var devices []string
+	if fi, err := os.Stat("/dev/kvm"); err == nil && fi.Mode()&os.ModeCharDevice != 0 {
+		devices = []string{"/dev/kvm"}
+		script += "; ls -ln /dev/kvm"
+	}
 	cmd, err := jail.Start(agent, jail.Spec{ID: id, Argv: []string{"/usr/bin/sh", "-c", script}, ReadOnly: ro, Writable: []string{dir},
-		ExtraFiles: []*os.File{w}, Limits: jail.Limits{MemoryBytes: 64 << 20, CPUs: 0.5}})
+		Devices: devices, ExtraFiles: []*os.File{w}, Limits: jail.Limits{MemoryBytes: 64 << 20, CPUs: 0.5}})
 	w.Close()
 	if err != nil {
 		t.Fatal(err)
@@ -429,6 +446,11 @@ func TestJailShell(t *testing.T) {
 	got := out.String()
 	t.Logf("inside the jail:\n%s", got)
 	uid := strconv.Itoa(int(jail.UID(id)))
+	if devices != nil {
+		if want := "crw------- 1 " + uid + " " + uid + " 10, 232"; !strings.Contains(got, want) {
+			t.Errorf("/dev/kvm in the jail: want %q", want)
+		}
+	}
 	if want := ".\n..\ndev\netc\nlib\nlib64\ntmp\nusr\n"; !strings.HasPrefix(got, want) {
 		t.Errorf("the jail's root is not just %q", want)
 	}

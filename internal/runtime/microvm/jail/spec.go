@@ -242,14 +242,7 @@ func (s *Spec) normalize() error {
 	if err != nil {
 		return fmt.Errorf("jail: program %q: %v: %w", s.Argv[0], err, errdefs.ErrNotFound)
 	}
-	covered := false
-	for _, p := range s.ReadOnly {
-		if real, err := filepath.EvalSymlinks(p); err == nil && under(prog, real) {
-			covered = true
-			break
-		}
-	}
-	if !covered {
+	if !coveredBy(prog, s.ReadOnly) {
 		return invalid("program %q (%s) is under none of the read-only paths", s.Argv[0], prog)
 	}
 	return nil
@@ -274,13 +267,23 @@ func QEMUPaths(qemu string) ([]string, error) {
 			out = append(out, p)
 		}
 	}
-	for _, p := range []string{"/lib", "/lib64", "/lib32"} {
-		if real, err := filepath.EvalSymlinks(p); err == nil && !under(real, "/usr") && real != p {
-			out = append(out, real)
+	// A link's target outside the list (a /lib64 → /lib/x86_64… host)
+	// must be bound too.
+	for _, p := range []string{"/lib", "/lib64", "/lib32", filepath.Dir(real)} {
+		if t, err := filepath.EvalSymlinks(p); err == nil && !coveredBy(t, out) {
+			out = append(out, t)
 		}
 	}
-	if !under(real, "/usr") {
-		out = append(out, filepath.Dir(real))
-	}
 	return out, nil
+}
+
+// coveredBy reports whether p is one of list or under one of them (as
+// real paths).
+func coveredBy(p string, list []string) bool {
+	for _, l := range list {
+		if r, err := filepath.EvalSymlinks(l); err == nil && under(p, r) {
+			return true
+		}
+	}
+	return false
 }

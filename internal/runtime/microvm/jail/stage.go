@@ -57,6 +57,10 @@ func stage(ctl *os.File) error {
 	if err := buildRoot(&p); err != nil {
 		return err
 	}
+	// What QEMU creates (its sockets, the console log) is its own: a
+	// world-connectable agent socket would let any host user into the
+	// sandbox.
+	unix.Umask(0o077)
 	if err := unix.Sethostname([]byte(Hostname)); err != nil {
 		return fmt.Errorf("sethostname: %w", err)
 	}
