@@ -424,13 +424,14 @@ func TestJailShell(t *testing.T) {
 	if err := copyFile("/usr/bin/dash", dir+"/sh"); err != nil {
 		t.Fatal(err)
 	}
-	// /dev/kvm (where the host has one) is the extra device a KVM guest
-	// gets: the jail's own node, owned by the jail's uid.
-	var devices []string
-	if fi, err := os.Stat("/dev/kvm"); err == nil && fi.Mode()&os.ModeCharDevice != 0 {
-		devices = []string{"/dev/kvm"}
-		script += "; ls -ln /dev/kvm"
+	// An extra device (/dev/kvm for a KVM guest; /dev/full stands in
+	// where the host has none) is the jail's own node, owned by its uid.
+	extra, rdev := "/dev/kvm", "10, 232"
+	if fi, err := os.Stat(extra); err != nil || fi.Mode()&os.ModeCharDevice == 0 {
+		extra, rdev = "/dev/full", "1, 7"
 	}
+	devices := []string{extra}
+	script += "; ls -ln " + extra
 	cmd, err := jail.Start(agent, jail.Spec{ID: id, Argv: []string{"/usr/bin/sh", "-c", script}, ReadOnly: ro, Writable: []string{dir},
 		Devices: devices, ExtraFiles: []*os.File{w}, Limits: jail.Limits{MemoryBytes: 64 << 20, CPUs: 0.5}})
 	w.Close()
@@ -446,10 +447,8 @@ func TestJailShell(t *testing.T) {
 	got := out.String()
 	t.Logf("inside the jail:\n%s", got)
 	uid := strconv.Itoa(int(jail.UID(id)))
-	if devices != nil {
-		if want := "crw------- 1 " + uid + " " + uid + " 10, 232"; !strings.Contains(got, want) {
-			t.Errorf("/dev/kvm in the jail: want %q", want)
-		}
+	if want := "crw------- 1 " + uid + " " + uid + " " + rdev; !strings.Contains(got, want) {
+		t.Errorf("%s in the jail: want %q", extra, want)
 	}
 	if want := ".\n..\ndev\netc\nlib\nlib64\ntmp\nusr\n"; !strings.HasPrefix(got, want) {
 		t.Errorf("the jail's root is not just %q", want)
@@ -493,5 +492,67 @@ func TestStartFailureReported(t *testing.T) {
 		if x == id {
 			t.Errorf("failed start left cgroup %s", id)
 		}
+	}
+}
+
+// TestMain lets the test binary play a server that starts a jail and
+// exits (TestJailOutlivesStarter).
+func TestMain(m *testing.M) {
+	if os.Getenv("JAIL_TEST_STARTER") == "1" {
+		cmd, err := jail.Start(os.Getenv("JAIL_TEST_AGENT"), jail.Spec{ID: os.Getenv("JAIL_TEST_ID"),
+			Argv: []string{"/usr/bin/sleep", "60"}, ReadOnly: strings.Split(os.Getenv("JAIL_TEST_RO"), ":"),
+			Limits: jail.Limits{MemoryBytes: 16 << 20, CPUs: 0.1}})
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		fmt.Println(cmd.Process.Pid)
+		os.Exit(0) // without waiting: as a server that dies
+	}
+	os.Exit(m.Run())
+}
+
+// TestJailOutlivesStarter: a jailed process survives the process that
+// started it (no parent-death signal), in a session of its own, and
+// RemoveCgroup ends it.
+func TestJailOutlivesStarter(t *testing.T) {
+	testenv.RequireRoot(t)
+	ro, err := jail.QEMUPaths("/usr/bin/sleep")
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := randomID(t)
+	defer jail.RemoveCgroup(id)
+	starter := exec.Command(os.Args[0], "-test.run=^$")
+	starter.Env = append(os.Environ(), "JAIL_TEST_STARTER=1", "JAIL_TEST_AGENT="+testenv.AgentBinary(t),
+		"JAIL_TEST_ID="+id, "JAIL_TEST_RO="+strings.Join(ro, ":"))
+	out, err := starter.Output()
+	if err != nil {
+		t.Fatalf("starter: %v: %s", err, out)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(out)))
+	if err != nil {
+		t.Fatalf("starter said %q", out)
+	}
+	time.Sleep(100 * time.Millisecond)
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		t.Fatalf("the jailed process died with its starter: %v", err)
+	}
+	// After "(comm)": state ppid pgrp session.
+	f := strings.Fields(string(stat[strings.LastIndexByte(string(stat), ')')+1:]))
+	if f[0] == "Z" || f[3] != strconv.Itoa(pid) {
+		t.Errorf("state %s session %s: want a live process leading its own session %d", f[0], f[3], pid)
+	}
+	if err := jail.RemoveCgroup(id); err != nil {
+		t.Fatal(err)
+	}
+	// Its parent (the starter) is gone: init reaps it.
+	deadline := time.Now().Add(5 * time.Second)
+	for syscall.Kill(pid, 0) == nil && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := syscall.Kill(pid, 0); err == nil {
+		t.Errorf("pid %d survives RemoveCgroup", pid)
 	}
 }
