@@ -301,18 +301,22 @@ func start(agentBinary string, s *Spec, p *plan) (*exec.Cmd, error) {
 	}
 	// The stage's end closes at exec (close-on-exec) with nothing said,
 	// or carries its error before it exits.
-	reply, err := io.ReadAll(io.LimitReader(uc, 4096))
-	if err != nil {
-		return fail(fmt.Errorf("jail: waiting for QEMU's exec: %w", err))
-	}
+	reply, rerr := io.ReadAll(io.LimitReader(uc, 4096))
 	if len(reply) > 0 {
 		return fail(fmt.Errorf("%s: %w", strings.TrimSpace(string(reply)), errdefs.ErrUnavailable))
 	}
-	// Nothing said: exec'd, or died without a word (killed).
+	// Nothing said: exec'd, or died without a word (killed: by the
+	// memory limit, say).
 	var info unix.Siginfo
 	if err := unix.Waitid(unix.P_PID, cmd.Process.Pid, &info, unix.WEXITED|unix.WNOHANG|unix.WNOWAIT, nil); err == nil && info.Signo == int32(unix.SIGCHLD) {
 		werr := cmd.Wait()
-		return nil, fmt.Errorf("jail: the jail ended before or at QEMU's start: %v: %w", werr, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("jail: the jail ended before or at QEMU's start (%v; control socket: %v): %w", werr, rerr, errdefs.ErrUnavailable)
+	}
+	if rerr != nil {
+		// A reset: the stage died with the plan unread.
+		_ = cmd.Process.Kill()
+		werr := cmd.Wait()
+		return nil, fmt.Errorf("jail: the jail stage failed (%v; control socket: %v): %w", werr, rerr, errdefs.ErrUnavailable)
 	}
 	return cmd, nil
 }

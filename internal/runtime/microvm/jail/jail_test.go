@@ -560,3 +560,37 @@ func TestJailOutlivesStarter(t *testing.T) {
 		t.Errorf("pid %d survives RemoveCgroup", pid)
 	}
 }
+
+// TestJailLimits: the cgroup's limits hold for what runs in the jail — a
+// 64 MiB buffer under a 24 MiB limit is OOM-killed, the 17th task under a
+// pids limit of 16 cannot be made.
+func TestJailLimits(t *testing.T) {
+	testenv.RequireRoot(t)
+	agent := testenv.AgentBinary(t)
+	ro, err := jail.QEMUPaths("/usr/bin/sh")
+	if err != nil {
+		t.Fatal(err)
+	}
+	run := func(limits jail.Limits, argv ...string) (string, error) {
+		id := randomID(t)
+		defer jail.RemoveCgroup(id)
+		var out bytes.Buffer
+		cmd, err := jail.Start(agent, jail.Spec{ID: id, Argv: argv, ReadOnly: ro, Limits: limits, Stdout: &out, Stderr: &out})
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = cmd.Wait()
+		return out.String(), err
+	}
+	out, err := run(jail.Limits{MemoryBytes: 24 << 20, CPUs: 1}, "/usr/bin/dd", "if=/dev/zero", "of=/dev/null", "bs=64M", "count=1")
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+		t.Errorf("64 MiB under a 16 MiB limit: %v, want killed by the OOM killer; output %q", err, out)
+	}
+	out, err = run(jail.Limits{MemoryBytes: 64 << 20, CPUs: 1, Pids: jail.MinPids},
+		"/usr/bin/sh", "-c", "for i in $(seq 20); do sleep 5 & done; echo started")
+	if err == nil || !strings.Contains(out, "fork") {
+		t.Errorf("20 background tasks under a pids limit of %d: %v, %q; want a failed fork", jail.MinPids, err, out)
+	}
+	t.Logf("pids limit: %v: %s", err, strings.TrimSpace(out))
+}

@@ -41,13 +41,19 @@ func UID(id string) uint32 {
 // 64 workers: 128 leaves room for all of them and stops a fork bomb.
 const DefaultPids = 128
 
+// MinPids is the lowest pids limit a jail takes: until it execs QEMU, the
+// jail stage is a Go program with a handful of threads, all counted, and
+// one it cannot create kills it.
+const MinPids = 16
+
 // Limits are the host cgroup's limits for one QEMU.
 type Limits struct {
 	// MemoryBytes bounds QEMU's whole footprint: the guest's RAM plus
 	// QEMU's own overhead (TCG's translation cache, device state); the
 	// caller adds the overhead. Required.
 	MemoryBytes int64
-	// Pids bounds QEMU's threads; 0 means DefaultPids.
+	// Pids bounds QEMU's threads; 0 means DefaultPids, else at least
+	// MinPids.
 	Pids int64
 	// CPUs is the CPU quota in cores (vCPUs, or less). Required.
 	CPUs float64
@@ -174,8 +180,8 @@ func (s *Spec) normalize() error {
 	if !(s.Limits.CPUs > 0) || s.Limits.CPUs > 1024 {
 		return invalid("cpu limit %v: must be in (0, 1024]", s.Limits.CPUs)
 	}
-	if s.Limits.Pids < 0 {
-		return invalid("pids limit %d is negative", s.Limits.Pids)
+	if s.Limits.Pids < 0 || (s.Limits.Pids > 0 && s.Limits.Pids < MinPids) {
+		return invalid("pids limit %d: must be 0 (default %d) or at least %d", s.Limits.Pids, DefaultPids, MinPids)
 	}
 	if s.Limits.Pids == 0 {
 		s.Limits.Pids = DefaultPids

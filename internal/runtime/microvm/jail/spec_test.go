@@ -90,6 +90,7 @@ func TestSpecValidation(t *testing.T) {
 		{"no memory", func(s *Spec) { s.Limits.MemoryBytes = 0 }, "memory limit", errdefs.ErrInvalidArgument},
 		{"no cpu", func(s *Spec) { s.Limits.CPUs = 0 }, "cpu limit", errdefs.ErrInvalidArgument},
 		{"negative pids", func(s *Spec) { s.Limits.Pids = -1 }, "pids limit", errdefs.ErrInvalidArgument},
+		{"too few pids", func(s *Spec) { s.Limits.Pids = 4 }, "at least 16", errdefs.ErrInvalidArgument},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
