@@ -89,7 +89,7 @@ func createCgroup(s *Spec, devices []devNode) (err error) {
 	mem := strconv.FormatInt(s.Limits.MemoryBytes, 10)
 	pids := strconv.FormatInt(s.Limits.Pids, 10)
 	if d, ok := dirs[""]; ok {
-		return createV2(d, mem, pids, s.Limits.CPUs)
+		return createV2(cgroupRoot, d, mem, pids, s.Limits.CPUs)
 	}
 	for _, d := range uniqueDirs(dirs) {
 		if err := os.MkdirAll(d, 0o755); err != nil {
@@ -140,14 +140,15 @@ func createCgroup(s *Spec, devices []devNode) (err error) {
 	return nil
 }
 
-func createV2(dir, mem, pids string, cpus float64) error {
+// createV2 makes dir, a jail's cgroup below the unified hierarchy at root.
+func createV2(root, dir, mem, pids string, cpus float64) error {
 	parent := filepath.Dir(dir)
 	if err := os.MkdirAll(parent, 0o755); err != nil {
 		return fmt.Errorf("jail: cgroup: %w", err)
 	}
 	// The root may already delegate them; a failure here shows up as a
 	// missing file below, with the real reason.
-	_ = writeCg(cgroupRoot, "cgroup.subtree_control", "+memory +pids +cpu")
+	_ = writeCg(root, "cgroup.subtree_control", "+memory +pids +cpu")
 	if err := writeCg(parent, "cgroup.subtree_control", "+memory +pids +cpu"); err != nil {
 		return err
 	}

@@ -177,8 +177,9 @@ func (s *Spec) normalize() error {
 	if s.Limits.MemoryBytes <= 0 {
 		return invalid("memory limit %d: must be positive", s.Limits.MemoryBytes)
 	}
-	if !(s.Limits.CPUs > 0) || s.Limits.CPUs > 1024 {
-		return invalid("cpu limit %v: must be in (0, 1024]", s.Limits.CPUs)
+	// 0.01 CPU is the smallest CFS quota (1 ms per 100 ms period).
+	if !(s.Limits.CPUs >= 0.01) || s.Limits.CPUs > 1024 {
+		return invalid("cpu limit %v: must be in [0.01, 1024]", s.Limits.CPUs)
 	}
 	if s.Limits.Pids < 0 || (s.Limits.Pids > 0 && s.Limits.Pids < MinPids) {
 		return invalid("pids limit %d: must be 0 (default %d) or at least %d", s.Limits.Pids, DefaultPids, MinPids)
