@@ -70,6 +70,49 @@ func (g *guest) stats() vmctl.Stats {
 	return s
 }
 
+// bootGuest boots a sandbox guest on img and disk and returns it once its
+// agent and its control port answer. Its QEMU is killed at the test's end.
+func bootGuest(t *testing.T, k Kernel, initrd, img, disk, hostname string) *guest {
+	t.Helper()
+	dir := shortDir(t)
+	vm := VM{Kernel: k.Vmlinuz, Initrd: initrd, Accel: AccelTCG, CPUs: 1, MemoryMiB: 384,
+		AgentSocket: filepath.Join(dir, "agent.sock"), ConsoleLog: filepath.Join(dir, "console.log"),
+		CtlSocket: filepath.Join(dir, "ctl.sock"), RootImage: img, Disk: disk,
+		Hostname: hostname, SandboxMemoryMiB: 128, Pids: 64}
+	start := time.Now()
+	p, err := Start(vm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Kill)
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	c, h, err := p.WaitHealthy(ctx)
+	if err != nil {
+		t.Fatalf("health: %v\nconsole:\n%s", err, p.ConsoleTail(4096))
+	}
+	t.Cleanup(func() { c.Close() })
+	t.Logf("boot→health %v under TCG with a root image (agent pid %d)", time.Since(start).Round(time.Millisecond), h.Pid)
+	for _, line := range strings.Split(p.ConsoleTail(8192), "\n") {
+		if strings.Contains(line, "vm init:") {
+			t.Log(strings.TrimSpace(line))
+		}
+	}
+	if h.Pid != 1 {
+		t.Errorf("agent pid %d in its namespace, want 1", h.Pid)
+	}
+	conn, err := net.Dial("unix", vm.CtlSocket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctl := vmctl.NewClient(conn)
+	t.Cleanup(func() { ctl.Close() })
+	if err := ctl.Ping(ctx); err != nil {
+		t.Fatalf("vmctl ping: %v", err)
+	}
+	return &guest{t: t, p: p, c: c, ctl: ctl, disk: disk}
+}
+
 // TestGuestSandbox boots the base template as a sandbox guest — shifted
 // erofs root image, ext4 disk, overlay root, the agent confined in its
 // namespaces and cgroup — and checks from inside and through the control
@@ -86,51 +129,13 @@ func TestGuestSandbox(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dir := shortDir(t)
 	disk := filepath.Join(t.TempDir(), "disk.img")
 	if err := hostfs.FormatExt4(ctx, disk, 256, ginit.IDBase); err != nil {
 		t.Fatal(err)
 	}
 	const hostname = "guest-test"
-	vm := VM{Kernel: k.Vmlinuz, Initrd: initrd, Accel: AccelTCG, CPUs: 1, MemoryMiB: 384,
-		AgentSocket: filepath.Join(dir, "agent.sock"), ConsoleLog: filepath.Join(dir, "console.log"),
-		CtlSocket: filepath.Join(dir, "ctl.sock"), RootImage: img, Disk: disk,
-		Hostname: hostname, SandboxMemoryMiB: 128, Pids: 64}
-	start := time.Now()
-	p, err := Start(vm)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Kill()
-	hctx, cancel := context.WithTimeout(ctx, 120*time.Second)
-	defer cancel()
-	c, h, err := p.WaitHealthy(hctx)
-	if err != nil {
-		t.Fatalf("health: %v\nconsole:\n%s", err, p.ConsoleTail(4096))
-	}
-	defer c.Close()
-	t.Logf("boot→health %v under TCG with a root image (agent pid %d)", time.Since(start).Round(time.Millisecond), h.Pid)
-	for _, line := range strings.Split(p.ConsoleTail(8192), "\n") {
-		if strings.Contains(line, "vm init:") {
-			t.Log(strings.TrimSpace(line))
-		}
-	}
-	if h.Pid != 1 {
-		t.Errorf("agent pid %d in its namespace, want 1", h.Pid)
-	}
-	conn, err := net.Dial("unix", vm.CtlSocket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctl := vmctl.NewClient(conn)
-	defer ctl.Close()
-	g := &guest{t: t, p: p, c: c, ctl: ctl, disk: disk}
-	pctx, pcancel := context.WithTimeout(ctx, 20*time.Second)
-	defer pcancel()
-	if err := ctl.Ping(pctx); err != nil {
-		t.Fatalf("vmctl ping: %v", err)
-	}
-
+	g := bootGuest(t, k, initrd, img, disk, hostname)
+	p, ctl := g.p, g.ctl
 	t.Run("identity", func(t *testing.T) {
 		g.t = t
 		if out := g.mustSh("hostname; cat /etc/hostname; getent hosts " + hostname); !strings.HasPrefix(out, hostname+"\n"+hostname+"\n127.0.1.1") {
@@ -290,7 +295,12 @@ for d in sorted(glob.glob("/sys/class/virtio-ports/*")):
 
 	t.Run("disk", func(t *testing.T) {
 		g.t = t
-		g.mustSh("echo kept > /root/on-disk && sync")
+		// What the next boot's PID 1 meets on this disk is the sandbox's
+		// doing: symlinks out of the root and across mounts, a FIFO, a
+		// symlink where a directory goes (/run cannot go: it holds a mount,
+		// and overlayfs refuses to rename a lower directory).
+		g.mustSh("echo kept > /root/on-disk && rm -f /etc/hostname /etc/hosts && ln -s /proc/sys/kernel/hostname /etc/hostname && " +
+			"mkfifo /etc/hosts && rm -rf /tmp && ln -s / /tmp && sync")
 		p.Kill()
 		mnt := t.TempDir()
 		loop, err := hostfs.AttachLoop(disk)
@@ -313,8 +323,20 @@ for d in sorted(glob.glob("/sys/class/virtio-ports/*")):
 		if err := unix.Stat(f, &st); err != nil || st.Uid != ginit.IDBase {
 			t.Errorf("file written by sandbox root is owned by %d on the disk, want IDBase", st.Uid)
 		}
-		if _, err := os.Stat(filepath.Join(mnt, "upper", "etc", "hostname")); err != nil {
-			t.Errorf("/etc/hostname not in the upper layer: %v", err)
+		if fi, err := os.Lstat(filepath.Join(mnt, "upper", "etc", "hostname")); err != nil || fi.Mode().Type() != os.ModeSymlink {
+			t.Errorf("/etc/hostname in the upper layer: %v, %v", fi, err)
+		}
+		unix.Unmount(mnt, 0)
+
+		g2 := bootGuest(t, k, initrd, img, disk, "second-boot")
+		g2.t = t
+		out := g2.mustSh("hostname; cat /etc/hostname; getent hosts second-boot; cat /root/on-disk; stat -c %F /etc/hostname /etc/hosts /run /tmp")
+		want := "second-boot\nsecond-boot\n127.0.1.1       second-boot\nkept\nregular file\nregular file\ndirectory\ndirectory\n"
+		if out != want {
+			t.Errorf("second boot on the same disk:\n%s\nwant\n%s", out, want)
+		}
+		if out := g2.mustSh("cat /proc/sys/kernel/hostname; test -x /run/space/space-agent && echo agent"); out != "second-boot\nagent\n" {
+			t.Errorf("second boot: %q", out)
 		}
 	})
 	if t.Failed() {

@@ -207,15 +207,23 @@ func setHostname(name string) error {
 	if err := writeSandboxFile("/etc/hostname", []byte(name+"\n")); err != nil {
 		return err
 	}
-	old, err := readSandboxFile("/etc/hosts", maxHostsFile)
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		return err
-	}
-	if len(old) == 0 {
-		old = []byte("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n")
+	// Whatever stands at /etc/hosts that is not a readable regular file
+	// (a FIFO, a symlink out of the root, a huge file) is replaced.
+	old, _ := readSandboxFile("/etc/hosts", maxHostsFile)
+	return writeSandboxFile("/etc/hosts", hostsWithName(old, name))
+}
+
+// defaultHosts is /etc/hosts when the sandbox has none.
+const defaultHosts = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+
+// hostsWithName returns hosts with its 127.0.1.1 lines replaced by one
+// for name.
+func hostsWithName(hosts []byte, name string) []byte {
+	if len(bytes.TrimSpace(hosts)) == 0 {
+		hosts = []byte(defaultHosts)
 	}
 	var out bytes.Buffer
-	for _, line := range strings.SplitAfter(string(old), "\n") {
+	for _, line := range strings.SplitAfter(string(hosts), "\n") {
 		if f := strings.Fields(line); len(f) > 0 && f[0] == "127.0.1.1" {
 			continue
 		}
@@ -225,7 +233,7 @@ func setHostname(name string) error {
 		out.WriteByte('\n')
 	}
 	fmt.Fprintf(&out, "127.0.1.1\t%s\n", name)
-	return writeSandboxFile("/etc/hosts", out.Bytes())
+	return out.Bytes()
 }
 
 // openSandbox opens path of the sandbox's root safely for PID 1: resolved
@@ -279,10 +287,10 @@ func readSandboxFile(path string, limit int64) ([]byte, error) {
 // mode 0644). A non-regular file there is removed first.
 func writeSandboxFile(path string, data []byte) error {
 	f, err := openSandbox(path, unix.O_WRONLY|unix.O_CREAT, 0o644)
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		// Not a regular file (a FIFO, a directory, a dangling symlink out
-		// of the root): replace it. Only a name directly in a real
-		// directory is removed.
+	if err != nil {
+		// Not a regular file (a FIFO, a directory, a symlink across a
+		// mount or dangling): replace it. Only the last component is
+		// removed, in its directory resolved as openSandbox does.
 		if rmErr := removeSandboxEntry(path); rmErr != nil {
 			return fmt.Errorf("%v; replacing it: %w", err, rmErr)
 		}
