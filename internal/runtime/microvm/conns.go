@@ -2,9 +2,15 @@ package microvm
 
 import (
 	"context"
+	"fmt"
 	"net"
+	"strconv"
 	"sync"
+	"time"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime/microvm/vmctl"
 )
 
@@ -60,8 +66,7 @@ func dialAgentSocket(ctx context.Context, path string) (net.Conn, error) {
 	if prev != nil {
 		prev.Close()
 	}
-	var d net.Dialer
-	c, err := d.DialContext(ctx, "unix", path)
+	c, err := dialNoFollow(ctx, path)
 	if err != nil {
 		return nil, err
 	}
@@ -85,7 +90,7 @@ func sharedQMP(ctx context.Context, path string) (*QMP, error) {
 	if q != nil {
 		return q, nil
 	}
-	q, err := DialQMP(ctx, path)
+	q, err := dialQMPNoFollow(ctx, path)
 	if err != nil {
 		return nil, err
 	}
@@ -122,8 +127,7 @@ func sharedCtl(ctx context.Context, path string) (*vmctl.Client, error) {
 	if c != nil {
 		return c, nil
 	}
-	var d net.Dialer
-	conn, err := d.DialContext(ctx, "unix", path)
+	conn, err := dialNoFollow(ctx, path)
 	if err != nil {
 		return nil, err
 	}
@@ -163,4 +167,52 @@ func releaseConns(agent, qmp, ctl string) {
 	}
 	dropQMP(qmp, nil)
 	dropCtl(ctl, nil)
+}
+
+// The sockets live in the directory QEMU may write, and QEMU runs a guest
+// that may own it: the host never follows a symlink there (it could point
+// the server at another sandbox's or a host service's socket) and only
+// dials a socket. Dialling through /proc/self/fd/N of an O_PATH descriptor
+// also lifts sockaddr_un's length limit from the host's side.
+
+// openSocket opens path without following it and checks it is a socket.
+func openSocket(path string) (int, error) {
+	fd, err := unix.Open(path, unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFSOCK {
+		unix.Close(fd)
+		return -1, fmt.Errorf("%s is not a socket", path)
+	}
+	return fd, nil
+}
+
+// dialNoFollow connects to the unix socket at path (see openSocket).
+func dialNoFollow(ctx context.Context, path string) (net.Conn, error) {
+	fd, err := openSocket(path)
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(fd)
+	var d net.Dialer
+	return d.DialContext(ctx, "unix", "/proc/self/fd/"+strconv.Itoa(fd))
+}
+
+// dialQMPNoFollow waits for QEMU's monitor socket at path to appear and
+// connects to it (see openSocket).
+func dialQMPNoFollow(ctx context.Context, path string) (*QMP, error) {
+	for {
+		fd, err := openSocket(path)
+		if err == nil {
+			defer unix.Close(fd)
+			return DialQMP(ctx, "/proc/self/fd/"+strconv.Itoa(fd))
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("QMP socket %s: %v: %w", path, err, errdefs.ErrUnavailable)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
 }

@@ -1,21 +1,33 @@
-// Package microvm holds the groundwork of the microvm runtime: sandboxes as
-// QEMU microVMs with a guest kernel of their own (issue 5).
+// Package microvm is the microvm runtime (registered as "microvm"): every
+// sandbox is a QEMU -M microvm guest with a kernel of its own, so code in
+// the sandbox meets a guest kernel and QEMU's device models, never the
+// host kernel's syscall surface. KVM is used only where a guest really
+// runs under it (ProbeKVM); otherwise TCG, which isolates as well but is
+// slow, and so ranks below gVisor for "auto".
 //
-// What exists so far is the boot path, without the runtime itself:
+// Pieces:
 //
-//   - FindKernel locates the pinned Debian cloud kernel that scripts/setup.sh
-//     unpacks into the cache (never into the host's /boot).
-//   - BuildInitramfs packs the static space-agent as /init plus the kernel
-//     modules the guest needs (GuestModules, in load order) into a newc cpio,
-//     gzip-compressed and cached per (kernel, agent binary) digest.
-//   - VM describes one QEMU -M microvm process: the agent's stream is a
-//     virtio-serial port backed by a unix socket on the host (this host has
-//     no vhost-vsock), the console goes to a log file whose tail explains a
-//     guest that died.
-//   - ProbeKVM decides whether KVM really runs a guest by booting one to the
-//     agent's health answer under a short timeout; /dev/kvm existing proves
-//     nothing (see ../shared/MACHINE.md: kvm_pvm runs toy guests only).
+//   - Runtime (microvm.go): Create, Open, Sweep, PrepareTemplate; the probe
+//     (probe.go) boots one real sandbox guest and is cached per host boot.
+//   - instance (instance.go): one sandbox; a cold Start boots the guest
+//     from the template's read-only erofs root image (Images, one per tree
+//     digest) and the sandbox's writable ext4 disk, and returns once the
+//     agent and the guest's init answer. QEMU is detached from the server
+//     and re-adopted by Open (pid + start time). A watchdog pings the
+//     guest's init; ExitReason tells a panic, a power-off, a QEMU crash
+//     and a hung guest apart, with the console's tail.
+//   - Snapshots (suspend.go, fork.go, warm.go, migrate.go): QMP migration
+//     to a file and back; fork; warm templates.
+//   - Boot: FindKernel locates the pinned Debian cloud kernel that
+//     scripts/setup.sh unpacks into the cache; BuildInitramfs packs the
+//     static space-agent as /init plus the guest's kernel modules.
+//   - VM, Launch, Process (qemu.go): QEMU's command line and process; the
+//     agent's stream is a virtio-serial port behind a unix socket (no
+//     vhost-vsock on these hosts), the guest's init has a second port for
+//     package vmctl, QEMU's monitor is QMP (qmp.go).
+//   - Package jail confines QEMU (own uid, namespaces, cgroup, -sandbox).
 //
-// Inside the guest, package vminit (run by space-agent as PID 1) mounts the
-// kernel filesystems, loads the modules and hands the agent its serial port.
+// Inside the guest, package vminit (run by space-agent as PID 1) mounts
+// the root, applies the sandbox's limits in a cgroup, starts the agent
+// confined in user, pid and mount namespaces, and serves vmctl.
 package microvm

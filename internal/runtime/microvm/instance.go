@@ -18,6 +18,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/microvm/jail"
 	"github.com/spacehq/space/internal/runtime/microvm/vmctl"
 )
 
@@ -25,20 +26,26 @@ import (
 // the template's root image and the sandbox's disk, or restored from a
 // snapshot (suspend.go, fork.go, warm.go).
 //
-// Files in its directory (sandboxes/<id>/):
+// Files in its directory (sandboxes/<id>/), the server's own:
 //
-//	disk.img     the writable ext4 disk (virtio-blk serial space-disk)
 //	vm.json      the VM description of the last cold boot: a restore, also
 //	             after a server restart, starts QEMU with exactly that
 //	             command line (plus -incoming)
 //	qemu.pid     "pid starttime" of the running QEMU (re-adoption)
 //	qemu.err     QEMU's stderr
-//	console.log  the guest's serial console
-//	agent.sock   the agent's virtio-serial port (chardev socket)
-//	ctl.sock     the guest init's control port (package vmctl)
-//	qmp.sock     QEMU's monitor
 //	state/       a suspend image waits here; Start refuses while it holds
 //	             anything and Stop removes it
+//
+// and in its vm/ subdirectory, the only one QEMU may write (the jail binds
+// it read-write and gives it to QEMU's uid), so nothing the server trusts
+// lives there and the server never follows a link in it (QEMU runs a
+// guest that may own it):
+//
+//	vm/disk.img     the writable ext4 disk (virtio-blk serial space-disk)
+//	vm/console.log  the guest's serial console
+//	vm/agent.sock   the agent's virtio-serial port (chardev socket)
+//	vm/ctl.sock     the guest init's control port (package vmctl)
+//	vm/qmp.sock     QEMU's monitor
 //
 // For the snapshot code (suspend.go, fork.go, warm.go, migrate.go):
 //
@@ -78,15 +85,16 @@ var (
 	_ runtime.ExitReasoner = (*instance)(nil)
 )
 
-func (i *instance) diskImage() string   { return filepath.Join(i.dir, "disk.img") }
 func (i *instance) vmFile() string      { return filepath.Join(i.dir, "vm.json") }
 func (i *instance) pidFile() string     { return filepath.Join(i.dir, "qemu.pid") }
 func (i *instance) qemuErrLog() string  { return filepath.Join(i.dir, "qemu.err") }
-func (i *instance) consoleLog() string  { return filepath.Join(i.dir, "console.log") }
-func (i *instance) agentSocket() string { return filepath.Join(i.dir, "agent.sock") }
-func (i *instance) ctlSocket() string   { return filepath.Join(i.dir, "ctl.sock") }
-func (i *instance) qmpSocket() string   { return filepath.Join(i.dir, "qmp.sock") }
 func (i *instance) stateDir() string    { return filepath.Join(i.dir, "state") }
+func (i *instance) vmDir() string       { return filepath.Join(i.dir, "vm") }
+func (i *instance) diskImage() string   { return filepath.Join(i.vmDir(), "disk.img") }
+func (i *instance) consoleLog() string  { return filepath.Join(i.vmDir(), "console.log") }
+func (i *instance) agentSocket() string { return filepath.Join(i.vmDir(), "agent.sock") }
+func (i *instance) ctlSocket() string   { return filepath.Join(i.vmDir(), "ctl.sock") }
+func (i *instance) qmpSocket() string   { return filepath.Join(i.vmDir(), "qmp.sock") }
 
 // ID implements runtime.Instance.
 func (i *instance) ID() string { return i.spec.ID }
@@ -102,9 +110,10 @@ type vmProc struct {
 	// stopping marks an exit the runtime caused (Stop, Destroy, a failed
 	// start): not reported as the guest's own end.
 	stopping atomic.Bool
-	// hung is set by the watchdog before it kills a guest that stopped
-	// answering; it names what was seen.
-	hung atomic.Pointer[string]
+	// armed: the guest's init has answered once (or the guest ran before
+	// a restart), so silence counts; a booting or incoming guest that
+	// never answered is bounded by its start's timeout instead.
+	armed atomic.Bool
 }
 
 func (pr *vmProc) alive() bool {
@@ -244,6 +253,7 @@ func (i *instance) coldVM(accel string) (VM, error) {
 		Hostname:         hostname,
 		SandboxMemoryMiB: l.MemoryMiB,
 		Pids:             l.Pids,
+		Seccomp:          true,
 	}
 	if accel == AccelTCG {
 		vm.TBSizeMiB = tcgTBSizeMiB
@@ -363,6 +373,7 @@ func (i *instance) waitReady(ctx context.Context) error {
 		err := i.ping(pctx)
 		cancel()
 		if err == nil {
+			pr.armed.Store(true)
 			return nil
 		}
 		select {
@@ -392,14 +403,15 @@ func (i *instance) launch(ctx context.Context, incoming *os.File) (err error) {
 	if incoming != nil {
 		vm.IncomingFD = 3
 	}
-	_ = os.Truncate(i.consoleLog(), 0)
 	releaseConns(i.agentSocket(), i.qmpSocket(), i.ctlSocket())
-	p, err := Launch(vm, LaunchOptions{Incoming: incoming, Detached: true, StderrPath: i.qemuErrLog(), Dir: i.dir})
+	// QEMU truncates the console log itself (-serial file: opens it so).
+	p, err := Launch(vm, LaunchOptions{Incoming: incoming, Detached: true, StderrPath: i.qemuErrLog(), Jail: i.jailOptions(vm)})
 	if err != nil {
 		return err
 	}
 	pr := &vmProc{pid: p.Pid(), exited: make(chan struct{}), p: p, pidfd: -1}
-	go func() { <-p.Done(); close(pr.exited) }()
+	_ = os.Remove(i.hungFile())
+	go i.reap(pr, p.Done())
 	defer func() {
 		if err != nil {
 			pr.stopping.Store(true)
@@ -429,6 +441,24 @@ func (i *instance) launch(ctx context.Context, incoming *os.File) (err error) {
 	return nil
 }
 
+// qemuOverheadMiB is QEMU's own memory beside the guest's RAM and TCG's
+// translation cache: device state, block and I/O buffers, its heap.
+const qemuOverheadMiB = 128
+
+// jailOptions confine the QEMU of vm: it writes only vm/, and its host
+// cgroup bounds its memory to the guest's RAM plus what QEMU needs on
+// top, its CPU to the vCPUs plus half a core for QEMU's own threads (the
+// main loop, I/O), and its threads to jail.DefaultPids.
+func (i *instance) jailOptions(vm VM) *JailOptions {
+	mem := int64(vm.MemoryMiB+vm.TBSizeMiB+qemuOverheadMiB) << 20
+	return &JailOptions{
+		ID:          i.spec.ID,
+		AgentBinary: i.rt.cfg.AgentBinary,
+		Writable:    []string{i.vmDir()},
+		Limits:      jail.Limits{MemoryBytes: mem, CPUs: float64(max(vm.CPUs, 1)) + 0.5},
+	}
+}
+
 // adoptLocked attaches to a QEMU that still runs (a server restart): the
 // pid file must name a live process with the recorded start time whose
 // command line names this sandbox's directory.
@@ -450,6 +480,8 @@ func (i *instance) adoptLocked(ctx context.Context) {
 		return
 	}
 	pr := &vmProc{pid: pid, startTime: st, exited: make(chan struct{}), pidfd: fd}
+	pr.armed.Store(true) // it ran before the restart
+	dead := make(chan struct{})
 	go func() {
 		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
 		for {
@@ -457,8 +489,9 @@ func (i *instance) adoptLocked(ctx context.Context) {
 				break
 			}
 		}
-		close(pr.exited)
+		close(dead)
 	}()
+	go i.reap(pr, dead)
 	i.smu.Lock()
 	i.proc, i.exitReason = pr, ""
 	i.smu.Unlock()
@@ -529,15 +562,31 @@ func (i *instance) ping(ctx context.Context) error {
 }
 
 // Watchdog: a running, unpaused guest whose init answers no ping for
-// watchdogMisses rounds in a row is hung (a kernel stuck with interrupts
-// off, a livelocked guest): it is killed and ExitReason says so. The
-// bounds are generous because a TCG guest on a loaded host is slow, and a
+// watchdogMisses rounds in a row, over at least watchdogHang, is hung (a
+// kernel stuck with interrupts off, a livelocked guest): it is killed and
+// ExitReason says so. The bounds are generous because a TCG guest on a loaded host is slow, and a
 // sandbox's own load (a fork bomb at its pids limit) must not count.
 const (
 	watchdogInterval = 3 * time.Second
 	watchdogTimeout  = 5 * time.Second
 	watchdogMisses   = 5
+	// watchdogHang is the least silence that counts as hung, however
+	// fast the misses come (a dial refused at once).
+	watchdogHang = 30 * time.Second
 )
+
+// reap records why pr ended once dead is closed, then closes pr.exited:
+// whoever sees Exited fire finds the reason already there.
+func (i *instance) reap(pr *vmProc, dead <-chan struct{}) {
+	<-dead
+	i.recordExit(pr)
+	close(pr.exited)
+}
+
+// hungFile holds the watchdog's verdict on the running QEMU, written
+// before it kills it: every instance value of the sandbox, and a server
+// started later, then tell a hung guest from a crash.
+func (i *instance) hungFile() string { return filepath.Join(i.dir, "hung") }
 
 // watch waits for pr to exit, pinging the guest's init meanwhile, and
 // records why it ended when the runtime did not end it.
@@ -549,7 +598,6 @@ func (i *instance) watch(pr *vmProc) {
 	for {
 		select {
 		case <-pr.exited:
-			i.recordExit(pr)
 			return
 		case <-t.C:
 		}
@@ -566,8 +614,11 @@ func (i *instance) watch(pr *vmProc) {
 		i.smu.Lock()
 		paused = i.paused // paused while the ping was out: not a miss
 		i.smu.Unlock()
-		if err == nil || paused || !pr.alive() {
-			misses = 0
+		if err == nil {
+			pr.armed.Store(true)
+		}
+		if err == nil || paused || !pr.alive() || !pr.armed.Load() {
+			misses, first = 0, time.Time{}
 			continue
 		}
 		if misses == 0 {
@@ -575,10 +626,10 @@ func (i *instance) watch(pr *vmProc) {
 		}
 		misses++
 		i.rt.log.Warn("guest did not answer a ping", "id", i.spec.ID, "misses", misses, "err", err)
-		if misses >= watchdogMisses {
+		if misses >= watchdogMisses && time.Since(first) >= watchdogHang {
 			why := fmt.Sprintf("the guest hung: its init answered no ping for %v (%d in a row; last: %v); QEMU was killed",
-				time.Since(first).Round(time.Second), misses, err)
-			pr.hung.Store(&why)
+				time.Since(first).Round(time.Second), misses, oneLine(err.Error(), 200))
+			_ = os.WriteFile(i.hungFile(), []byte(why), 0o600)
 			_ = pr.kill(10 * time.Second)
 		}
 	}
@@ -587,6 +638,11 @@ func (i *instance) watch(pr *vmProc) {
 // recordExit keeps the reason of an exit the runtime did not cause.
 func (i *instance) recordExit(pr *vmProc) {
 	if pr.stopping.Load() {
+		return
+	}
+	// Another instance value of this sandbox (an Open in this process)
+	// stopped it: it removed or replaced the pid file first.
+	if pid, st, err := readPidFile(i.pidFile()); err != nil || pid != pr.pid || st != pr.startTime {
 		return
 	}
 	why := i.describeExit(pr)
@@ -603,8 +659,8 @@ func (i *instance) describeExit(pr *vmProc) string {
 	tail := strings.TrimSpace(i.consoleTail(2048))
 	var how string
 	switch qerr := pr.qemuError(i.qemuErrLog()); {
-	case pr.hung.Load() != nil:
-		how = *pr.hung.Load()
+	case readTail(i.hungFile(), 1024) != "":
+		how = readTail(i.hungFile(), 1024)
 	case strings.Contains(tail, "Kernel panic"):
 		how = "the guest kernel panicked"
 	case qerr != nil:
@@ -638,6 +694,10 @@ func (i *instance) stopLocked(ctx context.Context) error {
 	i.smu.Unlock()
 	if pr != nil {
 		pr.stopping.Store(true)
+		// First, so that other instance values of the sandbox see a
+		// stop, not a crash (recordExit); a QEMU that survives is still
+		// found by its cgroup and command line.
+		_ = os.Remove(i.pidFile())
 		if err := pr.kill(15 * time.Second); err != nil {
 			return fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
 		}
@@ -653,6 +713,10 @@ func (i *instance) stopLocked(ctx context.Context) error {
 	}
 	i.smu.Unlock()
 	var errs []error
+	// Kills whatever else still runs in the jail's cgroup.
+	if err := jail.RemoveCgroup(i.spec.ID); err != nil {
+		errs = append(errs, err)
+	}
 	for _, p := range []string{i.pidFile(), i.agentSocket(), i.ctlSocket(), i.qmpSocket()} {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, err)
@@ -726,7 +790,7 @@ func (i *instance) setPausedLocked(p bool) {
 // Stats implements runtime.Instance: memory, OOM kills and processes of
 // the sandbox's cgroup as the guest kernel counts them (from the guest's
 // init, outside the sandbox's confinement; clamped by vmctl), CPU from the
-// host: the QEMU process's CPU time, which is all the guest ever ran.
+// host: the jail's cgroup, QEMU's CPU time, which is all the guest ran.
 func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	pr := i.current()
 	if pr == nil || !pr.alive() {
@@ -745,9 +809,13 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 		}
 		return runtime.Stats{}, fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
 	}
-	cpu, err := procCPUNanos(pr.pid)
-	if err != nil && pr.alive() {
-		return runtime.Stats{}, err
+	cpu, err := jail.CgroupCPU(i.spec.ID)
+	if err != nil {
+		// No cgroup (an unjailed QEMU): its own CPU time is all the
+		// guest ran.
+		if cpu, err = procCPUNanos(pr.pid); err != nil && pr.alive() {
+			return runtime.Stats{}, err
+		}
 	}
 	return runtime.Stats{MemoryBytes: gs.MemoryBytes, OOMKills: gs.OOMKills, Pids: gs.Pids, CPUNanos: cpu}, nil
 }

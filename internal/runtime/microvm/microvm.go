@@ -201,6 +201,9 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (_ runtime.Inst
 	if _, err := r.images.Prepare(ctx, spec.TemplateDigest, spec.RootFS); err != nil {
 		return nil, fmt.Errorf("root image of %s: %w", spec.TemplateDigest, err)
 	}
+	if err := os.Mkdir(i.vmDir(), 0o700); err != nil {
+		return nil, err
+	}
 	fctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	if err := hostfs.FormatExt4(fctx, i.diskImage(), l.DiskMiB, diskRootID); err != nil {

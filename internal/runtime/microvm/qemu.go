@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -15,9 +16,12 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/agentproto"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime/microvm/jail"
 	"github.com/spacehq/space/internal/runtime/microvm/vmctl"
 	"github.com/spacehq/space/internal/runtime/microvm/vminit"
 )
@@ -266,8 +270,25 @@ type LaunchOptions struct {
 	// StderrPath instead of a pipe that would break with the server.
 	Detached   bool
 	StderrPath string
-	// Dir is QEMU's working directory ("" = this process's).
+	// Dir is QEMU's working directory ("" = this process's; a jailed
+	// QEMU runs in its jail's "/").
 	Dir string
+	// Jail, when set, runs QEMU confined by package jail.
+	Jail *JailOptions
+}
+
+// JailOptions confine one QEMU (package jail): its own uid, namespaces,
+// root and host cgroup. What it may read is derived from the VM: QEMU's
+// binary and libraries, the kernel, the initramfs and the root image; it
+// may write only Writable.
+type JailOptions struct {
+	// ID names the jail (cgroup, uid seed): the sandbox id.
+	ID string
+	// AgentBinary is the static space-agent whose stage builds the jail.
+	AgentBinary string
+	// Writable directories hold the VM's disk, sockets and console log.
+	Writable []string
+	Limits   jail.Limits
 }
 
 // Launch starts QEMU for v with o. It does not wait for the guest.
@@ -313,7 +334,14 @@ func Launch(v VM, o LaunchOptions) (*Process, error) {
 		cmd.Stderr = &limitedBuffer{buf: &stderr, max: 8 << 10}
 		cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
 	}
-	if err := cmd.Start(); err != nil {
+	if o.Jail != nil {
+		if !o.Detached {
+			return nil, fmt.Errorf("microvm: a jailed QEMU is detached: %w", errdefs.ErrInvalidArgument)
+		}
+		if cmd, err = startJailed(bin, args, v, o, errFile); err != nil {
+			return nil, err
+		}
+	} else if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("starting %s: %w", bin, err)
 	}
 	p := &Process{vm: v, cmd: cmd, done: make(chan struct{})}
@@ -334,17 +362,67 @@ func Launch(v VM, o LaunchOptions) (*Process, error) {
 	return p, nil
 }
 
+// startJailed starts QEMU (bin with args, for v) in the jail o.Jail
+// describes, its stderr going to errFile.
+func startJailed(bin string, args []string, v VM, o LaunchOptions, errFile *os.File) (*exec.Cmd, error) {
+	abs, err := exec.LookPath(bin)
+	if err != nil {
+		return nil, fmt.Errorf("qemu %q: %w", bin, err)
+	}
+	if abs, err = filepath.Abs(abs); err != nil {
+		return nil, err
+	}
+	ro, err := jail.QEMUPaths(abs)
+	if err != nil {
+		return nil, err
+	}
+	ro = append(ro, v.Kernel, v.Initrd)
+	if v.RootImage != "" {
+		ro = append(ro, v.RootImage)
+	}
+	var devices []string
+	if v.Accel == AccelKVM {
+		devices = append(devices, "/dev/kvm")
+	}
+	var extra []*os.File
+	if o.Incoming != nil {
+		extra = []*os.File{o.Incoming}
+	}
+	cmd, err := jail.Start(o.Jail.AgentBinary, jail.Spec{
+		ID:         o.Jail.ID,
+		Argv:       append([]string{abs}, args...),
+		ReadOnly:   ro,
+		Writable:   o.Jail.Writable,
+		Devices:    devices,
+		ExtraFiles: extra,
+		Limits:     o.Jail.Limits,
+		Stderr:     errFile,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("starting jailed %s: %w", bin, err)
+	}
+	return cmd, nil
+}
+
 // Pid is QEMU's host pid.
 func (p *Process) Pid() int { return p.cmd.Process.Pid }
 
-// readTail returns the last max bytes of the file at path ("" if unreadable).
+// readTail returns the last max bytes of the regular file at path ("" if
+// it is unreadable or not a regular file). The console log lives where
+// QEMU can write: a symlink is never followed (the server would read a
+// host file into an error message) and a FIFO never waited on.
 func readTail(path string, max int64) string {
-	f, err := os.Open(path)
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return ""
 	}
+	f := os.NewFile(uintptr(fd), path)
 	defer f.Close()
-	if st, err := f.Stat(); err == nil && st.Size() > max {
+	st, err := f.Stat()
+	if err != nil || !st.Mode().IsRegular() {
+		return ""
+	}
+	if st.Size() > max {
 		_, _ = f.Seek(-max, io.SeekEnd)
 	}
 	b, _ := io.ReadAll(io.LimitReader(f, max))

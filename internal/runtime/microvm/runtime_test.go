@@ -245,7 +245,7 @@ func TestExitReasonAndWatchdog(t *testing.T) {
 	if err := unix.Kill(i.Pid(), unix.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
-	deadline := watchdogInterval*time.Duration(watchdogMisses+2) + watchdogTimeout*time.Duration(watchdogMisses) + 10*time.Second
+	deadline := watchdogHang + (watchdogInterval+watchdogTimeout)*time.Duration(watchdogMisses) + 10*time.Second
 	select {
 	case <-sb.Inst.Exited():
 	case <-time.After(deadline):
