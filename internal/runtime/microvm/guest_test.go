@@ -204,6 +204,28 @@ func TestGuestSandbox(t *testing.T) {
 				t.Errorf("%q succeeded inside the sandbox", cmd)
 			}
 		}
+		// Only loopback, and it works; the guest kernel keeps its log and
+		// addresses to itself.
+		res = g.exec("python3", "-c", `
+import socket
+print(sorted(n for _, n in socket.if_nameindex()))
+l = socket.socket(); l.bind(("127.0.0.1", 0)); l.listen(1)
+c = socket.create_connection(l.getsockname(), timeout=3); print("loopback ok")
+s = socket.socket(); s.settimeout(3)
+try:
+    s.connect(("10.0.2.2", 22)); print("connected")
+except OSError as e:
+    print("unreachable", e.errno)
+`)
+		if res.Stdout != "['lo']\nloopback ok\nunreachable 101\n" {
+			t.Errorf("network from inside: %+v", res)
+		}
+		if res := g.sh("dmesg"); res.ExitCode == 0 {
+			t.Errorf("dmesg works inside: %q", res.Stdout)
+		}
+		if out := g.mustSh("awk '$1 != \"0000000000000000\"' /proc/kallsyms | head -3"); out != "" {
+			t.Errorf("kernel addresses visible: %q", out)
+		}
 		// The control port is guest root's: not the sandbox's to open.
 		res = g.exec("python3", "-c", `
 import os, glob

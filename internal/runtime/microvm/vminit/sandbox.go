@@ -79,10 +79,12 @@ func runSandbox(cfg config, rootDev, diskDev string, ph *phases) {
 	if err := os.Chmod(ctl, 0o600); err != nil {
 		fail(err)
 	}
-	// The kernel's own console chatter (an OOM kill prints a page) is for
-	// nobody once the sandbox runs, and the sandbox can cause as much of it
-	// as it likes: only emergencies and alerts (panics, oopses) go on.
-	_ = os.WriteFile("/proc/sys/kernel/printk", []byte("2 4 1 7"), 0)
+	if err := loopbackUp(); err != nil {
+		fail(err)
+	}
+	if err := hardenKernel(); err != nil {
+		fail(err)
+	}
 
 	agent, logs, err := startAgent(port)
 	if err != nil {
@@ -96,6 +98,32 @@ func runSandbox(cfg config, rootDev, diskDev string, ph *phases) {
 	err = agent.Wait()
 	fmt.Fprintf(os.Stderr, "space-agent: vm init: the agent ended (%v); stopping the guest\n", exitString(err))
 	halt()
+}
+
+// guestSysctls are set before the sandbox starts. The sandbox cannot
+// write /proc/sys (its files are guest root's); these settle what the
+// guest kernel tells or does for it regardless of the kernel's build
+// defaults:
+//   - printk: the kernel's console chatter (an OOM kill prints a page) is
+//     for nobody once the sandbox runs, and the sandbox can cause as much
+//     of it as it likes, into a file on the host: only emergencies and
+//     alerts (panics, oopses — what the host's exit reason needs) go on;
+//   - dmesg_restrict, kptr_restrict: no kernel log, no kernel addresses;
+//   - sysrq: off (its trigger file is masked in the sandbox's /proc too).
+var guestSysctls = []struct{ path, value string }{
+	{"/proc/sys/kernel/printk", "2 4 1 7"},
+	{"/proc/sys/kernel/dmesg_restrict", "1"},
+	{"/proc/sys/kernel/kptr_restrict", "2"},
+	{"/proc/sys/kernel/sysrq", "0"},
+}
+
+func hardenKernel() error {
+	for _, s := range guestSysctls {
+		if err := os.WriteFile(s.path, []byte(s.value), 0); err != nil {
+			return fmt.Errorf("sysctl %s=%s: %w", s.path, s.value, err)
+		}
+	}
+	return nil
 }
 
 // setupCgroup creates the sandbox cgroup with its limits.
