@@ -292,14 +292,18 @@ func boundedCtx(ctx context.Context, d time.Duration) (context.Context, context.
 // CopySparse copies the file src to a new file dst (mode 0600, which must
 // not exist) without materialising holes: a clone where the filesystem
 // shares extents (FICLONE on btrfs/xfs), else only the data extents
-// (SEEK_DATA/SEEK_HOLE) through copy_file_range. dst is fsync'd. Disks are
+// (SEEK_DATA/SEEK_HOLE) through copy_file_range. dst is fsync'd; src must
+// be a regular file and is not followed if it is a symlink. Disks are
 // mostly holes: a fresh 1 GiB ext4 image holds a few MiB of data. On error
 // dst is removed.
 func CopySparse(src, dst string) (err error) {
-	in, err := os.Open(src)
+	// Disks live where QEMU (run by a guest that may own it) writes: never
+	// follow a link there, never wait on a FIFO.
+	ifd, err := unix.Open(src, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return err
+		return &os.PathError{Op: "open", Path: src, Err: err}
 	}
+	in := os.NewFile(uintptr(ifd), src)
 	defer in.Close()
 	fi, err := in.Stat()
 	if err != nil {
@@ -327,7 +331,7 @@ func CopySparse(src, dst string) (err error) {
 	if err := out.Truncate(size); err != nil {
 		return err
 	}
-	ifd, ofd := int(in.Fd()), int(out.Fd())
+	ofd := int(out.Fd())
 	for off := int64(0); off < size; {
 		data, err := unix.Seek(ifd, off, unix.SEEK_DATA)
 		if errors.Is(err, unix.ENXIO) {

@@ -1,0 +1,172 @@
+package microvm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+)
+
+// Fork.
+//
+// The parent (its agent quiesced by the manager) is stopped and its state
+// saved to a file in its directory; while it stays stopped its disk —
+// flushed by QEMU when the migration completed — is sparse-copied into
+// every child's directory, so each child's disk matches the saved RAM.
+// Then the parent runs again, and each child — its own directory, disk
+// copy, sockets and QEMU — is restored from the file and told its own
+// entropy, clock and hostname. Children take the parent's VM shape
+// (memory, vCPUs, disk size): a restore cannot change them; their own
+// limits apply from their next cold boot.
+
+// forkParallel is how many children restore at once: a restore is mostly
+// QEMU loading RAM and the guest catching up, CPU-bound under TCG.
+const forkParallel = 2
+
+// Fork implements runtime.Forker.
+func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runtime.Instance, err error) {
+	if len(children) == 0 {
+		return nil, fmt.Errorf("fork: no children: %w", errdefs.ErrInvalidArgument)
+	}
+	seen := map[string]bool{i.spec.ID: true}
+	for _, c := range children {
+		if seen[c.ID] {
+			return nil, fmt.Errorf("fork: child id %q given twice or the parent's: %w", c.ID, errdefs.ErrInvalidArgument)
+		}
+		seen[c.ID] = true
+	}
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if !i.Alive() {
+		return nil, fmt.Errorf("fork sandbox %s: not running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	t0 := time.Now()
+	parentVM, err := i.readVM()
+	if err != nil {
+		return nil, fmt.Errorf("fork sandbox %s: %w", i.spec.ID, err)
+	}
+	kids := make([]*instance, 0, len(children))
+	defer func() {
+		if err != nil {
+			for _, k := range kids {
+				if derr := k.Destroy(context.WithoutCancel(ctx)); derr != nil {
+					i.rt.log.Warn("fork: removing a child", "id", k.spec.ID, "err", derr)
+				}
+			}
+		}
+	}()
+	for _, spec := range children {
+		k, err := i.rt.newChild(spec)
+		if err != nil {
+			return nil, fmt.Errorf("fork sandbox %s: child %s: %w", i.spec.ID, spec.ID, err)
+		}
+		kids = append(kids, k)
+	}
+	state, err := os.CreateTemp(i.dir, "fork-*.state")
+	if err != nil {
+		return nil, err
+	}
+	statePath := state.Name()
+	state.Close()
+	defer os.Remove(statePath)
+	copyDisks := func() error {
+		for _, k := range kids {
+			if err := CopySparse(i.diskImage(), k.diskImage()); err != nil {
+				return fmt.Errorf("copying the disk to %s: %w", k.spec.ID, err)
+			}
+		}
+		return nil
+	}
+	info, err := i.snapshotLocked(ctx, statePath, copyDisks)
+	if err != nil {
+		return nil, fmt.Errorf("fork sandbox %s: %w", i.spec.ID, err)
+	}
+	tSnap := time.Now()
+	if err := i.continueLocked(ctx, info); err != nil {
+		return nil, fmt.Errorf("fork sandbox %s: the parent did not run again: %w", i.spec.ID, err)
+	}
+	errs := make([]error, len(kids))
+	sem := make(chan struct{}, forkParallel)
+	var wg sync.WaitGroup
+	for n, k := range kids {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			if err := k.restoreChild(ctx, parentVM, statePath); err != nil {
+				errs[n] = fmt.Errorf("fork sandbox %s: child %s: %w", i.spec.ID, k.spec.ID, err)
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	out := make([]runtime.Instance, 0, len(kids))
+	for _, k := range kids {
+		out = append(out, k)
+	}
+	i.rt.log.Debug("sandbox forked", "id", i.spec.ID, "children", len(kids), "state_bytes", info.Bytes,
+		"snapshot", tSnap.Sub(t0), "total", time.Since(t0))
+	return out, nil
+}
+
+// newChild makes a fork child's directory and vm/ (its disk comes from the
+// parent). The child is removed by Destroy like any instance.
+func (r *Runtime) newChild(spec runtime.Spec) (*instance, error) {
+	k, err := r.newInstance(spec)
+	if err != nil {
+		return nil, err
+	}
+	if spec.Hostname != "" && !hostnameRE.MatchString(spec.Hostname) {
+		return nil, fmt.Errorf("hostname %q: %w", spec.Hostname, errdefs.ErrInvalidArgument)
+	}
+	if err := os.MkdirAll(r.sandboxesDir(), 0o700); err != nil {
+		return nil, err
+	}
+	if err := os.Mkdir(k.dir, 0o700); err != nil {
+		if errors.Is(err, os.ErrExist) {
+			return nil, fmt.Errorf("sandbox %s already exists: %w", spec.ID, errdefs.ErrConflict)
+		}
+		return nil, err
+	}
+	if err := os.Mkdir(k.vmDir(), 0o700); err != nil {
+		os.RemoveAll(k.dir)
+		return nil, err
+	}
+	// Restored children count as booted: their disk is not fresh (warm.go).
+	if err := k.markBooted(); err != nil {
+		os.RemoveAll(k.dir)
+		return nil, err
+	}
+	return k, nil
+}
+
+// childVM is the parent's VM with the child's own files and hostname.
+func (k *instance) childVM(parent VM) VM {
+	vm := parent
+	vm.AgentSocket = k.agentSocket()
+	vm.ConsoleLog = k.consoleLog()
+	vm.Disk = k.diskImage()
+	vm.CtlSocket = k.ctlSocket()
+	vm.QMPSocket = k.qmpSocket()
+	vm.Hostname = k.hostname()
+	vm.IncomingFD = 0
+	return vm
+}
+
+// restoreChild restores the child from the parent's state file.
+func (k *instance) restoreChild(ctx context.Context, parent VM, state string) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if err := k.writeVM(k.childVM(parent)); err != nil {
+		return err
+	}
+	return k.restoreFromLocked(ctx, state, k.hostname())
+}

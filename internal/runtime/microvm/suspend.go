@@ -1,0 +1,340 @@
+package microvm
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/agentclient"
+	"github.com/spacehq/space/internal/agentproto"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+)
+
+// Suspend and restore.
+//
+// Suspend saves the whole guest (RAM and devices, SaveState) into
+// state/vm.state and ends QEMU; the disk stays where it is, consistent with
+// the saved RAM (QEMU flushed it when the migration completed, and the
+// guest never ran again). Restore starts QEMU from vm.json with the state
+// as its incoming stream, then tells the guest's init it was restored
+// (vmctl: fresh host entropy credited and the CRNG reseeded, the clock set
+// to now, the hostname), and removes the image.
+//
+// The state is written to a temporary file in the sandbox directory and
+// renamed into state/ only once complete and synced, so Suspended (the
+// image's presence) never sees a partial one, also after a server restart.
+// Neither the image nor vm.json lives in vm/, the directory QEMU may write.
+
+var (
+	_ runtime.Suspender = (*instance)(nil)
+	_ runtime.Forker    = (*instance)(nil)
+)
+
+const (
+	// stateName is the suspend image in stateDir.
+	stateName = "vm.state"
+	// agentReleaseWait bounds the wait for the quiesced agent to let go of
+	// its port (it closes sessions the host left open after 0.5 s).
+	agentReleaseWait = 3 * time.Second
+	// seedBytes is the entropy handed to a restored guest's kernel.
+	seedBytes = 64
+)
+
+func (i *instance) stateFile() string { return filepath.Join(i.stateDir(), stateName) }
+
+// Suspended implements runtime.Suspender.
+func (i *instance) Suspended() bool {
+	var st unix.Stat_t
+	return unix.Lstat(i.stateFile(), &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFREG
+}
+
+// Suspend implements runtime.Suspender. The manager has quiesced the agent
+// and dropped its connection.
+func (i *instance) Suspend(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if !i.Alive() {
+		return fmt.Errorf("suspend sandbox %s: not running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	if i.Suspended() {
+		return fmt.Errorf("suspend sandbox %s: already holds a suspend image: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	t0 := time.Now()
+	if err := i.syncGuestLocked(ctx); err != nil {
+		// Only a Stop of the suspended sandbox (which discards its RAM)
+		// would lose the guest's unwritten data; the suspend goes on.
+		i.rt.log.Warn("suspend: the guest did not sync its disk", "id", i.spec.ID, "err", err)
+	}
+	tSynced := time.Now()
+	tmp := filepath.Join(i.dir, stateName+".tmp")
+	info, err := i.snapshotLocked(ctx, tmp, nil)
+	if err != nil {
+		return fmt.Errorf("suspend sandbox %s: %w", i.spec.ID, err)
+	}
+	// The guest stays stopped from here on: whatever fails, it is either
+	// saved or running again.
+	if err := publishState(tmp, i.stateDir(), i.stateFile()); err != nil {
+		os.Remove(tmp)
+		return errors.Join(fmt.Errorf("suspend sandbox %s: %w", i.spec.ID, err), i.continueLocked(ctx, info))
+	}
+	tSaved := time.Now()
+	if err := i.stopLocked(ctx); err != nil {
+		return fmt.Errorf("suspend sandbox %s: saved, but stopping QEMU: %w", i.spec.ID, err)
+	}
+	i.rt.log.Debug("sandbox suspended", "id", i.spec.ID, "guest_sync", tSynced.Sub(t0), "bytes", info.Bytes, "pause", info.Pause,
+		"migrate", info.Migrate, "sync", info.Sync, "total", tSaved.Sub(t0), "stop", time.Since(tSaved))
+	return nil
+}
+
+// guestSyncTimeout bounds the guest's sync before a suspend.
+const guestSyncTimeout = 20 * time.Second
+
+// syncGuestLocked makes the guest write its dirty page cache to its disk
+// before a suspend: a suspended sandbox may be stopped, which discards its
+// RAM and keeps only the disk, and that disk must then hold everything
+// written before the suspend. The guest's init has no such request, so
+// the agent runs sync(1) in the sandbox on a session of the runtime's own,
+// closed before the snapshot (snapshotLocked waits for the agent to let
+// go of it). The sandbox controls that command: it can only spoil its own
+// disk's durability, and the call is bounded.
+func (i *instance) syncGuestLocked(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, guestSyncTimeout)
+	defer cancel()
+	// Dialling before the agent ended the manager's session would talk
+	// into that session (see WaitAgentPortReleased).
+	if err := i.waitAgentReleasedLocked(ctx); err != nil {
+		return err
+	}
+	conn, err := i.DialAgent(ctx)
+	if err != nil {
+		return err
+	}
+	c, err := agentclient.New(conn)
+	if err != nil {
+		conn.Close()
+		return err
+	}
+	defer c.Close()
+	res, err := c.Exec(ctx, agentproto.ExecRequest{
+		Cmd:            []string{"sync"},
+		Env:            []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+		TimeoutSeconds: guestSyncTimeout.Seconds(),
+		MaxOutputBytes: 4096,
+	})
+	if err != nil {
+		return err
+	}
+	if res.ExitCode != 0 {
+		return fmt.Errorf("sync exited with %d: %s", res.ExitCode, truncateString(res.Stderr, 256))
+	}
+	return nil
+}
+
+// snapshotLocked waits for the agent to release its port, stops the guest
+// and saves its state into the new file path; then, with the guest still
+// stopped, it runs copyDisks (may be nil). On error the file is removed
+// and a guest that ran runs again. On success the guest stays stopped: the
+// caller ends QEMU or calls continueLocked.
+func (i *instance) snapshotLocked(ctx context.Context, path string, copyDisks func() error) (info SaveInfo, err error) {
+	if err := i.waitAgentReleasedLocked(ctx); err != nil {
+		return info, err
+	}
+	q, err := i.qmpClient(ctx)
+	if err != nil {
+		return info, err
+	}
+	defer func() {
+		if err != nil && errors.Is(err, errdefs.ErrUnavailable) {
+			dropQMP(i.qmpSocket(), q)
+		}
+	}()
+	_ = os.Remove(path)
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return info, err
+	}
+	defer f.Close()
+	i.smu.Lock()
+	wasPaused := i.paused
+	i.paused = true // the watchdog leaves a stopped guest alone
+	i.smu.Unlock()
+	info, err = SaveState(ctx, q, f)
+	if err != nil {
+		os.Remove(path)
+		i.setPausedLocked(wasPaused)
+		return info, err
+	}
+	info.WasPaused = info.WasPaused || wasPaused
+	if copyDisks != nil {
+		if err := copyDisks(); err != nil {
+			os.Remove(path)
+			return info, errors.Join(err, i.continueLocked(ctx, info))
+		}
+	}
+	return info, nil
+}
+
+// waitAgentReleasedLocked waits for the guest's agent to close its port
+// after the host dropped its connection (WaitAgentPortReleased). An agent
+// that keeps it open (not quiesced, or no longer ours) is logged and not
+// waited for longer: its session would be in a snapshot, and a host
+// dialling the restored guest at once could talk into it.
+func (i *instance) waitAgentReleasedLocked(ctx context.Context) error {
+	q, err := i.qmpClient(ctx)
+	if err != nil {
+		return err
+	}
+	ok, err := WaitAgentPortReleased(ctx, q, agentReleaseWait)
+	if err != nil {
+		if errors.Is(err, errdefs.ErrUnavailable) {
+			dropQMP(i.qmpSocket(), q)
+		}
+		return err
+	}
+	if !ok {
+		i.rt.log.Warn("the agent kept its port open", "id", i.spec.ID, "waited", agentReleaseWait)
+	}
+	return nil
+}
+
+// continueLocked lets the guest run again after snapshotLocked, unless it
+// was paused before.
+func (i *instance) continueLocked(ctx context.Context, info SaveInfo) error {
+	if info.WasPaused {
+		return nil
+	}
+	q, err := i.qmpClient(ctx)
+	if err != nil {
+		return err
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := ContinueAfterSave(cctx, q); err != nil {
+		if errors.Is(err, errdefs.ErrUnavailable) {
+			dropQMP(i.qmpSocket(), q)
+		}
+		return err
+	}
+	i.setPausedLocked(false)
+	return nil
+}
+
+// publishState moves the complete state file tmp to dst in dir.
+func publishState(tmp, dir, dst string) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, dst); err != nil {
+		return err
+	}
+	return syncDir(dir)
+}
+
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}
+
+// Restore implements runtime.Suspender, also on an instance from Open
+// after a server restart. On error the image stays (Restore may be
+// retried) and no QEMU of the attempt runs.
+func (i *instance) Restore(ctx context.Context) (err error) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.Alive() {
+		return fmt.Errorf("restore sandbox %s: running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	if !i.Suspended() {
+		return fmt.Errorf("restore sandbox %s: no suspend image: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	t0 := time.Now()
+	if err := i.restoreFromLocked(ctx, i.stateFile(), i.hostname()); err != nil {
+		return fmt.Errorf("restore sandbox %s: %w", i.spec.ID, err)
+	}
+	tRestored := time.Now()
+	if err := os.RemoveAll(i.stateDir()); err != nil {
+		return fmt.Errorf("restore sandbox %s: removing its image: %w", i.spec.ID, err)
+	}
+	i.rt.log.Debug("sandbox restored", "id", i.spec.ID, "restore", tRestored.Sub(t0))
+	return nil
+}
+
+// hostname is the sandbox's hostname in the guest.
+func (i *instance) hostname() string {
+	if i.spec.Hostname != "" {
+		return i.spec.Hostname
+	}
+	return i.spec.ID
+}
+
+// restoreFromLocked starts QEMU from vm.json with the state file as its
+// incoming stream, waits until the guest runs and tells its init it was
+// restored. On error QEMU is stopped.
+func (i *instance) restoreFromLocked(ctx context.Context, state, hostname string) (err error) {
+	fd, err := unix.Open(state, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return &os.PathError{Op: "open", Path: state, Err: err}
+	}
+	f := os.NewFile(uintptr(fd), state)
+	defer f.Close()
+	defer func() {
+		if err != nil {
+			if serr := i.stopLocked(context.WithoutCancel(ctx)); serr != nil {
+				err = errors.Join(err, serr)
+			}
+		}
+	}()
+	t0 := time.Now()
+	if err := i.launch(ctx, f); err != nil {
+		return err
+	}
+	pr := i.current()
+	q, err := i.qmpClient(ctx)
+	if err != nil {
+		return err
+	}
+	if err := WaitIncoming(ctx, q, pr.exited); err != nil {
+		if !pr.alive() {
+			return fmt.Errorf("%w: %s", err, i.describeExit(pr))
+		}
+		return err
+	}
+	i.setPausedLocked(false)
+	tLoaded := time.Now()
+	if err := i.restoredLocked(ctx, hostname); err != nil {
+		return err
+	}
+	i.rt.log.Debug("guest restored", "id", i.spec.ID, "load", tLoaded.Sub(t0), "reseed", time.Since(tLoaded))
+	return nil
+}
+
+// restoredLocked tells the restored guest's init: fresh entropy, the
+// current time, its hostname.
+func (i *instance) restoredLocked(ctx context.Context, hostname string) error {
+	seed := make([]byte, seedBytes)
+	if _, err := rand.Read(seed); err != nil {
+		return err
+	}
+	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	c, err := i.ctlClient(cctx)
+	if err != nil {
+		return err
+	}
+	if err := c.Restored(cctx, seed, time.Now(), hostname); err != nil {
+		dropCtl(i.ctlSocket(), c)
+		return fmt.Errorf("the restored guest's init: %w", err)
+	}
+	return nil
+}
