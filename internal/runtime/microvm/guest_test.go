@@ -360,6 +360,25 @@ for d in sorted(glob.glob("/sys/class/virtio-ports/*")):
 		if out := g2.mustSh("cat /proc/sys/kernel/hostname; test -x /run/space/space-agent && echo agent"); out != "second-boot\nagent\n" {
 			t.Errorf("second boot: %q", out)
 		}
+
+		// A sandbox that fills its disk still boots: its hostname files
+		// are its own business past a console line.
+		res := g2.sh("rm /etc/hostname && ln -s /proc/sys/kernel/hostname /etc/hostname && rm -rf /tmp && ln -s / /tmp && " +
+			"dd if=/dev/zero of=/root/fill bs=1M 2>&1; df -k / | tail -1; sync")
+		if !strings.Contains(res.Stdout, "No space left") {
+			t.Fatalf("filling the disk: %+v", res)
+		}
+		g2.p.Kill()
+		g3 := bootGuest(t, k, initrd, img, disk, "third-boot")
+		g3.t = t
+		if out := g3.mustSh("hostname; cat /root/on-disk"); out != "third-boot\nkept\n" {
+			t.Errorf("boot on a full disk: %q", out)
+		}
+		for _, line := range strings.Split(g3.p.ConsoleTail(4096), "\n") {
+			if strings.Contains(line, "vm init:") && !strings.Contains(line, "mounts ") {
+				t.Logf("console: %s", line)
+			}
+		}
 	})
 	if t.Failed() {
 		t.Logf("console:\n%s", p.ConsoleTail(4096))

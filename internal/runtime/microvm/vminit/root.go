@@ -127,13 +127,21 @@ func realDir(p string, mode os.FileMode, id int) error {
 // cgroup2.
 func prepareRoot() error {
 	in := func(p string) string { return filepath.Join(newRoot, p) }
-	for _, d := range []string{"proc", "sys", "dev", "run", "run/space", "etc", "tmp"} {
+	// Mount points: required.
+	for _, d := range []string{"proc", "sys", "dev", "run", "run/space"} {
+		if err := realDir(in(d), 0o755, ginit.IDBase); err != nil {
+			return fmt.Errorf("new root: %w", err)
+		}
+	}
+	// What a tree needs and a sandbox may have broken (or filled the disk
+	// so that it cannot be mended): its own business past a console line.
+	for _, d := range []string{"etc", "tmp"} {
 		mode := os.FileMode(0o755)
 		if d == "tmp" {
 			mode = 0o777 | os.ModeSticky
 		}
 		if err := realDir(in(d), mode, ginit.IDBase); err != nil {
-			return fmt.Errorf("new root: %w", err)
+			fmt.Fprintln(os.Stderr, "space-agent: vm init: new root:", err)
 		}
 	}
 	// The agent binary, in a read-only tmpfs of its own so that nothing
@@ -197,6 +205,11 @@ const maxHostsFile = 1 << 20
 // that the name resolves. Both files are the sandbox's: they are opened
 // beneath / without crossing a mount or following a magic link, must be
 // regular files, and are written owned by sandbox root.
+//
+// Only the kernel's hostname is required. The files are the sandbox's,
+// and it can make writing them fail (a full disk, an /etc that is not a
+// directory): that is said on the console and otherwise left to it, so
+// that a sandbox cannot make its own guest unbootable or unrestorable.
 func setHostname(name string) error {
 	if !hostnameRE.MatchString(name) {
 		return fmt.Errorf("hostname %q: not one RFC 1123 label", name)
@@ -204,6 +217,13 @@ func setHostname(name string) error {
 	if err := unix.Sethostname([]byte(name)); err != nil {
 		return fmt.Errorf("sethostname: %w", err)
 	}
+	if err := writeHostnameFiles(name); err != nil {
+		fmt.Fprintln(os.Stderr, "space-agent: vm init: hostname files not updated:", err)
+	}
+	return nil
+}
+
+func writeHostnameFiles(name string) error {
 	if err := writeSandboxFile("/etc/hostname", []byte(name+"\n")); err != nil {
 		return err
 	}
