@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -16,6 +17,8 @@ import (
 
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/agentproto"
+	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/runtimetest"
 )
 
 // startIncoming starts QEMU for v waiting for a migration stream on state
@@ -256,5 +259,169 @@ func TestCopySparse(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(dir, "x")); !os.IsNotExist(err) {
 		t.Fatal("failed copy left its destination")
+	}
+}
+
+// startNamed creates and starts a sandbox of h's template with its own id
+// and hostname, and connects to its agent.
+func startNamed(t *testing.T, h runtimetest.Harness, r *Runtime, id string) (*runtimetest.Sandbox, time.Duration) {
+	t.Helper()
+	spec := runtime.Spec{ID: id, RootFS: h.RootFS, TemplateDigest: h.TemplateDigest, Limits: runtimetest.DefaultLimits, Hostname: id}
+	ctx := ctxT(t, 3*time.Minute)
+	inst, err := r.Create(ctx, spec)
+	if err != nil {
+		t.Fatalf("Create %s: %v", id, err)
+	}
+	t.Cleanup(func() {
+		if err := inst.Destroy(context.Background()); err != nil {
+			t.Errorf("Destroy %s: %v", id, err)
+		}
+	})
+	t0 := time.Now()
+	if err := inst.Start(ctx); err != nil {
+		t.Fatalf("Start %s: %v", id, err)
+	}
+	took := time.Since(t0)
+	sb := &runtimetest.Sandbox{RT: r, Inst: inst, Spec: spec}
+	sb.Connect(t)
+	return sb, took
+}
+
+func urandom(t *testing.T, sb *runtimetest.Sandbox) string {
+	t.Helper()
+	return strings.TrimSpace(sb.MustSh(t, "head -c16 /dev/urandom | od -An -tx1 | tr -d ' \\n'"))
+}
+
+// guestClockSkew is the guest's clock minus the host's.
+func guestClockSkew(t *testing.T, sb *runtimetest.Sandbox) time.Duration {
+	t.Helper()
+	before := time.Now()
+	out := strings.TrimSpace(sb.MustSh(t, "date +%s%N"))
+	after := time.Now()
+	ns, err := strconv.ParseInt(out, 10, 64)
+	if err != nil {
+		t.Fatalf("date: %q", out)
+	}
+	mid := before.Add(after.Sub(before) / 2)
+	return time.Unix(0, ns).Sub(mid)
+}
+
+type warmCounts struct{ builds, starts, broken int64 }
+
+func readWarmStats() warmCounts {
+	return warmCounts{WarmStats.Builds.Load(), WarmStats.Starts.Load(), WarmStats.Broken.Load()}
+}
+
+// TestWarmTemplate: the first sandbox of a kind boots cold and leaves a
+// warm snapshot; the next ones start from it — each with its own
+// hostname, entropy, disk and a current clock; a sandbox that ran boots
+// cold on its next Start and keeps its disk; a broken snapshot is deleted
+// and the create boots cold (and takes a new one); ForgetWarm removes a
+// tree's snapshots.
+func TestWarmTemplate(t *testing.T) {
+	h := harness(t)
+	r := h.New(t).(*Runtime)
+	w0 := readWarmStats()
+
+	one, coldTook := startNamed(t, h, r, "warm-one")
+	if got := readWarmStats(); got.builds != w0.builds+1 || got.starts != w0.starts {
+		t.Fatalf("after the first sandbox: %+v (before %+v), want one build and no warm start", got, w0)
+	}
+	treeDir, err := r.warmTreeDir(h.TemplateDigest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ents, err := os.ReadDir(treeDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var snaps []string
+	for _, e := range ents {
+		if e.IsDir() && !strings.HasPrefix(e.Name(), ".") {
+			snaps = append(snaps, filepath.Join(treeDir, e.Name()))
+		}
+	}
+	if len(snaps) != 1 || !warmComplete(snaps[0]) {
+		t.Fatalf("warm snapshots: %v", snaps)
+	}
+	one.MustSh(t, "echo one > /root/one-file")
+	// Long enough that a restored guest whose clock was not set would be
+	// visibly behind.
+	time.Sleep(4 * time.Second)
+
+	two, warmTook := startNamed(t, h, r, "warm-two")
+	three, _ := startNamed(t, h, r, "warm-three")
+	if got := readWarmStats(); got.starts != w0.starts+2 || got.builds != w0.builds+1 {
+		t.Fatalf("after three sandboxes: %+v (before %+v), want two warm starts", got, w0)
+	}
+	t.Logf("Start: cold %v, warm %v", coldTook.Round(time.Millisecond), warmTook.Round(time.Millisecond))
+	for _, sb := range []*runtimetest.Sandbox{two, three} {
+		id := sb.Spec.ID
+		if got := strings.TrimSpace(sb.MustSh(t, "hostname; cat /etc/hostname")); got != id+"\n"+id {
+			t.Errorf("%s: hostname and /etc/hostname %q", id, got)
+		}
+		if res := sb.Sh(t, "cat /root/one-file"); res.ExitCode == 0 {
+			t.Errorf("%s sees a file written in warm-one: %q", id, res.Stdout)
+		}
+		if skew := guestClockSkew(t, sb); skew < -2*time.Second || skew > 2*time.Second {
+			t.Errorf("%s: guest clock off by %v after a warm start", id, skew)
+		}
+		sb.MustSh(t, "echo "+id+" > /root/own")
+	}
+	if got := two.MustSh(t, "cat /root/own"); got != "warm-two\n" {
+		t.Errorf("warm-two's own file: %q", got)
+	}
+	r1, r2, r3 := urandom(t, one), urandom(t, two), urandom(t, three)
+	if r1 == r2 || r2 == r3 || r1 == r3 {
+		t.Fatalf("/dev/urandom repeats across sandboxes: %s %s %s", r1, r2, r3)
+	}
+	if got := one.MustSh(t, "cat /root/one-file; cat /root/own 2>/dev/null || echo none"); got != "one\nnone\n" {
+		t.Errorf("warm-one's disk after the warm starts: %q", got)
+	}
+
+	// A sandbox that ran boots cold again, on its own disk.
+	ctx := ctxT(t, 3*time.Minute)
+	two.MustSh(t, "sync")
+	two.Client.Close()
+	if err := two.Inst.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	before := readWarmStats()
+	if err := two.Inst.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	two.Connect(t)
+	if got := readWarmStats(); got != before {
+		t.Errorf("restart of a sandbox that ran touched warm snapshots: %+v → %+v", before, got)
+	}
+	if got := two.MustSh(t, "cat /root/own"); got != "warm-two\n" {
+		t.Errorf("warm-two after a restart: %q", got)
+	}
+
+	// A broken snapshot: deleted, the create boots cold and takes a new one.
+	if err := os.Truncate(filepath.Join(snaps[0], stateName), 4096); err != nil {
+		t.Fatal(err)
+	}
+	before = readWarmStats()
+	four, _ := startNamed(t, h, r, "warm-four")
+	got := readWarmStats()
+	if got.broken != before.broken+1 || got.starts != before.starts || got.builds != before.builds+1 {
+		t.Fatalf("create over a broken snapshot: %+v → %+v, want broken+1, no warm start, a new build", before, got)
+	}
+	if !warmComplete(snaps[0]) {
+		t.Fatal("no new warm snapshot after the broken one")
+	}
+	if got := strings.TrimSpace(four.MustSh(t, "hostname")); got != "warm-four" {
+		t.Errorf("cold fallback's hostname %q", got)
+	}
+
+	if err := r.ForgetWarm(h.TemplateDigest); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(treeDir); !os.IsNotExist(err) {
+		t.Fatalf("ForgetWarm left %s: %v", treeDir, err)
+	}
+	if err := r.ForgetWarm("../x"); err == nil {
+		t.Error("ForgetWarm of a bad digest succeeded")
 	}
 }
