@@ -165,6 +165,18 @@ func (i *instance) snapshotLocked(ctx context.Context, path string, copyDisks fu
 	wasPaused := i.paused
 	i.paused = true // the watchdog leaves a stopped guest alone
 	i.smu.Unlock()
+	if !wasPaused {
+		// vmctl answers strictly in turn, without request ids: a call in
+		// flight when the guest stops (a watchdog ping) would be answered
+		// by a restored copy to its own host, as the answer to its first
+		// call. One round trip now waits for any call in flight, and the
+		// watchdog leaves a paused guest alone.
+		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		if err := i.ping(pctx); err != nil {
+			i.rt.log.Warn("snapshot: the guest's init did not answer a ping", "id", i.spec.ID, "err", err)
+		}
+		cancel()
+	}
 	info, err = SaveState(ctx, q, f)
 	if err != nil {
 		os.Remove(path)
