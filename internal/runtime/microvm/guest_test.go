@@ -408,6 +408,28 @@ for d in sorted(glob.glob("/sys/class/virtio-ports/*")):
 				t.Logf("console: %s", line)
 			}
 		}
+
+		// The sandbox can end its own agent (here: make it the OOM
+		// killer's first choice, then run out of memory); PID 1 then ends
+		// the guest, and QEMU exits.
+		go func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+			defer cancel()
+			g3.c.Exec(ctx, agentproto.ExecRequest{Cmd: []string{"/bin/sh", "-c",
+				"echo 1000 > /proc/1/oom_score_adj && python3 -c 'b = []\nwhile True: b.append(bytearray(16 << 20))'"},
+				Env: guestEnv, TimeoutSeconds: 80})
+		}()
+		select {
+		case <-g3.p.Done():
+		case <-time.After(90 * time.Second):
+			t.Fatalf("guest still runs after its agent was killed:\n%s", g3.p.ConsoleTail(2048))
+		}
+		if tail := g3.p.ConsoleTail(2048); !strings.Contains(tail, "the agent ended (signal: killed); stopping the guest") {
+			t.Errorf("console at the end:\n%s", tail)
+		}
+		if err := g3.p.Err(); err != nil {
+			t.Errorf("QEMU exit: %v", err)
+		}
 	})
 	if t.Failed() {
 		t.Logf("console:\n%s", p.ConsoleTail(4096))
