@@ -625,7 +625,9 @@ func (i *instance) watch(pr *vmProc) {
 			first = time.Now()
 		}
 		misses++
-		i.rt.log.Warn("guest did not answer a ping", "id", i.spec.ID, "misses", misses, "err", err)
+		if misses == 1 {
+			i.rt.log.Warn("guest did not answer a ping", "id", i.spec.ID, "err", err)
+		}
 		if misses >= watchdogMisses && time.Since(first) >= watchdogHang {
 			why := fmt.Sprintf("the guest hung: its init answered no ping for %v (%d in a row; last: %v); QEMU was killed",
 				time.Since(first).Round(time.Second), misses, oneLine(err.Error(), 200))
@@ -671,12 +673,15 @@ func (i *instance) describeExit(pr *vmProc) string {
 	return how + "; console:\n" + tail
 }
 
-// Stop implements runtime.Instance: QEMU is killed (the guest's memory is
-// gone, its disk keeps what reached it), and a suspend image is discarded:
-// the next Start boots afresh from the disk.
+// Stop implements runtime.Instance: the guest flushes its page cache to
+// its disk, QEMU is killed (the guest's memory is gone), and a suspend
+// image is discarded: the next Start boots afresh from the disk.
 func (i *instance) Stop(ctx context.Context) error {
 	i.mu.Lock()
 	defer i.mu.Unlock()
+	if i.Alive() {
+		i.flushLocked(ctx)
+	}
 	if err := i.stopLocked(ctx); err != nil {
 		return err
 	}
@@ -684,6 +689,41 @@ func (i *instance) Stop(ctx context.Context) error {
 		return fmt.Errorf("sandbox %s: removing its suspend image: %w", i.spec.ID, err)
 	}
 	return nil
+}
+
+// stopFlushTimeout bounds the guest's sync before a Stop: a guest that
+// cannot flush in that time (hung, or writing gigabytes) is killed anyway.
+const stopFlushTimeout = 10 * time.Second
+
+// flushLocked asks the guest's init to write the guest's page cache to
+// the disk (vmctl sync) before QEMU is killed, so a stop keeps what the
+// sandbox wrote, as a clean shutdown would; a paused guest is resumed for
+// it. Best effort: the kill that follows does not wait for a guest that
+// does not answer.
+func (i *instance) flushLocked(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, stopFlushTimeout)
+	defer cancel()
+	t0 := time.Now()
+	i.smu.Lock()
+	paused := i.paused
+	i.smu.Unlock()
+	if paused {
+		if err := i.qmp(ctx, "cont"); err != nil {
+			i.rt.log.Warn("stop: resuming the paused guest to flush its disk", "id", i.spec.ID, "err", err)
+			return
+		}
+	}
+	c, err := i.ctlClient(ctx)
+	if err == nil {
+		if err = c.Sync(ctx); err != nil && errors.Is(err, errdefs.ErrUnavailable) {
+			dropCtl(i.ctlSocket(), c)
+		}
+	}
+	if err != nil {
+		i.rt.log.Warn("stop: the guest did not flush its disk", "id", i.spec.ID, "err", err)
+		return
+	}
+	i.rt.log.Debug("stop: guest disk flushed", "id", i.spec.ID, "took", time.Since(t0))
 }
 
 // stopLocked kills QEMU if it runs and removes its run files; the disk,

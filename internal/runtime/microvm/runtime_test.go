@@ -207,9 +207,10 @@ func TestCreateRollbackAndRefusals(t *testing.T) {
 	}
 }
 
-// TestExitReasonAndWatchdog: a guest that stops answering is killed by the
-// watchdog and reported hung; a dead VM's DialAgent says why, with the
-// console's tail; Open re-adopts a live QEMU by pid and start time only.
+// TestExitReasonAndWatchdog: Open re-adopts a live QEMU by pid and start
+// time only; Stop keeps unsynced writes; a guest that stops answering is
+// killed by the watchdog and reported hung, and a dead VM's DialAgent says
+// why, with the console's tail.
 func TestExitReasonAndWatchdog(t *testing.T) {
 	h := harness(t)
 	r := h.New(t).(*Runtime)
@@ -238,6 +239,26 @@ func TestExitReasonAndWatchdog(t *testing.T) {
 	}
 	if err := writePidFile(i.pidFile(), pid, st); err != nil {
 		t.Fatal(err)
+	}
+
+	// Stop keeps what the sandbox wrote without syncing, also when paused
+	// (the guest flushes its page cache before QEMU is killed).
+	sb.MustSh(t, "echo unsynced > /root/unsynced")
+	if err := i.Pause(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := sb.Inst.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := sb.Inst.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	sb.Connect(t)
+	if got := sb.MustSh(t, "cat /root/unsynced"); got != "unsynced\n" {
+		t.Fatalf("a write before Stop reads %q after Start", got)
+	}
+	if st, err := sb.Inst.Stats(ctx); err != nil || st.CPUNanos <= 0 || st.Pids < 1 {
+		t.Fatalf("Stats: %+v %v", st, err)
 	}
 
 	// Freeze QEMU itself (not a pause the runtime made): the guest stops

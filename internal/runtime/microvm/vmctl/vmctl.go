@@ -24,6 +24,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/spacehq/space/internal/errdefs"
@@ -48,6 +49,10 @@ const (
 	// and reseed its CRNG, set the clock to TimeUnixNano, and set the
 	// hostname when Hostname is not empty.
 	OpRestored = "restored"
+	// OpSync writes the guest's dirty page cache to its disks (sync(2))
+	// and answers when done: the host asks before it stops a guest, so a
+	// stop keeps what the sandbox wrote. Serve does it itself.
+	OpSync = "sync"
 )
 
 // Request is one host → guest message.
@@ -97,6 +102,8 @@ func Serve(rw io.ReadWriter, h Handler) error {
 				} else {
 					resp.Stats = &s
 				}
+			case OpSync:
+				syscall.Sync()
 			case OpRestored:
 				if err := h.Restored(req.Seed, req.TimeUnixNano, req.Hostname); err != nil {
 					resp.Error = err.Error()
@@ -158,6 +165,12 @@ func (c *Client) Stats(ctx context.Context) (Stats, error) {
 	s := *resp.Stats
 	s.MemoryBytes, s.OOMKills, s.Pids = max(s.MemoryBytes, 0), max(s.OOMKills, 0), max(s.Pids, 0)
 	return s, nil
+}
+
+// Sync asks the guest to write its dirty page cache to its disks.
+func (c *Client) Sync(ctx context.Context) error {
+	_, err := c.call(ctx, Request{Op: OpSync})
+	return err
 }
 
 // Restored tells the guest's init it was restored from a snapshot.
