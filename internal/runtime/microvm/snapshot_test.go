@@ -425,3 +425,85 @@ func TestWarmTemplate(t *testing.T) {
 		t.Error("ForgetWarm of a bad digest succeeded")
 	}
 }
+
+// TestSuspendClockAndForkRefusals: a sandbox restored after a while has
+// the current time, not the time it was suspended at; a restore whose
+// image QEMU refuses fails, leaves no QEMU and keeps the image; a fork
+// refused for one child (duplicate or existing id) leaves no child behind
+// and the parent running.
+func TestSuspendClockAndForkRefusals(t *testing.T) {
+	h := harness(t)
+	r := h.New(t).(*Runtime)
+	sb, _ := startNamed(t, h, r, "susp-clock")
+	inst := sb.Inst.(*instance)
+	ctx := ctxT(t, 3*time.Minute)
+
+	// Fork refusals first, while it runs.
+	other, _ := startNamed(t, h, r, "susp-other")
+	other.Client.Close()
+	sb.Client.Close()
+	for name, kids := range map[string][]runtime.Spec{
+		"duplicate": {{ID: "kid-a", RootFS: h.RootFS, TemplateDigest: h.TemplateDigest, Limits: runtimetest.DefaultLimits}, {ID: "kid-a", RootFS: h.RootFS, TemplateDigest: h.TemplateDigest, Limits: runtimetest.DefaultLimits}},
+		"existing":  {{ID: "kid-b", RootFS: h.RootFS, TemplateDigest: h.TemplateDigest, Limits: runtimetest.DefaultLimits}, {ID: "susp-other", RootFS: h.RootFS, TemplateDigest: h.TemplateDigest, Limits: runtimetest.DefaultLimits}},
+		"bad-host":  {{ID: "kid-c", RootFS: h.RootFS, TemplateDigest: h.TemplateDigest, Limits: runtimetest.DefaultLimits, Hostname: "bad host"}},
+	} {
+		if _, err := inst.Fork(ctx, kids); err == nil {
+			t.Fatalf("%s: Fork succeeded", name)
+		} else {
+			t.Logf("%s: %v", name, err)
+		}
+		for _, k := range kids {
+			if k.ID == "susp-other" {
+				continue
+			}
+			if _, err := os.Stat(filepath.Join(r.sandboxesDir(), k.ID)); !os.IsNotExist(err) {
+				t.Fatalf("%s: refused fork left child %s: %v", name, k.ID, err)
+			}
+		}
+	}
+	if !sb.Inst.Alive() || !other.Inst.Alive() {
+		t.Fatal("a refused fork stopped a sandbox")
+	}
+	sb.Connect(t)
+
+	// Suspend, wait, restore: the clock is set to now.
+	if err := sb.Client.Quiesce(ctx); err != nil {
+		t.Fatal(err)
+	}
+	sb.Client.Close()
+	if err := inst.Suspend(ctx); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(5 * time.Second)
+
+	// An image QEMU cannot load: Restore fails, nothing runs, the image
+	// stays for another try.
+	good, err := os.ReadFile(inst.stateFile())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(inst.stateFile(), good[:4096], 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := inst.Restore(ctx); err == nil {
+		t.Fatal("Restore of a truncated image succeeded")
+	} else {
+		t.Logf("restore of a truncated image: %s", oneLine(err.Error(), 300))
+	}
+	if inst.Alive() || !inst.Suspended() {
+		t.Fatalf("after a failed restore: alive %v suspended %v", inst.Alive(), inst.Suspended())
+	}
+	if err := os.WriteFile(inst.stateFile(), good, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := inst.Restore(ctx); err != nil {
+		t.Fatal(err)
+	}
+	sb.Connect(t)
+	if skew := guestClockSkew(t, sb); skew < -2*time.Second || skew > 2*time.Second {
+		t.Errorf("guest clock off by %v after a restore 5 s later", skew)
+	}
+	if got := strings.TrimSpace(sb.MustSh(t, "hostname")); got != "susp-clock" {
+		t.Errorf("hostname after restore %q", got)
+	}
+}

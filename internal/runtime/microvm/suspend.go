@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -309,6 +310,11 @@ func (i *instance) restoreFromLocked(ctx context.Context, state, hostname string
 	}()
 	t0 := time.Now()
 	if err := i.launch(ctx, f); err != nil {
+		// A stream QEMU cannot load ends it before its monitor answers:
+		// its stderr says why.
+		if msg := strings.TrimSpace(readTail(i.qemuErrLog(), 1024)); msg != "" {
+			return fmt.Errorf("%w; QEMU: %s", err, msg)
+		}
 		return err
 	}
 	pr := i.current()
