@@ -12,8 +12,6 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/spacehq/space/internal/agentclient"
-	"github.com/spacehq/space/internal/agentproto"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 )
@@ -98,42 +96,27 @@ func (i *instance) Suspend(ctx context.Context) error {
 const guestSyncTimeout = 20 * time.Second
 
 // syncGuestLocked makes the guest write its dirty page cache to its disk
-// before a suspend: a suspended sandbox may be stopped, which discards its
-// RAM and keeps only the disk, and that disk must then hold everything
-// written before the suspend. The guest's init has no such request, so
-// the agent runs sync(1) in the sandbox on a session of the runtime's own,
-// closed before the snapshot (snapshotLocked waits for the agent to let
-// go of it). The sandbox controls that command: it can only spoil its own
-// disk's durability, and the call is bounded.
+// before a suspend (vmctl sync, done by the guest's init): a suspended
+// sandbox may be stopped, which discards its RAM and keeps only the disk,
+// and that disk must then hold everything written before the suspend.
 func (i *instance) syncGuestLocked(ctx context.Context) error {
+	i.smu.Lock()
+	paused := i.paused
+	i.smu.Unlock()
+	if paused {
+		return errors.New("the guest is paused")
+	}
 	ctx, cancel := context.WithTimeout(ctx, guestSyncTimeout)
 	defer cancel()
-	// Dialling before the agent ended the manager's session would talk
-	// into that session (see WaitAgentPortReleased).
-	if err := i.waitAgentReleasedLocked(ctx); err != nil {
-		return err
-	}
-	conn, err := i.DialAgent(ctx)
+	c, err := i.ctlClient(ctx)
 	if err != nil {
 		return err
 	}
-	c, err := agentclient.New(conn)
-	if err != nil {
-		conn.Close()
+	if err := c.Sync(ctx); err != nil {
+		if errors.Is(err, errdefs.ErrUnavailable) {
+			dropCtl(i.ctlSocket(), c)
+		}
 		return err
-	}
-	defer c.Close()
-	res, err := c.Exec(ctx, agentproto.ExecRequest{
-		Cmd:            []string{"sync"},
-		Env:            []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
-		TimeoutSeconds: guestSyncTimeout.Seconds(),
-		MaxOutputBytes: 4096,
-	})
-	if err != nil {
-		return err
-	}
-	if res.ExitCode != 0 {
-		return fmt.Errorf("sync exited with %d: %s", res.ExitCode, truncateString(res.Stderr, 256))
 	}
 	return nil
 }
