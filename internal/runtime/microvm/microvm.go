@@ -11,6 +11,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -66,6 +67,10 @@ type Runtime struct {
 
 	bootMu sync.Mutex
 	boot   *bootFiles // kernel and initramfs, once found
+
+	// probing is set while the probe's own sandbox exists, which Sweep
+	// must leave alone.
+	probing atomic.Bool
 }
 
 // bootFiles is what every guest boots from.
@@ -247,7 +252,7 @@ func (r *Runtime) Sweep(ctx context.Context, keep func(id string) bool) ([]strin
 	var errs []error
 	var removed []string
 	for id := range ids {
-		if keep(id) || !idRE.MatchString(id) {
+		if keep(id) || !idRE.MatchString(id) || (r.probing.Load() && strings.HasPrefix(id, probeIDPrefix)) {
 			continue
 		}
 		i, err := r.newInstance(runtime.Spec{ID: id})
@@ -267,6 +272,15 @@ func (r *Runtime) Sweep(ctx context.Context, keep func(id string) bool) ([]strin
 			killPid(pid)
 		}
 		removed = append(removed, id)
+	}
+	// What a probe cut short by a crash left (its sandbox went above).
+	if !r.probing.Load() {
+		for _, pat := range []string{".probe-tree-*", "kvmprobe*"} {
+			m, _ := filepath.Glob(filepath.Join(r.cfg.DataDir, pat))
+			for _, p := range m {
+				_ = os.RemoveAll(p)
+			}
+		}
 	}
 	sort.Strings(removed)
 	return removed, errors.Join(errs...)

@@ -29,6 +29,9 @@ const (
 	strengthTCG = 15
 )
 
+// probeIDPrefix starts the id of the probe's sandbox.
+const probeIDPrefix = "probe-"
+
 // probeBootTimeout bounds the probe's guest boot to its agent's answer.
 const probeBootTimeout = 90 * time.Second
 
@@ -57,7 +60,9 @@ func (r *Runtime) Probe(ctx context.Context) runtime.Capabilities {
 			return c
 		}
 	}
+	r.probing.Store(true)
 	c := r.measure(ctx)
+	r.probing.Store(false)
 	if ctx.Err() != nil && !c.Available {
 		return c // cut short by the caller: measure again next time
 	}
@@ -180,7 +185,7 @@ func (r *Runtime) probeBoot(ctx context.Context, accel string) (time.Duration, e
 	// real template's image is touched.
 	digest := "probe-" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	defer r.images.Forget(context.WithoutCancel(ctx), digest)
-	id := "probe-" + strconv.FormatInt(time.Now().UnixNano()%1e12, 36)
+	id := probeIDPrefix + strconv.FormatInt(time.Now().UnixNano()%1e12, 36)
 	spec := runtime.Spec{ID: id, RootFS: tree, TemplateDigest: digest, Hostname: id,
 		Limits: api.Limits{CPUs: 1, MemoryMiB: 64, Pids: 32, DiskMiB: 16}}
 	inst, err := r.Create(ctx, spec)
