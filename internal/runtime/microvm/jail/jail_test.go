@@ -101,11 +101,28 @@ func TestJailedQEMU(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Two disk files as the runtime gives them (a read-only image from
+	// elsewhere, a writable one in the sandbox's directory): QEMU opens
+	// and locks a -drive's file at start even with no device for the
+	// guest (which then need not know them).
+	image := filepath.Join(t.TempDir(), "root.img")
+	disk := filepath.Join(dir, "disk.img")
+	for _, f := range []string{image, disk} {
+		if err := os.WriteFile(f, make([]byte, 1<<20), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Chmod(image, 0o444); err != nil {
+		t.Fatal(err)
+	}
+	args = append(args,
+		"-drive", "id=timg,file="+image+",format=raw,if=none,readonly=on",
+		"-drive", "id=tdisk,file="+disk+",format=raw,if=none,discard=unmap")
 	ro, err := jail.QEMUPaths(qemu)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ro = append(ro, k.Vmlinuz, initrd)
+	ro = append(ro, k.Vmlinuz, initrd, image)
 	var stderr bytes.Buffer
 	const memLimit = 512 << 20
 	start := time.Now()
@@ -136,6 +153,18 @@ func TestJailedQEMU(t *testing.T) {
 		t.Fatalf("health: %v\nqemu stderr: %s\nconsole tail: %s", err, stderr.String(), tail(string(con), 2048))
 	}
 	t.Logf("guest agent %s answered %v after start", h, time.Since(start).Round(time.Millisecond))
+
+	// It holds both disk files open.
+	fds, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	open := map[string]bool{}
+	for _, fd := range fds {
+		if l, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", pid, fd.Name())); err == nil {
+			open[l] = true
+		}
+	}
+	if !open[image] || !open[disk] {
+		t.Errorf("QEMU's open files %v lack %s or %s", open, image, disk)
+	}
 
 	// What QEMU made is its own and no one else's.
 	for _, p := range []string{vm.AgentSocket, vm.ConsoleLog} {
