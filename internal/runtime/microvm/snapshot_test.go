@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"io"
 	"os"
 	"path/filepath"
@@ -505,5 +506,69 @@ func TestSuspendClockAndForkRefusals(t *testing.T) {
 	}
 	if got := strings.TrimSpace(sb.MustSh(t, "hostname")); got != "susp-clock" {
 		t.Errorf("hostname after restore %q", got)
+	}
+}
+
+// TestWarmWaitsForABuild: a fresh sandbox whose kind's snapshot is being
+// built by another (its lock held) waits for it, at most warmWait, and
+// boots cold (errNoWarm) when none appears; with no build under way it
+// does not wait at all. A sandbox that ran never starts warm.
+func TestWarmWaitsForABuild(t *testing.T) {
+	h := harness(t)
+	r := h.New(t).(*Runtime)
+	ctx := ctxT(t, 3*time.Minute)
+	spec := runtime.Spec{ID: "warm-wait", RootFS: h.RootFS, TemplateDigest: h.TemplateDigest, Limits: runtimetest.DefaultLimits}
+	inst, err := r.Create(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Destroy(context.Background())
+	i := inst.(*instance)
+	_, treeDir, key, err := i.warmTarget(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Now()
+	if err := i.startWarm(ctx); !errors.Is(err, errNoWarm) || time.Since(t0) > time.Second {
+		t.Fatalf("no snapshot, no build: startWarm = %v after %v, want errNoWarm at once", err, time.Since(t0))
+	}
+	if err := os.MkdirAll(treeDir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	lf, err := os.OpenFile(filepath.Join(treeDir, "."+key+".lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lf.Close()
+	if err := unix.Flock(int(lf.Fd()), unix.LOCK_EX); err != nil {
+		t.Fatal(err)
+	}
+	if !lockBusy(lf.Name()) {
+		t.Fatal("lockBusy does not see a held lock")
+	}
+	t0 = time.Now()
+	if err := i.startWarm(ctx); !errors.Is(err, errNoWarm) {
+		t.Fatalf("build under way that never finishes: startWarm = %v", err)
+	}
+	if d := time.Since(t0); d < warmWait || d > warmWait+3*time.Second {
+		t.Fatalf("waited %v for a build, want about %v", d, warmWait)
+	}
+	// The build ends without a snapshot half-way through the wait.
+	go func() {
+		time.Sleep(warmWait / 4)
+		unix.Flock(int(lf.Fd()), unix.LOCK_UN)
+	}()
+	t0 = time.Now()
+	if err := i.startWarm(ctx); !errors.Is(err, errNoWarm) || time.Since(t0) > warmWait*3/4 {
+		t.Fatalf("build that ended: startWarm = %v after %v", err, time.Since(t0))
+	}
+	if err := i.markBooted(); err != nil {
+		t.Fatal(err)
+	}
+	if err := i.startWarm(ctx); !errors.Is(err, errNoWarm) {
+		t.Fatalf("a sandbox that ran: startWarm = %v", err)
+	}
+	if i.Alive() {
+		t.Fatal("startWarm left a QEMU")
 	}
 }
