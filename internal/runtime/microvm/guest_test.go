@@ -141,6 +141,9 @@ func TestGuestSandbox(t *testing.T) {
 		if out := g.mustSh("hostname; cat /etc/hostname; getent hosts " + hostname); !strings.HasPrefix(out, hostname+"\n"+hostname+"\n127.0.1.1") {
 			t.Errorf("hostname, /etc/hostname, hosts entry: %q", out)
 		}
+		if out := g.mustSh("stat -f -c %T /tmp; stat -c %a:%u /tmp"); out != "tmpfs\n1777:0\n" {
+			t.Errorf("/tmp: %q, want a tmpfs owned by root, 1777", out)
+		}
 		if out := g.mustSh("id -u; stat -c %u /etc/passwd; stat -c %u:%g /"); out != "0\n0\n0:0\n" {
 			t.Errorf("id -u / owner of /etc/passwd / owner of /: %q, want root's", out)
 		}
@@ -347,11 +350,11 @@ for d in sorted(glob.glob("/sys/class/virtio-ports/*")):
 	t.Run("disk", func(t *testing.T) {
 		g.t = t
 		// What the next boot's PID 1 meets on this disk is the sandbox's
-		// doing: symlinks out of the root and across mounts, a FIFO, a
-		// symlink where a directory goes (/run cannot go: it holds a mount,
-		// and overlayfs refuses to rename a lower directory).
+		// doing: symlinks out of the root and across mounts, a FIFO
+		// (/run and /tmp cannot be replaced: they hold mounts, and
+		// overlayfs refuses to rename a lower directory).
 		g.mustSh("echo kept > /root/on-disk && rm -f /etc/hostname /etc/hosts && ln -s /proc/sys/kernel/hostname /etc/hostname && " +
-			"mkfifo /etc/hosts && rm -rf /tmp && ln -s / /tmp && sync")
+			"mkfifo /etc/hosts && sync")
 		p.Kill()
 		mnt := t.TempDir()
 		loop, err := hostfs.AttachLoop(disk)
@@ -381,8 +384,8 @@ for d in sorted(glob.glob("/sys/class/virtio-ports/*")):
 
 		g2 := bootGuest(t, k, initrd, img, disk, "second-boot")
 		g2.t = t
-		out := g2.mustSh("hostname; cat /etc/hostname; getent hosts second-boot; cat /root/on-disk; stat -c %F /etc/hostname /etc/hosts /run /tmp")
-		want := "second-boot\nsecond-boot\n127.0.1.1       second-boot\nkept\nregular file\nregular file\ndirectory\ndirectory\n"
+		out := g2.mustSh("hostname; cat /etc/hostname; getent hosts second-boot; cat /root/on-disk; stat -c %F /etc/hostname /etc/hosts")
+		want := "second-boot\nsecond-boot\n127.0.1.1       second-boot\nkept\nregular file\nregular file\n"
 		if out != want {
 			t.Errorf("second boot on the same disk:\n%s\nwant\n%s", out, want)
 		}
@@ -392,7 +395,7 @@ for d in sorted(glob.glob("/sys/class/virtio-ports/*")):
 
 		// A sandbox that fills its disk still boots: its hostname files
 		// are its own business past a console line.
-		res := g2.sh("rm /etc/hostname && ln -s /proc/sys/kernel/hostname /etc/hostname && rm -rf /tmp && ln -s / /tmp && " +
+		res := g2.sh("rm /etc/hostname && ln -s /proc/sys/kernel/hostname /etc/hostname && " +
 			"dd if=/dev/zero of=/root/fill bs=1M 2>&1; df -k / | tail -1; sync")
 		if !strings.Contains(res.Stdout, "No space left") {
 			t.Fatalf("filling the disk: %+v", res)

@@ -144,6 +144,9 @@ func prepareRoot() error {
 			fmt.Fprintln(os.Stderr, "space-agent: vm init: new root:", err)
 		}
 	}
+	if err := mountTmp(in("tmp")); err != nil {
+		return err
+	}
 	// The agent binary, in a read-only tmpfs of its own so that nothing
 	// can be added next to it.
 	space := in("run/space")
@@ -176,6 +179,32 @@ func prepareRoot() error {
 	}
 	if err := unix.Mount("cgroup2", in("sys/fs/cgroup"), "cgroup2", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
 		return fmt.Errorf("mount cgroup2: %w", err)
+	}
+	return nil
+}
+
+// mountTmp mounts a tmpfs on the tree's /tmp when the tree leaves it
+// empty, as gVisor does: /tmp is memory — it goes with a snapshot and not
+// with a stop, as in the gvisor runtime — and its pages are charged to the
+// sandbox cgroup of whoever writes them, so memory.max bounds it.
+func mountTmp(dir string) error {
+	// Not a real directory (a sandbox's symlink realDir could not mend
+	// would resolve in the initramfs now): nothing to cover.
+	if fi, err := os.Lstat(dir); err != nil || !fi.IsDir() {
+		return nil
+	}
+	f, err := os.Open(dir)
+	if err != nil {
+		return nil
+	}
+	names, _ := f.Readdirnames(1)
+	f.Close()
+	if len(names) > 0 {
+		return nil
+	}
+	opts := fmt.Sprintf("mode=1777,uid=%d,gid=%d", ginit.IDBase, ginit.IDBase)
+	if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+		return fmt.Errorf("tmpfs on /tmp: %w", err)
 	}
 	return nil
 }
