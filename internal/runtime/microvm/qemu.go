@@ -351,7 +351,7 @@ func Launch(v VM, o LaunchOptions) (*Process, error) {
 		if o.Detached {
 			msg = strings.TrimSpace(readTail(o.StderrPath, 8<<10))
 		}
-		if msg != "" {
+		if msg != "" && err != nil {
 			err = fmt.Errorf("qemu: %v: %s", err, msg)
 		}
 		p.mu.Lock()

@@ -280,4 +280,24 @@ func TestExitReasonAndWatchdog(t *testing.T) {
 		t.Fatalf("DialAgent of the dead VM: %v", err)
 	}
 	t.Logf("exit reason: %s", oneLine(why, 300))
+
+	// A QEMU that dies (the host's OOM killer; QEMU is PID 1 of its pid
+	// namespace, so only SIGKILL reaches it from outside) is reported so.
+	if err := sb.Inst.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if i.ExitReason() != "" {
+		t.Errorf("a running sandbox has an exit reason: %q", i.ExitReason())
+	}
+	if err := unix.Kill(i.Pid(), unix.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-sb.Inst.Exited():
+	case <-time.After(30 * time.Second):
+		t.Fatal("Exited did not fire after QEMU crashed")
+	}
+	if why := i.ExitReason(); !strings.Contains(why, "QEMU failed") || !strings.Contains(why, "killed") {
+		t.Fatalf("ExitReason after a QEMU crash: %q", why)
+	}
 }
