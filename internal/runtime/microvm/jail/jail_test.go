@@ -625,3 +625,154 @@ func TestJailLimits(t *testing.T) {
 	}
 	t.Logf("pids limit: %v: %s", err, strings.TrimSpace(out))
 }
+
+// startVM starts vm jailed as sandbox id with extra descriptors from 3 and
+// returns QEMU's command and a channel with its Wait result; cleanup kills
+// it and removes its cgroup.
+func startVM(t *testing.T, agent, qemu string, vm microvm.VM, id string, ro []string, extra []*os.File) (*exec.Cmd, <-chan error) {
+	t.Helper()
+	args, err := vm.Args()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr bytes.Buffer
+	cmd, err := jail.Start(agent, jail.Spec{ID: id, Argv: append([]string{qemu}, args...), ReadOnly: ro,
+		Writable: []string{filepath.Dir(vm.AgentSocket)}, ExtraFiles: extra,
+		Limits: jail.Limits{MemoryBytes: 512 << 20, CPUs: 1}, Stderr: &stderr})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		err := cmd.Wait()
+		if stderr.Len() > 0 {
+			err = fmt.Errorf("%v: %s", err, stderr.String())
+		}
+		done <- err
+	}()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = jail.RemoveCgroup(id)
+	})
+	return cmd, done
+}
+
+// TestJailedSuspendRestore: the runtime's suspend and restore work through
+// the jail with QEMU's seccomp on — the state file reaches the running
+// QEMU over QMP (getfd, migrate fd:), and a new jailed QEMU resumes from
+// it on the descriptor 3 that Start passed through (-incoming fd:3).
+func TestJailedSuspendRestore(t *testing.T) {
+	qemu, k, initrd, agent := bootInputs(t)
+	dir, err := os.MkdirTemp("", "jail")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	ro, err := jail.QEMUPaths(qemu)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ro = append(ro, k.Vmlinuz, initrd)
+	id := randomID(t)
+	vm := microvm.VM{Kernel: k.Vmlinuz, Initrd: initrd, Accel: microvm.AccelTCG, CPUs: 1, MemoryMiB: 256, Seccomp: true,
+		AgentSocket: filepath.Join(dir, "agent.sock"), ConsoleLog: filepath.Join(dir, "console.log"), QMPSocket: filepath.Join(dir, "qmp.sock")}
+	ctx, cancel := context.WithTimeout(context.Background(), 180*time.Second)
+	defer cancel()
+	_, done := startVM(t, agent, qemu, vm, id, ro, nil)
+	if _, err := health(ctx, vm.AgentSocket, done); err != nil {
+		t.Fatalf("boot: %v", err)
+	}
+	q, err := microvm.DialQMP(ctx, vm.QMPSocket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer q.Close()
+	// The state file lives where the server keeps it, outside the jail.
+	state := filepath.Join(t.TempDir(), "state")
+	f, err := os.OpenFile(state, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	if _, err := q.Execute(ctx, "stop", nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := q.ExecuteWithFD(ctx, "getfd", map[string]string{"fdname": "state"}, f); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	if _, err := q.Execute(ctx, "migrate", map[string]string{"uri": "fd:state"}); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		raw, err := q.Execute(ctx, "query-migrate", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(string(raw), `"completed"`) {
+			break
+		}
+		if strings.Contains(string(raw), `"failed"`) {
+			t.Fatalf("migration: %s", raw)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	_, _ = q.Execute(ctx, "quit", nil)
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("QEMU after quit: %v", err)
+		}
+	case <-ctx.Done():
+		t.Fatal("QEMU did not quit")
+	}
+	st, _ := os.Stat(state)
+	t.Logf("suspended to %d MiB in %v", st.Size()>>20, time.Since(start).Round(time.Millisecond))
+	if err := jail.RemoveCgroup(id); err != nil {
+		t.Fatal(err)
+	}
+
+	in, err := os.Open(state)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer in.Close()
+	vm.IncomingFD = 3
+	start = time.Now()
+	_, done = startVM(t, agent, qemu, vm, id, ro, []*os.File{in})
+	q2, err := microvm.DialQMP(ctx, vm.QMPSocket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer q2.Close()
+	for {
+		status, err := q2.Status(ctx)
+		if err != nil {
+			t.Fatalf("restored QEMU: %v", err)
+		}
+		if status == "running" {
+			break
+		}
+		if status == "paused" || status == "postmigrate" {
+			// Loaded; it was stopped when saved, so it stays so.
+			if raw, err := q2.Execute(ctx, "query-migrate", nil); err == nil && strings.Contains(string(raw), `"completed"`) {
+				if _, err := q2.Execute(ctx, "cont", nil); err != nil {
+					t.Fatal(err)
+				}
+				continue
+			}
+		}
+		select {
+		case err := <-done:
+			t.Fatalf("restored QEMU exited: %v", err)
+		case <-ctx.Done():
+			t.Fatalf("restored QEMU stays %q", status)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	t.Logf("restored to running in %v", time.Since(start).Round(time.Millisecond))
+	// The guest goes on: its agent answers on a new connection.
+	if _, err := health(ctx, vm.AgentSocket, done); err != nil {
+		t.Fatalf("restored guest: %v", err)
+	}
+}
