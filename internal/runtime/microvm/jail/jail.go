@@ -50,7 +50,7 @@
 //	})
 //	… cmd.Wait(); jail.RemoveCgroup(id)
 //
-// Measured here: Start returns 30–45 ms after it was called; a booted
+// Measured here: Start returns 30–100 ms after it was called; a booted
 // 256 MiB TCG guest peaked at 212 MiB in its cgroup with 3 tasks.
 // Requirements: root, Linux ≥ 5.12 (open_tree, move_mount,
 // mount_setattr, openat2).
