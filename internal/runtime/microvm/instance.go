@@ -76,7 +76,8 @@ type instance struct {
 	smu        sync.Mutex
 	proc       *vmProc // the running QEMU; nil when none
 	paused     bool
-	exitReason string // why the last QEMU ended on its own
+	exitReason string      // why the last QEMU ended on its own
+	lastStats  vmctl.Stats // the guest's last answer to stats
 }
 
 var (
@@ -427,7 +428,7 @@ func (i *instance) launch(ctx context.Context, incoming *os.File) (err error) {
 		return err
 	}
 	i.smu.Lock()
-	i.proc, i.paused, i.exitReason = pr, false, ""
+	i.proc, i.paused, i.exitReason, i.lastStats = pr, false, "", vmctl.Stats{}
 	i.smu.Unlock()
 	qctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
@@ -836,18 +837,27 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	if pr == nil || !pr.alive() {
 		return runtime.Stats{}, nil
 	}
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	c, err := i.ctlClient(ctx)
-	if err != nil {
-		return runtime.Stats{}, err
-	}
-	gs, err := c.Stats(ctx)
-	if err != nil {
-		if errors.Is(err, errdefs.ErrUnavailable) {
-			dropCtl(i.ctlSocket(), c)
+	i.smu.Lock()
+	paused, gs := i.paused, i.lastStats
+	i.smu.Unlock()
+	// A paused guest cannot answer: its counters are the ones it had
+	// when it stopped, which the last answer is as good as.
+	if !paused {
+		ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		c, err := i.ctlClient(ctx)
+		if err != nil {
+			return runtime.Stats{}, err
 		}
-		return runtime.Stats{}, fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
+		if gs, err = c.Stats(ctx); err != nil {
+			if errors.Is(err, errdefs.ErrUnavailable) {
+				dropCtl(i.ctlSocket(), c)
+			}
+			return runtime.Stats{}, fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
+		}
+		i.smu.Lock()
+		i.lastStats = gs
+		i.smu.Unlock()
 	}
 	cpu, err := jail.CgroupCPU(i.spec.ID)
 	if err != nil {

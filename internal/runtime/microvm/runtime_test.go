@@ -244,8 +244,18 @@ func TestExitReasonAndWatchdog(t *testing.T) {
 	// Stop keeps what the sandbox wrote without syncing, also when paused
 	// (the guest flushes its page cache before QEMU is killed).
 	sb.MustSh(t, "echo unsynced > /root/unsynced")
+	if _, err := sb.Inst.Stats(ctx); err != nil {
+		t.Fatal(err)
+	}
 	if err := i.Pause(ctx); err != nil {
 		t.Fatal(err)
+	}
+	// A paused guest cannot answer; Stats does not wait for it.
+	sctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	pst, err := sb.Inst.Stats(sctx)
+	cancel()
+	if err != nil || pst.Pids < 1 || pst.CPUNanos <= 0 {
+		t.Fatalf("Stats of a paused sandbox: %+v %v", pst, err)
 	}
 	if err := sb.Inst.Stop(ctx); err != nil {
 		t.Fatal(err)
