@@ -412,6 +412,20 @@ for d in sorted(glob.glob("/sys/class/virtio-ports/*")):
 			}
 		}
 
+		// What the sandbox deletes goes back to the host: the disk file
+		// shrinks (ext4 mounted with discard, QEMU's discard=unmap).
+		var full, freed unix.Stat_t
+		unix.Stat(disk, &full)
+		g3.mustSh("rm /root/fill && sync")
+		deadline := time.Now().Add(20 * time.Second)
+		for unix.Stat(disk, &freed); full.Blocks*512-freed.Blocks*512 < 100<<20 && time.Now().Before(deadline); unix.Stat(disk, &freed) {
+			time.Sleep(200 * time.Millisecond)
+		}
+		t.Logf("disk file: %d MiB used when full, %d MiB after rm", full.Blocks*512>>20, freed.Blocks*512>>20)
+		if full.Blocks*512-freed.Blocks*512 < 100<<20 {
+			t.Errorf("deleting ~200 MiB in the guest freed %d MiB of the disk file", (full.Blocks-freed.Blocks)*512>>20)
+		}
+
 		// The sandbox can end its own agent (here: make it the OOM
 		// killer's first choice, then run out of memory); PID 1 then ends
 		// the guest, and QEMU exits.

@@ -80,7 +80,11 @@ func mountRoot(rootDev, diskDev string) error {
 	if err := unix.Mount(rootDev, lowerDir, "erofs", unix.MS_RDONLY|unix.MS_NODEV, ""); err != nil {
 		return fmt.Errorf("mount the root image %s (erofs): %w", rootDev, err)
 	}
-	if err := unix.Mount(diskDev, diskDir, "ext4", unix.MS_NODEV|unix.MS_NOSUID, ""); err != nil {
+	// discard: what the sandbox deletes is given back to the host (QEMU
+	// punches holes in the sparse disk file, discard=unmap), so a disk
+	// file is as large as what the sandbox keeps, and so are its copies
+	// for forks and warm starts.
+	if err := unix.Mount(diskDev, diskDir, "ext4", unix.MS_NODEV|unix.MS_NOSUID, "discard"); err != nil {
 		return fmt.Errorf("mount the disk %s (ext4): %w", diskDev, err)
 	}
 	// The disk's top level is PID 1's: the sandbox only ever sees upper/.
