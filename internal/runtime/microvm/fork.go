@@ -82,7 +82,8 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 		}
 		return nil
 	}
-	info, err := i.snapshotLocked(ctx, statePath, copyDisks)
+	// The state file lives only until the children are restored: no fsync.
+	info, err := i.snapshotLocked(ctx, statePath, false, copyDisks)
 	if err != nil {
 		return nil, fmt.Errorf("fork sandbox %s: %w", i.spec.ID, err)
 	}

@@ -55,7 +55,13 @@ type SaveInfo struct {
 // the guest stays stopped: the caller copies its disk if it needs to, then
 // sends `cont` (ContinueAfterSave) or ends QEMU. On error a guest that was
 // running runs again, so a failed save never costs the guest.
-func SaveState(ctx context.Context, q *QMP, f *os.File) (info SaveInfo, err error) {
+func SaveState(ctx context.Context, q *QMP, f *os.File) (SaveInfo, error) {
+	return saveState(ctx, q, f, true)
+}
+
+// saveState is SaveState; durable=false skips the fsync, for a state file
+// that does not outlive the process's use of it (a fork's).
+func saveState(ctx context.Context, q *QMP, f *os.File, durable bool) (info SaveInfo, err error) {
 	ctx, cancel := boundedCtx(ctx, DefaultMigrateTimeout)
 	defer cancel()
 	t0 := time.Now()
@@ -101,11 +107,13 @@ func SaveState(ctx context.Context, q *QMP, f *os.File) (info SaveInfo, err erro
 		return info, fmt.Errorf("save: %w", err)
 	}
 	info.Migrate = time.Since(t1)
-	t2 := time.Now()
-	if err := f.Sync(); err != nil {
-		return info, fmt.Errorf("save: syncing the state file: %w", err)
+	if durable {
+		t2 := time.Now()
+		if err := f.Sync(); err != nil {
+			return info, fmt.Errorf("save: syncing the state file: %w", err)
+		}
+		info.Sync = time.Since(t2)
 	}
-	info.Sync = time.Since(t2)
 	st, err := f.Stat()
 	if err != nil {
 		return info, fmt.Errorf("save: %w", err)

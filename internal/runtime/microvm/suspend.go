@@ -73,7 +73,7 @@ func (i *instance) Suspend(ctx context.Context) error {
 	}
 	tSynced := time.Now()
 	tmp := filepath.Join(i.dir, stateName+".tmp")
-	info, err := i.snapshotLocked(ctx, tmp, nil)
+	info, err := i.snapshotLocked(ctx, tmp, true, nil)
 	if err != nil {
 		return fmt.Errorf("suspend sandbox %s: %w", i.spec.ID, err)
 	}
@@ -122,11 +122,11 @@ func (i *instance) syncGuestLocked(ctx context.Context) error {
 }
 
 // snapshotLocked waits for the agent to release its port, stops the guest
-// and saves its state into the new file path; then, with the guest still
-// stopped, it runs copyDisks (may be nil). On error the file is removed
-// and a guest that ran runs again. On success the guest stays stopped: the
+// and saves its state into the new file path (fsync'd if durable); then,
+// with the guest still stopped, it runs copyDisks (may be nil). On error
+// the file is removed and a guest that ran runs again. On success the guest stays stopped: the
 // caller ends QEMU or calls continueLocked.
-func (i *instance) snapshotLocked(ctx context.Context, path string, copyDisks func() error) (info SaveInfo, err error) {
+func (i *instance) snapshotLocked(ctx context.Context, path string, durable bool, copyDisks func() error) (info SaveInfo, err error) {
 	if err := i.waitAgentReleasedLocked(ctx); err != nil {
 		return info, err
 	}
@@ -161,7 +161,7 @@ func (i *instance) snapshotLocked(ctx context.Context, path string, copyDisks fu
 		}
 		cancel()
 	}
-	info, err = SaveState(ctx, q, f)
+	info, err = saveState(ctx, q, f, durable)
 	if err != nil {
 		os.Remove(path)
 		i.setPausedLocked(wasPaused)

@@ -303,7 +303,7 @@ func (i *instance) buildWarm(ctx context.Context) error {
 		}
 		return nil
 	}
-	info, err := i.snapshotLocked(ctx, filepath.Join(tmp, stateName), copyDisk)
+	info, err := i.snapshotLocked(ctx, filepath.Join(tmp, stateName), true, copyDisk)
 	if err != nil {
 		return err
 	}
