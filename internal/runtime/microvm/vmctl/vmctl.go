@@ -57,6 +57,10 @@ const (
 
 // Request is one host → guest message.
 type Request struct {
+	// ID is echoed in the Response: a reply to a call whose caller gave
+	// up (or that was in flight when a snapshot was taken, so that a
+	// restored copy sends it to a new host) is never taken for another.
+	ID           uint64 `json:"id,omitempty"`
 	Op           string `json:"op"`
 	Seed         []byte `json:"seed,omitempty"`
 	TimeUnixNano int64  `json:"time_unix_nano,omitempty"`
@@ -72,6 +76,7 @@ type Stats struct {
 
 // Response is one guest → host message.
 type Response struct {
+	ID    uint64 `json:"id,omitempty"`
 	Error string `json:"error,omitempty"`
 	Stats *Stats `json:"stats,omitempty"`
 }
@@ -93,6 +98,7 @@ func Serve(rw io.ReadWriter, h Handler) error {
 		if err := json.Unmarshal(sc.Bytes(), &req); err != nil {
 			resp.Error = "decoding request: " + err.Error()
 		} else {
+			resp.ID = req.ID
 			switch req.Op {
 			case OpPing:
 			case OpStats:
@@ -125,10 +131,11 @@ func Serve(rw io.ReadWriter, h Handler) error {
 // could otherwise be taken for the next call's), after which every call
 // fails with errdefs.ErrUnavailable.
 type Client struct {
-	mu   sync.Mutex
-	conn net.Conn
-	r    *bufio.Reader
-	err  error
+	mu     sync.Mutex
+	conn   net.Conn
+	r      *bufio.Reader
+	err    error
+	nextID uint64
 }
 
 // NewClient wraps a connection to the guest's control port.
@@ -185,13 +192,15 @@ func (c *Client) call(ctx context.Context, req Request) (Response, error) {
 	if c.err != nil {
 		return Response{}, fmt.Errorf("vm control: %v: %w", c.err, errdefs.ErrUnavailable)
 	}
+	c.nextID++
+	req.ID = c.nextID
 	b, err := json.Marshal(req)
 	if err != nil {
 		return Response{}, err
 	}
 	stop := context.AfterFunc(ctx, func() { _ = c.conn.SetDeadline(time.Unix(1, 0)) })
 	defer stop()
-	resp, err := c.exchange(append(b, '\n'))
+	resp, err := c.exchange(append(b, '\n'), req.ID)
 	if err != nil {
 		if ctx.Err() != nil {
 			err = ctx.Err()
@@ -206,10 +215,25 @@ func (c *Client) call(ctx context.Context, req Request) (Response, error) {
 	return resp, nil
 }
 
-func (c *Client) exchange(line []byte) (Response, error) {
+// exchange sends line and reads replies until the one for id, skipping
+// stale ones (at most maxStale: a guest cannot keep the host reading).
+func (c *Client) exchange(line []byte, id uint64) (Response, error) {
 	if _, err := c.conn.Write(line); err != nil {
 		return Response{}, err
 	}
+	for range maxStale {
+		resp, err := c.readResponse()
+		if err != nil || resp.ID == id {
+			return resp, err
+		}
+	}
+	return Response{}, fmt.Errorf("guest sent %d replies to other calls", maxStale)
+}
+
+// maxStale bounds the replies to earlier calls skipped by one call.
+const maxStale = 16
+
+func (c *Client) readResponse() (Response, error) {
 	var buf []byte
 	for {
 		part, isPrefix, err := c.r.ReadLine()

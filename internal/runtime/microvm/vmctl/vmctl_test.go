@@ -3,7 +3,9 @@ package vmctl
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"net"
 	"strings"
 	"testing"
@@ -62,7 +64,7 @@ func TestClientDistrustsGuest(t *testing.T) {
 	for name, reply := range map[string][]byte{
 		"oversized": bytes.Repeat([]byte("x"), 2*MaxLine),
 		"garbage":   []byte("{not json\n"),
-		"negative":  []byte(`{"stats":{"memory_bytes":-5,"oom_kills":-1,"pids":-9}}` + "\n"),
+		"negative":  []byte(`{"id":1,"stats":{"memory_bytes":-5,"oom_kills":-1,"pids":-9}}` + "\n"),
 	} {
 		t.Run(name, func(t *testing.T) {
 			host, guest := net.Pipe()
@@ -99,4 +101,26 @@ func TestClientDistrustsGuest(t *testing.T) {
 			t.Fatalf("silent guest: %v", err)
 		}
 	})
+}
+
+// A reply to an earlier call (one whose caller gave up, or one sent by a
+// restored copy of the guest) is skipped, never taken for the current one.
+func TestStaleReplySkipped(t *testing.T) {
+	host, guest := net.Pipe()
+	defer guest.Close()
+	go func() {
+		buf := make([]byte, 4096)
+		n, _ := guest.Read(buf)
+		var req Request
+		if err := json.Unmarshal(buf[:n], &req); err != nil {
+			return
+		}
+		guest.Write([]byte(`{"id":999,"stats":{"memory_bytes":1}}` + "\n"))
+		guest.Write([]byte(fmt.Sprintf(`{"id":%d,"stats":{"memory_bytes":7}}`+"\n", req.ID)))
+	}()
+	c := NewClient(host)
+	s, err := c.Stats(context.Background())
+	if err != nil || s.MemoryBytes != 7 {
+		t.Fatalf("got %+v %v, want the reply to this call", s, err)
+	}
 }
