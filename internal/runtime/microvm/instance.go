@@ -33,6 +33,7 @@ import (
 //	             command line (plus -incoming)
 //	qemu.pid     "pid starttime" of the running QEMU (re-adoption)
 //	qemu.err     QEMU's stderr
+//	hung         the watchdog's verdict on the QEMU it killed
 //	state/       a suspend image waits here; Start refuses while it holds
 //	             anything and Stop removes it
 //
@@ -52,11 +53,13 @@ import (
 //   - i.mu is held by every lifecycle method (Start, Stop, Destroy, Pause,
 //     Resume) for its whole run; startWarm and afterColdBoot are called with
 //     it held, and launch, stopLocked and setPausedLocked expect it held.
-//   - launch(ctx, incoming) starts QEMU from vm.json; with incoming it gets
-//     -incoming fd:3 on that file and waits for the stream (QMP "inmigrate"
-//     until the migration completes, then "paused"; the caller sends cont).
-//     It records the pid, dials QMP and starts the exit watcher and the
-//     watchdog. writeVM stores a description first (cold boots do).
+//   - launch(ctx, incoming) starts QEMU from vm.json; with incoming, QEMU
+//     gets -incoming fd:3 on that file and reads the stream itself (QMP
+//     "inmigrate" until the migration completes, then "paused"; the caller
+//     waits and sends cont). launch returns once QMP answers; it records
+//     the pid and starts the exit watcher and the watchdog, which counts
+//     silence only after the guest's init first answered. writeVM stores
+//     a description first (cold boots do).
 //   - qmpClient(ctx) and ctlClient(ctx) are the VM's QMP and vmctl clients;
 //     after a failed call, dropClients() makes the next call dial again.
 //   - setPausedLocked(true) before a QMP stop keeps the watchdog from
