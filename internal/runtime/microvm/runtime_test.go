@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -17,6 +18,7 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/microvm/jail"
 	"github.com/spacehq/space/internal/runtime/runtimetest"
 	"github.com/spacehq/space/internal/testenv"
 )
@@ -309,5 +311,48 @@ func TestExitReasonAndWatchdog(t *testing.T) {
 	}
 	if why := i.ExitReason(); !strings.Contains(why, "QEMU failed") || !strings.Contains(why, "killed") {
 		t.Fatalf("ExitReason after a QEMU crash: %q", why)
+	}
+}
+
+// TestSweepOrphanQEMU: a QEMU the pid file does not name (a server killed
+// between QEMU's start and the pid file) is found by its command line and
+// killed with its jail's cgroup when Sweep removes the sandbox.
+func TestSweepOrphanQEMU(t *testing.T) {
+	h := harness(t)
+	r := h.New(t).(*Runtime)
+	ctx := context.Background()
+	spec := runtime.Spec{ID: "sb-orphan-" + strconv.FormatInt(time.Now().UnixNano()%1e6, 36), RootFS: h.RootFS,
+		TemplateDigest: h.TemplateDigest, Limits: runtimetest.DefaultLimits, Hostname: "orphan"}
+	inst, err := r.Create(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := inst.Start(ctx); err != nil {
+		inst.Destroy(ctx)
+		t.Fatal(err)
+	}
+	pid := inst.(*instance).Pid()
+	if err := os.Remove(inst.(*instance).pidFile()); err != nil {
+		t.Fatal(err)
+	}
+	if reopened, err := r.Open(ctx, spec); err != nil || reopened.Alive() {
+		t.Fatalf("Open without a pid file: alive %v, %v", reopened != nil && reopened.Alive(), err)
+	}
+	removed, err := r.Sweep(ctx, func(string) bool { return false })
+	if err != nil || len(removed) != 1 || removed[0] != spec.ID {
+		t.Fatalf("Sweep removed %v (%v)", removed, err)
+	}
+	select {
+	case <-inst.Exited():
+	case <-time.After(10 * time.Second):
+		t.Fatalf("orphan QEMU %d still runs after Sweep", pid)
+	}
+	for _, id := range jail.CgroupIDs() {
+		if id == spec.ID {
+			t.Errorf("the jail's cgroup %s is left", id)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(r.sandboxesDir(), spec.ID)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("sandbox directory left: %v", err)
 	}
 }
