@@ -71,7 +71,16 @@ type Runtime struct {
 	// probing is set while the probe's own sandbox exists, which Sweep
 	// must leave alone.
 	probing atomic.Bool
+
+	// noWarm turns warm templates off (SetWarmTemplates).
+	noWarm atomic.Bool
 }
+
+// SetWarmTemplates turns warm templates on (the default) or off. Off, every
+// Start boots cold and no snapshot is taken: for deployments that do not
+// want clones sharing a guest kernel's address-space layout, and for
+// measuring cold boots.
+func (r *Runtime) SetWarmTemplates(on bool) { r.noWarm.Store(!on) }
 
 // bootFiles is what every guest boots from.
 type bootFiles struct {
@@ -149,7 +158,7 @@ func (r *Runtime) PrepareTemplate(ctx context.Context, treeDigest, rootfs string
 // ForgetTemplate implements runtime.TemplatePreparer. Running guests keep
 // their open image; a later Create of the digest builds it again.
 func (r *Runtime) ForgetTemplate(ctx context.Context, treeDigest string) error {
-	return r.images.Forget(ctx, treeDigest)
+	return errors.Join(r.images.Forget(ctx, treeDigest), r.ForgetWarm(treeDigest))
 }
 
 var idRE = regexp.MustCompile(`^[a-z0-9][a-z0-9-]{0,39}$`)

@@ -171,7 +171,7 @@ func lockBusy(path string) bool {
 // Start with i.mu held. On any other error no QEMU runs, the sandbox's
 // fresh disk is back, and a snapshot that failed to restore is gone.
 func (i *instance) startWarm(ctx context.Context) (err error) {
-	if i.booted() {
+	if i.booted() || i.rt.noWarm.Load() {
 		return errNoWarm
 	}
 	vm, treeDir, key, err := i.warmTarget(ctx)
@@ -245,6 +245,9 @@ func (i *instance) afterColdBoot(ctx context.Context) {
 	}
 	if err := i.markBooted(); err != nil {
 		i.rt.log.Warn("marking a sandbox booted", "id", i.spec.ID, "err", err)
+		return
+	}
+	if i.rt.noWarm.Load() {
 		return
 	}
 	if err := i.buildWarm(ctx); err != nil {
