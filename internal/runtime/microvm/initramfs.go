@@ -20,12 +20,13 @@ import (
 // after the modules it depends on; the Debian cloud kernel builds them all as
 // modules): virtio-mmio transport (microvm's devices), virtio-blk (root image
 // and writable disk), virtio-console (the agent's port), virtio-rng
-// (entropy), erofs (read-only root images) and overlay (root image plus
-// writable disk). No network or vsock: a sandbox has no network device yet,
+// (entropy), virtio-balloon (free page reporting: the guest hands the pages
+// it does not use back to the host), erofs (read-only root images) and
+// overlay (root image plus writable disk). No network or vsock: a sandbox has no network device yet,
 // and this host has no vhost-vsock.
 var GuestModules = []string{
 	"virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console",
-	"virtio-rng", "libcrc32c", "erofs", "overlay",
+	"virtio-rng", "virtio_balloon", "libcrc32c", "erofs", "overlay",
 }
 
 // initramfsFormat changes whenever the layout BuildInitramfs writes changes,

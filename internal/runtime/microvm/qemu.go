@@ -138,6 +138,12 @@ func (v VM) Args() ([]string, error) {
 		"-initrd", v.Initrd,
 		"-append", v.kernelCmdline(),
 		"-device", "virtio-rng-device",
+		// Free page reporting: the guest reports free memory in 2 MiB
+		// blocks and QEMU gives it back to the host. Without it a guest
+		// stays as large as the most it ever touched — and a migration
+		// (suspend, fork, warm snapshot) touches all of it on both sides,
+		// so every warm clone held its whole RAM on the host.
+		"-device", "virtio-balloon-device,free-page-reporting=on",
 		"-device", "virtio-serial-device",
 		"-chardev", "socket,id=agent,path=" + v.AgentSocket + ",server=on,wait=off",
 		"-device", "virtserialport,chardev=agent,name=" + vminit.PortName,
