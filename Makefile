@@ -23,5 +23,5 @@ test: setup
 # raw tool in the same run, then the idle-density run (SPACE_BENCH_IDLE sandboxes).
 bench: setup
 	SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent go test -run '^$$' -bench . -benchtime 200x -timeout 30m ./bench/
-	SPACE_BENCH=1 SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent go test -run 'TestTemplate|TestCreateTimeBySize|TestGvisorCheckpointBench' -v -timeout 30m ./bench/
+	SPACE_BENCH=1 SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent go test -run 'TestTemplate|TestCreateTimeBySize|TestGvisorCheckpointBench|TestMicroVMBench' -v -timeout 30m ./bench/
 	SPACE_BENCH=1 SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent go test -run 'TestIdleDensity|TestGvisorSuspendedDensity' -v -timeout 60m ./bench/
