@@ -22,6 +22,10 @@ import (
 	"github.com/spacehq/space/internal/runtime/microvm/vmctl"
 )
 
+// warmHostname is the hostname of a first boot that may become a warm
+// snapshot (see Start).
+const warmHostname = "sandbox"
+
 // An instance is one sandbox: one QEMU process at a time, booted cold from
 // the template's root image and the sandbox's disk, or restored from a
 // snapshot (suspend.go, fork.go, warm.go).
@@ -345,7 +349,16 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
-	if err := i.writeVM(vm); err != nil {
+	// A boot that may become its kind's warm snapshot carries nothing of
+	// this sandbox: every later sandbox of the kind starts from its memory
+	// (kernel command line, hostname). It boots as warmHostname and gets
+	// its own name right after the snapshot.
+	bootVM := vm
+	warmEligible := !i.booted() && !i.rt.noWarm.Load()
+	if warmEligible {
+		bootVM.Hostname = warmHostname
+	}
+	if err := i.writeVM(bootVM); err != nil {
 		return err
 	}
 	if err := i.launch(ctx, nil); err != nil {
@@ -357,6 +370,14 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	}
 	i.rt.log.Debug("sandbox booted", "id", i.spec.ID, "launch", tLaunched.Sub(t0), "boot", time.Since(tLaunched))
 	i.afterColdBoot(ctx)
+	if warmEligible {
+		if err := i.writeVM(vm); err != nil {
+			return err
+		}
+		if err := i.restoredLocked(ctx, vm.Hostname); err != nil {
+			return fmt.Errorf("naming the sandbox after its first boot: %w", err)
+		}
+	}
 	return nil
 }
 

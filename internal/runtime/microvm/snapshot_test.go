@@ -361,6 +361,10 @@ func TestWarmTemplate(t *testing.T) {
 		if got := strings.TrimSpace(sb.MustSh(t, "hostname; cat /etc/hostname")); got != id+"\n"+id {
 			t.Errorf("%s: hostname and /etc/hostname %q", id, got)
 		}
+		// Nothing of the sandbox the snapshot was taken from.
+		if got := sb.MustSh(t, "cat /proc/cmdline /etc/hosts"); strings.Contains(got, one.Spec.ID) {
+			t.Errorf("%s: the warm snapshot's source sandbox shows through: %q", id, got)
+		}
 		if res := sb.Sh(t, "cat /root/one-file"); res.ExitCode == 0 {
 			t.Errorf("%s sees a file written in warm-one: %q", id, res.Stdout)
 		}
