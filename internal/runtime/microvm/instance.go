@@ -393,6 +393,15 @@ func (i *instance) waitReady(ctx context.Context) error {
 		return fmt.Errorf("sandbox %s did not boot: %w", i.spec.ID, err)
 	}
 	c.Close()
+	// The caller dials the agent next. Until the guest's agent has seen
+	// this session end and let go of its port, a new connection would be
+	// read by the old session and then cut when that one closes the port
+	// (the conformance lifecycle subtest hit it under load).
+	if q, err := i.qmpClient(ctx); err == nil {
+		if released, err := WaitAgentPortReleased(ctx, q, 5*time.Second); err != nil || !released {
+			i.rt.log.Warn("the agent did not release its port after the boot's health check", "id", i.spec.ID, "released", released, "err", err)
+		}
+	}
 	for {
 		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		err := i.ping(pctx)
