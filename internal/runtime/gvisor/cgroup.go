@@ -1,7 +1,6 @@
 package gvisor
 
 import (
-	"bufio"
 	"errors"
 	"os"
 	"path/filepath"
@@ -11,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/cgroupfs"
 )
 
 // runsc creates each sandbox's cgroups from the spec's cgroupsPath
@@ -38,30 +38,6 @@ func cgroupDirs(id string) map[string]string {
 	return out
 }
 
-func readInt(path string) (int64, error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return 0, err
-	}
-	return strconv.ParseInt(strings.TrimSpace(string(data)), 10, 64)
-}
-
-func readKey(path, key string) (int64, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return 0, err
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		k, v, ok := strings.Cut(sc.Text(), " ")
-		if ok && k == key {
-			return strconv.ParseInt(strings.TrimSpace(v), 10, 64)
-		}
-	}
-	return 0, sc.Err()
-}
-
 // cgroupStats reads memory, OOM kills and CPU of sandbox id from its host
 // cgroups. Pids is filled by the caller: the host's pids counter counts the
 // sentry's threads, not the sandbox's processes.
@@ -70,13 +46,13 @@ func cgroupStats(id string) (runtime.Stats, error) {
 	var err error
 	dirs := cgroupDirs(id)
 	if d, ok := dirs[""]; ok {
-		if s.MemoryBytes, err = readInt(filepath.Join(d, "memory.current")); err != nil {
+		if s.MemoryBytes, err = cgroupfs.ReadInt(filepath.Join(d, "memory.current")); err != nil {
 			return s, err
 		}
-		if s.OOMKills, err = readKey(filepath.Join(d, "memory.events"), "oom_kill"); err != nil {
+		if s.OOMKills, err = cgroupfs.ReadKey(filepath.Join(d, "memory.events"), "oom_kill"); err != nil {
 			return s, err
 		}
-		usec, err := readKey(filepath.Join(d, "cpu.stat"), "usage_usec")
+		usec, err := cgroupfs.ReadKey(filepath.Join(d, "cpu.stat"), "usage_usec")
 		if err != nil {
 			return s, err
 		}
@@ -84,15 +60,15 @@ func cgroupStats(id string) (runtime.Stats, error) {
 		return s, nil
 	}
 	if d, ok := dirs["memory"]; ok {
-		if s.MemoryBytes, err = readInt(filepath.Join(d, "memory.usage_in_bytes")); err != nil {
+		if s.MemoryBytes, err = cgroupfs.ReadInt(filepath.Join(d, "memory.usage_in_bytes")); err != nil {
 			return s, err
 		}
-		if s.OOMKills, err = readKey(filepath.Join(d, "memory.oom_control"), "oom_kill"); err != nil {
+		if s.OOMKills, err = cgroupfs.ReadKey(filepath.Join(d, "memory.oom_control"), "oom_kill"); err != nil {
 			return s, err
 		}
 	}
 	if d, ok := dirs["cpuacct"]; ok {
-		if s.CPUNanos, err = readInt(filepath.Join(d, "cpuacct.usage")); err != nil {
+		if s.CPUNanos, err = cgroupfs.ReadInt(filepath.Join(d, "cpuacct.usage")); err != nil {
 			return s, err
 		}
 	}

@@ -1,7 +1,6 @@
 package native
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/cgroupfs"
 )
 
 // cgroupRoot is where every cgroup hierarchy is mounted.
@@ -125,31 +125,6 @@ func writeFile(path, value string) error {
 		return fmt.Errorf("cgroup write %q to %s: %w", value, path, err)
 	}
 	return nil
-}
-
-func readInt(path string) (int64, error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return 0, err
-	}
-	return strconv.ParseInt(strings.TrimSpace(string(data)), 10, 64)
-}
-
-// readKey finds "key value" in a flat-keyed cgroup file.
-func readKey(path, key string) (int64, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return 0, err
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		k, v, ok := strings.Cut(sc.Text(), " ")
-		if ok && k == key {
-			return strconv.ParseInt(strings.TrimSpace(v), 10, 64)
-		}
-	}
-	return 0, nil
 }
 
 func readProcs(path string) ([]int, error) {
@@ -342,20 +317,20 @@ func (c *cgroupV1) stats() (runtime.Stats, error) {
 	var s runtime.Stats
 	var err error
 	if d, ok := c.dirs["memory"]; ok {
-		if s.MemoryBytes, err = readInt(filepath.Join(d, "memory.usage_in_bytes")); err != nil {
+		if s.MemoryBytes, err = cgroupfs.ReadInt(filepath.Join(d, "memory.usage_in_bytes")); err != nil {
 			return s, err
 		}
-		if s.OOMKills, err = readKey(filepath.Join(d, "memory.oom_control"), "oom_kill"); err != nil {
+		if s.OOMKills, err = cgroupfs.ReadKey(filepath.Join(d, "memory.oom_control"), "oom_kill"); err != nil {
 			return s, err
 		}
 	}
 	if d, ok := c.dirs["pids"]; ok {
-		if s.Pids, err = readInt(filepath.Join(d, "pids.current")); err != nil {
+		if s.Pids, err = cgroupfs.ReadInt(filepath.Join(d, "pids.current")); err != nil {
 			return s, err
 		}
 	}
 	if d, ok := c.dirs["cpuacct"]; ok {
-		if s.CPUNanos, err = readInt(filepath.Join(d, "cpuacct.usage")); err != nil {
+		if s.CPUNanos, err = cgroupfs.ReadInt(filepath.Join(d, "cpuacct.usage")); err != nil {
 			return s, err
 		}
 	}
@@ -450,7 +425,7 @@ func (c *cgroupV2) kill(ctx context.Context) error {
 		_ = c.thaw(ctx)
 	}
 	return poll(ctx, "cgroup to empty", func() (bool, error) {
-		n, err := readKey(filepath.Join(c.dir, "cgroup.events"), "populated")
+		n, err := cgroupfs.ReadKey(filepath.Join(c.dir, "cgroup.events"), "populated")
 		return n == 0, err
 	})
 }
@@ -460,7 +435,7 @@ func (c *cgroupV2) setFrozen(ctx context.Context, v int64) error {
 		return err
 	}
 	return poll(ctx, "cgroup.freeze", func() (bool, error) {
-		n, err := readKey(filepath.Join(c.dir, "cgroup.events"), "frozen")
+		n, err := cgroupfs.ReadKey(filepath.Join(c.dir, "cgroup.events"), "frozen")
 		return n == v, err
 	})
 }
@@ -471,16 +446,16 @@ func (c *cgroupV2) thaw(ctx context.Context) error   { return c.setFrozen(ctx, 0
 func (c *cgroupV2) stats() (runtime.Stats, error) {
 	var s runtime.Stats
 	var err error
-	if s.MemoryBytes, err = readInt(filepath.Join(c.dir, "memory.current")); err != nil {
+	if s.MemoryBytes, err = cgroupfs.ReadInt(filepath.Join(c.dir, "memory.current")); err != nil {
 		return s, err
 	}
-	if s.OOMKills, err = readKey(filepath.Join(c.dir, "memory.events"), "oom_kill"); err != nil {
+	if s.OOMKills, err = cgroupfs.ReadKey(filepath.Join(c.dir, "memory.events"), "oom_kill"); err != nil {
 		return s, err
 	}
-	if s.Pids, err = readInt(filepath.Join(c.dir, "pids.current")); err != nil {
+	if s.Pids, err = cgroupfs.ReadInt(filepath.Join(c.dir, "pids.current")); err != nil {
 		return s, err
 	}
-	usec, err := readKey(filepath.Join(c.dir, "cpu.stat"), "usage_usec")
+	usec, err := cgroupfs.ReadKey(filepath.Join(c.dir, "cpu.stat"), "usage_usec")
 	if err != nil {
 		return s, err
 	}

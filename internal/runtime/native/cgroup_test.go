@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/runtime/cgroupfs"
 	"github.com/spacehq/space/internal/testenv"
 )
 
@@ -84,10 +85,10 @@ func TestCgroupV1(t *testing.T) {
 	}
 	t.Cleanup(func() { cg.kill(context.Background()); cg.remove() })
 	mem := cg.(*cgroupV1).dirs["memory"]
-	if n, _ := readInt(filepath.Join(mem, "memory.limit_in_bytes")); n != 256<<20 {
+	if n, _ := cgroupfs.ReadInt(filepath.Join(mem, "memory.limit_in_bytes")); n != 256<<20 {
 		t.Fatalf("memory limit %d", n)
 	}
-	if n, _ := readInt(filepath.Join(cg.(*cgroupV1).dirs["cpu"], "cpu.cfs_quota_us")); n != 50000 {
+	if n, _ := cgroupfs.ReadInt(filepath.Join(cg.(*cgroupV1).dirs["cpu"], "cpu.cfs_quota_us")); n != 50000 {
 		t.Fatalf("cpu quota %d", n)
 	}
 	if d, ok := cg.(*cgroupV1).dirs["devices"]; ok {

@@ -1,7 +1,6 @@
 package jail
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
 	"math"
@@ -14,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime/cgroupfs"
 )
 
 // Every jail's cgroup is <hierarchy>/space-jail/<id>: one directory per v1
@@ -187,9 +187,12 @@ func CgroupCPU(id string) (int64, error) {
 	}
 	dirs := cgroupDirs(id)
 	if d, ok := dirs[""]; ok {
-		usec, err := readKey(filepath.Join(d, "cpu.stat"), "usage_usec")
+		usec, found, err := cgroupfs.LookupKey(filepath.Join(d, "cpu.stat"), "usage_usec")
 		if err != nil {
 			return 0, cgErr(id, err)
+		}
+		if !found {
+			return 0, cgErr(id, errors.New("no usage_usec in cpu.stat"))
 		}
 		return usec * 1000, nil
 	}
@@ -197,13 +200,9 @@ func CgroupCPU(id string) (int64, error) {
 	if !ok {
 		return 0, fmt.Errorf("jail: no v1 cpuacct controller: %w", errdefs.ErrNotSupported)
 	}
-	b, err := os.ReadFile(filepath.Join(d, "cpuacct.usage"))
+	n, err := cgroupfs.ReadInt(filepath.Join(d, "cpuacct.usage"))
 	if err != nil {
 		return 0, cgErr(id, err)
-	}
-	n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
-	if err != nil {
-		return 0, fmt.Errorf("jail: cpuacct.usage of %s: %w", id, err)
 	}
 	return n, nil
 }
@@ -213,25 +212,6 @@ func cgErr(id string, err error) error {
 		return fmt.Errorf("jail: cgroup of %s: %w", id, errdefs.ErrNotFound)
 	}
 	return fmt.Errorf("jail: cgroup of %s: %w", id, err)
-}
-
-func readKey(path, key string) (int64, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return 0, err
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		k, v, ok := strings.Cut(sc.Text(), " ")
-		if ok && k == key {
-			return strconv.ParseInt(strings.TrimSpace(v), 10, 64)
-		}
-	}
-	if err := sc.Err(); err != nil {
-		return 0, err
-	}
-	return 0, fmt.Errorf("no %q in %s", key, path)
 }
 
 func cgroupProcs(dir string) []int {

@@ -7,13 +7,13 @@ import (
 	"os"
 	"os/exec"
 	"strconv"
-	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacehq/space/internal/runtime/cgroupfs"
 	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
 	"github.com/spacehq/space/internal/runtime/microvm/vmctl"
 )
@@ -252,30 +252,14 @@ var _ vmctl.Handler = (*control)(nil)
 func (*control) Stats() (vmctl.Stats, error) {
 	var s vmctl.Stats
 	var err error
-	if s.MemoryBytes, err = readCounter(Cgroup + "/memory.current"); err != nil {
+	if s.MemoryBytes, err = cgroupfs.ReadInt(Cgroup + "/memory.current"); err != nil {
 		return s, err
 	}
-	if s.Pids, err = readCounter(Cgroup + "/pids.current"); err != nil {
+	if s.Pids, err = cgroupfs.ReadInt(Cgroup + "/pids.current"); err != nil {
 		return s, err
 	}
-	b, err := os.ReadFile(Cgroup + "/memory.events")
-	if err != nil {
-		return s, err
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if f := strings.Fields(line); len(f) == 2 && f[0] == "oom_kill" {
-			s.OOMKills, _ = strconv.ParseInt(f[1], 10, 64)
-		}
-	}
-	return s, nil
-}
-
-func readCounter(p string) (int64, error) {
-	b, err := os.ReadFile(p)
-	if err != nil {
-		return 0, err
-	}
-	return strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+	s.OOMKills, err = cgroupfs.ReadKey(Cgroup+"/memory.events", "oom_kill")
+	return s, err
 }
 
 // Bounds of a restore's inputs: the pool takes 4096 bits at most, and a

@@ -1,0 +1,46 @@
+// Package cgroupfs reads the counters cgroup filesystems expose, v1 and v2
+// alike: single-value files (memory.current, pids.current) and flat-keyed
+// ones (memory.events, cpu.stat, memory.oom_control). The host runtimes
+// read their cgroups with it, and the microvm guest's init its sandbox's.
+package cgroupfs
+
+import (
+	"bufio"
+	"os"
+	"strconv"
+	"strings"
+)
+
+// ReadInt reads a file holding one integer.
+func ReadInt(path string) (int64, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseInt(strings.TrimSpace(string(data)), 10, 64)
+}
+
+// ReadKey finds "key value" in a flat-keyed file; 0 when no line has the
+// key (kernels add keys over time).
+func ReadKey(path, key string) (int64, error) {
+	n, _, err := LookupKey(path, key)
+	return n, err
+}
+
+// LookupKey is ReadKey that also says whether the key was there.
+func LookupKey(path, key string) (value int64, found bool, err error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0, false, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		k, v, ok := strings.Cut(sc.Text(), " ")
+		if ok && k == key {
+			n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+			return n, err == nil, err
+		}
+	}
+	return 0, false, sc.Err()
+}
