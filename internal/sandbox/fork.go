@@ -118,7 +118,7 @@ func (m *Manager) doFork(ctx context.Context, p *phases, id string, children []s
 		}
 		for _, inst := range insts {
 			if inst != nil {
-				inst.Destroy(context.Background())
+				m.destroyInstance(context.Background(), inst, "fork rollback")
 			}
 		}
 		for _, cid := range children {

@@ -224,7 +224,7 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 		m.setState(id, api.StateStarting, "", "")
 		if err := m.boot(ctx, p, e, inst); err != nil {
 			e.expectExit.Store(true)
-			inst.Stop(context.Background())
+			m.stopInstance(context.Background(), inst, "failed start")
 			m.setState(id, api.StateStopped, err.Error(), "")
 			return err
 		}

@@ -516,7 +516,7 @@ func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
 	e.cmu.Unlock()
 	if err := m.bootWith(ctx, p, e, inst, sb, tmpl.Config.Start); err != nil {
 		e.expectExit.Store(true)
-		inst.Destroy(context.Background())
+		m.destroyInstance(context.Background(), inst, "failed create")
 		return fail(err)
 	}
 	e.lastActive.Store(time.Now().UnixNano())
@@ -662,7 +662,7 @@ func (m *Manager) watchExit(e *entry, inst runtime.Instance) {
 			return
 		}
 		why := exitReason(inst)
-		inst.Stop(context.Background())
+		m.stopInstance(context.Background(), inst, "init exited")
 		m.log.Warn("sandbox init exited unexpectedly", "sandbox", e.id, "reason", why)
 		m.markCommandsExited(e.id, "the sandbox's init exited")
 		msg := "sandbox init (the agent) exited unexpectedly; start or wake it to run again"

@@ -83,7 +83,7 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 			// Throw away whatever the crashed create left, then create again.
 			if inst, _, err := m.instance(ctx, e, sb); err == nil {
 				e.expectExit.Store(true)
-				inst.Destroy(ctx)
+				m.destroyInstance(ctx, inst, "re-driven create")
 			}
 			e.cmu.Lock()
 			e.inst = nil
@@ -117,7 +117,7 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 		}
 		if sb.State == api.StateStopping || !inst.Alive() {
 			e.expectExit.Store(true)
-			inst.Stop(ctx)
+			m.stopInstance(ctx, inst, "reconcile of a dead sandbox")
 			m.markCommandsExited(sb.ID, "the sandbox's processes ended while the server was down")
 			note := ""
 			switch sb.State {
@@ -139,7 +139,7 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 		if err := m.connect(ctx, e, inst); err != nil {
 			log.Warn("re-adopted sandbox but its agent does not answer; stopping it", "err", err)
 			e.expectExit.Store(true)
-			inst.Stop(ctx)
+			m.stopInstance(ctx, inst, "reconcile of an unanswering agent")
 			m.markCommandsExited(sb.ID, "the sandbox's agent stopped answering")
 			m.setState(sb.ID, api.StateStopped, "agent did not answer after a server restart: "+err.Error(), "")
 			return
@@ -157,7 +157,7 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 		}
 		if inst, _, err := m.instance(ctx, e, sb); err == nil {
 			e.expectExit.Store(true)
-			inst.Destroy(ctx)
+			m.destroyInstance(ctx, inst, "interrupted create")
 			e.cmu.Lock()
 			e.inst = nil
 			e.cmu.Unlock()

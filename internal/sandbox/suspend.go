@@ -125,7 +125,7 @@ func (m *Manager) doRestore(ctx context.Context, p *phases, e *entry, sb api.San
 			m.setState(sb.ID, api.StateSuspended, what+": "+err.Error(), "")
 			return fmt.Errorf("%s (the sandbox stays suspended): %w", what, err)
 		}
-		inst.Stop(context.Background())
+		m.stopInstance(context.Background(), inst, "lost suspend image")
 		m.markCommandsExited(sb.ID, "the sandbox's suspended image was lost")
 		m.setState(sb.ID, api.StateStopped, what+" and the suspended image is gone: "+err.Error()+"; its disk is kept and start boots it afresh", "")
 		return fmt.Errorf("%s; the suspended image is gone, the sandbox is stopped: %w", what, err)
