@@ -1,5 +1,5 @@
 # The two commands of the README: `make run` and `make test`.
-.PHONY: setup build run test bench
+.PHONY: setup build run test bench lint
 
 # A fresh machine of this kind has Go at /usr/local/go but not always on PATH.
 export PATH := $(PATH):/usr/local/go/bin
@@ -15,8 +15,9 @@ build:
 run: setup
 	bin/space server
 
-# Sets everything up (idempotent) and runs the whole test suite.
-test: setup
+# Sets everything up (idempotent), lints (go vet, staticcheck) and runs the
+# whole test suite.
+test: lint
 	SPACE_CI=$${SPACE_CI:-0} SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent go test -p 1 -timeout 15m -count=1 ./...
 
 # Benchmarks (not part of `make test`): p50/p99 over 200 iterations with the
@@ -25,3 +26,8 @@ bench: setup
 	SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent go test -run '^$$' -bench . -benchtime 200x -timeout 30m ./bench/
 	SPACE_BENCH=1 SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent go test -run 'TestTemplate|TestCreateTimeBySize|TestGvisorCheckpointBench|TestMicroVMBench' -v -timeout 30m ./bench/
 	SPACE_BENCH=1 SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent go test -run 'TestIdleDensity|TestGvisorSuspendedDensity' -v -timeout 60m ./bench/
+
+# go vet and the pinned staticcheck (scripts/setup.sh installs it into bin/).
+lint: setup
+	go vet ./...
+	bin/staticcheck ./...

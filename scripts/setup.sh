@@ -56,6 +56,17 @@ if readelf -l bin/runsc 2>/dev/null | grep -q 'Requesting program interpreter'; 
 	exit 1
 fi
 
+# staticcheck for `make test` (go vet + staticcheck run before the tests),
+# pinned like runsc; its version is in its build info.
+STATICCHECK_VERSION=v0.8.2
+if [ -x bin/staticcheck ] && go version -m bin/staticcheck 2>/dev/null | grep -qE "^[[:space:]]+mod[[:space:]]+honnef.co/go/tools[[:space:]]+$STATICCHECK_VERSION([[:space:]]|\$)"; then
+	echo "setup: bin/staticcheck is honnef.co/go/tools@$STATICCHECK_VERSION"
+else
+	echo "setup: building bin/staticcheck (honnef.co/go/tools@$STATICCHECK_VERSION)"
+	(bin="$PWD/bin" && cd / && GOBIN="$bin" go install "honnef.co/go/tools/cmd/staticcheck@$STATICCHECK_VERSION") ||
+		{ echo "setup: building staticcheck failed" >&2; exit 1; }
+fi
+
 CACHE=${SPACE_CACHE:-/var/cache/space}
 
 # microvm runtime: QEMU (TCG here, KVM where a guest really runs under it),

@@ -227,7 +227,7 @@ func extractTar(root int, body io.Reader) error {
 			continue
 		case tar.TypeChar, tar.TypeBlock, tar.TypeFifo:
 			return fmt.Errorf("entry %q is a device node or FIFO: %w", truncate(name, 128), errdefs.ErrInvalidArgument)
-		case tar.TypeReg, tar.TypeRegA, tar.TypeSymlink, tar.TypeLink:
+		case tar.TypeReg, tar.TypeSymlink, tar.TypeLink: // tar.Reader turns legacy TypeRegA into TypeReg (or TypeDir)
 		default:
 			return fmt.Errorf("entry %q has unsupported type %q: %w", truncate(name, 128), hdr.Typeflag, errdefs.ErrInvalidArgument)
 		}

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/spacehq/space/internal/sandbox"
 	"github.com/spacehq/space/internal/store"
@@ -37,7 +38,7 @@ func newMetrics(db *store.DB) *metrics {
 		Name: "space_http_requests_total", Help: "API requests by method and status code.",
 	}, []string{"method", "code"})
 	m.reg.MustRegister(m.opPhase, m.opDone, m.execs, m.httpReqs, &sandboxCollector{db: db},
-		prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 

@@ -471,7 +471,7 @@ func extractTar(ctx context.Context, st *stager, r io.Reader, prog func(Progress
 		switch hdr.Typeflag {
 		case tar.TypeDir:
 			err = st.dir(rel, m)
-		case tar.TypeReg, tar.TypeRegA: //nolint:staticcheck // old archives still use '\x00'
+		case tar.TypeReg: // tar.Reader turns legacy TypeRegA into TypeReg (or TypeDir)
 			if rel == "" {
 				return invalid("entry %q: the archive root must be a directory", hdr.Name)
 			}

@@ -102,8 +102,7 @@ func (s *Store) GC(ctx context.Context, inUse map[string]bool, forget func(ctx c
 		byDigest[t.Digest] = t
 	}
 	live := map[string]bool{}
-	var mark func(d string)
-	mark = func(d string) {
+	mark := func(d string) {
 		for d != "" && !live[d] {
 			t, ok := byDigest[d]
 			if !ok {

@@ -79,7 +79,7 @@ func TestDeriveAppliesChangesWithoutTouchingParent(t *testing.T) {
 	must(unix.Lsetxattr(filepath.Join(up, "srv/app"), "user.dirattr", []byte("d"), 0))
 	must(unix.Lsetxattr(filepath.Join(up, "srv/app"), "user.overlay.redirect", []byte("/etc"), 0))
 	must(os.MkdirAll(filepath.Join(up, "etc"), 0o755))
-	must(unix.Mknod(filepath.Join(up, "etc/hostname"), unix.S_IFCHR|0o000, 0))
+	must(unix.Mknod(filepath.Join(up, "etc/hostname"), unix.S_IFCHR, 0)) // a whiteout: a 0/0 character device
 	must(os.MkdirAll(filepath.Join(up, "opt/keep"), 0o755))
 	must(unix.Lsetxattr(filepath.Join(up, "opt/keep"), "trusted.overlay.opaque", []byte("y"), 0))
 	must(os.WriteFile(filepath.Join(up, "opt/keep/new"), []byte("n"), 0o644))
