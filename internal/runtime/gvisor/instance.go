@@ -180,7 +180,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if _, err := i.rs.run(ctx, startTimeout, "run", runArgs...); err != nil {
 		// A container that died on its own (crash) is still in runsc's
 		// state until deleted: delete it and try once more.
-		if !strings.Contains(err.Error(), "already exists") {
+		if !errors.Is(err, errContainerExists) {
 			return fmt.Errorf("start sandbox %s: %w", i.spec.ID, err)
 		}
 		if err := i.rs.deleteForce(ctx, i.spec.ID); err != nil {

@@ -94,7 +94,36 @@ func (e *RunscError) Error() string {
 	return fmt.Sprintf("runsc %s: %s", e.Args[0], msg)
 }
 
-func (e *RunscError) Unwrap() error { return e.Err }
+// Unwrap gives the process error and, when runsc's message says so, one of
+// the container sentinels below, so callers use errors.Is instead of
+// matching runsc's text themselves.
+func (e *RunscError) Unwrap() []error {
+	if k := classifyRunsc(e.Stderr); k != nil {
+		return []error{e.Err, k}
+	}
+	return []error{e.Err}
+}
+
+var (
+	// errContainerExists: runsc's state already has a container of this id
+	// (one that died on its own stays there until deleted).
+	errContainerExists = errors.New("runsc: container already exists")
+	// errContainerNotExist: runsc's state has no container of this id.
+	errContainerNotExist = errors.New("runsc: container does not exist")
+)
+
+// classifyRunsc is the one place runsc's messages are read for meaning:
+// runsc reports these conditions only as text (its --log-fd JSON "msg" or
+// stderr). Tested against the real runsc (TestRunscErrorKinds).
+func classifyRunsc(msg string) error {
+	switch {
+	case strings.Contains(msg, "already exists"):
+		return errContainerExists
+	case strings.Contains(msg, "does not exist"), strings.Contains(msg, "not found"), strings.Contains(msg, "no such file"):
+		return errContainerNotExist
+	}
+	return nil
+}
 
 // containerStdio lists the subcommands whose stdio the container inherits.
 // Their stdio is /dev/null: the sandbox must not hold, or be able to fill,
@@ -236,19 +265,10 @@ func (r *runsc) list(ctx context.Context) ([]string, error) {
 // deleteForce kills and removes a container; a missing one is not an error.
 func (r *runsc) deleteForce(ctx context.Context, id string) error {
 	_, err := r.run(ctx, 0, "delete", "--force", id)
-	if err != nil && isNotExist(err) {
+	if errors.Is(err, errContainerNotExist) {
 		return nil
 	}
 	return err
-}
-
-func isNotExist(err error) bool {
-	var re *RunscError
-	if !errors.As(err, &re) {
-		return false
-	}
-	s := re.Stderr
-	return strings.Contains(s, "does not exist") || strings.Contains(s, "not found") || strings.Contains(s, "no such file")
 }
 
 // binaryVersion reads the gVisor module version from the runsc binary's Go

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -274,7 +273,7 @@ func (i *instance) Restore(ctx context.Context) (err error) {
 func (i *instance) restoreFrom(ctx context.Context, image string) error {
 	args := []string{"--detach", "--image-path", image, "--bundle", i.dir, "--pid-file", i.runscPid(), i.spec.ID}
 	if _, err := i.rs.run(ctx, restoreTimeout, "restore", args...); err != nil {
-		if !strings.Contains(err.Error(), "already exists") {
+		if !errors.Is(err, errContainerExists) {
 			return err
 		}
 		// A container of this id left in runsc's state (a crash between
