@@ -42,22 +42,49 @@ var table = []mapping{
 
 // HTTPStatus returns the HTTP status for err (500 when err wraps no sentinel).
 func HTTPStatus(err error) int {
-	for _, m := range table {
-		if errors.Is(err, m.err) {
-			return m.status
-		}
+	if m, ok := classify(err); ok {
+		return m.status
 	}
 	return http.StatusInternalServerError
 }
 
 // Code returns the stable API error code for err ("internal" when unknown).
 func Code(err error) string {
-	for _, m := range table {
-		if errors.Is(err, m.err) {
-			return m.code
-		}
+	if m, ok := classify(err); ok {
+		return m.code
 	}
 	return "internal"
+}
+
+// classify finds the sentinel nearest the top of err's tree, breadth
+// first, and among siblings the last: fmt.Errorf("%w: %w", cause,
+// ErrInvalidArgument) keeps the cause inspectable (errors.Is/As) while its
+// own class decides the status, even when the cause carries another
+// sentinel deeper down.
+func classify(err error) (mapping, bool) {
+	level := []error{err}
+	for depth := 0; len(level) > 0 && depth < 64; depth++ {
+		for i := len(level) - 1; i >= 0; i-- {
+			for _, m := range table {
+				if level[i] == m.err {
+					return m, true
+				}
+			}
+		}
+		var next []error
+		for _, e := range level {
+			switch u := e.(type) {
+			case interface{ Unwrap() error }:
+				if w := u.Unwrap(); w != nil {
+					next = append(next, w)
+				}
+			case interface{ Unwrap() []error }:
+				next = append(next, u.Unwrap()...)
+			}
+		}
+		level = next
+	}
+	return mapping{}, false
 }
 
 // FromCode is the inverse of Code, used by clients to rebuild a sentinel from
