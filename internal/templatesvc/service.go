@@ -61,9 +61,6 @@ func New(cfg Config) *Service {
 	return &Service{cfg: cfg, log: cfg.Logger}
 }
 
-// Store is the template store the service works on.
-func (s *Service) Store() *template.Store { return s.cfg.Templates }
-
 // List returns every template.
 func (s *Service) List(ctx context.Context) ([]api.Template, error) {
 	return s.cfg.Templates.List(ctx)
