@@ -2,6 +2,7 @@ package api
 
 import (
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 )
@@ -66,4 +67,82 @@ func DecodeOutput(payload []byte) (offset int64, data []byte, err error) {
 		return 0, nil, fmt.Errorf("output frame offset %d out of range", off)
 	}
 	return int64(off), payload[8:], nil
+}
+
+// Frame is one decoded attach frame. Type says which field is set: Data
+// (FrameStdin; FrameStdout and FrameStderr with Offset), Resize, Signal,
+// Exit, Dropped or Started; FrameCloseStdin carries nothing.
+type Frame struct {
+	Type    byte
+	Offset  int64  // FrameStdout, FrameStderr: absolute offset of Data[0]
+	Data    []byte // aliases the decoded buffer
+	Resize  Resize
+	Signal  SignalRequest
+	Exit    ExitStatus
+	Dropped Dropped
+	Started Started
+}
+
+// MaxExitCode is the largest exit code a process can report (128 + signal
+// number for a signalled one).
+const MaxExitCode = 255
+
+// DecodeFrame decodes and validates one attach frame (type byte + payload)
+// from a peer that is not trusted: a known type, at most MaxFrame bytes,
+// an output offset in range, JSON payloads that parse, an exit code in
+// [0, MaxExitCode], a dropped range 0 <= From <= To of a named stream, a
+// non-negative pid. It does not judge direction: a reader refuses the
+// types its peer must not send.
+func DecodeFrame(b []byte) (Frame, error) {
+	if len(b) == 0 {
+		return Frame{}, errors.New("empty frame")
+	}
+	if len(b) > MaxFrame {
+		return Frame{}, fmt.Errorf("frame of %d bytes is over the limit of %d", len(b), MaxFrame)
+	}
+	f := Frame{Type: b[0]}
+	payload := b[1:]
+	var err error
+	switch f.Type {
+	case FrameStdin:
+		f.Data = payload
+	case FrameStdout, FrameStderr:
+		f.Offset, f.Data, err = DecodeOutput(payload)
+	case FrameResize:
+		err = decodeFramePayload(payload, &f.Resize, "resize")
+	case FrameSignal:
+		err = decodeFramePayload(payload, &f.Signal, "signal")
+	case FrameExit:
+		if err = decodeFramePayload(payload, &f.Exit, "exit"); err == nil && (f.Exit.ExitCode < 0 || f.Exit.ExitCode > MaxExitCode) {
+			err = fmt.Errorf("exit frame: exit code %d out of range 0-%d", f.Exit.ExitCode, MaxExitCode)
+		}
+	case FrameDropped:
+		d := &f.Dropped
+		if err = decodeFramePayload(payload, d, "dropped"); err != nil {
+			break
+		}
+		if d.Stream != "stdout" && d.Stream != "stderr" {
+			err = fmt.Errorf("dropped frame names unknown stream %q", d.Stream)
+		} else if d.From < 0 || d.To < d.From {
+			err = fmt.Errorf("dropped frame: bad range [%d, %d)", d.From, d.To)
+		}
+	case FrameCloseStdin:
+	case FrameStarted:
+		if err = decodeFramePayload(payload, &f.Started, "started"); err == nil && f.Started.Pid < 0 {
+			err = fmt.Errorf("started frame: pid %d", f.Started.Pid)
+		}
+	default:
+		err = fmt.Errorf("unknown frame type %d", f.Type)
+	}
+	if err != nil {
+		return Frame{}, err
+	}
+	return f, nil
+}
+
+func decodeFramePayload(payload []byte, v any, what string) error {
+	if err := json.Unmarshal(payload, v); err != nil {
+		return fmt.Errorf("%s frame: %w", what, err)
+	}
+	return nil
 }

@@ -322,39 +322,23 @@ func protocolError(what string) error {
 // handle processes one frame from the server, which is not trusted to be
 // well-formed: sizes, offsets and JSON are all checked.
 func (s *Session) handle(frame []byte, st *api.ExitStatus) error {
-	if len(frame) == 0 {
-		return protocolError("empty frame")
+	f, err := api.DecodeFrame(frame)
+	if err != nil {
+		return protocolError(err.Error())
 	}
-	payload := frame[1:]
-	switch frame[0] {
+	switch f.Type {
 	case api.FrameStarted:
-		var v api.Started
-		if err := json.Unmarshal(payload, &v); err != nil {
-			return protocolError("bad started frame")
-		}
 		s.mu.Lock()
-		s.pid = v.Pid
+		s.pid = f.Started.Pid
 		s.mu.Unlock()
 		return nil
 	case api.FrameStdout, api.FrameStderr:
-		off, data, err := api.DecodeOutput(payload)
-		if err != nil {
-			return protocolError(err.Error())
-		}
-		return s.output(int(frame[0]-api.FrameStdout), off, data)
+		return s.output(int(f.Type-api.FrameStdout), f.Offset, f.Data)
 	case api.FrameDropped:
-		var d api.Dropped
-		if err := json.Unmarshal(payload, &d); err != nil || d.From < 0 || d.To < d.From {
-			return protocolError("bad dropped frame")
-		}
-		var i int
-		switch d.Stream {
-		case "stdout":
-			i = 0
-		case "stderr":
+		d := f.Dropped
+		i := 0 // DecodeFrame let through only stdout and stderr
+		if d.Stream == "stderr" {
 			i = 1
-		default:
-			return protocolError("dropped frame names unknown stream " + strconv.Quote(d.Stream))
 		}
 		s.mu.Lock()
 		n := d.To - max(d.From, s.offsets[i])
@@ -367,12 +351,10 @@ func (s *Session) handle(frame []byte, st *api.ExitStatus) error {
 		}
 		return nil
 	case api.FrameExit:
-		if err := json.Unmarshal(payload, st); err != nil {
-			return protocolError("bad exit frame")
-		}
+		*st = f.Exit
 		return errExit
 	}
-	return protocolError(fmt.Sprintf("unexpected frame type %d", frame[0]))
+	return protocolError(fmt.Sprintf("unexpected frame type %d", f.Type))
 }
 
 // output writes the part of data that was not delivered yet. Bytes before

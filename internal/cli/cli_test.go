@@ -372,7 +372,7 @@ func TestRunExitCodeOutputAndCleanup(t *testing.T) {
 	}
 
 	// A process killed by a signal exits 128+n, with the reason on stderr.
-	f.exit = api.ExitStatus{ExitCode: -1, Signal: "KILL", OOMKilled: true, Reason: "killed by the OOM killer"}
+	f.exit = api.ExitStatus{ExitCode: 137, Signal: "KILL", OOMKilled: true, Reason: "killed by the OOM killer"}
 	code, _, errOut = runCLI(t, url, "", "run", "--rm=false", "--", "hog")
 	if code != 137 || !strings.Contains(errOut, "OOM") {
 		t.Fatalf("killed: %d %q", code, errOut)

@@ -10,7 +10,6 @@ package sandbox
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -255,49 +254,39 @@ func copyStepOutput(ctx context.Context, conn *websocket.Conn, out io.Writer) (a
 			if ctx.Err() != nil {
 				return api.ExitStatus{}, ctx.Err()
 			}
-			return api.ExitStatus{}, fmt.Errorf("build step: the sandbox's agent went away before the command exited: %v: %w", err, errdefs.ErrUnavailable)
+			return api.ExitStatus{}, fmt.Errorf("build step: the sandbox's agent went away before the command exited: %w: %w", err, errdefs.ErrUnavailable)
 		}
-		if typ != websocket.MessageBinary || len(b) == 0 {
+		if typ != websocket.MessageBinary {
 			return api.ExitStatus{}, fmt.Errorf("build step: the agent sent a malformed frame: %w", errdefs.ErrUnavailable)
 		}
-		switch b[0] {
+		f, err := api.DecodeFrame(b)
+		if err != nil {
+			return api.ExitStatus{}, fmt.Errorf("build step: the agent sent a malformed frame: %w: %w", err, errdefs.ErrUnavailable)
+		}
+		switch f.Type {
 		case api.FrameStdout, api.FrameStderr:
-			off, data, err := api.DecodeOutput(b[1:])
-			if err != nil {
-				return api.ExitStatus{}, fmt.Errorf("build step: %v: %w", err, errdefs.ErrUnavailable)
-			}
+			off, data := f.Offset, f.Data
 			// Skip a replayed overlap; a gap was announced by FrameDropped.
-			if skip := next[b[0]] - off; skip > 0 {
+			if skip := next[f.Type] - off; skip > 0 {
 				if skip >= int64(len(data)) {
 					continue
 				}
 				data = data[skip:]
 				off += skip
 			}
-			next[b[0]] = off + int64(len(data))
+			next[f.Type] = off + int64(len(data))
 			if _, err := out.Write(data); err != nil {
 				return api.ExitStatus{}, fmt.Errorf("build step: writing its output: %w", err)
 			}
 		case api.FrameDropped:
-			var d api.Dropped
-			if err := json.Unmarshal(b[1:], &d); err != nil {
-				return api.ExitStatus{}, fmt.Errorf("build step: the agent sent a malformed frame: %w", errdefs.ErrUnavailable)
-			}
-			if d.To > d.From && d.From >= 0 {
+			if d := f.Dropped; d.To > d.From {
 				fmt.Fprintf(out, "\n[space] %d bytes of %s output were lost (the reader fell behind)\n", d.To-d.From, d.Stream)
 			}
 		case api.FrameStarted:
 		case api.FrameExit:
-			var st api.ExitStatus
-			if err := json.Unmarshal(b[1:], &st); err != nil {
-				return st, fmt.Errorf("build step: the agent sent a malformed exit frame: %w", errdefs.ErrUnavailable)
-			}
-			if st.ExitCode < 0 || st.ExitCode > 255 {
-				return st, fmt.Errorf("build step: the agent reported exit code %d: %w", st.ExitCode, errdefs.ErrUnavailable)
-			}
-			return st, nil
+			return f.Exit, nil
 		default:
-			return api.ExitStatus{}, fmt.Errorf("build step: the agent sent an unknown frame type %d: %w", b[0], errdefs.ErrUnavailable)
+			return api.ExitStatus{}, fmt.Errorf("build step: the agent sent an unexpected frame type %d: %w", f.Type, errdefs.ErrUnavailable)
 		}
 	}
 }

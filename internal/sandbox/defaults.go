@@ -8,7 +8,6 @@ package sandbox
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"math"
 	"path"
@@ -315,21 +314,23 @@ func (w *startWatch) run(c *agentclient.Client, id string) {
 			}
 			return
 		}
-		if typ != websocket.MessageBinary || len(data) == 0 {
+		if typ != websocket.MessageBinary {
 			continue
 		}
-		switch data[0] {
+		f, err := api.DecodeFrame(data)
+		if err != nil {
+			if len(data) > 0 && data[0] == api.FrameExit {
+				return // a malformed exit frame still ends the stream, without a status
+			}
+			continue
+		}
+		switch f.Type {
 		case api.FrameStdout, api.FrameStderr:
-			if _, out, err := api.DecodeOutput(data[1:]); err == nil {
-				w.mu.Lock()
-				w.buf = appendTail(w.buf, out, failureTailBytes)
-				w.mu.Unlock()
-			}
+			w.mu.Lock()
+			w.buf = appendTail(w.buf, f.Data, failureTailBytes)
+			w.mu.Unlock()
 		case api.FrameExit:
-			var st api.ExitStatus
-			if json.Unmarshal(data[1:], &st) == nil {
-				w.setExit(st)
-			}
+			w.setExit(f.Exit)
 			return
 		}
 	}

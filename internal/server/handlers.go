@@ -302,27 +302,19 @@ func (s *Server) attach(w http.ResponseWriter, r *http.Request) {
 			}
 			return
 		}
-		if typ != websocket.MessageBinary || len(b) == 0 {
+		if typ != websocket.MessageBinary {
 			client.Close(websocket.StatusInternalError, "the agent sent a malformed frame")
 			return
 		}
-		switch b[0] {
-		case api.FrameStdout, api.FrameStderr:
-			if _, _, err := api.DecodeOutput(b[1:]); err != nil {
-				client.Close(websocket.StatusInternalError, "the agent sent a malformed output frame")
-				return
-			}
-		case api.FrameStarted, api.FrameDropped:
-			if !json.Valid(b[1:]) {
-				client.Close(websocket.StatusInternalError, "the agent sent a malformed frame")
-				return
-			}
+		f, err := api.DecodeFrame(b)
+		if err != nil {
+			client.Close(websocket.StatusInternalError, "the agent sent a malformed frame")
+			return
+		}
+		switch f.Type {
+		case api.FrameStdout, api.FrameStderr, api.FrameStarted, api.FrameDropped:
 		case api.FrameExit:
-			var st api.ExitStatus
-			if err := json.Unmarshal(b[1:], &st); err != nil {
-				client.Close(websocket.StatusInternalError, "the agent sent a malformed exit frame")
-				return
-			}
+			st := f.Exit
 			if len(st.Reason) > 1024 {
 				st.Reason = st.Reason[:1024]
 			}
@@ -335,7 +327,7 @@ func (s *Server) attach(w http.ResponseWriter, r *http.Request) {
 			client.Close(websocket.StatusNormalClosure, "exited")
 			return
 		default:
-			client.Close(websocket.StatusInternalError, fmt.Sprintf("the agent sent an unknown frame type %d", b[0]))
+			client.Close(websocket.StatusInternalError, fmt.Sprintf("the agent sent an unexpected frame type %d", f.Type))
 			return
 		}
 		if err := client.Write(ctx, websocket.MessageBinary, b); err != nil {

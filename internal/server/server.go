@@ -31,6 +31,7 @@ import (
 	"github.com/spacehq/space/internal/sandbox"
 	"github.com/spacehq/space/internal/store"
 	"github.com/spacehq/space/internal/template"
+	"github.com/spacehq/space/internal/templatesvc"
 )
 
 // Config configures a server.
@@ -60,6 +61,7 @@ type Server struct {
 	db       *store.DB
 	tmpl     *template.Store
 	mgr      *sandbox.Manager
+	tmplsvc  *templatesvc.Service
 	metrics  *metrics
 	apiKey   string
 	handler  http.Handler
@@ -163,7 +165,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		cfg.Logger.Info("deleted leftover build sandboxes", "count", n)
 	}
 	mgr.Run()
-	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, metrics: met, apiKey: key}
+	tsvc := templatesvc.New(templatesvc.Config{Templates: tmpl, Runtimes: rts, Sandboxes: mgr, Logger: cfg.Logger,
+		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries})
+	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key}
 	s.handler = s.routes()
 	return s, nil
 }

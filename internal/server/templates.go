@@ -1,34 +1,25 @@
 package server
 
 import (
-	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
-	"os"
-	"path"
-	"path/filepath"
 	"strconv"
-	"strings"
-	"sync"
 	"time"
 
 	"github.com/spacehq/space/api"
-	"github.com/spacehq/space/internal/build"
 	"github.com/spacehq/space/internal/errdefs"
-	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/template"
+	"github.com/spacehq/space/internal/templatesvc"
 )
 
 // Template endpoints: list, inspect, import (tar, OCI, archive), pull,
-// build, tag, remove, gc, export. Every import path ends in prepared: the
-// runtimes derive what they need from the new tree before the client hears
-// of it, so the first sandbox of a template does not pay for that.
+// build, tag, remove, gc, export. They decode, call the template service
+// (templatesvc) and encode; the work, including preparing every new tree
+// for the runtimes, is the service's.
 
 func (s *Server) listTemplates(w http.ResponseWriter, r *http.Request) {
-	ts, err := s.tmpl.List(r.Context())
+	ts, err := s.tmplsvc.List(r.Context())
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -41,53 +32,12 @@ func (s *Server) listTemplates(w http.ResponseWriter, r *http.Request) {
 
 // getTemplate is inspect: the template plus the sandboxes created from it.
 func (s *Server) getTemplate(w http.ResponseWriter, r *http.Request) {
-	t, err := s.tmpl.Get(r.Context(), r.PathValue("ref"))
+	t, err := s.tmplsvc.Inspect(r.Context(), r.PathValue("ref"))
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
-	users, err := s.templateUsers(r.Context())
-	if err != nil {
-		writeError(w, r, err)
-		return
-	}
-	t.UsedBy = users[t.Digest]
 	writeJSON(w, 200, t)
-}
-
-// templateUsers maps template digests to the ids of the sandboxes created
-// from them that still exist, whatever their state: a stopped or suspended
-// sandbox needs its template as much as a running one.
-func (s *Server) templateUsers(ctx context.Context) (map[string][]string, error) {
-	sbs, err := s.mgr.List(ctx, "", nil)
-	if err != nil {
-		return nil, fmt.Errorf("listing sandboxes: %w", err)
-	}
-	out := map[string][]string{}
-	for _, sb := range sbs {
-		d := sb.TemplateDigest
-		if d == "" && strings.HasPrefix(sb.Template, "sha256:") && len(sb.Template) == len("sha256:")+64 {
-			d = sb.Template // a create that has not resolved its template yet
-		}
-		if sb.State == api.StateDeleted || d == "" {
-			continue
-		}
-		out[d] = append(out[d], sb.ID)
-	}
-	return out, nil
-}
-
-// templatesInUse is templateUsers as the set the store's Remove and GC take.
-func (s *Server) templatesInUse(ctx context.Context) (map[string]bool, error) {
-	users, err := s.templateUsers(ctx)
-	if err != nil {
-		return nil, err
-	}
-	inUse := make(map[string]bool, len(users))
-	for d := range users {
-		inUse[d] = true
-	}
-	return inUse, nil
 }
 
 // removeTemplate is DELETE /v1/templates/{ref}: a tag is untagged, a digest
@@ -98,12 +48,7 @@ func (s *Server) removeTemplate(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	inUse, err := s.templatesInUse(r.Context())
-	if err != nil {
-		writeError(w, r, err)
-		return
-	}
-	if err := s.tmpl.Remove(r.Context(), r.PathValue("ref"), force, inUse); err != nil {
+	if err := s.tmplsvc.Remove(r.Context(), r.PathValue("ref"), force); err != nil {
 		writeError(w, r, err)
 		return
 	}
@@ -118,16 +63,7 @@ func (s *Server) tagTemplate(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	if req.Tag == "" {
-		writeError(w, r, fmt.Errorf("tag is empty; want name:tag: %w", errdefs.ErrInvalidArgument))
-		return
-	}
-	ref := r.PathValue("ref")
-	if err := s.tmpl.Tag(r.Context(), ref, req.Tag); err != nil {
-		writeError(w, r, err)
-		return
-	}
-	t, err := s.tmpl.Get(r.Context(), req.Tag)
+	t, err := s.tmplsvc.Tag(r.Context(), r.PathValue("ref"), req.Tag)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -137,12 +73,7 @@ func (s *Server) tagTemplate(w http.ResponseWriter, r *http.Request) {
 
 // gcTemplates is POST /v1/templates/gc.
 func (s *Server) gcTemplates(w http.ResponseWriter, r *http.Request) {
-	inUse, err := s.templatesInUse(r.Context())
-	if err != nil {
-		writeError(w, r, err)
-		return
-	}
-	res, err := s.tmpl.GC(r.Context(), inUse, s.forgetTemplate)
+	res, err := s.tmplsvc.GC(r.Context())
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -150,50 +81,10 @@ func (s *Server) gcTemplates(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, 200, res)
 }
 
-// forgetTemplate asks every configured runtime that derives formats from
-// template trees to drop what it made of tree. Unavailable runtimes are
-// asked too: they may have prepared the tree while they still worked.
-func (s *Server) forgetTemplate(ctx context.Context, tree string) error {
-	var errs []error
-	for name, rt := range s.runtimes {
-		if p, ok := rt.(runtime.TemplatePreparer); ok {
-			if err := p.ForgetTemplate(ctx, tree); err != nil {
-				errs = append(errs, fmt.Errorf("runtime %s: %w", name, err))
-			}
-		}
-	}
-	return errors.Join(errs...)
-}
-
-// prepare lets every available runtime derive its format of t's tree. A
-// failure is logged, not returned: the template is stored and good, and a
-// runtime derives on demand at create if it has to.
-func (s *Server) prepare(ctx context.Context, t api.Template) {
-	var rootfs string
-	for name, rt := range s.runtimes {
-		p, ok := rt.(runtime.TemplatePreparer)
-		if !ok || !rt.Probe(ctx).Available {
-			continue
-		}
-		if rootfs == "" {
-			_, dir, err := s.tmpl.Resolve(ctx, t.Digest)
-			if err != nil {
-				s.cfg.Logger.Warn("preparing template: resolve", "template", t.Digest, "err", err)
-				return
-			}
-			rootfs = dir
-		}
-		if err := p.PrepareTemplate(ctx, t.TreeDigest, rootfs); err != nil {
-			s.cfg.Logger.Warn("runtime could not prepare template; it will derive at create", "runtime", name,
-				"template", t.Digest, "tree", t.TreeDigest, "err", err)
-		}
-	}
-}
-
 // exportTemplate is GET /v1/templates/{ref}/export: the template archive.
 func (s *Server) exportTemplate(w http.ResponseWriter, r *http.Request) {
 	ref := r.PathValue("ref")
-	t, err := s.tmpl.Get(r.Context(), ref)
+	t, err := s.tmplsvc.Get(r.Context(), ref)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -205,7 +96,7 @@ func (s *Server) exportTemplate(w http.ResponseWriter, r *http.Request) {
 	}}
 	// Export by digest: a tag moved between Get and Export must not change
 	// what the headers above describe.
-	if err := s.tmpl.Export(r.Context(), t.Digest, lw); err != nil {
+	if err := s.tmplsvc.Export(r.Context(), t.Digest, lw); err != nil {
 		if !lw.started {
 			writeError(w, r, err)
 			return
@@ -250,46 +141,20 @@ func (l *lazyWriter) Write(p []byte) (int, error) {
 	return l.w.Write(p)
 }
 
-// Import formats of POST /v1/templates.
-const (
-	formatTar     = "tar"     // a root filesystem
-	formatOCI     = "oci"     // a docker-save or OCI image layout tar
-	formatArchive = "archive" // a template archive (GET …/export)
-)
-
 // importTemplate is POST /v1/templates?format=tar|oci|archive&tag=….
 func (s *Server) importTemplate(w http.ResponseWriter, r *http.Request) {
-	q := r.URL.Query()
-	format := q.Get("format")
-	if format == "" {
-		format = formatTar
-	}
+	format := r.URL.Query().Get("format")
 	tags := queryTags(r)
 	body, err := uploadBody(r, s.cfg.MaxTemplateBytes)
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
-	opts := template.ImportOptions{Tags: tags, MaxBytes: s.cfg.MaxTemplateBytes}
-	var t api.Template
-	switch format {
-	case formatTar:
-		opts.Source = "tar"
-		t, err = s.tmpl.ImportTar(r.Context(), body, opts)
-	case formatArchive:
-		t, err = s.tmpl.ImportArchive(r.Context(), body, opts)
-	case formatOCI:
-		// Archives are read in place: the store spools the upload to a
-		// file under its tmp/ (gzip decompressed) and removes it after.
-		t, err = s.tmpl.ImportOCIStream(r.Context(), body, template.OCISource{}, opts)
-	default:
-		err = fmt.Errorf("format %q: want tar, oci or archive: %w", format, errdefs.ErrInvalidArgument)
-	}
+	t, err := s.tmplsvc.Import(r.Context(), format, body, tags)
 	if err != nil {
 		writeError(w, r, body.check(err))
 		return
 	}
-	s.prepare(r.Context(), t)
 	writeJSON(w, http.StatusCreated, t)
 }
 
@@ -300,24 +165,13 @@ func (s *Server) pullTemplate(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	if strings.TrimSpace(req.Image) == "" {
-		writeError(w, r, fmt.Errorf("image is empty; want a reference like registry:5000/app:1: %w", errdefs.ErrInvalidArgument))
-		return
-	}
-	t, err := s.tmpl.ImportOCI(r.Context(), template.OCISource{Image: req.Image, Insecure: req.Insecure, AllowPrivate: s.cfg.AllowPrivateRegistries},
-		template.ImportOptions{Tags: req.Tags, MaxBytes: s.cfg.MaxTemplateBytes})
+	t, err := s.tmplsvc.Pull(r.Context(), req)
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
-	s.prepare(r.Context(), t)
 	writeJSON(w, http.StatusCreated, t)
 }
-
-// buildFileDir is the top-level context directory a client puts a build
-// file from outside the context in (sdk.BuildFileDir). It is removed from
-// the context before the build, so COPY never sees it.
-const buildFileDir = ".space-build"
 
 // buildWriteTimeout bounds one write of the build stream: a client that
 // stops reading must not hold a build (and its sandbox) forever.
@@ -327,145 +181,38 @@ const buildWriteTimeout = time.Minute
 // body is a tar of the build context; the answer an NDJSON stream of
 // api.BuildEvent once the build file has parsed.
 func (s *Server) buildTemplate(w http.ResponseWriter, r *http.Request) {
-	ctx := r.Context()
-	q := r.URL.Query()
-	file := q.Get("file")
-	if file == "" {
-		file = "Dockerfile"
+	req := templatesvc.BuildRequest{File: r.URL.Query().Get("file"), Tags: queryTags(r)}
+	var err error
+	if req.NoCache, err = queryBool(r, "no_cache"); err == nil {
+		req.Network, err = queryBool(r, "network")
 	}
-	if path.IsAbs(file) || strings.ContainsRune(file, 0) || path.Clean(file) == ".." || strings.HasPrefix(path.Clean(file), "../") {
-		writeError(w, r, fmt.Errorf("file %q must be a relative path inside the build context: %w", file, errdefs.ErrInvalidArgument))
-		return
+	if err == nil {
+		err = req.Check() // before the body is read
 	}
-	file = path.Clean(file)
-	noCache, err := queryBool(r, "no_cache")
 	if err != nil {
 		writeError(w, r, err)
 		return
-	}
-	network, err := queryBool(r, "network")
-	if err != nil {
-		writeError(w, r, err)
-		return
-	}
-	tags := queryTags(r)
-	for _, t := range tags {
-		if _, err := template.ParseTag(t); err != nil {
-			writeError(w, r, err)
-			return
-		}
 	}
 	body, err := uploadBody(r, s.cfg.MaxTemplateBytes)
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
-	// The context lives under the template store's tmp/, emptied when the
-	// store opens: a crash mid-build leaves nothing for long.
-	work, err := os.MkdirTemp(filepath.Join(s.tmpl.Dir(), "tmp"), "build-context-")
+	b, err := s.tmplsvc.OpenBuild(r.Context(), req, body)
 	if err != nil {
-		writeError(w, r, fmt.Errorf("build context dir: %w", err))
+		writeError(w, r, body.check(err))
 		return
 	}
-	defer os.RemoveAll(work)
-	dir := filepath.Join(work, "context")
-	if err := os.Mkdir(dir, 0o700); err != nil {
-		writeError(w, r, err)
-		return
-	}
-	if err := template.ExtractTar(ctx, body, dir, s.cfg.MaxTemplateBytes); err != nil {
-		writeError(w, r, body.check(fmt.Errorf("build context: %w", err)))
-		return
-	}
-	bf, err := readBuildFile(dir, file)
-	if err != nil {
-		writeError(w, r, err)
-		return
-	}
-	if err := os.RemoveAll(filepath.Join(dir, buildFileDir)); err != nil {
-		writeError(w, r, err)
-		return
-	}
+	defer b.Close()
 
-	bctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	w.Header().Set("Content-Type", "application/x-ndjson")
-	w.WriteHeader(http.StatusOK)
-	rc := http.NewResponseController(w)
-	// The deadline would outlive this response on a kept-alive connection
-	// (the server sets none of its own): clear it when done.
-	defer rc.SetWriteDeadline(time.Time{})
-	rc.Flush()
-	var (
-		mu     sync.Mutex
-		broken bool
-	)
-	send := func(ev api.BuildEvent) {
-		mu.Lock()
-		defer mu.Unlock()
-		if broken {
-			return
-		}
-		line, err := json.Marshal(ev)
-		if err == nil {
-			_ = rc.SetWriteDeadline(time.Now().Add(buildWriteTimeout))
-			if _, err = w.Write(append(line, '\n')); err == nil {
-				err = rc.Flush()
-			}
-		}
-		if err != nil {
-			// The client is gone or stuck: stop the build, which removes
-			// its step sandbox.
-			broken = true
-			cancel()
-		}
-	}
-	if err := s.ensureBaseFor(bctx, bf, send); err != nil {
-		send(api.BuildEvent{Error: &api.ErrorBody{Code: errdefs.Code(err), Message: errorMessage(err)}})
+	nd := newNDJSON(w, buildWriteTimeout)
+	defer nd.Close()
+	t, err := b.Run(r.Context(), func(ev api.BuildEvent) error { return nd.Send(ev) })
+	if err != nil {
+		nd.Send(api.BuildEvent{Error: &api.ErrorBody{Code: errdefs.Code(err), Message: errorMessage(err)}})
 		return
 	}
-	t, err := build.Build(bctx, build.Options{
-		File: bf, ContextDir: dir, Tags: tags, Templates: s.tmpl, Runner: s.mgr,
-		MaxBytes: s.cfg.MaxTemplateBytes, NoCache: noCache, Network: network, Events: send,
-	})
-	if err != nil {
-		status := errdefs.HTTPStatus(err)
-		if status >= 500 && !errors.Is(err, errdefs.ErrUnavailable) && !errors.Is(err, errdefs.ErrTimeout) && ctx.Err() == nil {
-			s.cfg.Logger.Error("template build failed", "err", err)
-		}
-		send(api.BuildEvent{Error: &api.ErrorBody{Code: errdefs.Code(err), Message: errorMessage(err)}})
-		return
-	}
-	s.prepare(bctx, t)
-	send(api.BuildEvent{Template: &t})
-}
-
-// readBuildFile opens file inside the extracted context dir, never
-// following a symlink out of it (the context is the client's: a symlink to
-// a host file must not make its content show up in a parse error), and
-// parses it.
-func readBuildFile(dir, file string) (*build.File, error) {
-	root, err := os.OpenRoot(dir)
-	if err != nil {
-		return nil, err
-	}
-	defer root.Close()
-	f, err := root.Open(file)
-	if err != nil {
-		if errors.Is(err, os.ErrNotExist) {
-			return nil, fmt.Errorf("build file %q is not in the build context: %w", file, errdefs.ErrInvalidArgument)
-		}
-		return nil, fmt.Errorf("build file %q: %v: %w", file, err, errdefs.ErrInvalidArgument)
-	}
-	defer f.Close()
-	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
-		return nil, fmt.Errorf("build file %q is not a regular file: %w", file, errdefs.ErrInvalidArgument)
-	}
-	bf, err := build.Parse(f)
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", file, err)
-	}
-	return bf, nil
+	nd.Send(api.BuildEvent{Template: &t})
 }
 
 // queryTags returns the non-empty tag= parameters (validated by the store).
@@ -494,10 +241,7 @@ func queryBool(r *http.Request, name string) (bool, error) {
 
 // buildBase streams the base template build's progress as NDJSON.
 func (s *Server) buildBase(w http.ResponseWriter, r *http.Request) {
-	w.Header().Set("Content-Type", "application/x-ndjson")
-	w.WriteHeader(200)
-	enc := json.NewEncoder(w)
-	fl, _ := w.(http.Flusher)
+	nd := newNDJSON(w, 0)
 	progress := make(chan template.Progress, 64)
 	done := make(chan struct{})
 	var (
@@ -506,7 +250,7 @@ func (s *Server) buildBase(w http.ResponseWriter, r *http.Request) {
 	)
 	go func() {
 		defer close(done)
-		t, err = s.tmpl.EnsureBase(r.Context(), func(p template.Progress) {
+		t, err = s.tmplsvc.EnsureBase(r.Context(), func(p template.Progress) {
 			select {
 			case progress <- p:
 			default: // never block the build on a slow client
@@ -516,43 +260,14 @@ func (s *Server) buildBase(w http.ResponseWriter, r *http.Request) {
 	for {
 		select {
 		case p := <-progress:
-			enc.Encode(map[string]any{"phase": p.Phase, "done": p.Done, "total": p.Total, "message": p.Message})
-			if fl != nil {
-				fl.Flush()
-			}
+			nd.Send(map[string]any{"phase": p.Phase, "done": p.Done, "total": p.Total, "message": p.Message})
 		case <-done:
 			if err != nil {
-				enc.Encode(api.Error{Error: api.ErrorBody{Code: errdefs.Code(err), Message: err.Error()}})
+				nd.Send(api.Error{Error: api.ErrorBody{Code: errdefs.Code(err), Message: err.Error()}})
 			} else {
-				s.prepare(r.Context(), t)
-				enc.Encode(map[string]any{"template": t})
+				nd.Send(map[string]any{"template": t})
 			}
 			return
 		}
 	}
-}
-
-// ensureBaseFor builds the base template when the build starts FROM it and
-// it is missing (a fresh server), as `space run` does, reporting progress
-// as build output instead of failing the first build.
-func (s *Server) ensureBaseFor(ctx context.Context, bf *build.File, send func(api.BuildEvent)) error {
-	if len(bf.Instructions) == 0 || bf.Instructions[0].Cmd != "FROM" || len(bf.Instructions[0].Args) == 0 {
-		return nil
-	}
-	ref, err := template.ParseTag(bf.Instructions[0].Args[0])
-	if err != nil || ref != template.BaseTag {
-		return nil
-	}
-	if _, err := s.tmpl.Get(ctx, ref); !errors.Is(err, errdefs.ErrNotFound) {
-		return nil
-	}
-	send(api.BuildEvent{Output: "building the base template first (once; a few minutes)\n"})
-	last := ""
-	_, err = s.tmpl.EnsureBase(ctx, func(p template.Progress) {
-		if p.Phase != last {
-			last = p.Phase
-			send(api.BuildEvent{Output: "base: " + p.Phase + "\n"})
-		}
-	})
-	return err
 }

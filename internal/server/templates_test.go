@@ -26,6 +26,7 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/store"
 	"github.com/spacehq/space/internal/template"
+	"github.com/spacehq/space/internal/templatesvc"
 )
 
 // templateServer is a Server with a real template store and no runtimes:
@@ -45,6 +46,8 @@ func templateServer(t *testing.T) (*Server, string) {
 	t.Cleanup(func() { tmpl.Close() })
 	s := &Server{cfg: Config{Logger: slog.Default(), MaxTemplateBytes: 1 << 20, AllowPrivateRegistries: true}, db: db, tmpl: tmpl,
 		metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890"}
+	s.tmplsvc = templatesvc.New(templatesvc.Config{Templates: tmpl, Logger: s.cfg.Logger, MaxBytes: s.cfg.MaxTemplateBytes,
+		AllowPrivateRegistries: s.cfg.AllowPrivateRegistries})
 	return s, filepath.Join(dir, "templates", "tmp")
 }
 

@@ -54,19 +54,18 @@ func (p *ptySession) expect(want string) {
 		if err != nil {
 			p.t.Fatalf("waiting for %q in PTY output %q: %v", want, p.out.String(), err)
 		}
-		if typ != websocket.MessageBinary || len(msg) == 0 {
+		if typ != websocket.MessageBinary {
 			continue
 		}
-		switch msg[0] {
+		f, err := api.DecodeFrame(msg)
+		if err != nil {
+			p.t.Fatalf("attach frame from the agent: %v", err)
+		}
+		switch f.Type {
 		case api.FrameStdout, api.FrameStderr:
-			_, data, err := api.DecodeOutput(msg[1:])
-			if err != nil {
-				p.t.Fatal(err)
-			}
-			p.out.Write(data)
+			p.out.Write(f.Data)
 		case api.FrameExit:
-			var es api.ExitStatus
-			json.Unmarshal(msg[1:], &es)
+			es := f.Exit
 			p.exit = &es
 			if !strings.Contains(p.out.String(), want) {
 				p.t.Fatalf("process exited (%+v) before %q appeared in %q", es, want, p.out.String())
@@ -122,11 +121,11 @@ func testPTY(t *testing.T, h Harness) {
 			t.Fatalf("waiting for exit frame: %v", err)
 		}
 		if typ == websocket.MessageBinary && len(msg) > 0 && msg[0] == api.FrameExit {
-			var es api.ExitStatus
-			if err := json.Unmarshal(msg[1:], &es); err != nil {
+			f, err := api.DecodeFrame(msg)
+			if err != nil {
 				t.Fatal(err)
 			}
-			p.exit = &es
+			p.exit = &f.Exit
 		}
 	}
 	if p.exit.ExitCode != 5 {
