@@ -280,7 +280,7 @@ func applyEntry(st *stager, tr *tar.Reader, hdr *tar.Header, cr *countingReader,
 	case tar.TypeDir:
 		m.xattrs = xs
 		return st.dir(rel, m)
-	case tar.TypeReg, tar.TypeRegA: //nolint:staticcheck // old archives still use '\x00'
+	case tar.TypeReg: // tar.Reader turns legacy TypeRegA into TypeReg (or TypeDir)
 		m.xattrs = xs
 		err := st.file(rel, m, hdr.Size, sourceReader{tr})
 		var short *shortReadError
@@ -323,7 +323,7 @@ func paxXattrs(hdr *tar.Header, rel string, log *slog.Logger) []xattr {
 		case !keepXattr(n):
 			log.Debug("template import: dropping extended attribute", "path", rel, "xattr", n,
 				"file_capability", n == "security.capability")
-		case hdr.Typeflag != tar.TypeDir && hdr.Typeflag != tar.TypeReg && hdr.Typeflag != tar.TypeRegA: //nolint:staticcheck
+		case hdr.Typeflag != tar.TypeDir && hdr.Typeflag != tar.TypeReg: // tar.Reader turns legacy TypeRegA into TypeReg
 			log.Debug("template import: dropping extended attribute of a special file", "path", rel, "xattr", n)
 		default:
 			out = append(out, xattr{name: n, value: []byte(v)})

@@ -336,7 +336,7 @@ func (t *tarBlobs) index() error {
 			continue // nothing an image refers to
 		}
 		switch hdr.Typeflag {
-		case tar.TypeReg, tar.TypeRegA: //nolint:staticcheck // old archives
+		case tar.TypeReg: // tar.Reader turns legacy TypeRegA into TypeReg (or TypeDir)
 			if isSparse(hdr) {
 				continue // content not stored contiguously: never a blob
 			}
