@@ -20,6 +20,7 @@ import (
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
 	"github.com/spacehq/space/internal/runtime/hostfs"
+	"github.com/spacehq/space/internal/runtime/hostproc"
 )
 
 // Name is the name the runtime registers under.
@@ -330,12 +331,14 @@ func qemuProcessesUnder(dir string) map[string][]int {
 // killPid SIGKILLs pid through a pidfd (so a recycled pid is never hit
 // after the check) and waits briefly for it to go.
 func killPid(pid int) {
-	fd, err := unix.PidfdOpen(pid, 0)
+	p, err := hostproc.OpenPid(pid)
 	if err != nil {
 		return
 	}
-	defer unix.Close(fd)
-	_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
-	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-	_, _ = unix.Poll(fds, 5000)
+	exited := p.Exited()
+	_ = p.Signal(unix.SIGKILL)
+	select {
+	case <-exited:
+	case <-time.After(5 * time.Second):
+	}
 }

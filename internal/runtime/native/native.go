@@ -69,6 +69,7 @@ import (
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/hostfs"
+	"github.com/spacehq/space/internal/runtime/hostproc"
 )
 
 // Name is the name the runtime registers under.
@@ -195,11 +196,8 @@ func (r *Runtime) Open(ctx context.Context, spec runtime.Spec) (runtime.Instance
 	if _, err := os.Stat(inst.dir); err != nil {
 		return nil, fmt.Errorf("sandbox %s: %w", spec.ID, errdefs.ErrNotFound)
 	}
-	if rec, err := readPidFile(inst.pidFile()); err == nil {
-		if pidfd, ok := liveProcess(rec); ok {
-			inst.pid = rec.Pid
-			inst.exited = watchExit(pidfd)
-		}
+	if p, err := hostproc.Adopt(inst.pidFile()); err == nil {
+		inst.pid, inst.exited = p.Pid(), p.Exited()
 	}
 	return inst, nil
 }
@@ -250,11 +248,8 @@ func (r *Runtime) Sweep(ctx context.Context, keep func(id string) bool) ([]strin
 			errs = append(errs, err)
 			continue
 		}
-		if rec, err := readPidFile(inst.pidFile()); err == nil {
-			if pidfd, ok := liveProcess(rec); ok {
-				inst.pid = rec.Pid
-				inst.exited = watchExit(pidfd)
-			}
+		if p, err := hostproc.Adopt(inst.pidFile()); err == nil {
+			inst.pid, inst.exited = p.Pid(), p.Exited()
 		}
 		if err := inst.Destroy(ctx); err != nil {
 			errs = append(errs, fmt.Errorf("sweep %s: %w", id, err))
