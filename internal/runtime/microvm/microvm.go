@@ -64,7 +64,7 @@ type Runtime struct {
 	cfg    runtime.Config
 	log    *slog.Logger
 	images *Images
-	probe  probeCache
+	probe  runtime.ProbeCache
 
 	bootMu sync.Mutex
 	boot   *bootFiles // kernel and initramfs, once found

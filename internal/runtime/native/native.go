@@ -90,7 +90,7 @@ func init() {
 type Runtime struct {
 	cfg   runtime.Config
 	log   *slog.Logger
-	probe probeCache
+	probe runtime.ProbeCache
 	disks *diskPool
 
 	oomWarn sync.Once
