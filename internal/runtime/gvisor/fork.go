@@ -13,6 +13,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
 // Fork.
@@ -235,13 +236,7 @@ func (r *Runtime) newChild(spec runtime.Spec) (*instance, error) {
 	if fi, err := os.Stat(spec.RootFS); err != nil || !fi.IsDir() {
 		return nil, fmt.Errorf("template root %q is not a directory: %w", spec.RootFS, errdefs.ErrInvalidArgument)
 	}
-	if err := os.MkdirAll(r.sandboxesDir(), 0o700); err != nil {
-		return nil, err
-	}
-	if err := os.Mkdir(k.dir, 0o700); err != nil {
-		if errors.Is(err, os.ErrExist) {
-			return nil, fmt.Errorf("sandbox %s already exists: %w", spec.ID, errdefs.ErrConflict)
-		}
+	if err := hostfs.MkdirSandbox(k.dir, spec.ID); err != nil {
 		return nil, err
 	}
 	return k, nil

@@ -166,13 +166,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (_ runtime.Inst
 	if fi, err := os.Stat(spec.RootFS); err != nil || !fi.IsDir() {
 		return nil, fmt.Errorf("template root %q is not a directory: %w", spec.RootFS, errdefs.ErrInvalidArgument)
 	}
-	if err := os.MkdirAll(r.sandboxesDir(), 0o700); err != nil {
-		return nil, err
-	}
-	if err := os.Mkdir(inst.dir, 0o700); err != nil {
-		if errors.Is(err, os.ErrExist) {
-			return nil, fmt.Errorf("sandbox %s already exists: %w", spec.ID, errdefs.ErrConflict)
-		}
+	if err := hostfs.MkdirSandbox(inst.dir, spec.ID); err != nil {
 		return nil, err
 	}
 	defer func() {

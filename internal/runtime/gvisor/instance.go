@@ -19,6 +19,7 @@ import (
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
 	"github.com/spacehq/space/internal/runtime/hostfs"
+	"github.com/spacehq/space/internal/runtime/hostproc"
 )
 
 // startTimeout bounds `runsc run` plus the agent binding its socket.
@@ -107,13 +108,8 @@ func (i *instance) Exited() <-chan struct{} {
 
 // adopt attaches to a sandbox process that still runs (server restart).
 func (i *instance) adopt(ctx context.Context) {
-	rec, err := readPidFile(i.pidFile())
-	if err != nil {
-		return
-	}
-	if pidfd, ok := liveProcess(rec); ok {
-		i.pid = rec.Pid
-		i.exited = watchExit(pidfd)
+	if p, err := hostproc.Adopt(i.pidFile()); err == nil {
+		i.pid, i.exited = p.Pid(), p.Exited()
 	}
 }
 
@@ -471,21 +467,16 @@ func (i *instance) trackSandboxLocked() (<-chan struct{}, int, error) {
 	if err != nil || pid <= 0 {
 		return nil, 0, fmt.Errorf("bad pid %q", data)
 	}
-	pidfd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
+	proc, err := hostproc.OpenPid(pid)
 	if err != nil {
-		return nil, 0, fmt.Errorf("sandbox process %d: %v", pid, err)
+		return nil, 0, fmt.Errorf("sandbox process: %w", err)
 	}
-	st, err := procStartTime(pid)
-	if err != nil {
-		unix.Close(pidfd)
-		return nil, 0, err
-	}
-	exited := watchExit(pidfd)
+	exited := proc.Exited()
 	i.pid, i.exited = pid, exited
 	if err := raiseHostMemory(i.spec.ID, i.spec.Limits); err != nil {
 		return nil, 0, err
 	}
-	if err := writePidFile(i.pidFile(), pidRecord{Pid: pid, StartTime: st}); err != nil {
+	if err := hostproc.WritePidFile(i.pidFile(), proc.Record()); err != nil {
 		return nil, 0, err
 	}
 	return exited, pid, nil

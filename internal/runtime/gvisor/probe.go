@@ -9,7 +9,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
-	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -22,8 +21,7 @@ import (
 const Isolation = "gvisor(systrap)+seccomp+cgroups"
 
 type probeCache struct {
-	once sync.Once
-	caps runtime.Capabilities
+	runtime.ProbeCache
 	// checkpointErr is why a checkpoint and restore of the probe's
 	// sandbox failed (nil: they work).
 	checkpointErr error
@@ -35,20 +33,10 @@ type probeCache struct {
 // work); the result is cached, and a successful one is kept in DataDir for
 // the rest of the boot (probecache.go).
 func (r *Runtime) Probe(ctx context.Context) runtime.Capabilities {
-	r.probe.once.Do(func() {
-		key, err := r.probeKey()
-		if err == nil {
-			if c, ok := r.loadProbe(key); ok {
-				r.probe.caps = c
-				return
-			}
-		}
-		r.probe.caps = r.measure(ctx)
-		if err == nil {
-			r.storeProbe(key, r.probe.caps)
-		}
+	disk := runtime.ProbeDisk{Key: r.probeKey, Files: r.probeFiles}
+	return r.probe.Get(ctx, disk, func(ctx context.Context) (runtime.Capabilities, bool) {
+		return r.measure(ctx), true
 	})
-	return r.probe.caps
 }
 
 func (r *Runtime) measure(ctx context.Context) runtime.Capabilities {

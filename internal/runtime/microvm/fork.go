@@ -10,6 +10,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
 // Fork.
@@ -128,13 +129,7 @@ func (r *Runtime) newChild(spec runtime.Spec) (*instance, error) {
 	if spec.Hostname != "" && !hostnameRE.MatchString(spec.Hostname) {
 		return nil, fmt.Errorf("hostname %q: %w", spec.Hostname, errdefs.ErrInvalidArgument)
 	}
-	if err := os.MkdirAll(r.sandboxesDir(), 0o700); err != nil {
-		return nil, err
-	}
-	if err := os.Mkdir(k.dir, 0o700); err != nil {
-		if errors.Is(err, os.ErrExist) {
-			return nil, fmt.Errorf("sandbox %s already exists: %w", spec.ID, errdefs.ErrConflict)
-		}
+	if err := hostfs.MkdirSandbox(k.dir, spec.ID); err != nil {
 		return nil, err
 	}
 	if err := os.Mkdir(k.vmDir(), 0o700); err != nil {

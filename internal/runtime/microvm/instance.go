@@ -8,7 +8,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -18,6 +17,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/hostproc"
 	"github.com/spacehq/space/internal/runtime/microvm/jail"
 	"github.com/spacehq/space/internal/runtime/microvm/vmctl"
 )
@@ -111,9 +111,9 @@ func (i *instance) ID() string { return i.spec.ID }
 type vmProc struct {
 	pid       int
 	startTime uint64
-	exited    chan struct{} // closed when QEMU has exited
-	p         *Process      // nil when adopted
-	pidfd     int           // adopted: the pidfd signals go through; -1 otherwise
+	exited    chan struct{}     // closed when QEMU has exited
+	p         *Process          // nil when adopted
+	hp        *hostproc.Process // adopted: the pidfd signals go through; nil otherwise
 
 	// stopping marks an exit the runtime caused (Stop, Destroy, a failed
 	// start): not reported as the guest's own end.
@@ -137,8 +137,8 @@ func (pr *vmProc) alive() bool {
 func (pr *vmProc) kill(d time.Duration) error {
 	if pr.p != nil {
 		_ = pr.p.cmd.Process.Kill()
-	} else if pr.pidfd >= 0 {
-		_ = unix.PidfdSendSignal(pr.pidfd, unix.SIGKILL, nil, 0)
+	} else if pr.hp != nil {
+		_ = pr.hp.Signal(unix.SIGKILL)
 	}
 	select {
 	case <-pr.exited:
@@ -443,7 +443,7 @@ func (i *instance) launch(ctx context.Context, incoming *os.File) (err error) {
 	if err != nil {
 		return err
 	}
-	pr := &vmProc{pid: p.Pid(), exited: make(chan struct{}), p: p, pidfd: -1}
+	pr := &vmProc{pid: p.Pid(), exited: make(chan struct{}), p: p}
 	_ = os.Remove(i.hungFile())
 	go i.reap(pr, p.Done())
 	defer func() {
@@ -452,12 +452,12 @@ func (i *instance) launch(ctx context.Context, incoming *os.File) (err error) {
 			_ = pr.kill(10 * time.Second)
 		}
 	}()
-	st, err := procStartTime(pr.pid)
+	rec, err := hostproc.Identify(pr.pid)
 	if err != nil {
 		return fmt.Errorf("QEMU exited at once: %v", pr.qemuError(i.qemuErrLog()))
 	}
-	pr.startTime = st
-	if err := writePidFile(i.pidFile(), pr.pid, st); err != nil {
+	pr.startTime = rec.StartTime
+	if err := hostproc.WritePidFile(i.pidFile(), rec); err != nil {
 		return err
 	}
 	i.smu.Lock()
@@ -497,35 +497,20 @@ func (i *instance) jailOptions(vm VM) *JailOptions {
 // pid file must name a live process with the recorded start time whose
 // command line names this sandbox's directory.
 func (i *instance) adoptLocked(ctx context.Context) {
-	pid, st, err := readPidFile(i.pidFile())
-	if err != nil || pid <= 0 {
-		return
-	}
-	fd, err := unix.PidfdOpen(pid, 0)
+	hp, err := hostproc.Adopt(i.pidFile())
 	if err != nil {
 		return
 	}
-	// Checked after opening the pidfd, so the pidfd names the process
-	// that matched.
-	cur, err := procStartTime(pid)
-	cmdline, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-	if err != nil || cur != st || !strings.Contains(string(cmdline), i.dir+"/") {
-		unix.Close(fd)
+	// Read after the pidfd was opened and the start time matched, so it
+	// is that process's command line.
+	cmdline, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", hp.Pid()))
+	if !strings.Contains(string(cmdline), i.dir+"/") {
+		_ = hp.Close()
 		return
 	}
-	pr := &vmProc{pid: pid, startTime: st, exited: make(chan struct{}), pidfd: fd}
+	pr := &vmProc{pid: hp.Pid(), startTime: hp.Record().StartTime, exited: make(chan struct{}), hp: hp}
 	pr.armed.Store(true) // it ran before the restart
-	dead := make(chan struct{})
-	go func() {
-		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-		for {
-			if _, err := unix.Poll(fds, -1); err != unix.EINTR {
-				break
-			}
-		}
-		close(dead)
-	}()
-	go i.reap(pr, dead)
+	go i.reap(pr, hp.Exited())
 	i.smu.Lock()
 	i.proc, i.exitReason = pr, ""
 	i.smu.Unlock()
@@ -678,7 +663,7 @@ func (i *instance) recordExit(pr *vmProc) {
 	}
 	// Another instance value of this sandbox (an Open in this process)
 	// stopped it: it removed or replaced the pid file first.
-	if pid, st, err := readPidFile(i.pidFile()); err != nil || pid != pr.pid || st != pr.startTime {
+	if rec, err := hostproc.ReadPidFile(i.pidFile()); err != nil || rec != (hostproc.Record{Pid: pr.pid, StartTime: pr.startTime}) {
 		return
 	}
 	why := i.describeExit(pr)
@@ -774,10 +759,6 @@ func (i *instance) stopLocked(ctx context.Context) error {
 		_ = os.Remove(i.pidFile())
 		if err := pr.kill(15 * time.Second); err != nil {
 			return fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
-		}
-		if pr.pidfd >= 0 {
-			unix.Close(pr.pidfd)
-			pr.pidfd = -1
 		}
 	}
 	releaseConns(i.agentSocket(), i.qmpSocket(), i.ctlSocket())
@@ -896,74 +877,9 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	if err != nil {
 		// No cgroup (an unjailed QEMU): its own CPU time is all the
 		// guest ran.
-		if cpu, err = procCPUNanos(pr.pid); err != nil && pr.alive() {
+		if cpu, err = hostproc.CPUTime(pr.pid); err != nil && pr.alive() {
 			return runtime.Stats{}, err
 		}
 	}
 	return runtime.Stats{MemoryBytes: gs.MemoryBytes, OOMKills: gs.OOMKills, Pids: gs.Pids, CPUNanos: cpu}, nil
-}
-
-// procStat returns the fields of /proc/<pid>/stat after the command name.
-func procStat(pid int) ([]string, error) {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return nil, err
-	}
-	// comm may hold spaces and parentheses: fields start after the last ')'.
-	s := string(data)
-	k := strings.LastIndexByte(s, ')')
-	if k < 0 {
-		return nil, fmt.Errorf("malformed /proc/%d/stat", pid)
-	}
-	f := strings.Fields(s[k+1:])
-	if len(f) < 20 {
-		return nil, fmt.Errorf("malformed /proc/%d/stat", pid)
-	}
-	return f, nil
-}
-
-// procStartTime is field 22 of /proc/<pid>/stat (clock ticks since boot).
-func procStartTime(pid int) (uint64, error) {
-	f, err := procStat(pid)
-	if err != nil {
-		return 0, err
-	}
-	return strconv.ParseUint(f[19], 10, 64)
-}
-
-// clockTicks is USER_HZ, the unit of /proc/<pid>/stat times (100 on every
-// Linux ABI Go supports).
-const clockTicks = 100
-
-// procCPUNanos is utime+stime of pid (fields 14 and 15).
-func procCPUNanos(pid int) (int64, error) {
-	f, err := procStat(pid)
-	if err != nil {
-		return 0, err
-	}
-	u, err1 := strconv.ParseInt(f[11], 10, 64)
-	s, err2 := strconv.ParseInt(f[12], 10, 64)
-	if err1 != nil || err2 != nil {
-		return 0, fmt.Errorf("malformed /proc/%d/stat", pid)
-	}
-	return (u + s) * (int64(time.Second) / clockTicks), nil
-}
-
-func writePidFile(path string, pid int, startTime uint64) error {
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, []byte(fmt.Sprintf("%d %d\n", pid, startTime)), 0o600); err != nil {
-		return err
-	}
-	return os.Rename(tmp, path)
-}
-
-func readPidFile(path string) (pid int, startTime uint64, err error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return 0, 0, err
-	}
-	if _, err := fmt.Sscanf(string(data), "%d %d", &pid, &startTime); err != nil {
-		return 0, 0, fmt.Errorf("pid file %s: %v", path, err)
-	}
-	return pid, startTime, nil
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
 	"github.com/spacehq/space/internal/runtime/hostfs"
+	"github.com/spacehq/space/internal/runtime/hostproc"
 )
 
 // Name is the name the runtime registers under.
@@ -63,7 +64,7 @@ type Runtime struct {
 	cfg    runtime.Config
 	log    *slog.Logger
 	images *Images
-	probe  probeCache
+	probe  runtime.ProbeCache
 
 	bootMu sync.Mutex
 	boot   *bootFiles // kernel and initramfs, once found
@@ -196,13 +197,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (_ runtime.Inst
 	if spec.Hostname != "" && !hostnameRE.MatchString(spec.Hostname) {
 		return nil, fmt.Errorf("hostname %q: %w", spec.Hostname, errdefs.ErrInvalidArgument)
 	}
-	if err := os.MkdirAll(r.sandboxesDir(), 0o700); err != nil {
-		return nil, err
-	}
-	if err := os.Mkdir(i.dir, 0o700); err != nil {
-		if errors.Is(err, os.ErrExist) {
-			return nil, fmt.Errorf("sandbox %s already exists: %w", spec.ID, errdefs.ErrConflict)
-		}
+	if err := hostfs.MkdirSandbox(i.dir, spec.ID); err != nil {
 		return nil, err
 	}
 	defer func() {
@@ -330,12 +325,14 @@ func qemuProcessesUnder(dir string) map[string][]int {
 // killPid SIGKILLs pid through a pidfd (so a recycled pid is never hit
 // after the check) and waits briefly for it to go.
 func killPid(pid int) {
-	fd, err := unix.PidfdOpen(pid, 0)
+	p, err := hostproc.OpenPid(pid)
 	if err != nil {
 		return
 	}
-	defer unix.Close(fd)
-	_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
-	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-	_, _ = unix.Poll(fds, 5000)
+	exited := p.Exited()
+	_ = p.Signal(unix.SIGKILL)
+	select {
+	case <-exited:
+	case <-time.After(5 * time.Second):
+	}
 }

@@ -2,19 +2,13 @@ package microvm
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
-	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/runtime"
@@ -35,12 +29,6 @@ const probeIDPrefix = "probe-"
 // probeBootTimeout bounds the probe's guest boot to its agent's answer.
 const probeBootTimeout = 90 * time.Second
 
-type probeCache struct {
-	mu   sync.Mutex
-	done bool
-	caps runtime.Capabilities
-}
-
 // Probe implements runtime.Runtime. Available only if QEMU, the guest
 // kernel, the initramfs and the erofs and ext4 tools work and one real
 // guest — root image, writable disk, agent and control port, exactly as a
@@ -48,29 +36,14 @@ type probeCache struct {
 // only if ProbeKVM saw a guest really run under it. A successful result is
 // kept for the host's boot (probeKey).
 func (r *Runtime) Probe(ctx context.Context) runtime.Capabilities {
-	r.probe.mu.Lock()
-	defer r.probe.mu.Unlock()
-	if r.probe.done {
-		return r.probe.caps
-	}
-	key, kerr := r.probeKey()
-	if kerr == nil {
-		if c, ok := r.loadProbe(key); ok {
-			r.probe.caps, r.probe.done = c, true
-			return c
-		}
-	}
-	r.probing.Store(true)
-	c := r.measure(ctx)
-	r.probing.Store(false)
-	if ctx.Err() != nil && !c.Available {
-		return c // cut short by the caller: measure again next time
-	}
-	r.probe.caps, r.probe.done = c, true
-	if kerr == nil {
-		r.storeProbe(key, c)
-	}
-	return c
+	disk := runtime.ProbeDisk{Key: r.probeKey, Files: r.probeCachePaths}
+	return r.probe.Get(ctx, disk, func(ctx context.Context) (runtime.Capabilities, bool) {
+		r.probing.Store(true)
+		c := r.measure(ctx)
+		r.probing.Store(false)
+		// Cut short by the caller: measure again next time.
+		return c, c.Available || ctx.Err() == nil
+	})
 }
 
 func (r *Runtime) measure(ctx context.Context) runtime.Capabilities {
@@ -229,16 +202,7 @@ const probeCacheFile = "probe.json"
 // runProbeDir is the host-wide copy's directory.
 const runProbeDir = "/run/space/microvm"
 
-type probeRecord struct {
-	Key  string               `json:"key"`
-	Caps runtime.Capabilities `json:"caps"`
-}
-
 func (r *Runtime) probeKey() (string, error) {
-	boot, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
-	if err != nil {
-		return "", err
-	}
 	qemu, err := exec.LookPath(DefaultQEMU)
 	if err != nil {
 		return "", err
@@ -247,62 +211,9 @@ func (r *Runtime) probeKey() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	self, err := os.Executable()
-	if err != nil {
-		return "", err
-	}
-	h := sha256.New()
-	fmt.Fprintf(h, "boot=%s\nuid=%d\nkvm_timeout=%v\n", strings.TrimSpace(string(boot)), os.Geteuid(), DefaultKVMProbeTimeout)
-	for _, p := range []string{qemu, k.Vmlinuz, r.cfg.AgentBinary, self} {
-		var st unix.Stat_t
-		if err := unix.Stat(p, &st); err != nil {
-			return "", err
-		}
-		fmt.Fprintf(h, "%s %d %d %d %d.%d\n", p, st.Dev, st.Ino, st.Size, st.Mtim.Sec, st.Mtim.Nsec)
-	}
-	return hex.EncodeToString(h.Sum(nil)), nil
+	return runtime.ProbeKey(fmt.Sprintf("kvm_timeout=%v\n", DefaultKVMProbeTimeout), qemu, k.Vmlinuz, r.cfg.AgentBinary)
 }
 
 func (r *Runtime) probeCachePaths(key string) []string {
 	return []string{filepath.Join(r.cfg.DataDir, probeCacheFile), filepath.Join(runProbeDir, "probe-"+key[:16]+".json")}
-}
-
-func (r *Runtime) loadProbe(key string) (runtime.Capabilities, bool) {
-	for _, p := range r.probeCachePaths(key) {
-		data, err := os.ReadFile(p)
-		if err != nil {
-			continue
-		}
-		var rec probeRecord
-		if json.Unmarshal(data, &rec) != nil || rec.Key != key || !rec.Caps.Available {
-			continue
-		}
-		c := rec.Caps
-		if c.Details == nil {
-			c.Details = map[string]string{}
-		}
-		c.Details["probe_cached"] = "true"
-		return c, true
-	}
-	return runtime.Capabilities{}, false
-}
-
-func (r *Runtime) storeProbe(key string, c runtime.Capabilities) {
-	if !c.Available {
-		return
-	}
-	data, err := json.Marshal(probeRecord{Key: key, Caps: c})
-	if err != nil {
-		return
-	}
-	_ = os.MkdirAll(runProbeDir, 0o700)
-	for _, p := range r.probeCachePaths(key) {
-		tmp := p + ".tmp" + strconv.Itoa(os.Getpid())
-		if err := os.WriteFile(tmp, data, 0o600); err != nil {
-			continue
-		}
-		if err := os.Rename(tmp, p); err != nil {
-			_ = os.Remove(tmp)
-		}
-	}
 }

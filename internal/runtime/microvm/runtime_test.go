@@ -18,6 +18,7 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/hostproc"
 	"github.com/spacehq/space/internal/runtime/microvm/jail"
 	"github.com/spacehq/space/internal/runtime/runtimetest"
 	"github.com/spacehq/space/internal/testenv"
@@ -229,17 +230,17 @@ func TestExitReasonAndWatchdog(t *testing.T) {
 		t.Fatalf("Open adopted pid %d, running %d", p, i.Pid())
 	}
 	// A recycled pid is not adopted: the start time must match.
-	pid, st, err := readPidFile(i.pidFile())
+	rec, err := hostproc.ReadPidFile(i.pidFile())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := writePidFile(i.pidFile(), pid, st+1); err != nil {
+	if err := hostproc.WritePidFile(i.pidFile(), hostproc.Record{Pid: rec.Pid, StartTime: rec.StartTime + 1}); err != nil {
 		t.Fatal(err)
 	}
 	if inst3, err := r.Open(ctx, sb.Spec); err != nil || inst3.Alive() {
 		t.Fatalf("Open with a wrong start time: alive %v, %v", inst3 != nil && inst3.Alive(), err)
 	}
-	if err := writePidFile(i.pidFile(), pid, st); err != nil {
+	if err := hostproc.WritePidFile(i.pidFile(), rec); err != nil {
 		t.Fatal(err)
 	}
 

@@ -20,6 +20,7 @@ import (
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/hostfs"
+	"github.com/spacehq/space/internal/runtime/hostproc"
 	"github.com/spacehq/space/internal/runtime/native/nsinit"
 )
 
@@ -237,7 +238,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	statW.Close()
 	// Open the pidfd before anything can reap the child, so it names this
 	// process and no later one with a reused pid.
-	pidfd, pidfdErr := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
+	proc, procErr := hostproc.OpenPid(pid)
 	// Reap it whenever it dies while this server lives.
 	go cmd.Wait()
 	defer func() {
@@ -250,10 +251,10 @@ func (i *instance) Start(ctx context.Context) (err error) {
 			os.Remove(i.sockPath())
 		}
 	}()
-	if pidfdErr != nil {
-		return fmt.Errorf("pidfd_open: %w", pidfdErr)
+	if procErr != nil {
+		return fmt.Errorf("sandbox init: %w", procErr)
 	}
-	exited := watchExit(pidfd)
+	exited := proc.Exited()
 	// The child is blocked reading its config: move it into the cgroups
 	// before it can allocate or fork anything.
 	if err := i.cg.addProc(pid); err != nil {
@@ -267,11 +268,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 			i.rt.log.Warn("cannot protect sandbox agents from the OOM killer", "err", err)
 		})
 	}
-	st, err := procStartTime(pid)
-	if err != nil {
-		return err
-	}
-	if err := writePidFile(i.pidFile(), pidRecord{Pid: pid, StartTime: st}); err != nil {
+	if err := hostproc.WritePidFile(i.pidFile(), proc.Record()); err != nil {
 		return err
 	}
 	if conf.Hostname == "" {

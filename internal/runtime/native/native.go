@@ -69,6 +69,7 @@ import (
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/hostfs"
+	"github.com/spacehq/space/internal/runtime/hostproc"
 )
 
 // Name is the name the runtime registers under.
@@ -89,7 +90,7 @@ func init() {
 type Runtime struct {
 	cfg   runtime.Config
 	log   *slog.Logger
-	probe probeCache
+	probe runtime.ProbeCache
 	disks *diskPool
 
 	oomWarn sync.Once
@@ -153,13 +154,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (_ runtime.Inst
 		return nil, err
 	}
 	// Private to the host: sandbox init gets descriptors, not paths.
-	if err := os.MkdirAll(r.sandboxesDir(), 0o700); err != nil {
-		return nil, err
-	}
-	if err := os.Mkdir(inst.dir, 0o700); err != nil {
-		if errors.Is(err, os.ErrExist) {
-			return nil, fmt.Errorf("sandbox %s already exists: %w", spec.ID, errdefs.ErrConflict)
-		}
+	if err := hostfs.MkdirSandbox(inst.dir, spec.ID); err != nil {
 		return nil, err
 	}
 	defer func() {
@@ -195,11 +190,8 @@ func (r *Runtime) Open(ctx context.Context, spec runtime.Spec) (runtime.Instance
 	if _, err := os.Stat(inst.dir); err != nil {
 		return nil, fmt.Errorf("sandbox %s: %w", spec.ID, errdefs.ErrNotFound)
 	}
-	if rec, err := readPidFile(inst.pidFile()); err == nil {
-		if pidfd, ok := liveProcess(rec); ok {
-			inst.pid = rec.Pid
-			inst.exited = watchExit(pidfd)
-		}
+	if p, err := hostproc.Adopt(inst.pidFile()); err == nil {
+		inst.pid, inst.exited = p.Pid(), p.Exited()
 	}
 	return inst, nil
 }
@@ -250,11 +242,8 @@ func (r *Runtime) Sweep(ctx context.Context, keep func(id string) bool) ([]strin
 			errs = append(errs, err)
 			continue
 		}
-		if rec, err := readPidFile(inst.pidFile()); err == nil {
-			if pidfd, ok := liveProcess(rec); ok {
-				inst.pid = rec.Pid
-				inst.exited = watchExit(pidfd)
-			}
+		if p, err := hostproc.Adopt(inst.pidFile()); err == nil {
+			inst.pid, inst.exited = p.Pid(), p.Exited()
 		}
 		if err := inst.Destroy(ctx); err != nil {
 			errs = append(errs, fmt.Errorf("sweep %s: %w", id, err))

@@ -10,7 +10,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -22,17 +21,13 @@ import (
 	"github.com/spacehq/space/internal/runtime/native/nsinit"
 )
 
-type probeCache struct {
-	once sync.Once
-	caps runtime.Capabilities
-}
-
 // Probe implements runtime.Runtime. Everything is measured once: a user
 // namespace really mounting an overlay, loop devices and mkfs, the cgroup
 // controllers, the Landlock ABI, and whether CRIU works.
 func (r *Runtime) Probe(ctx context.Context) runtime.Capabilities {
-	r.probe.once.Do(func() { r.probe.caps = r.measure(ctx) })
-	return r.probe.caps
+	return r.probe.Get(ctx, runtime.ProbeDisk{}, func(ctx context.Context) (runtime.Capabilities, bool) {
+		return r.measure(ctx), true
+	})
 }
 
 func (r *Runtime) measure(ctx context.Context) runtime.Capabilities {
