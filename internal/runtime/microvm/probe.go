@@ -2,6 +2,7 @@ package microvm
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -69,18 +70,17 @@ func (r *Runtime) measure(ctx context.Context) runtime.Capabilities {
 			c.VerbReasons[v] = c.Reason
 		}
 	}
-	// The snapshot verbs are there when the instance implements them
-	// (suspend.go, fork.go).
-	var inst any = (*instance)(nil)
-	_, canSuspend := inst.(runtime.Suspender)
-	_, canFork := inst.(runtime.Forker)
-	for v, ok := range map[string]bool{api.OpSuspend: canSuspend, api.OpRestore: canSuspend, api.OpWake: canSuspend, api.OpFork: canFork} {
-		c.Verbs[v] = c.Available && ok
+	// The snapshot verbs (suspend, restore, wake, fork — a fork is a
+	// snapshot restored into children) are offered only if the probe's own
+	// guest really went through a suspend and a restore (check).
+	snapErr := c.Details["snapshot_error"]
+	for _, v := range []string{api.OpSuspend, api.OpRestore, api.OpWake, api.OpFork} {
+		c.Verbs[v] = c.Available && snapErr == ""
 		switch {
 		case !c.Available:
 			c.VerbReasons[v] = c.Reason
-		case !ok:
-			c.VerbReasons[v] = "snapshots are not implemented by this build of the microvm runtime"
+		case snapErr != "":
+			c.VerbReasons[v] = "the probe's guest could not be suspended and restored here: " + snapErr
 		}
 	}
 	return c
@@ -123,11 +123,16 @@ func (r *Runtime) check(ctx context.Context, c *runtime.Capabilities) error {
 	if accel == AccelKVM {
 		c.Strength = strengthKVM
 	}
-	d, err := r.probeBoot(ctx, accel)
+	res, err := r.probeBoot(ctx, accel)
 	if err != nil {
 		return err
 	}
-	c.Details["boot_ms"] = strconv.FormatInt(d.Milliseconds(), 10)
+	c.Details["boot_ms"] = strconv.FormatInt(res.boot.Milliseconds(), 10)
+	if res.snapshotErr != nil {
+		c.Details["snapshot_error"] = res.snapshotErr.Error()
+	} else {
+		c.Details["probe_suspend_restore_ms"] = strconv.FormatInt(res.snapshot.Milliseconds(), 10)
+	}
 	return nil
 }
 
@@ -140,18 +145,26 @@ func qemuVersion(out string) string {
 	return strings.TrimSpace(line)
 }
 
+// probeResult is what probeBoot measured.
+type probeResult struct {
+	boot        time.Duration // Start: boot until the agent and the guest's init answer
+	snapshot    time.Duration // suspend to disk and restore until the guest's init answers
+	snapshotErr error         // why the suspend and restore failed (the guest booted)
+}
+
 // probeBoot creates, starts and destroys a sandbox of a tiny template the
-// way the runtime serves any sandbox, and returns how long Start took
-// (boot until the agent and the guest's init answer).
-func (r *Runtime) probeBoot(ctx context.Context, accel string) (time.Duration, error) {
+// way the runtime serves any sandbox, and measures its boot and then a
+// suspend and restore of it through Suspend and Restore: the snapshot
+// verbs are advertised only if that worked here.
+func (r *Runtime) probeBoot(ctx context.Context, accel string) (probeResult, error) {
 	tree, err := os.MkdirTemp(r.cfg.DataDir, ".probe-tree-")
 	if err != nil {
-		return 0, err
+		return probeResult{}, err
 	}
 	defer os.RemoveAll(tree)
 	for _, d := range []string{"etc", "tmp", "root", "proc", "sys", "dev", "run"} {
 		if err := os.Mkdir(filepath.Join(tree, d), 0o755); err != nil {
-			return 0, err
+			return probeResult{}, err
 		}
 	}
 	// A digest of its own (the tree is built here, not imported), so no
@@ -163,7 +176,7 @@ func (r *Runtime) probeBoot(ctx context.Context, accel string) (time.Duration, e
 		Limits: api.Limits{CPUs: 1, MemoryMiB: 64, Pids: 32, DiskMiB: 16}}
 	inst, err := r.Create(ctx, spec)
 	if err != nil {
-		return 0, fmt.Errorf("probe sandbox: %w", err)
+		return probeResult{}, fmt.Errorf("probe sandbox: %w", err)
 	}
 	defer inst.Destroy(context.WithoutCancel(ctx))
 	i := inst.(*instance)
@@ -171,22 +184,46 @@ func (r *Runtime) probeBoot(ctx context.Context, accel string) (time.Duration, e
 	defer cancel()
 	vm, err := i.coldVM(accel)
 	if err != nil {
-		return 0, err
+		return probeResult{}, err
 	}
 	if err := i.writeVM(vm); err != nil {
-		return 0, err
+		return probeResult{}, err
 	}
 	t0 := time.Now()
 	i.mu.Lock()
-	defer i.mu.Unlock()
-	if err := i.launch(ctx, nil); err != nil {
-		return 0, fmt.Errorf("probe sandbox: %w", err)
+	err = i.launch(ctx, nil)
+	if err == nil {
+		err = i.waitReady(ctx)
 	}
-	defer i.stopLocked(context.WithoutCancel(ctx))
-	if err := i.waitReady(ctx); err != nil {
-		return 0, fmt.Errorf("probe sandbox: %w", err)
+	i.mu.Unlock()
+	if err != nil {
+		return probeResult{}, fmt.Errorf("probe sandbox: %w", err)
 	}
-	return time.Since(t0), nil
+	res := probeResult{boot: time.Since(t0)}
+	t1 := time.Now()
+	res.snapshotErr = probeSnapshot(ctx, i)
+	res.snapshot = time.Since(t1)
+	return res, nil
+}
+
+// probeSnapshot suspends the probe's running guest to disk and restores
+// it, and asks the restored guest's init to answer.
+func probeSnapshot(ctx context.Context, i *instance) error {
+	if err := i.Suspend(ctx); err != nil {
+		return err
+	}
+	if !i.Suspended() || i.Alive() {
+		return errors.New("suspend left no image or a running QEMU")
+	}
+	if err := i.Restore(ctx); err != nil {
+		return err
+	}
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := i.ping(pctx); err != nil {
+		return fmt.Errorf("the restored guest does not answer: %w", err)
+	}
+	return nil
 }
 
 // The probe boots a guest, seconds under TCG, and every server start and

@@ -146,6 +146,13 @@ func TestProbe(t *testing.T) {
 	if c.Details["probe_cached"] == "" && c.Details["boot_ms"] == "" {
 		t.Error("a measured probe has no boot_ms")
 	}
+	// The snapshot verbs are offered because the probe's guest really was
+	// suspended and restored, not because the type has the methods.
+	for _, v := range []string{api.OpSuspend, api.OpRestore, api.OpWake, api.OpFork} {
+		if c.Verbs[v] != (c.Details["probe_suspend_restore_ms"] != "") {
+			t.Errorf("verb %s = %v, but probe_suspend_restore_ms = %q (snapshot_error %q)", v, c.Verbs[v], c.Details["probe_suspend_restore_ms"], c.Details["snapshot_error"])
+		}
+	}
 	for _, v := range []string{api.OpCreate, api.OpStart, api.OpStop, api.OpPause, api.OpResume} {
 		if !c.Verbs[v] {
 			t.Errorf("verb %s: %s", v, c.VerbReasons[v])
