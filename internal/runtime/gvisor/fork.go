@@ -13,6 +13,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
 // Fork.
@@ -134,7 +135,7 @@ func (i *instance) snapshotLocked(ctx context.Context, image string, kids []*ins
 	}
 	return withFrozen(i.rwDir(), func() error {
 		for _, k := range kids {
-			if err := copySparse(i.diskImage(), k.diskImage()); err != nil {
+			if err := hostfs.CopySparse(i.diskImage(), k.diskImage()); err != nil {
 				return fmt.Errorf("copying the disk to %s: %w", k.spec.ID, err)
 			}
 		}
@@ -164,65 +165,6 @@ func withFrozen(dir string, fn func() error) error {
 		return errors.Join(ferr, fmt.Errorf("thawing %s: %w", dir, err))
 	}
 	return ferr
-}
-
-// copySparse copies src to a new file dst, leaving holes as holes
-// (SEEK_DATA/SEEK_HOLE; copy_file_range shares blocks where the
-// filesystem can).
-func copySparse(src, dst string) error {
-	in, err := os.Open(src)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	fi, err := in.Stat()
-	if err != nil {
-		return err
-	}
-	out, err := os.OpenFile(dst, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
-	if err != nil {
-		return err
-	}
-	fail := func(err error) error {
-		out.Close()
-		os.Remove(dst)
-		return err
-	}
-	if err := out.Truncate(fi.Size()); err != nil {
-		return fail(err)
-	}
-	size := fi.Size()
-	for off := int64(0); off < size; {
-		data, err := unix.Seek(int(in.Fd()), off, unix.SEEK_DATA)
-		if errors.Is(err, unix.ENXIO) {
-			break // only a hole remains
-		}
-		if err != nil {
-			return fail(err)
-		}
-		hole, err := unix.Seek(int(in.Fd()), data, unix.SEEK_HOLE)
-		if err != nil {
-			return fail(err)
-		}
-		for data < hole {
-			roff, woff := data, data
-			n, err := unix.CopyFileRange(int(in.Fd()), &roff, int(out.Fd()), &woff, int(hole-data), 0)
-			if err != nil || n == 0 {
-				// Fall back to a plain copy of this extent.
-				if _, err := io.Copy(io.NewOffsetWriter(out, data), io.NewSectionReader(in, data, hole-data)); err != nil {
-					return fail(err)
-				}
-				break
-			}
-			data += int64(n)
-		}
-		off = hole
-	}
-	if err := out.Close(); err != nil {
-		os.Remove(dst)
-		return err
-	}
-	return nil
 }
 
 // newChild makes a fork child's directory (its disk comes from the

@@ -10,6 +10,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
 // Fork.
@@ -76,7 +77,7 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 	defer os.Remove(statePath)
 	copyDisks := func() error {
 		for _, k := range kids {
-			if err := CopySparse(i.diskImage(), k.diskImage()); err != nil {
+			if err := hostfs.CopySparse(i.diskImage(), k.diskImage()); err != nil {
 				return fmt.Errorf("copying the disk to %s: %w", k.spec.ID, err)
 			}
 		}
