@@ -6,13 +6,13 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/forkutil"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
@@ -32,8 +32,8 @@ const forkParallel = 4
 
 // Fork implements runtime.Forker.
 func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runtime.Instance, err error) {
-	if len(children) == 0 {
-		return nil, fmt.Errorf("fork: no children: %w", errdefs.ErrInvalidArgument)
+	if err := forkutil.Validate(i.spec.ID, children); err != nil {
+		return nil, err
 	}
 	i.mu.Lock()
 	defer i.mu.Unlock()
@@ -59,57 +59,31 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 		return nil, err
 	}
 	defer os.RemoveAll(image)
-	kids := make([]*instance, 0, len(children))
-	defer func() {
-		if err != nil {
-			for _, k := range kids {
-				if derr := k.Destroy(context.WithoutCancel(ctx)); derr != nil {
-					i.rt.log.Warn("fork: removing a child", "id", k.spec.ID, "err", derr)
-				}
+	var tSnap time.Duration
+	out, err := forkutil.Run(ctx, i.spec.ID, children, forkutil.Ops[*instance]{
+		New: i.rt.newChild,
+		Snapshot: func(ctx context.Context, kids []*instance) error {
+			if err := i.snapshotLocked(ctx, image, kids); err != nil {
+				return err
 			}
-		}
-	}()
-	for _, spec := range children {
-		k, err := i.rt.newChild(spec)
-		if err != nil {
-			return nil, fmt.Errorf("fork sandbox %s: child %s: %w", i.spec.ID, spec.ID, err)
-		}
-		kids = append(kids, k)
-	}
-	if err := i.snapshotLocked(ctx, image, kids); err != nil {
-		return nil, fmt.Errorf("fork sandbox %s: %w", i.spec.ID, err)
-	}
-	agentBack = true
-	if err := i.resumeAgent(ctx); err != nil {
-		return nil, fmt.Errorf("fork sandbox %s: the parent's agent did not listen again: %w", i.spec.ID, err)
-	}
-	tSnap := time.Since(t0)
-	// Children restore concurrently: much of a restore is waiting (runsc
-	// start-up, the gofer, page loading), so a few at once finish sooner
-	// even on two cores.
-	errs := make([]error, len(kids))
-	sem := make(chan struct{}, forkParallel)
-	var wg sync.WaitGroup
-	for n, k := range kids {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			if err := k.restoreChild(ctx, image); err != nil {
-				errs[n] = fmt.Errorf("fork sandbox %s: child %s: %w", i.spec.ID, k.spec.ID, err)
+			agentBack = true
+			if err := i.resumeAgent(ctx); err != nil {
+				return fmt.Errorf("the parent's agent did not listen again: %w", err)
 			}
-		}()
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+			tSnap = time.Since(t0)
+			return nil
+		},
+		// Children restore concurrently: much of a restore is waiting
+		// (runsc start-up, the gofer, page loading), so a few at once
+		// finish sooner even on two cores.
+		Restore:  func(ctx context.Context, k *instance) error { return k.restoreChild(ctx, image) },
+		Parallel: forkParallel,
+		Log:      i.rt.log,
+	})
+	if err != nil {
 		return nil, err
 	}
-	out := make([]runtime.Instance, 0, len(kids))
-	for _, k := range kids {
-		out = append(out, k)
-	}
-	i.rt.log.Debug("sandbox forked", "id", i.spec.ID, "children", len(kids), "snapshot", tSnap, "total", time.Since(t0))
+	i.rt.log.Debug("sandbox forked", "id", i.spec.ID, "children", len(out), "snapshot", tSnap, "total", time.Since(t0))
 	return out, nil
 }
 
