@@ -31,9 +31,12 @@ import (
 const forkParallel = 4
 
 // Fork implements runtime.Forker.
+//
+// The children are validated (forkutil.Run) only once the parent's agent
+// is known to be quiet, so that a refused fork, too, lets it listen again.
 func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runtime.Instance, err error) {
-	if err := forkutil.Validate(i.spec.ID, children); err != nil {
-		return nil, err
+	if len(children) == 0 {
+		return nil, forkutil.Validate(i.spec.ID, children)
 	}
 	i.mu.Lock()
 	defer i.mu.Unlock()
