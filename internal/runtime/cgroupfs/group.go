@@ -366,13 +366,12 @@ func (g *Group) Kill(ctx context.Context) error {
 	// SIGKILL reaches frozen tasks as soon as they thaw; while frozen
 	// they cannot fork children this pass misses.
 	frozen := g.canFreeze() && g.Freeze(ctx) == nil
-	if _, err := killAll(); err != nil {
-		return err
-	}
+	_, err := killAll()
 	if frozen {
-		if err := g.Thaw(ctx); err != nil {
-			return err
-		}
+		err = errors.Join(err, g.Thaw(ctx))
+	}
+	if err != nil {
+		return err
 	}
 	return poll(ctx, "cgroup to empty", killAll)
 }
