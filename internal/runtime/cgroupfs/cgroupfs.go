@@ -1,7 +1,9 @@
-// Package cgroupfs reads the counters cgroup filesystems expose, v1 and v2
-// alike: single-value files (memory.current, pids.current) and flat-keyed
-// ones (memory.events, cpu.stat, memory.oom_control). The host runtimes
-// read their cgroups with it, and the microvm guest's init its sandbox's.
+// Package cgroupfs is the host runtimes' cgroup layer, v1 and v2 alike
+// (Layout, Group: create with limits, add, freeze, kill, remove; see
+// group.go), and the readers of the counters cgroup filesystems expose:
+// single-value files (memory.current, pids.current) and flat-keyed ones
+// (memory.events, cpu.stat, memory.oom_control). The microvm guest's init
+// reads its sandbox's cgroup with the readers.
 package cgroupfs
 
 import (

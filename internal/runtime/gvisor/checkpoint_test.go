@@ -87,13 +87,34 @@ func TestCheckpointFailureKeepsRunning(t *testing.T) {
 		t.Fatalf("after a failed fork: %+v %v", info, err)
 	}
 
-	// A fork refused before any checkpoint (a child id that exists) also
-	// lets the parent's agent listen again.
+	// A fork refused before any checkpoint also lets the parent's agent
+	// listen again: a child id given twice or the parent's (invalid)...
 	quiesce()
 	dup := kid
 	dup.ID = sb.Spec.ID
-	if _, err := sb.Inst.(runtime.Forker).Fork(ctx, []runtime.Spec{dup}); !errors.Is(err, errdefs.ErrConflict) {
+	if _, err := sb.Inst.(runtime.Forker).Fork(ctx, []runtime.Spec{dup}); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("Fork into the parent's id = %v, want invalid argument", err)
+	}
+	sb.Connect(t)
+	quiesce()
+	if _, err := sb.Inst.(runtime.Forker).Fork(ctx, []runtime.Spec{kid, kid}); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("Fork into one id twice = %v, want invalid argument", err)
+	}
+	sb.Connect(t)
+	// ... or the id of another sandbox (a conflict).
+	other := kid
+	other.ID = sb.Spec.ID + "o"
+	otherInst, err := rt.Create(ctx, other)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer otherInst.Destroy(context.WithoutCancel(ctx))
+	quiesce()
+	if _, err := sb.Inst.(runtime.Forker).Fork(ctx, []runtime.Spec{kid, other}); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("Fork into an existing id = %v, want conflict", err)
+	}
+	if inst, err := rt.Open(ctx, kid); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("a refused fork left its first child: %v %v", inst, err)
 	}
 	sb.Connect(t)
 

@@ -6,13 +6,13 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/forkutil"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
@@ -31,9 +31,12 @@ import (
 const forkParallel = 4
 
 // Fork implements runtime.Forker.
+//
+// The children are validated (forkutil.Run) only once the parent's agent
+// is known to be quiet, so that a refused fork, too, lets it listen again.
 func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runtime.Instance, err error) {
 	if len(children) == 0 {
-		return nil, fmt.Errorf("fork: no children: %w", errdefs.ErrInvalidArgument)
+		return nil, forkutil.Validate(i.spec.ID, children)
 	}
 	i.mu.Lock()
 	defer i.mu.Unlock()
@@ -59,57 +62,31 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 		return nil, err
 	}
 	defer os.RemoveAll(image)
-	kids := make([]*instance, 0, len(children))
-	defer func() {
-		if err != nil {
-			for _, k := range kids {
-				if derr := k.Destroy(context.WithoutCancel(ctx)); derr != nil {
-					i.rt.log.Warn("fork: removing a child", "id", k.spec.ID, "err", derr)
-				}
+	var tSnap time.Duration
+	out, err := forkutil.Run(ctx, i.spec.ID, children, forkutil.Ops[*instance]{
+		New: i.rt.newChild,
+		Snapshot: func(ctx context.Context, kids []*instance) error {
+			if err := i.snapshotLocked(ctx, image, kids); err != nil {
+				return err
 			}
-		}
-	}()
-	for _, spec := range children {
-		k, err := i.rt.newChild(spec)
-		if err != nil {
-			return nil, fmt.Errorf("fork sandbox %s: child %s: %w", i.spec.ID, spec.ID, err)
-		}
-		kids = append(kids, k)
-	}
-	if err := i.snapshotLocked(ctx, image, kids); err != nil {
-		return nil, fmt.Errorf("fork sandbox %s: %w", i.spec.ID, err)
-	}
-	agentBack = true
-	if err := i.resumeAgent(ctx); err != nil {
-		return nil, fmt.Errorf("fork sandbox %s: the parent's agent did not listen again: %w", i.spec.ID, err)
-	}
-	tSnap := time.Since(t0)
-	// Children restore concurrently: much of a restore is waiting (runsc
-	// start-up, the gofer, page loading), so a few at once finish sooner
-	// even on two cores.
-	errs := make([]error, len(kids))
-	sem := make(chan struct{}, forkParallel)
-	var wg sync.WaitGroup
-	for n, k := range kids {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			if err := k.restoreChild(ctx, image); err != nil {
-				errs[n] = fmt.Errorf("fork sandbox %s: child %s: %w", i.spec.ID, k.spec.ID, err)
+			agentBack = true
+			if err := i.resumeAgent(ctx); err != nil {
+				return fmt.Errorf("the parent's agent did not listen again: %w", err)
 			}
-		}()
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+			tSnap = time.Since(t0)
+			return nil
+		},
+		// Children restore concurrently: much of a restore is waiting
+		// (runsc start-up, the gofer, page loading), so a few at once
+		// finish sooner even on two cores.
+		Restore:  func(ctx context.Context, k *instance) error { return k.restoreChild(ctx, image) },
+		Parallel: forkParallel,
+		Log:      i.rt.log,
+	})
+	if err != nil {
 		return nil, err
 	}
-	out := make([]runtime.Instance, 0, len(kids))
-	for _, k := range kids {
-		out = append(out, k)
-	}
-	i.rt.log.Debug("sandbox forked", "id", i.spec.ID, "children", len(kids), "snapshot", tSnap, "total", time.Since(t0))
+	i.rt.log.Debug("sandbox forked", "id", i.spec.ID, "children", len(out), "snapshot", tSnap, "total", time.Since(t0))
 	return out, nil
 }
 
@@ -135,7 +112,7 @@ func (i *instance) snapshotLocked(ctx context.Context, image string, kids []*ins
 	}
 	return withFrozen(i.rwDir(), func() error {
 		for _, k := range kids {
-			if err := copySparse(i.diskImage(), k.diskImage()); err != nil {
+			if err := hostfs.CopySparse(i.diskImage(), k.diskImage()); err != nil {
 				return fmt.Errorf("copying the disk to %s: %w", k.spec.ID, err)
 			}
 		}
@@ -165,65 +142,6 @@ func withFrozen(dir string, fn func() error) error {
 		return errors.Join(ferr, fmt.Errorf("thawing %s: %w", dir, err))
 	}
 	return ferr
-}
-
-// copySparse copies src to a new file dst, leaving holes as holes
-// (SEEK_DATA/SEEK_HOLE; copy_file_range shares blocks where the
-// filesystem can).
-func copySparse(src, dst string) error {
-	in, err := os.Open(src)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	fi, err := in.Stat()
-	if err != nil {
-		return err
-	}
-	out, err := os.OpenFile(dst, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
-	if err != nil {
-		return err
-	}
-	fail := func(err error) error {
-		out.Close()
-		os.Remove(dst)
-		return err
-	}
-	if err := out.Truncate(fi.Size()); err != nil {
-		return fail(err)
-	}
-	size := fi.Size()
-	for off := int64(0); off < size; {
-		data, err := unix.Seek(int(in.Fd()), off, unix.SEEK_DATA)
-		if errors.Is(err, unix.ENXIO) {
-			break // only a hole remains
-		}
-		if err != nil {
-			return fail(err)
-		}
-		hole, err := unix.Seek(int(in.Fd()), data, unix.SEEK_HOLE)
-		if err != nil {
-			return fail(err)
-		}
-		for data < hole {
-			roff, woff := data, data
-			n, err := unix.CopyFileRange(int(in.Fd()), &roff, int(out.Fd()), &woff, int(hole-data), 0)
-			if err != nil || n == 0 {
-				// Fall back to a plain copy of this extent.
-				if _, err := io.Copy(io.NewOffsetWriter(out, data), io.NewSectionReader(in, data, hole-data)); err != nil {
-					return fail(err)
-				}
-				break
-			}
-			data += int64(n)
-		}
-		off = hole
-	}
-	if err := out.Close(); err != nil {
-		os.Remove(dst)
-		return err
-	}
-	return nil
 }
 
 // newChild makes a fork child's directory (its disk comes from the

@@ -1,9 +1,6 @@
 package gvisor
 
 import (
-	"fmt"
-	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 
@@ -65,30 +62,7 @@ func raiseHostMemory(id string, l api.Limits) error {
 	if l.MemoryMiB <= 0 {
 		return nil
 	}
-	limit := strconv.FormatInt(hostMemoryLimit(l), 10)
-	dirs := cgroupDirs(id)
-	if d, ok := dirs[""]; ok {
-		return writeCgroup(d, "memory.max", limit)
-	}
-	d, ok := dirs["memory"]
-	if !ok {
-		return nil
-	}
-	// memory+swap must never be below memory: raise it first (runsc set
-	// both to the limit, no swap).
-	if _, err := os.Stat(filepath.Join(d, "memory.memsw.limit_in_bytes")); err == nil {
-		if err := writeCgroup(d, "memory.memsw.limit_in_bytes", limit); err != nil {
-			return err
-		}
-	}
-	return writeCgroup(d, "memory.limit_in_bytes", limit)
-}
-
-func writeCgroup(dir, file, value string) error {
-	if err := os.WriteFile(filepath.Join(dir, file), []byte(value), 0); err != nil {
-		return fmt.Errorf("cgroup %s: %w", file, err)
-	}
-	return nil
+	return sandboxCgroup(id).SetMemoryLimit(hostMemoryLimit(l))
 }
 
 // guardKills reads the guard's kill count from the sandbox's agent

@@ -8,6 +8,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/runtime/cgroupfs"
 	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
 )
 
@@ -126,7 +127,6 @@ const (
 	agentPath  = agentDir + "/space-agent"
 	agentSock  = "agent.sock"
 	noFile     = 65536
-	cpuPeriod  = 100000
 	cgroupBase = "space-gvisor"
 )
 
@@ -239,7 +239,7 @@ func bundleSpec(id, rootfs, hostname, hostAgentDir, agentBinary string, l api.Li
 		s.Process.Env = append(append([]string(nil), agentEnv...), guardEnv(l)...)
 	}
 	if l.CPUs > 0 {
-		s.Linux.Resources.CPU = &ociCPU{Quota: int64(l.CPUs * cpuPeriod), Period: cpuPeriod}
+		s.Linux.Resources.CPU = &ociCPU{Quota: cgroupfs.CPUQuotaUS(l.CPUs), Period: cgroupfs.CPUPeriodUS}
 	}
 	if l.Pids > 0 {
 		s.Linux.Resources.Pids = &ociPids{Limit: hostPidsLimit(l.Pids)}

@@ -2,14 +2,13 @@ package microvm
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
-	"sync"
 	"time"
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/forkutil"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
@@ -31,15 +30,8 @@ const forkParallel = 2
 
 // Fork implements runtime.Forker.
 func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runtime.Instance, err error) {
-	if len(children) == 0 {
-		return nil, fmt.Errorf("fork: no children: %w", errdefs.ErrInvalidArgument)
-	}
-	seen := map[string]bool{i.spec.ID: true}
-	for _, c := range children {
-		if seen[c.ID] {
-			return nil, fmt.Errorf("fork: child id %q given twice or the parent's: %w", c.ID, errdefs.ErrInvalidArgument)
-		}
-		seen[c.ID] = true
+	if err := forkutil.Validate(i.spec.ID, children); err != nil {
+		return nil, err
 	}
 	i.mu.Lock()
 	defer i.mu.Unlock()
@@ -51,23 +43,6 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 	if err != nil {
 		return nil, fmt.Errorf("fork sandbox %s: %w", i.spec.ID, err)
 	}
-	kids := make([]*instance, 0, len(children))
-	defer func() {
-		if err != nil {
-			for _, k := range kids {
-				if derr := k.Destroy(context.WithoutCancel(ctx)); derr != nil {
-					i.rt.log.Warn("fork: removing a child", "id", k.spec.ID, "err", derr)
-				}
-			}
-		}
-	}()
-	for _, spec := range children {
-		k, err := i.rt.newChild(spec)
-		if err != nil {
-			return nil, fmt.Errorf("fork sandbox %s: child %s: %w", i.spec.ID, spec.ID, err)
-		}
-		kids = append(kids, k)
-	}
 	state, err := os.CreateTemp(i.dir, "fork-*.state")
 	if err != nil {
 		return nil, err
@@ -75,46 +50,39 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 	statePath := state.Name()
 	state.Close()
 	defer os.Remove(statePath)
-	copyDisks := func() error {
-		for _, k := range kids {
-			if err := CopySparse(i.diskImage(), k.diskImage()); err != nil {
-				return fmt.Errorf("copying the disk to %s: %w", k.spec.ID, err)
+	var info SaveInfo
+	var tSnap time.Time
+	out, err := forkutil.Run(ctx, i.spec.ID, children, forkutil.Ops[*instance]{
+		New: i.rt.newChild,
+		Snapshot: func(ctx context.Context, kids []*instance) error {
+			copyDisks := func() error {
+				for _, k := range kids {
+					if err := hostfs.CopySparse(i.diskImage(), k.diskImage()); err != nil {
+						return fmt.Errorf("copying the disk to %s: %w", k.spec.ID, err)
+					}
+				}
+				return nil
 			}
-		}
-		return nil
-	}
-	// The state file lives only until the children are restored: no fsync.
-	info, err := i.snapshotLocked(ctx, statePath, false, copyDisks)
+			// The state file lives only until the children are restored:
+			// no fsync.
+			var err error
+			if info, err = i.snapshotLocked(ctx, statePath, false, copyDisks); err != nil {
+				return err
+			}
+			tSnap = time.Now()
+			if err := i.continueLocked(ctx, info); err != nil {
+				return fmt.Errorf("the parent did not run again: %w", err)
+			}
+			return nil
+		},
+		Restore:  func(ctx context.Context, k *instance) error { return k.restoreChild(ctx, parentVM, statePath) },
+		Parallel: forkParallel,
+		Log:      i.rt.log,
+	})
 	if err != nil {
-		return nil, fmt.Errorf("fork sandbox %s: %w", i.spec.ID, err)
-	}
-	tSnap := time.Now()
-	if err := i.continueLocked(ctx, info); err != nil {
-		return nil, fmt.Errorf("fork sandbox %s: the parent did not run again: %w", i.spec.ID, err)
-	}
-	errs := make([]error, len(kids))
-	sem := make(chan struct{}, forkParallel)
-	var wg sync.WaitGroup
-	for n, k := range kids {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			if err := k.restoreChild(ctx, parentVM, statePath); err != nil {
-				errs[n] = fmt.Errorf("fork sandbox %s: child %s: %w", i.spec.ID, k.spec.ID, err)
-			}
-		}()
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
-	out := make([]runtime.Instance, 0, len(kids))
-	for _, k := range kids {
-		out = append(out, k)
-	}
-	i.rt.log.Debug("sandbox forked", "id", i.spec.ID, "children", len(kids), "state_bytes", info.Bytes,
+	i.rt.log.Debug("sandbox forked", "id", i.spec.ID, "children", len(out), "state_bytes", info.Bytes,
 		"snapshot", tSnap.Sub(t0), "total", time.Since(t0))
 	return out, nil
 }

@@ -1,7 +1,6 @@
 package microvm
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -211,56 +210,6 @@ func TestRestoreOfBrokenState(t *testing.T) {
 	}
 	<-p.Done()
 	t.Logf("broken state: %v; QEMU: %v", err, p.Err())
-}
-
-// TestCopySparse: holes stay holes, data is copied, and the destination
-// must not exist.
-func TestCopySparse(t *testing.T) {
-	dir := t.TempDir()
-	src := filepath.Join(dir, "src")
-	f, err := os.Create(src)
-	if err != nil {
-		t.Fatal(err)
-	}
-	const size = 64 << 20
-	if err := f.Truncate(size); err != nil {
-		t.Fatal(err)
-	}
-	chunks := map[int64][]byte{0: []byte("head"), 10 << 20: bytes.Repeat([]byte("x"), 300<<10), size - 4: []byte("tail")}
-	for off, b := range chunks {
-		if _, err := f.WriteAt(b, off); err != nil {
-			t.Fatal(err)
-		}
-	}
-	f.Close()
-	dst := filepath.Join(dir, "dst")
-	if err := CopySparse(src, dst); err != nil {
-		t.Fatal(err)
-	}
-	a, _ := os.ReadFile(src)
-	b, err := os.ReadFile(dst)
-	if err != nil || !bytes.Equal(a, b) {
-		t.Fatalf("copy differs (%v)", err)
-	}
-	var st unix.Stat_t
-	if err := unix.Stat(dst, &st); err != nil {
-		t.Fatal(err)
-	}
-	if used := st.Blocks * 512; used > 4<<20 {
-		t.Errorf("copy of a sparse %d MiB file uses %d bytes", size>>20, used)
-	}
-	if fi, _ := os.Stat(dst); fi.Mode().Perm() != 0o600 {
-		t.Errorf("copy mode %v", fi.Mode())
-	}
-	if err := CopySparse(src, dst); err == nil {
-		t.Fatal("copy over an existing file succeeded")
-	}
-	if err := CopySparse(filepath.Join(dir, "none"), filepath.Join(dir, "x")); err == nil {
-		t.Fatal("copy of a missing file succeeded")
-	}
-	if _, err := os.Stat(filepath.Join(dir, "x")); !os.IsNotExist(err) {
-		t.Fatal("failed copy left its destination")
-	}
 }
 
 // startNamed creates and starts a sandbox of h's template with its own id

@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
 // Warm templates.
@@ -209,7 +211,7 @@ func (i *instance) startWarm(ctx context.Context) (err error) {
 		}
 		os.Remove(fresh)
 	}()
-	if err := CopySparse(filepath.Join(dir, "disk.img"), disk); err != nil {
+	if err := hostfs.CopySparse(filepath.Join(dir, "disk.img"), disk); err != nil {
 		return fmt.Errorf("copying the warm disk: %w", err)
 	}
 	if err := i.writeVM(vm); err != nil {
@@ -301,7 +303,7 @@ func (i *instance) buildWarm(ctx context.Context) error {
 		return err
 	}
 	copyDisk := func() error {
-		if err := CopySparse(i.diskImage(), filepath.Join(tmp, "disk.img")); err != nil {
+		if err := hostfs.CopySparse(i.diskImage(), filepath.Join(tmp, "disk.img")); err != nil {
 			return fmt.Errorf("copying the disk: %w", err)
 		}
 		return nil

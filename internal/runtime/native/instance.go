@@ -19,6 +19,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/cgroupfs"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 	"github.com/spacehq/space/internal/runtime/hostproc"
 	"github.com/spacehq/space/internal/runtime/native/nsinit"
@@ -36,7 +37,7 @@ type instance struct {
 	rt   *Runtime
 	spec runtime.Spec
 	dir  string
-	cg   cgroup
+	cg   *cgroupfs.Group
 
 	mu     sync.Mutex
 	pid    int             // init pid on the host; 0 when not running
@@ -175,7 +176,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		return err
 	}
 	defer bin.Close()
-	if err := i.cg.create(i.spec.Limits); err != nil {
+	if err := i.cg.Create(cgroupLimits(i.spec.Limits)); err != nil {
 		return err
 	}
 	ln, err := i.listen()
@@ -245,8 +246,8 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		if err != nil {
 			_ = unix.Kill(pid, unix.SIGKILL)
 			ctx := context.WithoutCancel(ctx)
-			_ = i.cg.kill(ctx)
-			_ = i.cg.remove()
+			_ = i.cg.Kill(ctx)
+			_ = i.cg.Remove()
 			os.Remove(i.pidFile())
 			os.Remove(i.sockPath())
 		}
@@ -257,7 +258,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	exited := proc.Exited()
 	// The child is blocked reading its config: move it into the cgroups
 	// before it can allocate or fork anything.
-	if err := i.cg.addProc(pid); err != nil {
+	if err := i.cg.AddProc(pid); err != nil {
 		return err
 	}
 	if err := os.WriteFile(fmt.Sprintf("/proc/%d/oom_score_adj", pid), []byte(strconv.Itoa(agentOOMScoreAdj)), 0); err != nil {
@@ -354,7 +355,7 @@ func (i *instance) stopLocked(ctx context.Context) error {
 		// the cgroup kill below catches anything that is not (yet) in it.
 		_ = unix.Kill(i.pid, unix.SIGKILL)
 	}
-	if err := i.cg.kill(ctx); err != nil {
+	if err := i.cg.Kill(ctx); err != nil {
 		errs = append(errs, err)
 	}
 	if i.exited != nil {
@@ -369,7 +370,7 @@ func (i *instance) stopLocked(ctx context.Context) error {
 	}
 	i.pid = 0
 	i.exited = nil
-	if err := i.cg.remove(); err != nil {
+	if err := i.cg.Remove(); err != nil {
 		errs = append(errs, err)
 	}
 	for _, p := range []string{i.sockPath(), i.pidFile()} {
@@ -405,7 +406,7 @@ func (i *instance) Pause(ctx context.Context) error {
 	if !i.Alive() {
 		return fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	return i.cg.freeze(ctx)
+	return i.cg.Freeze(ctx)
 }
 
 // Resume implements runtime.Pauser.
@@ -413,7 +414,7 @@ func (i *instance) Resume(ctx context.Context) error {
 	if !i.Alive() {
 		return fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	return i.cg.thaw(ctx)
+	return i.cg.Thaw(ctx)
 }
 
 // Stats implements runtime.Instance from the host's cgroup files.
@@ -421,5 +422,5 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	if !i.Alive() {
 		return runtime.Stats{}, nil
 	}
-	return i.cg.stats()
+	return cgroupStats(i.cg)
 }

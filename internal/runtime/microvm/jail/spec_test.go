@@ -154,26 +154,3 @@ func TestPlanMergedUsr(t *testing.T) {
 		}
 	}
 }
-
-// TestCgroupV2Files checks what a unified host's cgroup gets, on a scratch
-// tree (this project's hosts are hybrid: their unified hierarchy has none
-// of these controllers).
-func TestCgroupV2Files(t *testing.T) {
-	root := t.TempDir()
-	dir := filepath.Join(root, cgroupParent, "sb")
-	if err := createV2(root, dir, "1073741824", "128", 1.5); err != nil {
-		t.Fatal(err)
-	}
-	for file, want := range map[string]string{
-		filepath.Join(root, "cgroup.subtree_control"):               "+memory +pids +cpu",
-		filepath.Join(root, cgroupParent, "cgroup.subtree_control"): "+memory +pids +cpu",
-		filepath.Join(dir, "memory.max"):                            "1073741824",
-		filepath.Join(dir, "pids.max"):                              "128",
-		filepath.Join(dir, "cpu.max"):                               "150000 100000",
-	} {
-		b, err := os.ReadFile(file)
-		if err != nil || string(b) != want {
-			t.Errorf("%s = %q (%v), want %q", file, b, err, want)
-		}
-	}
-}
