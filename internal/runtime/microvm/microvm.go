@@ -18,7 +18,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
-	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/confine"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
@@ -28,7 +28,7 @@ const Name = "microvm"
 // diskRootID owns the writable disk's root directory: the sandbox's root
 // after the guest init's id shift (uid 0 of the confined agent's user
 // namespace), the same shift the root images have.
-const diskRootID = ginit.IDBase
+const diskRootID = confine.IDBase
 
 // guestOverheadMiB is what the guest needs beside the sandbox's own memory:
 // the guest kernel (text, data, struct pages, slabs), the initramfs that

@@ -196,7 +196,6 @@ func (v VM) kernelCmdline() string {
 			cmd += " tsc_early_khz=" + strconv.FormatUint(khz, 10)
 		}
 	}
-	cmd += " " + vminit.EnvFlag + "=1"
 	if v.Hostname != "" {
 		cmd += " " + vminit.EnvHostname + "=" + v.Hostname
 	}
@@ -206,7 +205,8 @@ func (v VM) kernelCmdline() string {
 	if v.Pids > 0 {
 		cmd += " " + vminit.EnvPids + "=" + strconv.FormatInt(v.Pids, 10)
 	}
-	return cmd
+	// Last: everything after "--" is init's arguments.
+	return cmd + " " + vminit.CmdlineRole
 }
 
 var (
