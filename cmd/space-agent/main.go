@@ -30,9 +30,8 @@
 //	                                  open for id-mapped mounts until its
 //	                                  stdin closes (hostfs.OpenUserns)
 //
-// Started by the microvm runtime's jailer (package jail, environment
-// SPACE_JAIL), it is not the agent at all: jail.Enter builds QEMU's jail
-// and execs QEMU.
+// The host-side QEMU jailer is another binary, space-jail: nothing that
+// runs as host root ships inside the sandbox.
 package main
 
 import (
@@ -45,13 +44,11 @@ import (
 	"github.com/spacehq/space/internal/runtime/confine"
 	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
 	"github.com/spacehq/space/internal/runtime/hostfs"
-	"github.com/spacehq/space/internal/runtime/microvm/jail"
 	"github.com/spacehq/space/internal/runtime/microvm/vminit"
 	"github.com/spacehq/space/internal/runtime/native/nsinit"
 )
 
 func main() {
-	jail.Enter()
 	args := os.Args[1:]
 	role := ""
 	if len(args) > 0 {

@@ -109,6 +109,18 @@ func New(cfg runtime.Config) (runtime.Runtime, error) {
 	}, nil
 }
 
+// jailBinary is space-jail: the configured one, else the one next to the
+// agent binary (make build and scripts/setup.sh put them side by side).
+func (r *Runtime) jailBinary() string {
+	if r.cfg.JailBinary != "" {
+		return r.cfg.JailBinary
+	}
+	if r.cfg.AgentBinary == "" {
+		return ""
+	}
+	return filepath.Join(filepath.Dir(r.cfg.AgentBinary), "space-jail")
+}
+
 // Name implements runtime.Runtime.
 func (r *Runtime) Name() string { return Name }
 

@@ -132,6 +132,11 @@ func (r *Runtime) check(ctx context.Context, c *runtime.Capabilities) error {
 			return fmt.Errorf("%s not found (install erofs-utils and e2fsprogs)", tool)
 		}
 	}
+	if jb := r.jailBinary(); jb == "" {
+		return fmt.Errorf("no space-jail binary configured (the QEMU jailer)")
+	} else if st, err := os.Stat(jb); err != nil || !st.Mode().IsRegular() {
+		return fmt.Errorf("space-jail (the QEMU jailer) not found at %s: build it next to space-agent (make build) or set SPACE_JAIL_BIN", jb)
+	}
 	bf, err := r.bootFiles()
 	if err != nil {
 		return err
@@ -253,7 +258,7 @@ func (r *Runtime) probeKey() (string, error) {
 	}
 	h := sha256.New()
 	fmt.Fprintf(h, "boot=%s\nuid=%d\nkvm_timeout=%v\n", strings.TrimSpace(string(boot)), os.Geteuid(), DefaultKVMProbeTimeout)
-	for _, p := range []string{qemu, k.Vmlinuz, r.cfg.AgentBinary, self} {
+	for _, p := range []string{qemu, k.Vmlinuz, r.cfg.AgentBinary, r.jailBinary(), self} {
 		var st unix.Stat_t
 		if err := unix.Stat(p, &st); err != nil {
 			return "", err
