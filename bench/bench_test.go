@@ -35,7 +35,7 @@ func start(b testing.TB) *harness {
 	if err != nil {
 		b.Fatal(err)
 	}
-	s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: testenv.AgentBinary(b), APIKeyOut: os.Stderr})
+	s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: testenv.AgentBinary(b), JailBinary: testenv.JailBinary(b), APIKeyOut: os.Stderr})
 	if err != nil {
 		b.Fatal(err)
 	}

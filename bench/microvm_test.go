@@ -47,7 +47,7 @@ func TestMicroVMBench(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer os.RemoveAll(dir)
-	rtI, err := runtime.New(microvm.Name, runtime.Config{DataDir: filepath.Join(dir, "rt"), AgentBinary: agent,
+	rtI, err := runtime.New(microvm.Name, runtime.Config{DataDir: filepath.Join(dir, "rt"), AgentBinary: agent, JailBinary: testenv.JailBinary(t),
 		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: benchLogLevel()}))})
 	if err != nil {
 		t.Fatal(err)

@@ -36,7 +36,7 @@ func freePort(t *testing.T) string {
 func startServer(t *testing.T, bin, data, addr string) *proc {
 	t.Helper()
 	cmd := exec.Command(bin, "server", "--data", data, "--listen", addr, "--cache", testenv.CacheDir())
-	cmd.Env = append(os.Environ(), "SPACE_AGENT_BIN="+testenv.AgentBinary(t))
+	cmd.Env = append(os.Environ(), "SPACE_AGENT_BIN="+testenv.AgentBinary(t), "SPACE_JAIL_BIN="+testenv.JailBinary(t))
 	log, _ := os.OpenFile(filepath.Join(data, "..", "server.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {

@@ -54,7 +54,7 @@ func setup(t *testing.T) *env {
 			sharedErr = err
 			return
 		}
-		s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: agent, APIKeyOut: os.Stderr, MaxFileBytes: maxFileBytes})
+		s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: agent, JailBinary: testenv.JailBinary(t), APIKeyOut: os.Stderr, MaxFileBytes: maxFileBytes})
 		if err != nil {
 			sharedErr = err
 			return

@@ -26,10 +26,11 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 export PATH=$PATH:/usr/local/go/bin
-echo "setup: building bin/space and bin/space-agent"
+echo "setup: building bin/space, bin/space-agent and bin/space-jail"
 mkdir -p bin
 go build -trimpath -o bin/space ./cmd/space
 CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-agent ./cmd/space-agent
+CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-jail ./cmd/space-jail
 
 # runsc (gVisor) for the gvisor runtime: a static build pinned to an exact
 # version. Debian's runsc is from 2022 (no systrap), and a cgo build fails

@@ -27,7 +27,11 @@ type Config struct {
 	DataDir string
 	// AgentBinary is the host path of the static space-agent binary.
 	AgentBinary string
-	Logger      *slog.Logger
+	// JailBinary is the host path of the static space-jail binary (the
+	// microvm runtime's QEMU jailer, run as root on the host); empty:
+	// space-jail next to AgentBinary.
+	JailBinary string
+	Logger     *slog.Logger
 }
 
 // Capabilities is the result of a probe: what this runtime can really do on

@@ -43,6 +43,10 @@ type Config struct {
 	// AgentBinary overrides discovery of space-agent (else $SPACE_AGENT_BIN,
 	// else next to the running executable).
 	AgentBinary string
+	// JailBinary overrides discovery of space-jail, the microvm runtime's
+	// QEMU jailer (else $SPACE_JAIL_BIN, else next to the running
+	// executable, else the runtime's default: next to space-agent).
+	JailBinary string
 	// MaxFileBytes bounds one file upload/download; MaxTemplateBytes a template import.
 	MaxFileBytes     int64
 	MaxTemplateBytes int64
@@ -92,19 +96,36 @@ func (c *Config) defaults() {
 }
 
 func findAgent(cfg Config) (string, error) {
-	cands := []string{cfg.AgentBinary, os.Getenv("SPACE_AGENT_BIN")}
+	if p := findBinary(cfg.AgentBinary, "SPACE_AGENT_BIN", "space-agent"); p != "" {
+		return p, nil
+	}
+	return "", errors.New("space-agent binary not found: build it next to space (make build) or set SPACE_AGENT_BIN")
+}
+
+// findJail finds space-jail; "" leaves it to the microvm runtime, which
+// looks next to space-agent and says so in its probe when it is missing.
+func findJail(cfg Config) string {
+	return findBinary(cfg.JailBinary, "SPACE_JAIL_BIN", "space-jail")
+}
+
+// findBinary returns the absolute path of the first regular file of:
+// configured, $env, name next to the running executable; "" if none.
+func findBinary(configured, env, name string) string {
+	cands := []string{configured, os.Getenv(env)}
 	if exe, err := os.Executable(); err == nil {
-		cands = append(cands, filepath.Join(filepath.Dir(exe), "space-agent"))
+		cands = append(cands, filepath.Join(filepath.Dir(exe), name))
 	}
 	for _, c := range cands {
 		if c == "" {
 			continue
 		}
 		if st, err := os.Stat(c); err == nil && st.Mode().IsRegular() {
-			return filepath.Abs(c)
+			if abs, err := filepath.Abs(c); err == nil {
+				return abs
+			}
 		}
 	}
-	return "", errors.New("space-agent binary not found: build it next to space (make build) or set SPACE_AGENT_BIN")
+	return ""
 }
 
 // New opens the store, reconciles the host with it, and builds the handler.
@@ -122,6 +143,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	jailBin := findJail(cfg)
 	key, err := loadOrCreateAPIKey(cfg.DataDir, cfg.APIKeyOut)
 	if err != nil {
 		return nil, err
@@ -142,7 +164,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	rts := map[string]runtime.Runtime{}
 	for _, name := range runtime.Names() {
 		rt, err := runtime.New(name, runtime.Config{
-			DataDir: filepath.Join(cfg.DataDir, "runtimes", name), AgentBinary: agentBin, Logger: cfg.Logger.With("runtime", name),
+			DataDir: filepath.Join(cfg.DataDir, "runtimes", name), AgentBinary: agentBin, JailBinary: jailBin,
+			Logger: cfg.Logger.With("runtime", name),
 		})
 		if err != nil {
 			cfg.Logger.Warn("runtime unavailable", "runtime", name, "err", err)

@@ -56,10 +56,18 @@ func BaseRootfs(t testing.TB) string {
 	return dir
 }
 
+// staticBinary is one of the repository's static binaries, built at most
+// once per test binary.
+type staticBinary struct {
+	name, env, pkg string
+	once           sync.Once
+	path           string
+	err            error
+}
+
 var (
-	agentOnce sync.Once
-	agentPath string
-	agentErr  error
+	agentBin = &staticBinary{name: "space-agent", env: "SPACE_AGENT_BIN", pkg: "github.com/spacehq/space/cmd/space-agent"}
+	jailBin  = &staticBinary{name: "space-jail", env: "SPACE_JAIL_BIN", pkg: "github.com/spacehq/space/cmd/space-jail"}
 )
 
 // AgentBinary returns a static space-agent for tests: $SPACE_AGENT_BIN when
@@ -68,38 +76,52 @@ var (
 // binaries running side by side neither race nor leave a copy each behind).
 func AgentBinary(t testing.TB) string {
 	t.Helper()
-	agentOnce.Do(func() {
-		if p := os.Getenv("SPACE_AGENT_BIN"); p != "" {
-			if _, err := os.Stat(p); err == nil {
-				agentPath = p
-				return
-			}
-		}
-		dir := filepath.Join(os.TempDir(), "space-test-agent")
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			agentErr = err
-			return
-		}
-		tmp, err := os.CreateTemp(dir, "build-")
-		if err != nil {
-			agentErr = err
-			return
-		}
-		tmp.Close()
-		defer os.Remove(tmp.Name())
-		cmd := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", tmp.Name(), "github.com/spacehq/space/cmd/space-agent")
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH="+runtime.GOARCH)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			agentErr = &buildError{out: string(out), err: err}
-			return
-		}
-		agentPath = filepath.Join(dir, "space-agent")
-		agentErr = os.Rename(tmp.Name(), agentPath)
-	})
-	if agentErr != nil {
-		t.Fatalf("building space-agent: %v", agentErr)
+	return agentBin.get(t)
+}
+
+// JailBinary returns a static space-jail (the microvm runtime's QEMU
+// jailer) for tests, as AgentBinary does: $SPACE_JAIL_BIN when set (make
+// test builds bin/space-jail first), else one built once per test binary.
+func JailBinary(t testing.TB) string {
+	t.Helper()
+	return jailBin.get(t)
+}
+
+func (b *staticBinary) get(t testing.TB) string {
+	t.Helper()
+	b.once.Do(func() { b.path, b.err = b.build() })
+	if b.err != nil {
+		t.Fatalf("building %s: %v", b.name, b.err)
 	}
-	return agentPath
+	return b.path
+}
+
+func (b *staticBinary) build() (string, error) {
+	if p := os.Getenv(b.env); p != "" {
+		if _, err := os.Stat(p); err == nil {
+			return p, nil
+		}
+	}
+	dir := filepath.Join(os.TempDir(), "space-test-agent")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", err
+	}
+	tmp, err := os.CreateTemp(dir, "build-")
+	if err != nil {
+		return "", err
+	}
+	tmp.Close()
+	defer os.Remove(tmp.Name())
+	cmd := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", tmp.Name(), b.pkg)
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH="+runtime.GOARCH)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", &buildError{out: string(out), err: err}
+	}
+	path := filepath.Join(dir, b.name)
+	if err := os.Rename(tmp.Name(), path); err != nil {
+		return "", err
+	}
+	return path, nil
 }
 
 type buildError struct {

@@ -9,7 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/confine"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
@@ -24,11 +24,11 @@ import (
 func formatDisk(ctx context.Context, img string, sizeMiB int64) error {
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	return hostfs.FormatExt4(ctx, img, sizeMiB, ginit.IDBase)
+	return hostfs.FormatExt4(ctx, img, sizeMiB, confine.IDBase)
 }
 
 // mountDisk mounts img at dir with upper/ and work/ owned by the sandbox's root.
-func mountDisk(img, dir string) error { return hostfs.MountDisk(img, dir, ginit.IDBase) }
+func mountDisk(img, dir string) error { return hostfs.MountDisk(img, dir, confine.IDBase) }
 
 // mountOverlay mounts the sandbox's root at merged: lower is the template
 // tree, read-only to overlayfs by construction.

@@ -9,7 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/confine"
 )
 
 // writeHostFiles makes the hostname resolve inside the sandbox, as native
@@ -82,7 +82,7 @@ func writeInRoot(dir int, path string, data []byte) error {
 	// A file the host just created belongs to the host's root, who is
 	// nobody inside: give it to sandbox root.
 	if st.Uid == 0 {
-		if err := f.Chown(ginit.IDBase, ginit.IDBase); err != nil {
+		if err := f.Chown(confine.IDBase, confine.IDBase); err != nil {
 			return err
 		}
 	}

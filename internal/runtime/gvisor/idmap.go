@@ -1,12 +1,12 @@
 package gvisor
 
 import (
-	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/confine"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
 // Inside gVisor the agent runs in a user namespace of its own (package
-// ginit) where root is uid ginit.IDBase of the sentry, and through the
+// ginit) where root is uid confine.IDBase of the sentry, and through the
 // gofer the sentry's ids are the host's. The template tree, owned by host
 // root, is therefore mounted id-mapped (host 0 → IDBase) as the overlay's
 // lower layer; the writable layer is created owned by IDBase. The template
@@ -21,8 +21,8 @@ func (r *Runtime) usernsFD() (int, error) {
 }
 
 func makeUserns(agent string) (int, error) {
-	return hostfs.OpenUserns([]string{agent}, []string{ginit.EnvStage + "=" + ginit.StageHold},
-		hostfs.IDMap{HostID: ginit.IDBase, Size: ginit.IDSize})
+	return hostfs.OpenUserns([]string{agent, hostfs.HoldArg}, []string{},
+		hostfs.IDMap{HostID: confine.IDBase, Size: confine.IDSize})
 }
 
 // mountIDMapped attaches at dst a read-only, id-mapped (per userns) view of

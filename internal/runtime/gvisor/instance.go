@@ -17,7 +17,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
-	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/confine"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 	"github.com/spacehq/space/internal/runtime/hostproc"
 )
@@ -405,7 +405,7 @@ func (i *instance) Changes(ctx context.Context) (runtime.Changes, error) {
 	return runtime.Changes{
 		Dir:         filepath.Join(i.rwDir(), "upper"),
 		OpaqueXattr: "trusted.overlay.opaque",
-		IDBase:      ginit.IDBase,
+		IDBase:      confine.IDBase,
 		Release: func() error {
 			var err error
 			once.Do(func() {
@@ -426,7 +426,7 @@ func makeAgentDir(dir string) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
-	return os.Lchown(dir, ginit.IDBase, ginit.IDBase)
+	return os.Lchown(dir, confine.IDBase, confine.IDBase)
 }
 
 // mountRootLocked mounts the writable disk, the id-mapped template and the

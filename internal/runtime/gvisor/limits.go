@@ -68,7 +68,7 @@ func raiseHostMemory(id string, l api.Limits) error {
 // guardKills reads the guard's kill count from the sandbox's agent
 // directory. The sandbox can write that directory, so the count is trusted
 // only from a directory and file owned by root, which the guard (root of
-// the sentry) makes and sandbox root (uid ginit.IDBase) cannot; anything
+// the sentry) makes and sandbox root (uid confine.IDBase) cannot; anything
 // else reads as 0. Nothing on the path is followed.
 func guardKills(hostAgentDir string) int64 {
 	dfd, err := unix.Open(hostAgentDir, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/runtime/confine"
 	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
 	"github.com/spacehq/space/internal/testenv"
 )
@@ -42,7 +43,7 @@ func TestGuardKillsTrustsOnlyRoot(t *testing.T) {
 	}
 	write("3\n")
 	// A file the sandbox owns.
-	if err := os.Chown(count, ginit.IDBase, ginit.IDBase); err != nil {
+	if err := os.Chown(count, confine.IDBase, confine.IDBase); err != nil {
 		t.Fatal(err)
 	}
 	if got := guardKills(agent); got != 0 {
@@ -50,7 +51,7 @@ func TestGuardKillsTrustsOnlyRoot(t *testing.T) {
 	}
 	os.Chown(count, 0, 0)
 	// A directory the sandbox owns or may write.
-	if err := os.Chown(oom, ginit.IDBase, ginit.IDBase); err != nil {
+	if err := os.Chown(oom, confine.IDBase, confine.IDBase); err != nil {
 		t.Fatal(err)
 	}
 	if got := guardKills(agent); got != 0 {

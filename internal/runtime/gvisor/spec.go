@@ -9,6 +9,7 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/runtime/cgroupfs"
+	"github.com/spacehq/space/internal/runtime/confine"
 	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
 )
 
@@ -130,20 +131,9 @@ const (
 	cgroupBase = "space-gvisor"
 )
 
-// dockerCaps is docker's default capability set, what native's sandboxes
-// may hold at most too.
-var dockerCaps = []string{
-	"CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
-	"CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_SYS_CHROOT",
-	"CAP_MKNOD", "CAP_AUDIT_WRITE", "CAP_SETFCAP",
-}
-
 // agentEnv is the environment of the agent, the same as native's: each
-// command gets its own environment from the request anyway. The marker
-// makes space-agent enter its user namespace first (package ginit), and
-// is gone from the agent's own environment.
+// command gets its own environment from the request anyway.
 var agentEnv = []string{
-	ginit.EnvStage + "=" + ginit.StageOuter,
 	"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
 	"HOME=/root",
 	"LANG=C.UTF-8",
@@ -151,34 +141,27 @@ var agentEnv = []string{
 
 func u(v uint) *uint { return &v }
 
-// seccompPolicy denies inside the sandbox what native's filter denies and
-// docker's default profile denies: namespaces (an unprivileged user
-// namespace would hand back every dropped capability), keyrings, bpf,
-// perf, ptrace, kernel modules, io_uring, userfaultfd, handles. gVisor
-// implements these in its own kernel, so this is about one behaviour for
-// both runtimes more than about the host; it costs nothing measurable.
+// seccompPolicy denies inside the sandbox what package confine denies
+// everywhere (confine.Denied: keyrings, bpf, perf, ptrace, kernel modules,
+// io_uring, userfaultfd, handles, …), to every process of the sandbox, the
+// container's init included. gVisor implements these in its own kernel, so
+// this is about one behaviour for every runtime more than about the host;
+// it costs nothing measurable.
 func seccompPolicy() *ociSeccomp {
 	eperm := u(uint(unix.EPERM))
 	p := &ociSeccomp{
 		DefaultAction: "SCMP_ACT_ALLOW",
 		Architectures: []string{"SCMP_ARCH_X86_64", "SCMP_ARCH_AARCH64"},
 		Syscalls: []ociSeccompRule{
-			{Names: []string{
-				"keyctl", "add_key", "request_key", "bpf", "perf_event_open", "ptrace",
-				"process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd", "setns",
-				"kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
-				"userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
-				"open_by_handle_at", "name_to_handle_at",
-				"swapon", "swapoff", "reboot", "syslog", "acct", "quotactl", "sethostname", "setdomainname",
-			}, Action: "SCMP_ACT_ERRNO", ErrnoRet: eperm},
+			{Names: confine.DeniedNames(), Action: "SCMP_ACT_ERRNO", ErrnoRet: eperm},
 			// clone3 passes its flags in memory a filter cannot read: ENOSYS
 			// makes libc fall back to clone, which is checked above.
 			{Names: []string{"clone3"}, Action: "SCMP_ACT_ERRNO", ErrnoRet: u(uint(unix.ENOSYS))},
 		},
 	}
 	// New namespaces (clone/unshare flags) and mounts are refused by
-	// ginit's own filter in the agent's namespaces: the container's init
-	// needs to create them once, to put the agent there.
+	// confine's filter in the agent's namespaces (ginit): the container's
+	// init needs to create them once, to put the agent there.
 	return p
 }
 
@@ -187,15 +170,16 @@ func bundleSpec(id, rootfs, hostname, hostAgentDir, agentBinary string, l api.Li
 	if hostname == "" {
 		hostname = id
 	}
+	caps := confine.CapabilityNames()
 	s := ociSpec{
 		Version: "1.0.2",
 		Process: ociProcess{
 			User: ociUser{UID: 0, GID: 0},
-			Args: []string{agentPath, "--socket", agentDir + "/" + agentSock},
+			Args: []string{agentPath, ginit.Role, "--socket", agentDir + "/" + agentSock},
 			Env:  agentEnv,
 			Cwd:  "/",
 			Capabilities: ociCaps{
-				Bounding: dockerCaps, Effective: dockerCaps, Permitted: dockerCaps,
+				Bounding: caps, Effective: caps, Permitted: caps,
 			},
 			Rlimits: []ociRlim{
 				{Type: "RLIMIT_NOFILE", Hard: noFile, Soft: noFile},

@@ -15,11 +15,15 @@ type IDMap struct {
 	Size   uint32
 }
 
+// HoldArg is the first argument that makes space-agent a holder for
+// OpenUserns: it blocks until its stdin reaches EOF and exits.
+const HoldArg = "hold-userns"
+
 // OpenUserns returns a descriptor of a new user namespace with ids mapped
 // by m (uids and gids alike), for id-mapped mounts. A Go program cannot
 // create a user namespace in-process, so holder (argv, env) is started in
 // one: it must block until its stdin reaches EOF and then exit (space-agent
-// does with SPACE_GINIT=hold). The namespace lives as long as the returned
+// does with HoldArg). The namespace lives as long as the returned
 // descriptor is open; the caller closes it.
 func OpenUserns(holder, env []string, m IDMap) (int, error) {
 	if len(holder) == 0 {

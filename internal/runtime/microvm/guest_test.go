@@ -16,7 +16,7 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/agentproto"
-	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/confine"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 	"github.com/spacehq/space/internal/runtime/microvm/vmctl"
 	"github.com/spacehq/space/internal/testenv"
@@ -130,7 +130,7 @@ func TestGuestSandbox(t *testing.T) {
 		t.Fatal(err)
 	}
 	disk := filepath.Join(t.TempDir(), "disk.img")
-	if err := hostfs.FormatExt4(ctx, disk, 256, ginit.IDBase); err != nil {
+	if err := hostfs.FormatExt4(ctx, disk, 256, confine.IDBase); err != nil {
 		t.Fatal(err)
 	}
 	const hostname = "guest-test"
@@ -148,8 +148,8 @@ func TestGuestSandbox(t *testing.T) {
 			t.Errorf("id -u / owner of /etc/passwd / owner of /: %q, want root's", out)
 		}
 		m := strings.Fields(g.mustSh("cat /proc/self/uid_map"))
-		if len(m) != 3 || m[0] != "0" || m[1] != strconv.Itoa(ginit.IDBase) || m[2] != strconv.Itoa(ginit.IDSize) {
-			t.Errorf("uid_map %q, want 0 %d %d", m, ginit.IDBase, ginit.IDSize)
+		if len(m) != 3 || m[0] != "0" || m[1] != strconv.Itoa(confine.IDBase) || m[2] != strconv.Itoa(confine.IDSize) {
+			t.Errorf("uid_map %q, want 0 %d %d", m, confine.IDBase, confine.IDSize)
 		}
 		if out := g.mustSh("ps -e --no-headers | wc -l"); func() int { n, _ := strconv.Atoi(strings.TrimSpace(out)); return n }() > 6 {
 			t.Errorf("ps sees %s processes:\n%s", out, g.mustSh("ps -ef"))
@@ -189,12 +189,13 @@ func TestGuestSandbox(t *testing.T) {
 		for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
 			f := strings.Fields(line)
 			v, err := strconv.ParseUint(f[1], 16, 64)
-			if err != nil || v&^dockerCapsMask != 0 {
-				t.Errorf("%s holds capabilities beyond docker's default set", line)
+			if err != nil || v&^confine.CapabilityMask() != 0 {
+				t.Errorf("%s holds capabilities beyond the kept set", line)
 			}
 		}
-		for _, p := range []string{"/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug"} {
-			if out := g.sh("head -c 64 " + p + " 2>/dev/null | wc -c").Stdout; out != "0\n" {
+		for _, p := range confine.MaskedPaths {
+			probe := "{ if [ -d " + p + " ]; then ls -A " + p + "; else head -c 64 " + p + "; fi; } 2>/dev/null | wc -c"
+			if out := g.sh(probe).Stdout; out != "0\n" {
 				t.Errorf("%s is readable (%s bytes)", p, strings.TrimSpace(out))
 			}
 		}
@@ -374,7 +375,7 @@ for d in sorted(glob.glob("/sys/class/virtio-ports/*")):
 			t.Fatalf("%s on the host: %q, %v", f, b, err)
 		}
 		var st unix.Stat_t
-		if err := unix.Stat(f, &st); err != nil || st.Uid != ginit.IDBase {
+		if err := unix.Stat(f, &st); err != nil || st.Uid != confine.IDBase {
 			t.Errorf("file written by sandbox root is owned by %d on the disk, want IDBase", st.Uid)
 		}
 		if fi, err := os.Lstat(filepath.Join(mnt, "upper", "etc", "hostname")); err != nil || fi.Mode().Type() != os.ModeSymlink {
@@ -452,9 +453,6 @@ for d in sorted(glob.glob("/sys/class/virtio-ports/*")):
 		t.Logf("console:\n%s", p.ConsoleTail(4096))
 	}
 }
-
-// dockerCapsMask is docker's default capability set (runtimetest's).
-const dockerCapsMask = 1<<0 | 1<<1 | 1<<3 | 1<<4 | 1<<5 | 1<<6 | 1<<7 | 1<<8 | 1<<10 | 1<<13 | 1<<18 | 1<<27 | 1<<29 | 1<<31
 
 // probeSyscalls is runtimetest's probe (x86_64 numbers) plus what only a
 // real kernel under the sandbox makes worth asking.

@@ -486,10 +486,10 @@ const qemuOverheadMiB = 128
 func (i *instance) jailOptions(vm VM) *JailOptions {
 	mem := int64(vm.MemoryMiB+vm.TBSizeMiB+qemuOverheadMiB) << 20
 	return &JailOptions{
-		ID:          i.spec.ID,
-		AgentBinary: i.rt.cfg.AgentBinary,
-		Writable:    []string{i.vmDir()},
-		Limits:      jail.Limits{MemoryBytes: mem, CPUs: float64(max(vm.CPUs, 1)) + 0.5},
+		ID:       i.spec.ID,
+		Binary:   i.rt.jailBinary(),
+		Writable: []string{i.vmDir()},
+		Limits:   jail.Limits{MemoryBytes: mem, CPUs: float64(max(vm.CPUs, 1)) + 0.5},
 	}
 }
 

@@ -18,7 +18,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
-	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/confine"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 	"github.com/spacehq/space/internal/runtime/hostproc"
 )
@@ -29,7 +29,7 @@ const Name = "microvm"
 // diskRootID owns the writable disk's root directory: the sandbox's root
 // after the guest init's id shift (uid 0 of the confined agent's user
 // namespace), the same shift the root images have.
-const diskRootID = ginit.IDBase
+const diskRootID = confine.IDBase
 
 // guestOverheadMiB is what the guest needs beside the sandbox's own memory:
 // the guest kernel (text, data, struct pages, slabs), the initramfs that
@@ -108,6 +108,18 @@ func New(cfg runtime.Config) (runtime.Runtime, error) {
 		log:    log.With("runtime", Name),
 		images: &Images{Dir: filepath.Join(cfg.DataDir, "images"), AgentBinary: cfg.AgentBinary},
 	}, nil
+}
+
+// jailBinary is space-jail: the configured one, else the one next to the
+// agent binary (make build and scripts/setup.sh put them side by side).
+func (r *Runtime) jailBinary() string {
+	if r.cfg.JailBinary != "" {
+		return r.cfg.JailBinary
+	}
+	if r.cfg.AgentBinary == "" {
+		return ""
+	}
+	return filepath.Join(filepath.Dir(r.cfg.AgentBinary), "space-jail")
 }
 
 // Name implements runtime.Runtime.

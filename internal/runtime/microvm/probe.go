@@ -105,6 +105,11 @@ func (r *Runtime) check(ctx context.Context, c *runtime.Capabilities) error {
 			return fmt.Errorf("%s not found (install erofs-utils and e2fsprogs)", tool)
 		}
 	}
+	if jb := r.jailBinary(); jb == "" {
+		return fmt.Errorf("no space-jail binary configured (the QEMU jailer)")
+	} else if st, err := os.Stat(jb); err != nil || !st.Mode().IsRegular() {
+		return fmt.Errorf("space-jail (the QEMU jailer) not found at %s: build it next to space-agent (make build) or set SPACE_JAIL_BIN", jb)
+	}
 	bf, err := r.bootFiles()
 	if err != nil {
 		return err
@@ -248,7 +253,7 @@ func (r *Runtime) probeKey() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	return runtime.ProbeKey(fmt.Sprintf("kvm_timeout=%v\n", DefaultKVMProbeTimeout), qemu, k.Vmlinuz, r.cfg.AgentBinary)
+	return runtime.ProbeKey(fmt.Sprintf("kvm_timeout=%v\n", DefaultKVMProbeTimeout), qemu, k.Vmlinuz, r.cfg.AgentBinary, r.jailBinary())
 }
 
 func (r *Runtime) probeCachePaths(key string) []string {

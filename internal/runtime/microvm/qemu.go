@@ -196,7 +196,6 @@ func (v VM) kernelCmdline() string {
 			cmd += " tsc_early_khz=" + strconv.FormatUint(khz, 10)
 		}
 	}
-	cmd += " " + vminit.EnvFlag + "=1"
 	if v.Hostname != "" {
 		cmd += " " + vminit.EnvHostname + "=" + v.Hostname
 	}
@@ -206,7 +205,8 @@ func (v VM) kernelCmdline() string {
 	if v.Pids > 0 {
 		cmd += " " + vminit.EnvPids + "=" + strconv.FormatInt(v.Pids, 10)
 	}
-	return cmd
+	// Last: everything after "--" is init's arguments.
+	return cmd + " " + vminit.CmdlineRole
 }
 
 var (
@@ -295,8 +295,8 @@ type LaunchOptions struct {
 type JailOptions struct {
 	// ID names the jail (cgroup, uid seed): the sandbox id.
 	ID string
-	// AgentBinary is the static space-agent whose stage builds the jail.
-	AgentBinary string
+	// Binary is the static space-jail that builds the jail.
+	Binary string
 	// Writable directories hold the VM's disk, sockets and console log.
 	Writable []string
 	Limits   jail.Limits
@@ -399,7 +399,7 @@ func startJailed(bin string, args []string, v VM, o LaunchOptions, errFile *os.F
 	if o.Incoming != nil {
 		extra = []*os.File{o.Incoming}
 	}
-	cmd, err := jail.Start(o.Jail.AgentBinary, jail.Spec{
+	cmd, err := jail.Start(o.Jail.Binary, jail.Spec{
 		ID:         o.Jail.ID,
 		Argv:       append([]string{abs}, args...),
 		ReadOnly:   ro,

@@ -32,7 +32,7 @@ func TestArgsRefuseUnsafePaths(t *testing.T) {
 		t.Fatal(err)
 	}
 	joined := strings.Join(args, " ")
-	for _, want := range []string{"-M microvm", "-accel tcg", "-no-reboot", "path=/s,server=on,wait=off", "name=agent", "SPACE_VMINIT=1", "panic=-1"} {
+	for _, want := range []string{"-M microvm", "-accel tcg", "-no-reboot", "path=/s,server=on,wait=off", "name=agent", "-- init-microvm", "panic=-1"} {
 		if !strings.Contains(joined, want) {
 			t.Errorf("args lack %q: %s", want, joined)
 		}

@@ -17,7 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/errdefs"
-	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/confine"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
@@ -35,12 +35,12 @@ const DefaultImageBuildTimeout = 5 * time.Minute
 // mounts it read-only as the lower layer of its root overlay.
 //
 // Modes, times, symlinks, hard links, device nodes and xattrs are kept as
-// they are in the tree; owners are shifted by ginit.IDBase. Inside the
+// they are in the tree; owners are shifted by confine.IDBase. Inside the
 // guest the sandbox runs in a user namespace whose root is guest uid
 // IDBase (package vminit), so a file the template gives to root must be
 // IDBase's in the image for the sandbox to see it as root's. The shift is
 // made by building from a read-only id-mapped mount of the tree (host id N
-// → IDBase+N for N < ginit.IDSize); the tree on disk is not touched. Ids
+// → IDBase+N for N < confine.IDSize); the tree on disk is not touched. Ids
 // ≥ IDSize in the tree have no mapping and land in the image as the
 // overflow id (65534, nobody) — Debian's trees use none.
 type Images struct {
@@ -234,8 +234,8 @@ func (im *Images) buildShifted(ctx context.Context, image, rootfs, dst string) e
 	if im.AgentBinary == "" {
 		return fmt.Errorf("no agent binary for the id-mapped mount: %w", errdefs.ErrInvalidArgument)
 	}
-	userns, err := hostfs.OpenUserns([]string{im.AgentBinary}, []string{ginit.EnvStage + "=" + ginit.StageHold},
-		hostfs.IDMap{HostID: ginit.IDBase, Size: ginit.IDSize})
+	userns, err := hostfs.OpenUserns([]string{im.AgentBinary, hostfs.HoldArg}, []string{},
+		hostfs.IDMap{HostID: confine.IDBase, Size: confine.IDSize})
 	if err != nil {
 		return err
 	}

@@ -15,7 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/errdefs"
-	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/confine"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 	"github.com/spacehq/space/internal/testenv"
 )
@@ -178,7 +178,7 @@ func verifyMounted(t *testing.T, img string) {
 		t.Errorf("etc/tool: %d bytes, %v", len(b), err)
 	}
 	sec := st("etc/secret")
-	if sec.Mode != unix.S_IFREG|0o600 || sec.Uid != ginit.IDBase+1000 || sec.Gid != ginit.IDBase+1001 || sec.Nlink != 2 {
+	if sec.Mode != unix.S_IFREG|0o600 || sec.Uid != confine.IDBase+1000 || sec.Gid != confine.IDBase+1001 || sec.Nlink != 2 {
 		t.Errorf("etc/secret mode %o owner %d:%d nlink %d", sec.Mode, sec.Uid, sec.Gid, sec.Nlink)
 	}
 	if hard := st("etc/sub/hard"); hard.Ino != sec.Ino {
@@ -194,10 +194,10 @@ func verifyMounted(t *testing.T, img string) {
 	if link, err := os.Readlink(p("etc/sub/link")); err != nil || link != "../secret" {
 		t.Errorf("link → %q, %v", link, err)
 	}
-	if l := st("etc/sub/link"); l.Uid != ginit.IDBase+7 || l.Gid != ginit.IDBase+8 {
+	if l := st("etc/sub/link"); l.Uid != confine.IDBase+7 || l.Gid != confine.IDBase+8 {
 		t.Errorf("link owner %d:%d", l.Uid, l.Gid)
 	}
-	if r := st("etc"); r.Uid != ginit.IDBase || r.Gid != ginit.IDBase {
+	if r := st("etc"); r.Uid != confine.IDBase || r.Gid != confine.IDBase {
 		t.Errorf("root-owned etc is %d:%d in the image, want IDBase", r.Uid, r.Gid)
 	}
 	// Outside the mapped range: the overflow id, not the tree's.
@@ -405,7 +405,7 @@ func TestImageOfBaseRootfs(t *testing.T) {
 			t.Errorf("base image has no /bin/sh: %v", err)
 		}
 		var st unix.Stat_t
-		if err := unix.Stat(filepath.Join(mnt, "etc", "passwd"), &st); err != nil || st.Uid != ginit.IDBase {
+		if err := unix.Stat(filepath.Join(mnt, "etc", "passwd"), &st); err != nil || st.Uid != confine.IDBase {
 			t.Errorf("base image /etc/passwd owner %d (%v), want IDBase", st.Uid, err)
 		}
 	}

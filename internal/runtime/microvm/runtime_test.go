@@ -77,7 +77,7 @@ func TestMain(m *testing.M) {
 func newTestRuntime(t *testing.T, agent string) *Runtime {
 	t.Helper()
 	dir := shortDir(t)
-	rt, err := runtime.New(Name, runtime.Config{DataDir: dir, AgentBinary: agent, Logger: testLogger})
+	rt, err := runtime.New(Name, runtime.Config{DataDir: dir, AgentBinary: agent, JailBinary: testenv.JailBinary(t), Logger: testLogger})
 	if err != nil {
 		t.Fatal(err)
 	}

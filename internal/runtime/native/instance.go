@@ -205,9 +205,10 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	cmd := &exec.Cmd{
 		// Exec through the descriptor: the binary's directory need not be
 		// reachable by the sandbox's uid.
-		Path:   fmt.Sprintf("/proc/self/fd/%d", nsinit.FDAgentBinary),
-		Args:   []string{"space-agent"},
-		Env:    []string{nsinit.EnvMarker + "=" + nsinit.StageSetup},
+		Path: fmt.Sprintf("/proc/self/fd/%d", nsinit.FDAgentBinary),
+		Args: []string{"space-agent", nsinit.RoleSetup},
+		// Nothing of the server's environment (non-nil: nil would inherit it).
+		Env:    []string{},
 		Stdout: logf,
 		Stderr: logf,
 		// fd 3, 4, 5, 6: nsinit.FDAgentListener, FDConfig, FDStatus,

@@ -17,6 +17,7 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/confine"
 	"github.com/spacehq/space/internal/runtime/native"
 	"github.com/spacehq/space/internal/runtime/native/nsinit"
 	"github.com/spacehq/space/internal/runtime/runtimetest"
@@ -134,8 +135,8 @@ func TestReadopt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(string(status), "Uid:\t100000000\t") {
-		t.Fatalf("sandbox root is not host uid 100000000:\n%s", status)
+	if !strings.Contains(string(status), fmt.Sprintf("Uid:\t%d\t", confine.IDBase)) {
+		t.Fatalf("sandbox root is not host uid %d:\n%s", confine.IDBase, status)
 	}
 	dataDir := filepath.Dir(filepath.Dir(sb.Inst.(interface{ Dir() string }).Dir()))
 	rt2, err := runtime.New(native.Name, runtime.Config{DataDir: dataDir, AgentBinary: testenv.AgentBinary(t)})
@@ -247,7 +248,7 @@ func TestInsideView(t *testing.T) {
 	// every process, the agent (pid 1) included.
 	for _, pid := range []string{"self", "1"} {
 		st := sb.MustSh(t, "grep -E '^(Seccomp|NoNewPrivs|CapBnd):' /proc/"+pid+"/status")
-		if !strings.Contains(st, "Seccomp:\t2") || !strings.Contains(st, "NoNewPrivs:\t1") || !strings.Contains(st, "CapBnd:\t00000000200405fb") {
+		if !strings.Contains(st, "Seccomp:\t2") || !strings.Contains(st, "NoNewPrivs:\t1") || !strings.Contains(st, fmt.Sprintf("CapBnd:\t%016x", confine.CapabilityMask())) {
 			t.Errorf("/proc/%s/status: %q", pid, st)
 		}
 	}

@@ -113,7 +113,7 @@ func checkCgroups() error {
 }
 
 // probeOverlay starts the agent binary in a new user and mount namespace
-// (nsinit.StageProbe) and has it mount an overlay with userxattr.
+// (nsinit.RoleProbe) and has it mount an overlay with userxattr.
 func (r *Runtime) probeOverlay(ctx context.Context) error {
 	if err := os.MkdirAll(r.cfg.DataDir, 0o700); err != nil {
 		return err
@@ -154,8 +154,8 @@ func (r *Runtime) probeOverlay(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, fmt.Sprintf("/proc/self/fd/%d", nsinit.FDAgentBinary))
-	cmd.Args = []string{"space-agent"}
-	cmd.Env = []string{nsinit.EnvMarker + "=" + nsinit.StageProbe}
+	cmd.Args = []string{"space-agent", nsinit.RoleProbe}
+	cmd.Env = []string{} // nothing of the server's (nil would inherit it)
 	// fd 3 (the listener) is unused by the probe.
 	devnull, err := os.Open(os.DevNull)
 	if err != nil {

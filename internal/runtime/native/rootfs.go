@@ -15,12 +15,13 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime/confine"
 )
 
 // Sandbox ids 0..idRange-1 map to host ids hostIDBase.. in every sandbox.
 const (
-	hostIDBase = 100000000
-	idRange    = 65536
+	hostIDBase = confine.IDBase
+	idRange    = confine.IDSize
 )
 
 // shiftID maps a template owner into the sandbox's host id range; an owner

@@ -25,9 +25,9 @@
 //   - with QEMU's own seccomp filter, which the caller turns on in QEMU's
 //     command line (microvm.VM.Seccomp: -sandbox on,obsolete=deny,…).
 //
-// The jail is a stage of the static space-agent binary (Enter, selected
-// by EnvStage), so nothing but the agent binary has to be installed: the
-// host starts it in the new namespaces, moves it into the cgroup, sends it
+// The jail stage is its own static binary, space-jail (cmd/space-jail,
+// Main), run as root on the host and never placed in a sandbox: the host
+// starts it in the new namespaces, moves it into the cgroup, sends it
 // the plan over a socket, and the stage builds the root, drops every
 // privilege and execs QEMU. QEMU keeps the stage's pid: the *exec.Cmd that
 // Start returns is QEMU's. No parent-death signal: a jailed QEMU outlives
@@ -38,7 +38,7 @@
 //
 //	ro, _ := jail.QEMUPaths(qemu)
 //	ro = append(ro, kernel, initrd, rootImage) // each readable by the jail's uid
-//	cmd, err := jail.Start(agentBinary, jail.Spec{
+//	cmd, err := jail.Start(jailBinary, jail.Spec{
 //		ID:       id,
 //		Argv:     append([]string{qemu}, args...), // vm.Args() with vm.Seccomp set
 //		ReadOnly: ro,
@@ -75,12 +75,8 @@ import (
 	"github.com/spacehq/space/internal/errdefs"
 )
 
-// EnvStage selects the jail stage of space-agent; EnvFD names the
-// descriptor of its control socket.
-const (
-	EnvStage = "SPACE_JAIL"
-	EnvFD    = "SPACE_JAIL_FD"
-)
+// EnvFD names the descriptor of the jail stage's control socket.
+const EnvFD = "SPACE_JAIL_FD"
 
 // Hostname is the jail's hostname (its own uts namespace): QEMU does not
 // learn the host's.
@@ -222,9 +218,9 @@ func chownTree(path string, uid, gid uint32) error {
 // s.Writable to the jail's uid and creates the cgroup, which RemoveCgroup
 // deletes when QEMU is gone (Start removes it itself when it fails).
 //
-// agentBinary is the static space-agent, whose jail stage (Enter) builds
-// the jail. Start needs root.
-func Start(agentBinary string, s Spec) (*exec.Cmd, error) {
+// jailBinary is the static space-jail, whose stage (Main) builds the jail.
+// Start needs root.
+func Start(jailBinary string, s Spec) (*exec.Cmd, error) {
 	if err := s.normalize(); err != nil {
 		return nil, err
 	}
@@ -240,7 +236,7 @@ func Start(agentBinary string, s Spec) (*exec.Cmd, error) {
 	if err := createCgroup(&s, p.Devices); err != nil {
 		return nil, err
 	}
-	cmd, err := start(agentBinary, &s, p)
+	cmd, err := start(jailBinary, &s, p)
 	if err != nil {
 		_ = RemoveCgroup(s.ID)
 		return nil, err
@@ -248,7 +244,7 @@ func Start(agentBinary string, s Spec) (*exec.Cmd, error) {
 	return cmd, nil
 }
 
-func start(agentBinary string, s *Spec, p *plan) (*exec.Cmd, error) {
+func start(jailBinary string, s *Spec, p *plan) (*exec.Cmd, error) {
 	msg, err := json.Marshal(p)
 	if err != nil {
 		return nil, err
@@ -267,9 +263,9 @@ func start(agentBinary string, s *Spec, p *plan) (*exec.Cmd, error) {
 	defer conn.Close()
 	uc := conn.(*net.UnixConn)
 
-	cmd := exec.Command(agentBinary)
+	cmd := exec.Command(jailBinary)
 	cmd.Args[0] = "space-jail"
-	cmd.Env = []string{EnvStage + "=1", EnvFD + "=" + strconv.Itoa(3+len(s.ExtraFiles))}
+	cmd.Env = []string{EnvFD + "=" + strconv.Itoa(3+len(s.ExtraFiles))}
 	cmd.Stdout, cmd.Stderr = s.Stdout, s.Stderr
 	cmd.ExtraFiles = append(append([]*os.File{}, s.ExtraFiles...), jailEnd)
 	cmd.SysProcAttr = &syscall.SysProcAttr{
@@ -279,7 +275,7 @@ func start(agentBinary string, s *Spec, p *plan) (*exec.Cmd, error) {
 		Cloneflags: unix.CLONE_NEWNS | unix.CLONE_NEWPID | unix.CLONE_NEWNET | unix.CLONE_NEWIPC | unix.CLONE_NEWUTS,
 	}
 	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("jail: starting the jail stage %s: %w", agentBinary, err)
+		return nil, fmt.Errorf("jail: starting the jail stage %s: %w", jailBinary, err)
 	}
 	fail := func(err error) (*exec.Cmd, error) {
 		_ = cmd.Process.Kill()

@@ -126,7 +126,7 @@ func TestJailedQEMU(t *testing.T) {
 	var stderr bytes.Buffer
 	const memLimit = 512 << 20
 	start := time.Now()
-	cmd, err := jail.Start(agent, jail.Spec{ID: id, Argv: append([]string{qemu}, args...), ReadOnly: ro, Writable: []string{dir},
+	cmd, err := jail.Start(testenv.JailBinary(t), jail.Spec{ID: id, Argv: append([]string{qemu}, args...), ReadOnly: ro, Writable: []string{dir},
 		Limits: jail.Limits{MemoryBytes: memLimit, CPUs: 1, Pids: 64}, Stderr: &stderr})
 	if err != nil {
 		t.Fatal(err)
@@ -442,7 +442,6 @@ func health(ctx context.Context, sock string, exited <-chan error) (string, erro
 // descriptor 3 that Start passed through.
 func TestJailShell(t *testing.T) {
 	testenv.RequireRoot(t)
-	agent := testenv.AgentBinary(t)
 	ro, err := jail.QEMUPaths("/usr/bin/sh")
 	if err != nil {
 		t.Fatal(err)
@@ -467,7 +466,7 @@ func TestJailShell(t *testing.T) {
 	}
 	devices := []string{extra}
 	script += "; ls -ln " + extra
-	cmd, err := jail.Start(agent, jail.Spec{ID: id, Argv: []string{"/usr/bin/sh", "-c", script}, ReadOnly: ro, Writable: []string{dir},
+	cmd, err := jail.Start(testenv.JailBinary(t), jail.Spec{ID: id, Argv: []string{"/usr/bin/sh", "-c", script}, ReadOnly: ro, Writable: []string{dir},
 		Devices: devices, ExtraFiles: []*os.File{w}, Limits: jail.Limits{MemoryBytes: 64 << 20, CPUs: 0.5}})
 	w.Close()
 	if err != nil {
@@ -512,12 +511,11 @@ func copyFile(src, dst string) error {
 // stage's reason, and leaves no cgroup.
 func TestStartFailureReported(t *testing.T) {
 	testenv.RequireRoot(t)
-	agent := testenv.AgentBinary(t)
 	if fi, err := os.Lstat("/lib64"); err != nil || fi.Mode()&os.ModeSymlink == 0 {
 		t.Skip("needs a merged-usr host (/lib64 a symlink)")
 	}
 	id := randomID(t)
-	_, err := jail.Start(agent, jail.Spec{ID: id, Argv: []string{"/usr/bin/true"}, ReadOnly: []string{"/usr"},
+	_, err := jail.Start(testenv.JailBinary(t), jail.Spec{ID: id, Argv: []string{"/usr/bin/true"}, ReadOnly: []string{"/usr"},
 		Limits: jail.Limits{MemoryBytes: 64 << 20, CPUs: 1}})
 	if err == nil || !strings.Contains(err.Error(), "exec /usr/bin/true in the jail") || !errors.Is(err, errdefs.ErrUnavailable) {
 		t.Fatalf("err = %v, want the stage's exec failure", err)
@@ -534,7 +532,7 @@ func TestStartFailureReported(t *testing.T) {
 // exits (TestJailOutlivesStarter).
 func TestMain(m *testing.M) {
 	if os.Getenv("JAIL_TEST_STARTER") == "1" {
-		cmd, err := jail.Start(os.Getenv("JAIL_TEST_AGENT"), jail.Spec{ID: os.Getenv("JAIL_TEST_ID"),
+		cmd, err := jail.Start(os.Getenv("JAIL_TEST_BIN"), jail.Spec{ID: os.Getenv("JAIL_TEST_ID"),
 			Argv: []string{"/usr/bin/sleep", "60"}, ReadOnly: strings.Split(os.Getenv("JAIL_TEST_RO"), ":"),
 			Limits: jail.Limits{MemoryBytes: 16 << 20, CPUs: 0.1}})
 		if err != nil {
@@ -559,7 +557,7 @@ func TestJailOutlivesStarter(t *testing.T) {
 	id := randomID(t)
 	defer jail.RemoveCgroup(id)
 	starter := exec.Command(os.Args[0], "-test.run=^$")
-	starter.Env = append(os.Environ(), "JAIL_TEST_STARTER=1", "JAIL_TEST_AGENT="+testenv.AgentBinary(t),
+	starter.Env = append(os.Environ(), "JAIL_TEST_STARTER=1", "JAIL_TEST_BIN="+testenv.JailBinary(t),
 		"JAIL_TEST_ID="+id, "JAIL_TEST_RO="+strings.Join(ro, ":"))
 	out, err := starter.Output()
 	if err != nil {
@@ -597,7 +595,6 @@ func TestJailOutlivesStarter(t *testing.T) {
 // pids limit of 16 cannot be made.
 func TestJailLimits(t *testing.T) {
 	testenv.RequireRoot(t)
-	agent := testenv.AgentBinary(t)
 	ro, err := jail.QEMUPaths("/usr/bin/sh")
 	if err != nil {
 		t.Fatal(err)
@@ -606,7 +603,7 @@ func TestJailLimits(t *testing.T) {
 		id := randomID(t)
 		defer jail.RemoveCgroup(id)
 		var out bytes.Buffer
-		cmd, err := jail.Start(agent, jail.Spec{ID: id, Argv: argv, ReadOnly: ro, Limits: limits, Stdout: &out, Stderr: &out})
+		cmd, err := jail.Start(testenv.JailBinary(t), jail.Spec{ID: id, Argv: argv, ReadOnly: ro, Limits: limits, Stdout: &out, Stderr: &out})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -629,14 +626,14 @@ func TestJailLimits(t *testing.T) {
 // startVM starts vm jailed as sandbox id with extra descriptors from 3 and
 // returns QEMU's command and a channel with its Wait result; cleanup kills
 // it and removes its cgroup.
-func startVM(t *testing.T, agent, qemu string, vm microvm.VM, id string, ro []string, extra []*os.File) (*exec.Cmd, <-chan error) {
+func startVM(t *testing.T, qemu string, vm microvm.VM, id string, ro []string, extra []*os.File) (*exec.Cmd, <-chan error) {
 	t.Helper()
 	args, err := vm.Args()
 	if err != nil {
 		t.Fatal(err)
 	}
 	var stderr bytes.Buffer
-	cmd, err := jail.Start(agent, jail.Spec{ID: id, Argv: append([]string{qemu}, args...), ReadOnly: ro,
+	cmd, err := jail.Start(testenv.JailBinary(t), jail.Spec{ID: id, Argv: append([]string{qemu}, args...), ReadOnly: ro,
 		Writable: []string{filepath.Dir(vm.AgentSocket)}, ExtraFiles: extra,
 		Limits: jail.Limits{MemoryBytes: 512 << 20, CPUs: 1}, Stderr: &stderr})
 	if err != nil {
@@ -662,7 +659,7 @@ func startVM(t *testing.T, agent, qemu string, vm microvm.VM, id string, ro []st
 // QEMU over QMP (getfd, migrate fd:), and a new jailed QEMU resumes from
 // it on the descriptor 3 that Start passed through (-incoming fd:3).
 func TestJailedSuspendRestore(t *testing.T) {
-	qemu, k, initrd, agent := bootInputs(t)
+	qemu, k, initrd, _ := bootInputs(t)
 	dir, err := os.MkdirTemp("", "jail")
 	if err != nil {
 		t.Fatal(err)
@@ -678,7 +675,7 @@ func TestJailedSuspendRestore(t *testing.T) {
 		AgentSocket: filepath.Join(dir, "agent.sock"), ConsoleLog: filepath.Join(dir, "console.log"), QMPSocket: filepath.Join(dir, "qmp.sock")}
 	ctx, cancel := context.WithTimeout(context.Background(), 180*time.Second)
 	defer cancel()
-	_, done := startVM(t, agent, qemu, vm, id, ro, nil)
+	_, done := startVM(t, qemu, vm, id, ro, nil)
 	if _, err := health(ctx, vm.AgentSocket, done); err != nil {
 		t.Fatalf("boot: %v", err)
 	}
@@ -739,7 +736,7 @@ func TestJailedSuspendRestore(t *testing.T) {
 	defer in.Close()
 	vm.IncomingFD = 3
 	start = time.Now()
-	_, done = startVM(t, agent, qemu, vm, id, ro, []*os.File{in})
+	_, done = startVM(t, qemu, vm, id, ro, []*os.File{in})
 	q2, err := microvm.DialQMP(ctx, vm.QMPSocket)
 	if err != nil {
 		t.Fatal(err)

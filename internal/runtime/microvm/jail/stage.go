@@ -15,20 +15,16 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Enter runs the jail stage when the process was started by Start (the
-// environment has EnvStage); it never returns then: it execs QEMU or exits
-// with status 125 after telling Start why. Otherwise it does nothing.
-// space-agent calls it first thing in main.
-func Enter() {
-	if os.Getenv(EnvStage) == "" {
-		return
-	}
+// Main is the jail stage, the whole of the space-jail binary, which Start
+// starts: it never returns: it execs QEMU or exits with status 125 after
+// telling Start why.
+func Main() {
 	// no_new_privs, the capability sets and exec are per thread: one
 	// thread does all of it.
 	runtime.LockOSThread()
 	fd, err := strconv.Atoi(os.Getenv(EnvFD))
 	if err != nil || fd < 3 {
-		fmt.Fprintf(os.Stderr, "space-agent: jail: bad %s=%q\n", EnvFD, os.Getenv(EnvFD))
+		fmt.Fprintf(os.Stderr, "space-jail: bad %s=%q (space-jail is started by the microvm runtime, not by hand)\n", EnvFD, os.Getenv(EnvFD))
 		os.Exit(125)
 	}
 	ctl := os.NewFile(uintptr(fd), "jail-control")

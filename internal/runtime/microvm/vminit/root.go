@@ -12,7 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/confine"
 )
 
 // AgentPath is where the sandbox sees the agent binary: the initramfs's
@@ -90,7 +90,7 @@ func mountRoot(rootDev, diskDev string) error {
 	// The disk's top level is PID 1's: the sandbox only ever sees upper/.
 	for _, d := range []string{"upper", "work"} {
 		p := filepath.Join(diskDir, d)
-		if err := realDir(p, 0o755, ginit.IDBase); err != nil {
+		if err := realDir(p, 0o755, confine.IDBase); err != nil {
 			return fmt.Errorf("disk: %w", err)
 		}
 	}
@@ -133,7 +133,7 @@ func prepareRoot() error {
 	in := func(p string) string { return filepath.Join(newRoot, p) }
 	// Mount points: required.
 	for _, d := range []string{"proc", "sys", "dev", "run", "run/space"} {
-		if err := realDir(in(d), 0o755, ginit.IDBase); err != nil {
+		if err := realDir(in(d), 0o755, confine.IDBase); err != nil {
 			return fmt.Errorf("new root: %w", err)
 		}
 	}
@@ -144,7 +144,7 @@ func prepareRoot() error {
 		if d == "tmp" {
 			mode = 0o777 | os.ModeSticky
 		}
-		if err := realDir(in(d), mode, ginit.IDBase); err != nil {
+		if err := realDir(in(d), mode, confine.IDBase); err != nil {
 			fmt.Fprintln(os.Stderr, "space-agent: vm init: new root:", err)
 		}
 	}
@@ -206,7 +206,7 @@ func mountTmp(dir string) error {
 	if len(names) > 0 {
 		return nil
 	}
-	opts := fmt.Sprintf("mode=1777,uid=%d,gid=%d", ginit.IDBase, ginit.IDBase)
+	opts := fmt.Sprintf("mode=1777,uid=%d,gid=%d", confine.IDBase, confine.IDBase)
 	if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 		return fmt.Errorf("tmpfs on /tmp: %w", err)
 	}
@@ -359,7 +359,7 @@ func writeSandboxFile(path string, data []byte) error {
 	if _, err := f.Write(data); err != nil {
 		return err
 	}
-	if err := f.Chown(ginit.IDBase, ginit.IDBase); err != nil {
+	if err := f.Chown(confine.IDBase, confine.IDBase); err != nil {
 		return err
 	}
 	if err := f.Chmod(0o644); err != nil {

@@ -14,7 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/runtime/cgroupfs"
-	"github.com/spacehq/space/internal/runtime/gvisor/ginit"
+	"github.com/spacehq/space/internal/runtime/confine"
 	"github.com/spacehq/space/internal/runtime/microvm/vmctl"
 )
 
@@ -23,10 +23,8 @@ import (
 const Cgroup = "/sys/fs/cgroup/sandbox"
 
 // agentEnv is the agent's environment, as gvisor gives it: each command
-// gets its own environment from the request anyway. The stage makes
-// space-agent confine itself first (package ginit).
+// gets its own environment from the request anyway.
 var agentEnv = []string{
-	ginit.EnvStage + "=" + ginit.StageConfine,
 	"PATH=" + defaultPath,
 	"HOME=/root",
 	"LANG=C.UTF-8",
@@ -70,7 +68,7 @@ func runSandbox(cfg config, rootDev, diskDev string, ph *phases) {
 	ph.mark("ports")
 	// The confined agent (sandbox root, IDBase here) opens its port; the
 	// control port stays guest root's alone.
-	if err := os.Chown(port, ginit.IDBase, ginit.IDBase); err != nil {
+	if err := os.Chown(port, confine.IDBase, confine.IDBase); err != nil {
 		fail(fmt.Errorf("give the agent its port: %w", err))
 	}
 	if err := os.Chmod(port, 0o600); err != nil {
@@ -162,7 +160,7 @@ func setupCgroup(cfg config) error {
 
 // startAgent starts the agent confined: new user, pid and mount
 // namespaces with 0..IDSize-1 mapped to IDBase…, in the sandbox cgroup
-// from its start, then ginit's StageConfine in it. Its stderr (and
+// from its start, as confine.Role (confine.Self) in it. Its stderr (and
 // stdout) is a pipe PID 1 reads.
 func startAgent(port string) (*exec.Cmd, io.ReadCloser, error) {
 	cg, err := unix.Open(Cgroup, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
@@ -181,12 +179,12 @@ func startAgent(port string) (*exec.Cmd, io.ReadCloser, error) {
 		return nil, nil, err
 	}
 	defer null.Close()
-	cmd := exec.Command(AgentPath, "--serial", port)
+	cmd := exec.Command(AgentPath, confine.Role, "--serial", port)
 	cmd.Args[0] = "space-agent"
 	cmd.Env = agentEnv
 	cmd.Dir = "/"
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = null, pw, pw
-	ids := []syscall.SysProcIDMap{{ContainerID: 0, HostID: ginit.IDBase, Size: ginit.IDSize}}
+	ids := []syscall.SysProcIDMap{{ContainerID: 0, HostID: confine.IDBase, Size: confine.IDSize}}
 	cmd.SysProcAttr = &syscall.SysProcAttr{
 		Cloneflags:                 unix.CLONE_NEWUSER | unix.CLONE_NEWPID | unix.CLONE_NEWNS,
 		UidMappings:                ids,

@@ -14,11 +14,12 @@
 //  4. cgroup "sandbox" with memory.max, memory.swap.max=0 and pids.max from
 //     the kernel command line;
 //  5. the agent as a child in new user, pid and mount namespaces (ids
-//     0..65535 → IDBase…, as gvisor's ginit outer stage), started straight
-//     into the sandbox cgroup (CLONE_INTO_CGROUP), confined by ginit's
-//     StageConfine (its /proc, masks, docker's capabilities,
-//     no_new_privs, seccomp) and serving on the "agent" port, whose node
-//     is given to IDBase;
+//     0..65535 → confine.IDBase…, as gvisor's ginit does), started
+//     straight into the sandbox cgroup (CLONE_INTO_CGROUP), as
+//     `space-agent confine` (confine.Role): confine.Self applies the one
+//     policy (its /proc, masks, capabilities, no_new_privs, seccomp) and
+//     it serves on the "agent" port, whose node is given to
+//     confine.IDBase;
 //  6. PID 1 serves the control port (package vmctl: ping, stats from the
 //     sandbox cgroup, restored) on its root-only node, and when the agent
 //     exits syncs and reboots, which ends QEMU (-no-reboot).
@@ -26,10 +27,13 @@
 // Without disks (boot tests) the agent itself runs as PID 1 from the
 // initramfs, serving on the port, as the groundwork did.
 //
-// The host marks the guest by putting EnvFlag=1 on the kernel command line:
-// the kernel hands such undotted key=value parameters to init as
-// environment variables (a dotted one such as space.init=1 would be taken
-// for a module parameter and dropped). Every value from the host is
+// The host selects this role explicitly: its kernel command line ends with
+// "-- init-microvm" (CmdlineRole), and the kernel passes everything after
+// "--" to init as arguments, so space-agent runs as `/init init-microvm`.
+// Main refuses to run as anything but PID 1. The host's other values are
+// undotted key=value parameters, which the kernel hands to init as
+// environment variables (a dotted one such as space.hostname=x would be
+// taken for a module parameter and dropped). Every value from the host is
 // checked; any failure is written to the console and halts the guest.
 package vminit
 
@@ -45,9 +49,13 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// EnvFlag is the kernel command line parameter (and so init's environment
-// variable) that says space-agent runs as the init of a microvm guest.
-const EnvFlag = "SPACE_VMINIT"
+// Role is the first argument that makes space-agent a microvm guest's
+// init; CmdlineRole is how the host's kernel command line ends to pass it.
+// The init starts the agent as confine.Role.
+const (
+	Role        = "init-microvm"
+	CmdlineRole = "-- " + Role
+)
 
 // Kernel command line parameters (init's environment) from the host.
 const (
@@ -80,20 +88,22 @@ const portWait = 10 * time.Second
 // init only HOME and TERM.
 const defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-// Enter does nothing and returns nil unless the process is PID 1 with
-// EnvFlag=1. Then it prepares the guest. Without disks it returns the
-// agent's arguments (serve on the port) and the agent runs as PID 1; with
-// them it runs the sandbox (see the package doc) and never returns. If
+// Main runs Role: it refuses to run unless the process is PID 1 (this is no
+// program to run on a host), then prepares the guest. Without disks it
+// returns the agent's arguments (serve on the port) and the agent runs as
+// PID 1; with them it runs the sandbox (see the package doc) and never
+// returns. If
 // anything fails it writes why to the console and reboots the guest, which
 // ends the VM (QEMU runs with -no-reboot): it never returns an error to a
 // guest without an agent.
-func Enter() []string {
-	if os.Getpid() != 1 || os.Getenv(EnvFlag) != "1" {
-		return nil
+func Main() []string {
+	if os.Getpid() != 1 {
+		fmt.Fprintf(os.Stderr, "space-agent: %s runs only as a microvm guest's init (PID 1)\n", Role)
+		os.Exit(125)
 	}
 	cfg, err := configFromEnv()
 	// None of these are for the agent's children.
-	for _, k := range []string{EnvFlag, EnvHostname, EnvMemoryMiB, EnvPids} {
+	for _, k := range []string{EnvHostname, EnvMemoryMiB, EnvPids} {
 		os.Unsetenv(k)
 	}
 	if os.Getenv("PATH") == "" {

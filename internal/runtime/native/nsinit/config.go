@@ -34,17 +34,6 @@ const (
 	FDRoot  = 10
 )
 
-// Environment values of EnvMarker.
-const (
-	// StageSetup: build the sandbox around this process, then re-exec.
-	StageSetup = "1"
-	// StageProbe: try an overlay mount inside a user namespace and exit; the
-	// host uses it to measure what works before it offers the runtime.
-	StageProbe = "probe"
-	// stageServe marks the re-executed agent: the sandbox is complete.
-	stageServe = "serve"
-)
-
 // EnvAgentFD is read by the agent: the fd of its listening socket.
 const EnvAgentFD = "SPACE_AGENT_FD"
 

@@ -8,39 +8,14 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/runtime/confine"
 )
 
 // Devices bind-mounted from the host into the sandbox's /dev. A user
 // namespace cannot mknod, and binding the host's nodes is how rootless
 // containers provide them.
 var devices = []string{"null", "zero", "full", "random", "urandom", "tty"}
-
-// maskedPaths are hidden behind /dev/null (files) or an empty read-only
-// tmpfs (directories): they leak host information or poke host hardware.
-var maskedPaths = []string{
-	"/proc/acpi",
-	"/proc/asound",
-	"/proc/kcore",
-	"/proc/keys",
-	"/proc/latency_stats",
-	"/proc/timer_list",
-	"/proc/timer_stats",
-	"/proc/sched_debug",
-	"/proc/scsi",
-	"/proc/sysrq-trigger",
-	"/sys/firmware",
-	"/sys/devices/virtual/powercap",
-	"/sys/kernel/debug",
-	"/sys/kernel/security",
-}
-
-// readonlyPaths stay visible but cannot be written.
-var readonlyPaths = []string{
-	"/proc/bus",
-	"/proc/fs",
-	"/proc/irq",
-	"/proc/sys",
-}
 
 // fdPath names a descriptor the host passed.
 func fdPath(fd int) string { return fmt.Sprintf("/proc/self/fd/%d", fd) }
@@ -135,12 +110,12 @@ func buildRoot() error {
 			return err
 		}
 	}
-	for _, p := range maskedPaths {
-		if err := mask(in(p)); err != nil {
+	for _, p := range confine.MaskedPaths {
+		if err := confine.Mask(in(p)); err != nil {
 			return err
 		}
 	}
-	for _, p := range readonlyPaths {
+	for _, p := range confine.ReadonlyPaths {
 		if err := bindReadonly(in(p)); err != nil {
 			return err
 		}
@@ -216,27 +191,6 @@ func buildDev(dev string) error {
 		if err := os.Symlink(l[0], filepath.Join(dev, l[1])); err != nil {
 			return err
 		}
-	}
-	return nil
-}
-
-// mask hides path: files behind /dev/null, directories behind an empty
-// read-only tmpfs. Paths this kernel does not have are skipped.
-func mask(path string) error {
-	fi, err := os.Lstat(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	if fi.IsDir() {
-		err = unix.Mount("tmpfs", path, "tmpfs", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "size=0,mode=555")
-	} else {
-		err = unix.Mount("/dev/null", path, "", unix.MS_BIND, "")
-	}
-	if err != nil {
-		return fmt.Errorf("mask %s: %w", path, err)
 	}
 	return nil
 }

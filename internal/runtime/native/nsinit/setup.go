@@ -11,37 +11,29 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/runtime/confine"
 )
 
-// setup runs in the init process the host started in fresh user, mount, pid,
-// net, ipc and uts namespaces. In StageSetup it builds the sandbox and
-// re-executes the agent binary, so it returns only on failure; in the
-// re-executed agent (stageServe) it returns nil at once.
+// Setup runs in the init process the host started in fresh user, mount,
+// pid, net, ipc and uts namespaces (RoleSetup). It builds the sandbox and
+// execs the agent binary as the plain agent serving on FDAgentListener, so
+// it returns only on failure.
 //
-// Why re-exec: namespaces (cgroup), capabilities, no_new_privs, Landlock and
+// Why exec: namespaces (cgroup), capabilities, no_new_privs, Landlock and
 // seccomp are per-thread kernel state, and the Go runtime has already started
 // several threads. Doing everything on one locked thread and then calling
 // execve makes that thread's state the state of the whole new process, with
 // no thread left behind unconfined.
-func setup() error {
-	switch stage := os.Getenv(EnvMarker); stage {
-	case stageServe:
-		// The agent must not pass the marker, nor its listening socket, on
-		// to the processes it runs (Go's os/exec leaks fds without
-		// close-on-exec): a process holding it could answer the host.
-		os.Unsetenv(EnvMarker)
-		unix.CloseOnExec(FDAgentListener)
-		return nil
-	case StageProbe:
-		return report(probe())
-	case StageSetup:
-		// This thread execs the agent; it must never run other goroutines.
-		goruntime.LockOSThread()
-		return report(build(time.Now()))
-	default:
-		return fmt.Errorf("unknown %s=%q", EnvMarker, stage)
-	}
+func Setup() error {
+	// This thread execs the agent; it must never run other goroutines.
+	goruntime.LockOSThread()
+	return report(build(time.Now()))
 }
+
+// Probe is RoleProbe: it reports on FDStatus whether an overlay can be
+// mounted and written in this user namespace, and exits.
+func Probe() error { return report(probe()) }
 
 // report writes err on the status pipe so the host's Start fails with the
 // real reason rather than a timeout.
@@ -139,7 +131,7 @@ func build(entered time.Time) error {
 	if err := setRlimits(cfg.NoFile); err != nil {
 		return err
 	}
-	if err := dropCapabilities(); err != nil {
+	if err := confine.DropCapabilities(confine.ThisThread); err != nil {
 		return err
 	}
 	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
@@ -149,21 +141,22 @@ func build(entered time.Time) error {
 	if err != nil {
 		return err
 	}
-	if err := loadSeccomp(); err != nil {
+	if err := confine.LoadFilter(confine.HostKernel, 0); err != nil {
 		return err
 	}
 	// Goes to the host's init.log (outside the sandbox) for diagnostics.
 	fmt.Fprintf(os.Stderr, "nsinit: sandbox ready: landlock ABI %d, seccomp allowlist of %d syscalls (exec+Go start %v, config wait %v, setup %v)\n",
-		abi, len(allowedSyscalls), entered.Sub(time.Unix(0, cfg.SpawnedUnixNano)).Round(time.Microsecond),
+		abi, len(confine.Allowed), entered.Sub(time.Unix(0, cfg.SpawnedUnixNano)).Round(time.Microsecond),
 		configured.Sub(entered).Round(time.Microsecond), time.Since(configured).Round(time.Microsecond))
+	// The agent marks its listener close-on-exec and drops EnvAgentFD
+	// from its environment: neither reaches the processes it runs.
 	env := []string{
-		EnvMarker + "=" + stageServe,
 		fmt.Sprintf("%s=%d", EnvAgentFD, FDAgentListener),
 		"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
 		"HOME=/root",
 		"LANG=C.UTF-8",
 	}
-	err = unix.Exec(fmt.Sprintf("/proc/self/fd/%d", exe), os.Args, env)
+	err = unix.Exec(fmt.Sprintf("/proc/self/fd/%d", exe), os.Args[:1], env)
 	return fmt.Errorf("exec agent: %w", err)
 }
 

@@ -1,4 +1,4 @@
-package nsinit
+package confine
 
 import (
 	"fmt"
@@ -7,10 +7,37 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The seccomp filter is an allowlist, hand-assembled so that every decision
-// is visible here: a foreign architecture or the x32 ABI kills the process
-// (they would reach different syscall numbers), a few syscalls get argument
-// checks, the allowed ones pass and everything else fails with EPERM.
+// The seccomp filter is assembled here, by one small assembler, so that
+// every decision is visible in this file. For every sandbox:
+//
+//   - a foreign architecture or the x32 ABI kills the process (they would
+//     reach different syscall numbers than the ones checked);
+//   - no new namespaces: clone and unshare with a namespace flag fail with
+//     EPERM (an unprivileged user namespace would give back every
+//     capability the sandbox dropped; a time namespace would let it lie
+//     about the clock to its own children), and clone3, whose flags a
+//     filter cannot read, fails with ENOSYS so that libc falls back to
+//     clone;
+//   - Denied and DeniedMounts fail with EPERM.
+//
+// Then it depends on whose kernel the sandbox's syscalls reach (Kernel):
+// the host's kernel allows only Allowed (and socket and ioctl with checked
+// arguments), everything else fails with EPERM; a kernel of the sandbox's
+// own allows everything else.
+
+// Kernel says whose kernel a sandbox's syscalls reach.
+type Kernel int
+
+const (
+	// HostKernel: the sandbox runs on the host's kernel (native). The
+	// filter is an allowlist.
+	HostKernel Kernel = iota
+	// OwnKernel: the sandbox has a kernel of its own (gVisor's sentry, a
+	// microvm guest's Linux), which is the isolation boundary. The filter
+	// refuses only what would undo the sandbox's confinement inside it or
+	// reach that kernel's machinery (Denied, DeniedMounts, namespaces).
+	OwnKernel
+)
 
 const (
 	retKill  = unix.SECCOMP_RET_KILL_PROCESS
@@ -28,19 +55,66 @@ func offArgLo(i int) uint32 { return 16 + 8*uint32(i) }
 
 func retErrno(e unix.Errno) uint32 { return unix.SECCOMP_RET_ERRNO | uint32(e) }
 
-// nsFlags are the namespace-creating clone flags. CLONE_NEWTIME (0x80)
-// overlaps clone's exit-signal byte, so it is checked for unshare only.
-const nsFlags = unix.CLONE_NEWNS | unix.CLONE_NEWCGROUP | unix.CLONE_NEWUTS | unix.CLONE_NEWIPC |
+// NamespaceFlags are the namespace-creating clone flags a sandbox may not
+// use. CLONE_NEWTIME (0x80) overlaps clone's exit-signal byte, so it is
+// checked for unshare only (clone cannot create a time namespace).
+const NamespaceFlags = unix.CLONE_NEWNS | unix.CLONE_NEWCGROUP | unix.CLONE_NEWUTS | unix.CLONE_NEWIPC |
 	unix.CLONE_NEWUSER | unix.CLONE_NEWPID | unix.CLONE_NEWNET
 
-// allowedSyscalls are passed without argument checks. Deliberately absent
-// (EPERM): mount and the new mount API, umount2, pivot_root, chroot-escaping
-// helpers, kexec_*, *_module, bpf, perf_event_open, userfaultfd, io_uring_*,
-// keyctl/add_key/request_key, ptrace, process_vm_*, pidfd_getfd, kcmp,
-// setns, open_by_handle_at/name_to_handle_at, swapon/off, reboot, syslog,
-// acct, quotactl, iopl/ioperm, modify_ldt, *mempolicy/mbind/move_pages,
-// fanotify_init, statmount/listmount/listns, memfd_secret, sethostname.
-var allowedSyscalls = []uint32{
+// Syscall is a syscall by number and by the name OCI specs use.
+type Syscall struct {
+	Nr   uint32
+	Name string
+}
+
+// Denied are refused with EPERM to every process of every sandbox:
+// keyrings, bpf, perf, ptrace and other processes' memory, kernel modules
+// and kexec, io_uring, userfaultfd, file handles, the machine's identity,
+// swap, power, logs and accounting. (docker's default profile refuses them
+// too.)
+var Denied = []Syscall{
+	{unix.SYS_KEYCTL, "keyctl"}, {unix.SYS_ADD_KEY, "add_key"}, {unix.SYS_REQUEST_KEY, "request_key"},
+	{unix.SYS_BPF, "bpf"}, {unix.SYS_PERF_EVENT_OPEN, "perf_event_open"}, {unix.SYS_PTRACE, "ptrace"},
+	{unix.SYS_PROCESS_VM_READV, "process_vm_readv"}, {unix.SYS_PROCESS_VM_WRITEV, "process_vm_writev"},
+	{unix.SYS_KCMP, "kcmp"}, {unix.SYS_PIDFD_GETFD, "pidfd_getfd"}, {unix.SYS_SETNS, "setns"},
+	{unix.SYS_KEXEC_LOAD, "kexec_load"}, {unix.SYS_KEXEC_FILE_LOAD, "kexec_file_load"},
+	{unix.SYS_INIT_MODULE, "init_module"}, {unix.SYS_FINIT_MODULE, "finit_module"},
+	{unix.SYS_DELETE_MODULE, "delete_module"}, {unix.SYS_USERFAULTFD, "userfaultfd"},
+	{unix.SYS_IO_URING_SETUP, "io_uring_setup"}, {unix.SYS_IO_URING_ENTER, "io_uring_enter"},
+	{unix.SYS_IO_URING_REGISTER, "io_uring_register"},
+	{unix.SYS_OPEN_BY_HANDLE_AT, "open_by_handle_at"}, {unix.SYS_NAME_TO_HANDLE_AT, "name_to_handle_at"},
+	{unix.SYS_SWAPON, "swapon"}, {unix.SYS_SWAPOFF, "swapoff"}, {unix.SYS_REBOOT, "reboot"},
+	{unix.SYS_SYSLOG, "syslog"}, {unix.SYS_ACCT, "acct"}, {unix.SYS_QUOTACTL, "quotactl"},
+	{unix.SYS_SETHOSTNAME, "sethostname"}, {unix.SYS_SETDOMAINNAME, "setdomainname"},
+}
+
+// DeniedMounts are refused with EPERM once a sandbox is confined: every
+// way to mount, unmount or move a mount. They are separate from Denied
+// because a runtime's outer filter (gvisor's OCI spec) must still let the
+// init stage mount the sandbox's /proc before it confines itself.
+var DeniedMounts = []Syscall{
+	{unix.SYS_MOUNT, "mount"}, {unix.SYS_UMOUNT2, "umount2"}, {unix.SYS_PIVOT_ROOT, "pivot_root"},
+	{unix.SYS_FSOPEN, "fsopen"}, {unix.SYS_FSMOUNT, "fsmount"}, {unix.SYS_FSCONFIG, "fsconfig"},
+	{unix.SYS_FSPICK, "fspick"}, {unix.SYS_MOVE_MOUNT, "move_mount"}, {unix.SYS_OPEN_TREE, "open_tree"},
+	{unix.SYS_MOUNT_SETATTR, "mount_setattr"},
+}
+
+// DeniedNames is Denied by name, for an OCI spec.
+func DeniedNames() []string {
+	names := make([]string, len(Denied))
+	for i, s := range Denied {
+		names[i] = s.Name
+	}
+	return names
+}
+
+// Allowed are passed without argument checks on the host's kernel; every
+// syscall not listed fails with EPERM there. Deliberately absent, besides
+// Denied and DeniedMounts: chroot-escaping helpers, iopl/ioperm,
+// modify_ldt, *mempolicy/mbind/move_pages, fanotify_init,
+// statmount/listmount/listns, memfd_secret, settimeofday/clock_settime.
+// socket and ioctl are checked separately (filter).
+var Allowed = []uint32{
 	unix.SYS_ACCEPT, unix.SYS_ACCEPT4, unix.SYS_ACCESS, unix.SYS_ADJTIMEX, unix.SYS_ALARM,
 	unix.SYS_ARCH_PRCTL, unix.SYS_BIND, unix.SYS_BRK, unix.SYS_CACHESTAT, unix.SYS_CAPGET,
 	unix.SYS_CAPSET, unix.SYS_CHDIR, unix.SYS_CHMOD, unix.SYS_CHOWN, unix.SYS_CHROOT,
@@ -139,8 +213,16 @@ func (p *program) onSyscall(nr uint32, block program) {
 	*p = append(*p, block...)
 }
 
-// filter assembles the sandbox's seccomp program.
-func filter() []unix.SockFilter {
+// each returns nr for every syscall with ret, one check each.
+func (p *program) each(list []Syscall, ret uint32) {
+	for _, s := range list {
+		p.jmp(unix.BPF_JEQ, s.Nr, 0, 1)
+		p.ret(ret)
+	}
+}
+
+// Filter assembles the seccomp program for a sandbox on kernel k.
+func Filter(k Kernel) []unix.SockFilter {
 	var p program
 	p.ld(offArch)
 	p.jmp(unix.BPF_JEQ, unix.AUDIT_ARCH_X86_64, 1, 0)
@@ -149,27 +231,33 @@ func filter() []unix.SockFilter {
 	p.jmp(unix.BPF_JGE, x32SyscallBit, 0, 1)
 	p.ret(retKill)
 
-	// clone: no new namespaces (an unprivileged user namespace would give
-	// back every capability this sandbox dropped).
 	var b program
 	b.ld(offArgLo(0))
-	b.jmp(unix.BPF_JSET, nsFlags, 0, 1)
+	b.jmp(unix.BPF_JSET, NamespaceFlags, 0, 1)
 	b.ret(retEPERM)
 	b.ret(retAllow)
 	p.onSyscall(unix.SYS_CLONE, b)
 
 	b = nil
 	b.ld(offArgLo(0))
-	b.jmp(unix.BPF_JSET, nsFlags|unix.CLONE_NEWTIME, 0, 1)
+	b.jmp(unix.BPF_JSET, NamespaceFlags|unix.CLONE_NEWTIME, 0, 1)
 	b.ret(retEPERM)
 	b.ret(retAllow)
 	p.onSyscall(unix.SYS_UNSHARE, b)
 
-	// clone3 passes its flags in memory a filter cannot read: ENOSYS makes
-	// libc fall back to clone, which is checked above.
 	b = nil
 	b.ret(retErrno(unix.ENOSYS))
 	p.onSyscall(unix.SYS_CLONE3, b)
+
+	if k == OwnKernel {
+		p.each(DeniedMounts, retEPERM)
+		p.each(Denied, retEPERM)
+		p.ret(retAllow)
+		return p
+	}
+
+	// On the host's kernel, Denied and DeniedMounts are simply not in
+	// Allowed (checked by the tests), so they meet the default.
 
 	// socket: unix, inet, inet6, and netlink route only (no packet, vsock,
 	// audit, …). EAFNOSUPPORT is what programs expect for a missing family.
@@ -193,7 +281,7 @@ func filter() []unix.SockFilter {
 	b.ret(retAllow)
 	p.onSyscall(unix.SYS_IOCTL, b)
 
-	for _, nr := range allowedSyscalls {
+	for _, nr := range Allowed {
 		p.jmp(unix.BPF_JEQ, nr, 0, 1)
 		p.ret(retAllow)
 	}
@@ -201,13 +289,14 @@ func filter() []unix.SockFilter {
 	return p
 }
 
-// loadSeccomp installs the filter on the calling thread; the final execve
-// carries it into the agent and every process of the sandbox.
+// LoadFilter installs Filter(k) on the calling thread, or with
+// unix.SECCOMP_FILTER_FLAG_TSYNC in flags on every thread of the process;
+// an execve carries it into the new program and all its descendants.
 // no_new_privs must already be set.
-func loadSeccomp() error {
-	f := filter()
+func LoadFilter(k Kernel, flags uintptr) error {
+	f := Filter(k)
 	prog := unix.SockFprog{Len: uint16(len(f)), Filter: &f[0]}
-	_, _, errno := unix.RawSyscall(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, 0, uintptr(unsafe.Pointer(&prog)))
+	_, _, errno := unix.RawSyscall(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, flags, uintptr(unsafe.Pointer(&prog)))
 	if errno != 0 {
 		return fmt.Errorf("load seccomp filter (%d instructions): %w", len(f), errno)
 	}
