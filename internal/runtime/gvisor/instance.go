@@ -418,8 +418,6 @@ func (i *instance) Changes(ctx context.Context) (runtime.Changes, error) {
 	}, nil
 }
 
-func timeSince(t time.Time) time.Duration { return time.Since(t) }
-
 // makeAgentDir makes the directory the agent binds its socket in, owned by
 // sandbox root (the agent runs as root of its own user namespace).
 func makeAgentDir(dir string) error {

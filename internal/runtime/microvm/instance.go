@@ -546,12 +546,6 @@ func (i *instance) ctlClient(ctx context.Context) (*vmctl.Client, error) {
 	return c, nil
 }
 
-// dropClients closes the VM's QMP and vmctl clients; the next use dials.
-func (i *instance) dropClients() {
-	dropQMP(i.qmpSocket(), nil)
-	dropCtl(i.ctlSocket(), nil)
-}
-
 // qmp runs one QMP command; a failed transport drops the client.
 func (i *instance) qmp(ctx context.Context, cmd string) error {
 	q, err := i.qmpClient(ctx)
