@@ -230,3 +230,33 @@ func TestOpenAPIExampleShapes(t *testing.T) {
 		t.Fatalf("Operation.phases type %v must allow null", ph.Type)
 	}
 }
+
+// TestOpenAPIErrorCodes keeps the documented error codes equal to the
+// code ↔ status table the server and the SDK share.
+func TestOpenAPIErrorCodes(t *testing.T) {
+	var d struct {
+		Components struct {
+			Schemas struct {
+				ErrorBody struct {
+					Properties struct {
+						Code struct {
+							Enum []string `yaml:"enum"`
+						} `yaml:"code"`
+					} `yaml:"properties"`
+				} `yaml:"ErrorBody"`
+			} `yaml:"schemas"`
+		} `yaml:"components"`
+	}
+	if err := yaml.Unmarshal(OpenAPI, &d); err != nil {
+		t.Fatal(err)
+	}
+	got := d.Components.Schemas.ErrorBody.Properties.Code.Enum
+	if strings.Join(got, ",") != strings.Join(ErrorCodes(), ",") {
+		t.Errorf("ErrorBody.code enum %v, want %v", got, ErrorCodes())
+	}
+	for _, c := range ErrorCodes() {
+		if s := HTTPStatus(c); s < 400 || CodeForStatus(s) == "" {
+			t.Errorf("code %s: status %d", c, s)
+		}
+	}
+}

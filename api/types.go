@@ -11,7 +11,8 @@ type Error struct {
 	Error ErrorBody `json:"error"`
 }
 
-// ErrorBody names the problem. Code is stable (see internal/errdefs).
+// ErrorBody names the problem. Code is stable: one of the Code… constants
+// (errors.go), each with one HTTP status.
 type ErrorBody struct {
 	Code    string `json:"code"`
 	Message string `json:"message"`

@@ -17,7 +17,6 @@ import (
 	"golang.org/x/term"
 
 	"github.com/spacehq/space/api"
-	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/template"
 	"github.com/spacehq/space/sdk"
 )
@@ -680,7 +679,7 @@ func (a *app) ensureBase(ctx context.Context, c *sdk.Client, ref string) error {
 		return nil
 	}
 	_, err := c.GetTemplate(ctx, "base:latest")
-	if !errors.Is(err, errdefs.ErrNotFound) {
+	if !errors.Is(err, sdk.ErrNotFound) {
 		return nil // present, or the create will report the problem
 	}
 	fmt.Fprintln(a.errOut, "space: building the base template (once; a few minutes)")

@@ -350,7 +350,7 @@ func (s *Server) routes() http.Handler {
 				r2 := r.Clone(r.Context())
 				r2.Method = m
 				if _, p := mux.Handler(r2); p != "" {
-					writeJSON(sw, http.StatusMethodNotAllowed, api.Error{Error: api.ErrorBody{Code: "method_not_allowed", Message: r.Method + " is not allowed on " + r.URL.Path}})
+					writeJSON(sw, http.StatusMethodNotAllowed, api.Error{Error: api.ErrorBody{Code: api.CodeMethodNotAllowed, Message: r.Method + " is not allowed on " + r.URL.Path}})
 					return
 				}
 			}
