@@ -6,6 +6,7 @@
 // others in errors.go), so callers write
 //
 //	if errors.Is(err, sdk.ErrNotFound) { … } Command sessions are streamed over WebSocket by
+//
 // Attach (see Session) and Run.
 package sdk
 
