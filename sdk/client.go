@@ -5,9 +5,10 @@
 // also matches the sentinel error for its code (see ErrNotFound and the
 // others in errors.go), so callers write
 //
-//	if errors.Is(err, sdk.ErrNotFound) { … } Command sessions are streamed over WebSocket by
+//	if errors.Is(err, sdk.ErrNotFound) { … }
 //
-// Attach (see Session) and Run.
+// on either side of the wire. Command sessions are streamed over WebSocket
+// by Attach (see Session) and Run.
 package sdk
 
 import (
