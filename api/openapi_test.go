@@ -70,6 +70,10 @@ func TestOpenAPIRoutes(t *testing.T) {
 				t.Errorf("%s has no responses", r)
 			}
 			public := o.Security != nil && len(*o.Security) == 0
+			// Every request with a body can be refused for its size.
+			if _, ok := o.Responses["413"]; (method == "post" || method == "put") && !ok {
+				t.Errorf("%s does not document 413", r)
+			}
 			if _, ok := o.Responses["401"]; !public && !ok {
 				t.Errorf("%s does not document 401", r)
 			}

@@ -217,7 +217,7 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
-	hs := &http.Server{Handler: s.handler, ReadHeaderTimeout: 10 * time.Second}
+	hs := s.HTTPServer()
 	cfg.Logger.Info("space server listening", "addr", l.Addr().String(), "data", cfg.DataDir)
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(l) }()
@@ -397,13 +397,18 @@ func (s *Server) mux() *http.ServeMux {
 
 func (s *Server) routes() http.Handler {
 	mux := s.mux()
+	bodies := map[string]bodyKind{}
+	for _, rt := range s.routeTable() {
+		bodies[rt.pattern] = rt.body
+	}
 	notFound := func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, fmt.Errorf("no route for %s %s: %w", r.Method, r.URL.Path, errdefs.ErrNotFound))
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		sw := &statusWriter{ResponseWriter: w}
 		defer func() { s.metrics.httpReqs.WithLabelValues(r.Method, strconv.Itoa(sw.code)).Inc() }()
-		if _, pattern := mux.Handler(r); pattern == "" {
+		_, pattern := mux.Handler(r)
+		if pattern == "" {
 			// Distinguish a wrong method from an unknown path, both as JSON.
 			for _, m := range []string{"GET", "POST", "PUT", "DELETE"} {
 				r2 := r.Clone(r.Context())
@@ -416,6 +421,14 @@ func (s *Server) routes() http.Handler {
 			notFound(sw, r)
 			return
 		}
+		kind := bodies[pattern]
+		// A small body announced larger than its limit is refused from
+		// the header, before anything waits for it to arrive.
+		if kind == bodySmall && r.ContentLength > maxJSONBody {
+			writeError(sw, r, errBodyTooLarge(r.ContentLength))
+			return
+		}
+		guardBody(sw, r, kind)
 		mux.ServeHTTP(sw, r)
 	})
 }
