@@ -46,7 +46,7 @@ func errorMessage(err error) string {
 
 // errBodyTooLarge refuses a JSON body by its announced length.
 func errBodyTooLarge(n int64) error {
-	return fmt.Errorf("request body is %d bytes, more than the limit of %d: %w", n, maxJSONBody, errdefs.ErrTooLarge)
+	return fmt.Errorf("request body of %d bytes is larger than the limit of %d bytes: %w", n, maxJSONBody, errdefs.ErrTooLarge)
 }
 
 // decodeJSON reads a bounded JSON body into v, rejecting unknown fields and
