@@ -68,6 +68,16 @@ var (
 // binaries running side by side neither race nor leave a copy each behind).
 func AgentBinary(t testing.TB) string {
 	t.Helper()
+	if err := PrepareAgentBinary(); err != nil {
+		t.Fatalf("building space-agent: %v", err)
+	}
+	return agentPath
+}
+
+// PrepareAgentBinary finds or builds the agent binary AgentBinary returns,
+// for a TestMain that must have it before any test runs (a later failure is
+// reported again by AgentBinary).
+func PrepareAgentBinary() error {
 	agentOnce.Do(func() {
 		if p := os.Getenv("SPACE_AGENT_BIN"); p != "" {
 			if _, err := os.Stat(p); err == nil {
@@ -96,10 +106,7 @@ func AgentBinary(t testing.TB) string {
 		agentPath = filepath.Join(dir, "space-agent")
 		agentErr = os.Rename(tmp.Name(), agentPath)
 	})
-	if agentErr != nil {
-		t.Fatalf("building space-agent: %v", agentErr)
-	}
-	return agentPath
+	return agentErr
 }
 
 type buildError struct {
