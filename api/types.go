@@ -11,7 +11,8 @@ type Error struct {
 	Error ErrorBody `json:"error"`
 }
 
-// ErrorBody names the problem. Code is stable (see internal/errdefs).
+// ErrorBody names the problem. Code is stable: one of the Code… constants
+// (errors.go), each with one HTTP status.
 type ErrorBody struct {
 	Code    string `json:"code"`
 	Message string `json:"message"`
@@ -353,5 +354,13 @@ type CreateCommandRequest struct {
 
 // ForkRequest is POST /v1/sandboxes/{id}/fork.
 type ForkRequest struct {
-	Count int `json:"count,omitempty"`
+	Count int `json:"count,omitempty"` // 1 to MaxForkCount; 0 means 1
 }
+
+// Fork limits and the label that ties a fork child to its parent.
+const (
+	// MaxForkCount is the most children one fork request may ask for.
+	MaxForkCount = 16
+	// LabelForkOf is set on every fork child to its parent's id.
+	LabelForkOf = "space.fork_of"
+)

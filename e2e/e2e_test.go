@@ -363,6 +363,7 @@ func TestBadInputs(t *testing.T) {
 		{"zero-ish cpus", "POST", "/v1/sandboxes", `{"limits":{"cpus":0.0001}}`, 400, "cpus"},
 		{"overflow pids", "POST", "/v1/sandboxes", `{"limits":{"pids":99999999999999999999}}`, 400, "pids"},
 		{"unknown runtime", "POST", "/v1/sandboxes", `{"runtime":"xen"}`, 400, "unknown runtime"},
+		{"malformed template", "POST", "/v1/sandboxes", `{"template":"../../etc"}`, 400, "template name"},
 		{"bad idle", "POST", "/v1/sandboxes", `{"idle":{"after_seconds":5,"action":"explode"}}`, 400, "idle.action"},
 		{"idle suspend on native", "POST", "/v1/sandboxes", `{"runtime":"native","idle":{"after_seconds":5,"action":"suspend"}}`, 422, "cannot suspend"},
 		{"oversize body", "POST", "/v1/sandboxes", `{"template":"` + big + `"}`, 413, "larger"},

@@ -7,7 +7,6 @@ import (
 	"bytes"
 	"context"
 	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -64,7 +63,7 @@ func setup(t *testing.T) *env {
 			sharedErr = err
 			return
 		}
-		go (&http.Server{Handler: s.Handler()}).Serve(l)
+		go s.HTTPServer().Serve(l)
 		url := "http://" + l.Addr().String()
 		c, err := sdk.New(url, s.APIKey())
 		if err != nil {

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/coder/websocket"
 
@@ -25,7 +26,22 @@ type AttachOptions struct {
 	// StdoutOffset and StderrOffset resume the streams at these absolute
 	// offsets (0 = from the start of what the server still buffers).
 	StdoutOffset, StderrOffset int64
+	// ReattachTimeout bounds how long Wait keeps trying to re-attach after
+	// a drop while the server cannot be reached or answers "unavailable"
+	// (a restart, a network blip); 0 means DefaultReattachTimeout, a
+	// negative value one attempt only.
+	ReattachTimeout time.Duration
 }
+
+// DefaultReattachTimeout is how long Wait tries to re-attach by default:
+// long enough for a server to restart under a running command.
+const DefaultReattachTimeout = 60 * time.Second
+
+// Backoff between re-attach attempts: doubling from the first to the last.
+const (
+	reattachBackoffMin = 100 * time.Millisecond
+	reattachBackoffMax = 2 * time.Second
+)
 
 // ErrSessionClosed is returned by writes to a session that has ended.
 var ErrSessionClosed = errors.New("command session closed")
@@ -34,8 +50,13 @@ var ErrSessionClosed = errors.New("command session closed")
 //
 // Stdin forwards bytes to the process; closing it sends EOF. Wait must be
 // called to receive output; it returns when the process exits. If the
-// connection drops before that, Wait re-attaches once, resuming at the
-// offsets it has already delivered, so no output is duplicated or skipped.
+// connection drops before that, Wait re-attaches, resuming at the offsets it
+// has already delivered, so no output is duplicated or skipped. While the
+// server cannot be reached or answers "unavailable" (it is restarting) the
+// re-attach is retried with backoff for up to AttachOptions.ReattachTimeout;
+// a re-attached connection that drops before delivering a frame is final.
+// The process runs on meanwhile; stdin written while no connection is up
+// fails.
 type Session struct {
 	// Stdin writes to the process's stdin; Close sends EOF.
 	Stdin io.WriteCloser
@@ -54,6 +75,8 @@ type Session struct {
 	closed  bool
 	pid     int
 	offsets [2]int64 // next expected offset of stdout, stderr
+
+	reattachTimeout time.Duration
 
 	waitOnce sync.Once
 	status   api.ExitStatus
@@ -84,6 +107,11 @@ func (c *Client) Attach(ctx context.Context, cmd *api.Command, opts AttachOption
 		stderr:    orDiscard(opts.Stderr),
 		token:     cmd.AttachToken,
 		offsets:   [2]int64{opts.StdoutOffset, opts.StderrOffset},
+
+		reattachTimeout: opts.ReattachTimeout,
+	}
+	if s.reattachTimeout == 0 {
+		s.reattachTimeout = DefaultReattachTimeout
 	}
 	// The server names the attach path; only a path on this same server is
 	// honoured, so the token is never sent anywhere else.
@@ -255,7 +283,7 @@ var errExit = errors.New("exit")
 
 func (s *Session) wait() (api.ExitStatus, error) {
 	var st api.ExitStatus
-	progressed := true // the first connection may be replaced once at least
+	progressed := true // the first connection may be replaced at least once
 	for {
 		s.mu.Lock()
 		conn := s.conn
@@ -288,25 +316,69 @@ func (s *Session) wait() (api.ExitStatus, error) {
 		closed := s.closed
 		s.mu.Unlock()
 		if closed || !progressed {
+			// A connection that the server accepted and dropped before a
+			// single frame is not retried: that server is up and will not
+			// serve this session.
 			return st, fmt.Errorf("attach %s/%s: connection lost before exit: %w", s.sandboxID, s.cmdID, err)
 		}
-		// Re-attach once for this drop. A fresh token is asked for because
-		// attach tokens are short-lived; if that is impossible (no API key)
-		// the old one may still be valid.
+		// Re-attach for this drop, retrying while the server is unreachable.
 		progressed = false
 		conn.CloseNow()
-		if s.client.APIKey != "" {
-			_ = s.refreshToken()
-		}
-		nc, derr := s.dial()
+		nc, derr := s.reattach(time.Now().Add(max(s.reattachTimeout, 0)))
 		if derr != nil {
 			s.markClosed()
-			return st, fmt.Errorf("attach %s/%s: connection lost (%v) and re-attach failed: %w", s.sandboxID, s.cmdID, err, derr)
+			return st, fmt.Errorf("attach %s/%s: connection lost (%w) and re-attach failed: %w", s.sandboxID, s.cmdID, err, derr)
 		}
 		s.mu.Lock()
 		s.conn = nc
 		s.mu.Unlock()
 	}
+}
+
+// reattach dials the session again, resuming at the delivered offsets. A
+// fresh token is asked for first because attach tokens are short-lived; if
+// that is impossible (no API key) the old one may still be valid. Attempts
+// that fail because the server cannot be reached or is unavailable (a
+// restart) are repeated with backoff until giveUp; any other answer is
+// final.
+func (s *Session) reattach(giveUp time.Time) (*websocket.Conn, error) {
+	var backoff time.Duration
+	for {
+		if backoff > 0 {
+			if err := sleepCtx(s.ctx, min(backoff, max(time.Until(giveUp), 0))); err != nil {
+				return nil, err
+			}
+		}
+		backoff = min(max(2*backoff, reattachBackoffMin), reattachBackoffMax)
+		var err error
+		if s.client.APIKey != "" {
+			if err = s.refreshToken(); err != nil && !transient(err) {
+				err = nil // the dial below says whether the session is gone
+			}
+		}
+		if err == nil {
+			var nc *websocket.Conn
+			if nc, err = s.dial(); err == nil {
+				return nc, nil
+			}
+		}
+		if !transient(err) || s.ctx.Err() != nil || !time.Now().Before(giveUp) {
+			return nil, err
+		}
+	}
+}
+
+// transient reports whether a failed attach is worth repeating: the server
+// could not be reached at all, or said it is unavailable for now.
+func transient(err error) bool {
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return false
+	}
+	var ae *APIError
+	if errors.As(err, &ae) {
+		return retryable(err)
+	}
+	return true
 }
 
 func (s *Session) markClosed() {

@@ -2,12 +2,13 @@
 //
 // A Client has one typed method per route; the JSON bodies are the types of
 // package api. Errors returned by the server come back as *APIError, which
-// also matches the errdefs sentinel for its code, so callers write
+// also matches the sentinel error for its code (see ErrNotFound and the
+// others in errors.go), so callers write
 //
-//	if errors.Is(err, errdefs.ErrNotFound) { … }
+//	if errors.Is(err, sdk.ErrNotFound) { … }
 //
-// on either side of the wire. Command sessions are streamed over WebSocket by
-// Attach (see Session) and Run.
+// on either side of the wire. Command sessions are streamed over WebSocket
+// by Attach (see Session) and Run.
 package sdk
 
 import (
@@ -92,7 +93,7 @@ func New(baseURL, apiKey string, opts ...Option) (*Client, error) {
 	}
 	u, err := url.Parse(baseURL)
 	if err != nil {
-		return nil, fmt.Errorf("base URL %q: %v: %w", baseURL, err, errdefs.ErrInvalidArgument)
+		return nil, fmt.Errorf("base URL %q: %w: %w", baseURL, err, errdefs.ErrInvalidArgument)
 	}
 	if (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("base URL %q: want http://host:port, https://host or unix:///path: %w", baseURL, errdefs.ErrInvalidArgument)
@@ -132,11 +133,11 @@ func unixTransport(h *http.Client, sock string) (*http.Transport, error) {
 	return tr, nil
 }
 
-// APIError is a non-2xx answer of the server. It unwraps to the errdefs
-// sentinel of its Code, so errors.Is(err, errdefs.ErrNotFound) works.
+// APIError is a non-2xx answer of the server. It unwraps to the sentinel
+// error of its Code, so errors.Is(err, sdk.ErrNotFound) works.
 type APIError struct {
 	Status  int    // HTTP status
-	Code    string // stable code, e.g. "not_found" (see errdefs.Code)
+	Code    string // stable code, one of api.Code… (e.g. api.CodeNotFound)
 	Message string
 }
 
@@ -147,32 +148,9 @@ func (e *APIError) Error() string {
 	return fmt.Sprintf("%s (%s)", e.Message, e.Code)
 }
 
-// Unwrap returns the errdefs sentinel for e.Code, or nil for unknown codes.
+// Unwrap returns the sentinel error for e.Code (ErrNotFound, …), or nil
+// for codes without one.
 func (e *APIError) Unwrap() error { return errdefs.FromCode(e.Code) }
-
-// codeForStatus is used when an error body is not the JSON we expect (a proxy
-// in between, a crashed handler), so errors.Is still works by status.
-func codeForStatus(status int) string {
-	switch status {
-	case http.StatusBadRequest:
-		return errdefs.Code(errdefs.ErrInvalidArgument)
-	case http.StatusUnauthorized, http.StatusForbidden:
-		return errdefs.Code(errdefs.ErrUnauthorized)
-	case http.StatusNotFound:
-		return errdefs.Code(errdefs.ErrNotFound)
-	case http.StatusConflict:
-		return errdefs.Code(errdefs.ErrConflict)
-	case http.StatusRequestEntityTooLarge:
-		return errdefs.Code(errdefs.ErrTooLarge)
-	case http.StatusUnprocessableEntity:
-		return errdefs.Code(errdefs.ErrUnprocessable)
-	case http.StatusServiceUnavailable, http.StatusBadGateway:
-		return errdefs.Code(errdefs.ErrUnavailable)
-	case http.StatusGatewayTimeout:
-		return errdefs.Code(errdefs.ErrTimeout)
-	}
-	return "internal"
-}
 
 // decodeError turns a non-2xx response into an *APIError.
 func decodeError(resp *http.Response) error {
@@ -188,7 +166,7 @@ func decodeError(resp *http.Response) error {
 	if msg == "" {
 		msg = http.StatusText(resp.StatusCode)
 	}
-	return &APIError{Status: resp.StatusCode, Code: codeForStatus(resp.StatusCode), Message: msg}
+	return &APIError{Status: resp.StatusCode, Code: api.CodeForStatus(resp.StatusCode), Message: msg}
 }
 
 // request is one API call.

@@ -8,7 +8,6 @@ import (
 	"os"
 
 	"github.com/spacehq/space/api"
-	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/sdk"
 )
 
@@ -32,7 +31,7 @@ func Example() {
 	}
 	fmt.Println("exit code", st.ExitCode)
 
-	if _, err := c.Suspend(ctx, sb.ID); errors.Is(err, errdefs.ErrNotSupported) {
+	if _, err := c.Suspend(ctx, sb.ID); errors.Is(err, sdk.ErrNotSupported) {
 		fmt.Println("this runtime cannot suspend:", err)
 	}
 }

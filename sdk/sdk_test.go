@@ -39,6 +39,8 @@ type fakeServer struct {
 	attaches      []url0 // query offsets and token of every attach
 	tokens        int
 	dropFirst     bool   // first attach: send part of stdout, then drop the connection
+	onDrop        func() // called as the first attach drops (dropFirst)
+	gone          bool   // the command no longer exists: attach answers 404
 	stdout        string // full stdout of the command
 	stderr        string
 	echoStdin     bool // echo stdin frames as stdout until close-stdin
@@ -180,6 +182,13 @@ func (f *fakeServer) attach(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, errdefs.ErrUnauthorized, "bad attach token")
 		return
 	}
+	f.mu.Lock()
+	gone := f.gone
+	f.mu.Unlock()
+	if gone {
+		writeErr(w, errdefs.ErrNotFound, "no such command")
+		return
+	}
 	so, _ := strconv.ParseInt(r.URL.Query().Get("stdout_offset"), 10, 64)
 	se, _ := strconv.ParseInt(r.URL.Query().Get("stderr_offset"), 10, 64)
 	f.mu.Lock()
@@ -207,6 +216,9 @@ func (f *fakeServer) attach(w http.ResponseWriter, r *http.Request) {
 		// Deliver the first half of stdout, then vanish without a close frame.
 		send(api.EncodeOutput(api.FrameStdout, 0, []byte(f.stdout[:len(f.stdout)/2])))
 		time.Sleep(50 * time.Millisecond)
+		if f.onDrop != nil {
+			f.onDrop()
+		}
 		return
 	}
 	if f.echoStdin {

@@ -13,7 +13,6 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/sdk"
 )
 
@@ -92,8 +91,8 @@ func (a *app) copyIn(c *sdk.Client, local string, dst cpArg) error {
 	case err == nil && st.Type == "dir":
 		// copy into the directory under the source's name
 	case err == nil && fi.IsDir():
-		return fmt.Errorf("cp: cannot copy directory %s onto non-directory %s:%s: %w", local, dst.sandbox, dst.path, errdefs.ErrConflict)
-	case err == nil, errors.Is(err, errdefs.ErrNotFound):
+		return fmt.Errorf("cp: cannot copy directory %s onto non-directory %s:%s: %w", local, dst.sandbox, dst.path, sdk.ErrConflict)
+	case err == nil, errors.Is(err, sdk.ErrNotFound):
 		dir, name = path.Dir(dst.path), path.Base(dst.path)
 	default:
 		return err

@@ -1,6 +1,8 @@
 // Package cli implements the `space` command line: thin cobra commands that
 // parse and validate flags, then call the Go SDK (package sdk). No HTTP is
-// spoken here directly.
+// spoken here directly. The host-side commands (`space server`, `space
+// template build-base --local`) are in host.go, the only file that uses
+// this module's internal packages.
 //
 // Execute is the whole program behind a function, so tests and the
 // integration suite run it in-process with their own streams.
@@ -163,8 +165,8 @@ func newRootCmd(a *app) *cobra.Command {
 	return root
 }
 
-// extraCommands are commands compiled in only with some build tags (the
-// server command).
+// extraCommands are added to the root command by other files (host.go:
+// the server command).
 var extraCommands []func(*app) *cobra.Command
 
 // stdinFile returns the real terminal-capable stdin when there is one.

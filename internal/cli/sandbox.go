@@ -10,7 +10,6 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/spacehq/space/api"
-	"github.com/spacehq/space/internal/sandbox"
 	"github.com/spacehq/space/sdk"
 )
 
@@ -407,12 +406,12 @@ func newForkCmd(a *app) *cobra.Command {
 		Use:   "fork ID",
 		Short: "Fork new sandboxes from a running one's memory and disk",
 		Long: "Fork clones a running sandbox: each child continues from the parent's memory with its own copy of\n" +
-			"the disk, its own id as hostname and fresh entropy, labelled " + sandbox.LabelForkOf + "=ID. The children exist\n" +
+			"the disk, its own id as hostname and fresh entropy, labelled " + api.LabelForkOf + "=ID. The children exist\n" +
 			"(state creating) as soon as the fork is accepted; with --wait they are running when it returns.",
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if count < 1 || count > sandbox.MaxForkCount {
-				return usagef("--count %d: want 1 to %d", count, sandbox.MaxForkCount)
+			if count < 1 || count > api.MaxForkCount {
+				return usagef("--count %d: want 1 to %d", count, api.MaxForkCount)
 			}
 			c, err := a.Client()
 			if err != nil {
@@ -443,7 +442,7 @@ func newForkCmd(a *app) *cobra.Command {
 			return t.flush()
 		},
 	}
-	cmd.Flags().IntVar(&count, "count", 1, fmt.Sprintf("how many sandboxes to fork (1 to %d)", sandbox.MaxForkCount))
+	cmd.Flags().IntVar(&count, "count", 1, fmt.Sprintf("how many sandboxes to fork (1 to %d)", api.MaxForkCount))
 	cmd.Flags().BoolVar(&wait, "wait", false, "wait until the fork has finished (the children are running)")
 	cmd.Flags().BoolVarP(&quiet, "quiet", "q", false, "print only the children's ids, one per line")
 	return cmd

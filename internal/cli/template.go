@@ -17,8 +17,6 @@ import (
 	"golang.org/x/term"
 
 	"github.com/spacehq/space/api"
-	"github.com/spacehq/space/internal/errdefs"
-	"github.com/spacehq/space/internal/template"
 	"github.com/spacehq/space/sdk"
 )
 
@@ -455,21 +453,7 @@ func newTemplateBuildBaseCmd(a *app) *cobra.Command {
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if local {
-				// Without a server: build only the cached root filesystem
-				// (what scripts/setup.sh does on a fresh machine).
-				var rootfs string
-				_, err := a.buildBase(func(progress func(sdk.BuildProgress)) (*api.Template, error) {
-					var err error
-					rootfs, err = template.BuildBase(a.ctx, cacheDir, func(p template.Progress) {
-						progress(sdk.BuildProgress{Phase: p.Phase, Done: int64(p.Done), Total: int64(p.Total), Message: p.Message})
-					})
-					return nil, err
-				})
-				if err != nil {
-					return err
-				}
-				fmt.Fprintln(a.out, "base root filesystem ready:", rootfs)
-				return nil
+				return a.buildBaseLocal(cacheDir) // host.go: no server involved
 			}
 			c, err := a.Client()
 			if err != nil {
@@ -680,7 +664,7 @@ func (a *app) ensureBase(ctx context.Context, c *sdk.Client, ref string) error {
 		return nil
 	}
 	_, err := c.GetTemplate(ctx, "base:latest")
-	if !errors.Is(err, errdefs.ErrNotFound) {
+	if !errors.Is(err, sdk.ErrNotFound) {
 		return nil // present, or the create will report the problem
 	}
 	fmt.Fprintln(a.errOut, "space: building the base template (once; a few minutes)")

@@ -1,13 +1,17 @@
 // Package errdefs holds the sentinel errors shared by every layer of space.
 //
 // Code anywhere wraps one of these (fmt.Errorf("...: %w", errdefs.ErrNotFound));
-// the API layer maps them to HTTP status codes and error codes in exactly one
-// place (HTTPStatus/Code below), so no handler invents its own mapping.
+// the API layer maps them to error codes in exactly one place (Code below)
+// and codes to HTTP statuses in package api (api.HTTPStatus), so no handler
+// invents its own mapping and the Go SDK reads the same table. The SDK
+// re-exports these values (sdk.ErrNotFound, …) for callers outside this
+// module.
 package errdefs
 
 import (
 	"errors"
-	"net/http"
+
+	"github.com/spacehq/space/api"
 )
 
 var (
@@ -23,37 +27,33 @@ var (
 )
 
 type mapping struct {
-	err    error
-	status int
-	code   string
+	err  error
+	code string
 }
 
+// table maps each sentinel to its api error code. When an error wraps
+// several sentinels, the one nearest the top of its tree wins (classify).
 var table = []mapping{
-	{ErrInvalidArgument, http.StatusBadRequest, "invalid_argument"},
-	{ErrUnauthorized, http.StatusUnauthorized, "unauthorized"},
-	{ErrNotFound, http.StatusNotFound, "not_found"},
-	{ErrConflict, http.StatusConflict, "conflict"},
-	{ErrTooLarge, http.StatusRequestEntityTooLarge, "too_large"},
-	{ErrNotSupported, http.StatusUnprocessableEntity, "not_supported"},
-	{ErrUnprocessable, http.StatusUnprocessableEntity, "unprocessable"},
-	{ErrUnavailable, http.StatusServiceUnavailable, "unavailable"},
-	{ErrTimeout, http.StatusGatewayTimeout, "timeout"},
+	{ErrInvalidArgument, api.CodeInvalidArgument},
+	{ErrUnauthorized, api.CodeUnauthorized},
+	{ErrNotFound, api.CodeNotFound},
+	{ErrConflict, api.CodeConflict},
+	{ErrTooLarge, api.CodeTooLarge},
+	{ErrNotSupported, api.CodeNotSupported},
+	{ErrUnprocessable, api.CodeUnprocessable},
+	{ErrUnavailable, api.CodeUnavailable},
+	{ErrTimeout, api.CodeTimeout},
 }
 
 // HTTPStatus returns the HTTP status for err (500 when err wraps no sentinel).
-func HTTPStatus(err error) int {
-	if m, ok := classify(err); ok {
-		return m.status
-	}
-	return http.StatusInternalServerError
-}
+func HTTPStatus(err error) int { return api.HTTPStatus(Code(err)) }
 
 // Code returns the stable API error code for err ("internal" when unknown).
 func Code(err error) string {
 	if m, ok := classify(err); ok {
 		return m.code
 	}
-	return "internal"
+	return api.CodeInternal
 }
 
 // classify finds the sentinel nearest the top of err's tree, breadth

@@ -15,12 +15,12 @@ import (
 
 // Fork limits and the label that ties a child to its parent.
 const (
-	MaxForkCount = 16
+	MaxForkCount = api.MaxForkCount
 	// forkReadyParallel bounds how many children are dialled and reseeded
 	// at once.
 	forkReadyParallel = 4
 	// LabelForkOf is set on every fork child to its parent's id.
-	LabelForkOf = "space.fork_of"
+	LabelForkOf = api.LabelForkOf
 )
 
 // Fork clones a running sandbox into req.Count (default 1, at most

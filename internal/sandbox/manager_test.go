@@ -348,3 +348,26 @@ func TestCreateValidation(t *testing.T) {
 		t.Fatalf("rejected creates left records: %+v", sbs)
 	}
 }
+
+// TestCreateMalformedTemplateRef: a template reference that can never
+// resolve is refused by Create itself (400, naming the problem) and leaves
+// no sandbox behind; it used to be accepted and end in state error.
+func TestCreateMalformedTemplateRef(t *testing.T) {
+	h := newHarness(t)
+	for ref, want := range map[string]string{
+		"../../etc":     "template name",
+		"Tiny:latest":   "template name",
+		"tiny:a/b":      "template tag",
+		"sha256:xyz":    "template digest",
+		"sha256:abc123": "template digest", // a prefix needs 12 digits
+	} {
+		_, _, err := h.m.Create(h.ctx(), api.CreateSandboxRequest{Template: ref})
+		if !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), want) {
+			t.Errorf("template %q: %v, want invalid argument naming the %s", ref, err, want)
+		}
+	}
+	sbs, err := h.db.ListSandboxes(h.ctx(), store.SandboxFilter{})
+	if err != nil || len(sbs) != 0 {
+		t.Fatalf("refused creates left sandboxes: %v %+v", err, sbs)
+	}
+}

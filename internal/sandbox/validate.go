@@ -10,6 +10,7 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/template"
 )
 
 // Defaults and bounds for sandbox limits. Every sandbox gets a limit on every
@@ -185,6 +186,13 @@ func validateCreate(req *api.CreateSandboxRequest) (api.Limits, error) {
 	}
 	if len(req.Template) > 256 || strings.IndexByte(req.Template, 0) >= 0 {
 		return lim, invalid("template reference is malformed")
+	}
+	// A malformed reference can never resolve: refuse it now rather than
+	// record a sandbox whose create can only fail.
+	if req.Template != "" {
+		if err := template.ValidateRef(req.Template); err != nil {
+			return lim, err
+		}
 	}
 	return lim, nil
 }

@@ -44,11 +44,19 @@ func errorMessage(err error) string {
 	return msg
 }
 
+// errBodyTooLarge refuses a JSON body by its announced length.
+func errBodyTooLarge(n int64) error {
+	return fmt.Errorf("request body of %d bytes is larger than the limit of %d bytes: %w", n, maxJSONBody, errdefs.ErrTooLarge)
+}
+
 // decodeJSON reads a bounded JSON body into v, rejecting unknown fields and
 // trailing data, with errors that name the problem.
 func decodeJSON(w http.ResponseWriter, r *http.Request, v any) error {
 	if ct := r.Header.Get("Content-Type"); ct != "" && !strings.HasPrefix(ct, "application/json") {
 		return fmt.Errorf("Content-Type must be application/json, got %q: %w", ct, errdefs.ErrInvalidArgument)
+	}
+	if r.ContentLength > maxJSONBody {
+		return errBodyTooLarge(r.ContentLength)
 	}
 	body := http.MaxBytesReader(w, r.Body, maxJSONBody)
 	dec := json.NewDecoder(body)
@@ -57,7 +65,10 @@ func decodeJSON(w http.ResponseWriter, r *http.Request, v any) error {
 		var mbe *http.MaxBytesError
 		var se *json.SyntaxError
 		var te *json.UnmarshalTypeError
+		var bt *bodyTimeoutError
 		switch {
+		case errors.As(err, &bt):
+			return fmt.Errorf("%s: %w", bt.Error(), errdefs.ErrInvalidArgument)
 		case errors.As(err, &mbe):
 			return fmt.Errorf("request body is larger than %d bytes: %w", maxJSONBody, errdefs.ErrTooLarge)
 		case errors.Is(err, io.EOF):

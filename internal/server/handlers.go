@@ -89,10 +89,10 @@ func (s *Server) deleteSandbox(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusAccepted, op)
 }
 
-func (s *Server) lifecycle(w http.ResponseWriter, r *http.Request) {
-	verb := r.PathValue("verb")
-	switch verb {
-	case api.OpStop, api.OpStart, api.OpPause, api.OpResume, api.OpWake, api.OpSuspend, api.OpRestore:
+// lifecycle answers POST /v1/sandboxes/{id}/{verb} for one of the verbs
+// without a request body.
+func (s *Server) lifecycle(verb string) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
 		// These take no body; tolerate an empty JSON object.
 		if r.ContentLength > 0 {
 			var empty struct{}
@@ -101,32 +101,35 @@ func (s *Server) lifecycle(w http.ResponseWriter, r *http.Request) {
 				return
 			}
 		}
-	case api.OpFork:
-		var req api.ForkRequest
-		if r.ContentLength != 0 {
-			if err := decodeJSON(w, r, &req); err != nil {
-				writeError(w, r, err)
-				return
-			}
-		}
-		// The manager validates the count (1..sandbox.MaxForkCount, 0 = 1).
-		op, err := s.mgr.Fork(r.Context(), r.PathValue("id"), req)
+		op, err := s.mgr.Lifecycle(r.Context(), r.PathValue("id"), verb, false)
 		if err != nil {
 			writeError(w, r, err)
 			return
 		}
 		writeJSON(w, http.StatusAccepted, op)
-		return
-	default:
-		writeError(w, r, fmt.Errorf("unknown lifecycle verb %q (stop, start, pause, resume, wake, suspend, restore, fork): %w", verb, errdefs.ErrNotFound))
-		return
 	}
-	op, err := s.mgr.Lifecycle(r.Context(), r.PathValue("id"), verb, false)
+}
+
+func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
+	var req api.ForkRequest
+	if r.ContentLength != 0 {
+		if err := decodeJSON(w, r, &req); err != nil {
+			writeError(w, r, err)
+			return
+		}
+	}
+	// The manager validates the count (1..api.MaxForkCount, 0 = 1).
+	op, err := s.mgr.Fork(r.Context(), r.PathValue("id"), req)
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
 	writeJSON(w, http.StatusAccepted, op)
+}
+
+// unknownVerb answers a POST to a sandbox sub-path that is no verb.
+func (s *Server) unknownVerb(w http.ResponseWriter, r *http.Request) {
+	writeError(w, r, fmt.Errorf("unknown lifecycle verb %q (%s): %w", r.PathValue("verb"), strings.Join(lifecycleVerbs, ", "), errdefs.ErrNotFound))
 }
 
 func (s *Server) getOperation(w http.ResponseWriter, r *http.Request) {

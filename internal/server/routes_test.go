@@ -11,13 +11,15 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/spacehq/space/api"
-	"github.com/spacehq/space/internal/sandbox"
 )
 
-// TestOpenAPIMatchesRoutes checks that every operation the OpenAPI file
-// documents is routed by the server (and needs the API key where the file
-// says so), and that undocumented paths are JSON 404s: the file served at
-// /openapi.yaml must describe this server, not a plan.
+// TestOpenAPIMatchesRoutes compares the routes the server registers (its
+// route table) with the operations api/openapi.yaml documents, both ways:
+// the file served at /openapi.yaml must describe this server, not a plan.
+// Each documented operation must be answered by its own registration — a
+// request for it resolved by the mux to exactly that pattern, not to a
+// catch-all — with the access the file documents (public routes answer
+// without a key, the others 401); undocumented paths are JSON 404s.
 func TestOpenAPIMatchesRoutes(t *testing.T) {
 	var doc struct {
 		Paths map[string]map[string]yaml.Node `yaml:"paths"`
@@ -26,30 +28,83 @@ func TestOpenAPIMatchesRoutes(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := &Server{metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890"}
-	h := s.routes()
-	fill := strings.NewReplacer("{id}", "sb-aaaaaaaaaaaaaaaa", "{cid}", "cmd-aaaaaaaaaaaaaaaa", "{ref}", "base:latest")
-	n := 0
+	table := map[string]route{}
+	for _, rt := range s.routeTable() {
+		if _, dup := table[rt.pattern]; dup {
+			t.Errorf("%s registered twice", rt.pattern)
+		}
+		table[rt.pattern] = rt
+	}
+	documented := map[string]bool{}
 	for path, ops := range doc.Paths {
-		for method := range ops {
-			method = strings.ToUpper(method)
-			if method == "PARAMETERS" || path == "/metrics" || strings.HasSuffix(path, "/attach") {
-				continue // these need a live store/manager; e2e covers them
+		for method, node := range ops {
+			if method == "parameters" {
+				continue
 			}
-			n++
-			req := httptest.NewRequest(method, fill.Replace(path), nil)
-			rec := httptest.NewRecorder()
-			h.ServeHTTP(rec, req)
-			public := path == "/healthz" || path == "/openapi.yaml"
+			pattern := strings.ToUpper(method) + " " + path
+			documented[pattern] = true
+			rt, ok := table[pattern]
+			if !ok {
+				t.Errorf("%s is documented but the server registers no such route", pattern)
+				continue
+			}
+			var op struct {
+				Security *[]map[string][]string `yaml:"security"`
+			}
+			if err := node.Decode(&op); err != nil {
+				t.Fatalf("%s: %v", pattern, err)
+			}
+			var want access
 			switch {
-			case public && rec.Code != 200:
-				t.Errorf("%s %s: public route answered %d", method, path, rec.Code)
-			case !public && rec.Code != http.StatusUnauthorized:
-				t.Errorf("%s %s: want 401 without the API key (routed, authenticated), got %d: %s", method, path, rec.Code, rec.Body)
+			case op.Security == nil:
+				want = apiKey // the document's default
+			case len(*op.Security) == 0:
+				want = public
+			default:
+				want = attachToken
+				for _, req := range *op.Security {
+					if _, ok := req["apiKey"]; ok {
+						want = apiKey
+					}
+				}
+			}
+			if rt.access != want {
+				t.Errorf("%s: server access %d, documented %d", pattern, rt.access, want)
 			}
 		}
 	}
-	if n < 30 {
-		t.Fatalf("only %d documented operations checked; is the OpenAPI file complete?", n)
+	for pattern, rt := range table {
+		if !rt.fallback && !documented[pattern] {
+			t.Errorf("%s is a route but not documented in api/openapi.yaml", pattern)
+		}
+		if rt.fallback && documented[pattern] {
+			t.Errorf("%s is a fallback but documented", pattern)
+		}
+	}
+	if len(documented) < 40 {
+		t.Fatalf("only %d documented operations; is the OpenAPI file complete?", len(documented))
+	}
+
+	mux, h := s.mux(), s.routes()
+	fill := strings.NewReplacer("{id}", "sb-aaaaaaaaaaaaaaaa", "{cid}", "cmd-aaaaaaaaaaaaaaaa", "{ref}", "base:latest")
+	for pattern := range documented {
+		method, path, _ := strings.Cut(pattern, " ")
+		req := httptest.NewRequest(method, fill.Replace(path), nil)
+		if _, got := mux.Handler(req); got != pattern {
+			t.Errorf("%s %s is served by %q, not its own route %q", method, fill.Replace(path), got, pattern)
+		}
+		rt := table[pattern]
+		if rt.access == attachToken || path == "/metrics" {
+			continue // these need a live manager or registry; e2e covers them
+		}
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		switch {
+		case rt.access == public && rec.Code != 200:
+			t.Errorf("%s: public route answered %d", pattern, rec.Code)
+		case rt.access == apiKey && rec.Code != http.StatusUnauthorized:
+			t.Errorf("%s: want 401 without the API key, got %d: %s", pattern, rec.Code, rec.Body)
+		}
 	}
 	for _, c := range []struct {
 		method, path string
@@ -97,7 +152,7 @@ func TestOpenAPILifecycleSchemas(t *testing.T) {
 			t.Errorf("schema %s has %d properties, the Go type %d fields", name, len(props), typ.NumField())
 		}
 	}
-	if m := doc.Components.Schemas["ForkRequest"].Properties["count"].Maximum; m == nil || *m != sandbox.MaxForkCount {
-		t.Errorf("ForkRequest.count maximum %v, want %d", m, sandbox.MaxForkCount)
+	if m := doc.Components.Schemas["ForkRequest"].Properties["count"].Maximum; m == nil || *m != api.MaxForkCount {
+		t.Errorf("ForkRequest.count maximum %v, want %d", m, api.MaxForkCount)
 	}
 }

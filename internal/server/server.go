@@ -244,7 +244,7 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
-	hs := &http.Server{Handler: s.handler, ReadHeaderTimeout: 10 * time.Second}
+	hs := s.HTTPServer()
 	cfg.Logger.Info("space server listening", "addr", l.Addr().String(), "data", cfg.DataDir)
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(l) }()
@@ -323,67 +323,139 @@ func (w *statusWriter) Flush() {
 	}
 }
 
-func (s *Server) routes() http.Handler {
+// access says what a route asks of its caller.
+type access int
+
+const (
+	apiKey      access = iota // Authorization: Bearer <API key>, checked before the handler
+	public                    // nothing
+	attachToken               // the command session's attach token, checked by the handler
+)
+
+// bodyKind says how long a route's request body may take to arrive.
+type bodyKind int
+
+const (
+	bodySmall  bodyKind = iota // JSON or nothing: the whole body within bodyTimeout
+	bodyStream                 // uploads: each read within bodyIdleTimeout of the last
+)
+
+// route is one registration: the one list the mux is built from and the
+// tests compare with api/openapi.yaml.
+type route struct {
+	pattern string // "METHOD /path" as the mux and the OpenAPI file write it
+	access  access
+	body    bodyKind
+	handler http.Handler
+	// fallback routes answer requests no documented route matches with a
+	// better error than the generic 404; they are not in the OpenAPI file.
+	fallback bool
+}
+
+// lifecycleVerbs are the POST /v1/sandboxes/{id}/{verb} routes.
+var lifecycleVerbs = []string{api.OpStop, api.OpStart, api.OpPause, api.OpResume, api.OpWake, api.OpSuspend, api.OpRestore, api.OpFork}
+
+// routeTable is every route the server serves.
+func (s *Server) routeTable() []route {
+	h := func(f http.HandlerFunc) http.Handler { return f }
+	rs := []route{
+		{pattern: "GET /healthz", access: public, handler: h(func(w http.ResponseWriter, r *http.Request) { writeJSON(w, 200, map[string]bool{"ok": true}) })},
+		{pattern: "GET /openapi.yaml", access: public, handler: h(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "application/yaml")
+			w.Write(api.OpenAPI)
+		})},
+		{pattern: "GET /metrics", access: public, handler: promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{})},
+		{pattern: "GET /v1/info", handler: h(s.info)},
+		{pattern: "POST /v1/sandboxes", handler: h(s.createSandbox)},
+		{pattern: "GET /v1/sandboxes", handler: h(s.listSandboxes)},
+		{pattern: "GET /v1/sandboxes/{id}", handler: h(s.getSandbox)},
+		{pattern: "DELETE /v1/sandboxes/{id}", handler: h(s.deleteSandbox)},
+		{pattern: "POST /v1/sandboxes/{id}/{verb}", handler: h(s.unknownVerb), fallback: true},
+		{pattern: "GET /v1/operations/{id}", handler: h(s.getOperation)},
+		{pattern: "POST /v1/sandboxes/{id}/exec", handler: h(s.exec)},
+		{pattern: "POST /v1/sandboxes/{id}/commands", handler: h(s.createCommand)},
+		{pattern: "GET /v1/sandboxes/{id}/commands", handler: h(s.listCommands)},
+		{pattern: "GET /v1/sandboxes/{id}/commands/{cid}", handler: h(s.getCommand)},
+		{pattern: "POST /v1/sandboxes/{id}/commands/{cid}/signal", handler: h(s.signalCommand)},
+		{pattern: "POST /v1/sandboxes/{id}/commands/{cid}/token", handler: h(s.refreshToken)},
+		{pattern: "GET /v1/sandboxes/{id}/commands/{cid}/attach", access: attachToken, handler: h(s.attach)},
+		{pattern: "GET /v1/sandboxes/{id}/files", handler: h(s.readFile)},
+		{pattern: "PUT /v1/sandboxes/{id}/files", body: bodyStream, handler: h(s.writeFile)},
+		{pattern: "DELETE /v1/sandboxes/{id}/files", handler: h(s.removeFile)},
+		{pattern: "GET /v1/sandboxes/{id}/files/stat", handler: h(s.statFile)},
+		{pattern: "GET /v1/sandboxes/{id}/files/list", handler: h(s.listFiles)},
+		{pattern: "POST /v1/sandboxes/{id}/files/mkdir", handler: h(s.mkdir)},
+		{pattern: "POST /v1/sandboxes/{id}/files/rename", handler: h(s.rename)},
+		{pattern: "GET /v1/sandboxes/{id}/files/tar", handler: h(s.tarGet)},
+		{pattern: "PUT /v1/sandboxes/{id}/files/tar", body: bodyStream, handler: h(s.tarPut)},
+		{pattern: "GET /v1/templates", handler: h(s.listTemplates)},
+		{pattern: "POST /v1/templates", body: bodyStream, handler: h(s.importTemplate)},
+		{pattern: "POST /v1/templates/base", handler: h(s.buildBase)},
+		{pattern: "POST /v1/templates/pull", handler: h(s.pullTemplate)},
+		{pattern: "POST /v1/templates/build", body: bodyStream, handler: h(s.buildTemplate)},
+		{pattern: "POST /v1/templates/gc", handler: h(s.gcTemplates)},
+		{pattern: "GET /v1/templates/{ref}", handler: h(s.getTemplate)},
+		{pattern: "DELETE /v1/templates/{ref}", handler: h(s.removeTemplate)},
+		{pattern: "POST /v1/templates/{ref}/tags", handler: h(s.tagTemplate)},
+		{pattern: "GET /v1/templates/{ref}/export", handler: h(s.exportTemplate)},
+	}
+	for _, verb := range lifecycleVerbs {
+		hv := s.lifecycle(verb)
+		if verb == api.OpFork {
+			hv = s.fork
+		}
+		rs = append(rs, route{pattern: "POST /v1/sandboxes/{id}/" + verb, handler: hv})
+	}
+	return rs
+}
+
+// mux registers every route of the table with its access check.
+func (s *Server) mux() *http.ServeMux {
 	mux := http.NewServeMux()
-	a := s.authed
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { writeJSON(w, 200, map[string]bool{"ok": true}) })
-	mux.HandleFunc("GET /openapi.yaml", func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "application/yaml")
-		w.Write(api.OpenAPI)
-	})
-	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{}))
-	mux.HandleFunc("GET /v1/info", a(s.info))
-	mux.HandleFunc("POST /v1/sandboxes", a(s.createSandbox))
-	mux.HandleFunc("GET /v1/sandboxes", a(s.listSandboxes))
-	mux.HandleFunc("GET /v1/sandboxes/{id}", a(s.getSandbox))
-	mux.HandleFunc("DELETE /v1/sandboxes/{id}", a(s.deleteSandbox))
-	mux.HandleFunc("POST /v1/sandboxes/{id}/{verb}", a(s.lifecycle))
-	mux.HandleFunc("GET /v1/operations/{id}", a(s.getOperation))
-	mux.HandleFunc("POST /v1/sandboxes/{id}/exec", a(s.exec))
-	mux.HandleFunc("POST /v1/sandboxes/{id}/commands", a(s.createCommand))
-	mux.HandleFunc("GET /v1/sandboxes/{id}/commands", a(s.listCommands))
-	mux.HandleFunc("GET /v1/sandboxes/{id}/commands/{cid}", a(s.getCommand))
-	mux.HandleFunc("POST /v1/sandboxes/{id}/commands/{cid}/signal", a(s.signalCommand))
-	mux.HandleFunc("POST /v1/sandboxes/{id}/commands/{cid}/token", a(s.refreshToken))
-	mux.HandleFunc("GET /v1/sandboxes/{id}/commands/{cid}/attach", s.attach) // attach token, not API key
-	mux.HandleFunc("GET /v1/sandboxes/{id}/files", a(s.readFile))
-	mux.HandleFunc("PUT /v1/sandboxes/{id}/files", a(s.writeFile))
-	mux.HandleFunc("DELETE /v1/sandboxes/{id}/files", a(s.removeFile))
-	mux.HandleFunc("GET /v1/sandboxes/{id}/files/stat", a(s.statFile))
-	mux.HandleFunc("GET /v1/sandboxes/{id}/files/list", a(s.listFiles))
-	mux.HandleFunc("POST /v1/sandboxes/{id}/files/mkdir", a(s.mkdir))
-	mux.HandleFunc("POST /v1/sandboxes/{id}/files/rename", a(s.rename))
-	mux.HandleFunc("GET /v1/sandboxes/{id}/files/tar", a(s.tarGet))
-	mux.HandleFunc("PUT /v1/sandboxes/{id}/files/tar", a(s.tarPut))
-	mux.HandleFunc("GET /v1/templates", a(s.listTemplates))
-	mux.HandleFunc("POST /v1/templates", a(s.importTemplate))
-	mux.HandleFunc("POST /v1/templates/base", a(s.buildBase))
-	mux.HandleFunc("POST /v1/templates/pull", a(s.pullTemplate))
-	mux.HandleFunc("POST /v1/templates/build", a(s.buildTemplate))
-	mux.HandleFunc("POST /v1/templates/gc", a(s.gcTemplates))
-	mux.HandleFunc("GET /v1/templates/{ref}", a(s.getTemplate))
-	mux.HandleFunc("DELETE /v1/templates/{ref}", a(s.removeTemplate))
-	mux.HandleFunc("POST /v1/templates/{ref}/tags", a(s.tagTemplate))
-	mux.HandleFunc("GET /v1/templates/{ref}/export", a(s.exportTemplate))
+	for _, rt := range s.routeTable() {
+		h := rt.handler
+		if rt.access == apiKey {
+			h = s.authed(h.ServeHTTP)
+		}
+		mux.Handle(rt.pattern, h)
+	}
+	return mux
+}
+
+func (s *Server) routes() http.Handler {
+	mux := s.mux()
+	bodies := map[string]bodyKind{}
+	for _, rt := range s.routeTable() {
+		bodies[rt.pattern] = rt.body
+	}
 	notFound := func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, fmt.Errorf("no route for %s %s: %w", r.Method, r.URL.Path, errdefs.ErrNotFound))
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		sw := &statusWriter{ResponseWriter: w}
 		defer func() { s.metrics.httpReqs.WithLabelValues(r.Method, strconv.Itoa(sw.code)).Inc() }()
-		if _, pattern := mux.Handler(r); pattern == "" {
+		_, pattern := mux.Handler(r)
+		if pattern == "" {
 			// Distinguish a wrong method from an unknown path, both as JSON.
 			for _, m := range []string{"GET", "POST", "PUT", "DELETE"} {
 				r2 := r.Clone(r.Context())
 				r2.Method = m
 				if _, p := mux.Handler(r2); p != "" {
-					writeJSON(sw, http.StatusMethodNotAllowed, api.Error{Error: api.ErrorBody{Code: "method_not_allowed", Message: r.Method + " is not allowed on " + r.URL.Path}})
+					writeJSON(sw, http.StatusMethodNotAllowed, api.Error{Error: api.ErrorBody{Code: api.CodeMethodNotAllowed, Message: r.Method + " is not allowed on " + r.URL.Path}})
 					return
 				}
 			}
 			notFound(sw, r)
 			return
 		}
+		kind := bodies[pattern]
+		// A small body announced larger than its limit is refused from
+		// the header, before anything waits for it to arrive.
+		if kind == bodySmall && r.ContentLength > maxJSONBody {
+			writeError(sw, r, errBodyTooLarge(r.ContentLength))
+			return
+		}
+		guardBody(sw, r, kind)
 		mux.ServeHTTP(sw, r)
 	})
 }

@@ -279,13 +279,28 @@ func ParseTag(ref string) (string, error) {
 	return name + ":" + tag, nil
 }
 
+// ValidateRef checks that ref is well formed — "sha256:" and 12 to 64
+// lowercase hex digits, or "name[:tag]" (see ParseTag) — without looking it
+// up, so a request naming a malformed template is refused before anything
+// is recorded for it.
+func ValidateRef(ref string) error {
+	if hexPart, ok := strings.CutPrefix(ref, "sha256:"); ok {
+		if !hexPrefixRE.MatchString(hexPart) {
+			return fmt.Errorf("template digest %q must be sha256: and 12 to 64 lowercase hex digits: %w", ref, errdefs.ErrInvalidArgument)
+		}
+		return nil
+	}
+	_, err := ParseTag(ref)
+	return err
+}
+
 // resolveDigest turns a ref into a full digest: "sha256:<hex>" (or a unique
 // prefix of at least 12 hex digits) or a tag.
 func (s *Store) resolveDigest(ctx context.Context, ref string) (string, error) {
-	if hexPart, ok := strings.CutPrefix(ref, "sha256:"); ok {
-		if !hexPrefixRE.MatchString(hexPart) {
-			return "", fmt.Errorf("template digest %q must be sha256: and 12 to 64 lowercase hex digits: %w", ref, errdefs.ErrInvalidArgument)
-		}
+	if err := ValidateRef(ref); err != nil {
+		return "", err
+	}
+	if strings.HasPrefix(ref, "sha256:") {
 		rows, err := s.db.QueryContext(ctx,
 			`SELECT digest FROM template_images WHERE substr(digest, 1, ?) = ? LIMIT 2`, len(ref), ref)
 		if err != nil {

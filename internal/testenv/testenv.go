@@ -124,6 +124,14 @@ func (b *staticBinary) build() (string, error) {
 	return path, nil
 }
 
+// PrepareAgentBinary finds or builds the agent binary AgentBinary returns,
+// for a TestMain that must have it before any test runs (a later failure is
+// reported again by AgentBinary).
+func PrepareAgentBinary() error {
+	agentBin.once.Do(func() { agentBin.path, agentBin.err = agentBin.build() })
+	return agentBin.err
+}
+
 type buildError struct {
 	out string
 	err error

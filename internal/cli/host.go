@@ -1,6 +1,19 @@
 package cli
 
+// Host-side commands. Every other file of this package is a client of a
+// server through the SDK (and the types of package api) only; the two
+// actions here run this machine's own packages instead, because they are
+// what a host administrator does on the host itself:
+//
+//   - `space server` runs the server (internal/server);
+//   - `space template build-base --local` builds the cached base root
+//     filesystem with debootstrap (internal/template), without a server —
+//     what scripts/setup.sh does on a fresh machine.
+//
+// TestClientCommandsUseOnlySDK keeps it that way.
+
 import (
+	"fmt"
 	"log/slog"
 	"os"
 	"os/signal"
@@ -8,10 +21,31 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/server"
+	"github.com/spacehq/space/internal/template"
+	"github.com/spacehq/space/sdk"
 )
 
 func init() { extraCommands = append(extraCommands, newServerCmd) }
+
+// buildBaseLocal builds only the cached base root filesystem in cacheDir,
+// with the same progress display as a build through a server.
+func (a *app) buildBaseLocal(cacheDir string) error {
+	var rootfs string
+	_, err := a.buildBase(func(progress func(sdk.BuildProgress)) (*api.Template, error) {
+		var err error
+		rootfs, err = template.BuildBase(a.ctx, cacheDir, func(p template.Progress) {
+			progress(sdk.BuildProgress{Phase: p.Phase, Done: int64(p.Done), Total: int64(p.Total), Message: p.Message})
+		})
+		return nil, err
+	})
+	if err != nil {
+		return err
+	}
+	fmt.Fprintln(a.out, "base root filesystem ready:", rootfs)
+	return nil
+}
 
 func newServerCmd(a *app) *cobra.Command {
 	cfg := server.Config{}

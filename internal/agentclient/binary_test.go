@@ -1,8 +1,5 @@
 package agentclient_test
 
-// This file sorts first so its test runs before any in-process agent (whose
-// process-wide reaper would collect the children started here).
-
 import (
 	"net"
 	"os"
@@ -36,7 +33,7 @@ func TestAgentBinary(t *testing.T) {
 	}
 	defer func() {
 		p.Kill()
-		p.Wait() // may fail with ECHILD under -count>1 (a reaper took it)
+		p.Wait() // may fail with ECHILD: an in-process agent's reaper may have taken it
 	}()
 	var conn net.Conn
 	for deadline := time.Now().Add(10 * time.Second); ; {

@@ -1,0 +1,45 @@
+package cli
+
+import (
+	"go/parser"
+	"go/token"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// TestClientCommandsUseOnlySDK holds the CLI to what docs/ARCHITECTURE.md
+// says: client commands reach a server only through the SDK and use only
+// package api besides; host.go alone (the host-side commands) may import
+// the module's internal packages.
+func TestClientCommandsUseOnlySDK(t *testing.T) {
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	allowed := map[string]bool{"github.com/spacehq/space/api": true, "github.com/spacehq/space/sdk": true}
+	checked := 0
+	for _, f := range files {
+		if strings.HasSuffix(f, "_test.go") || f == "host.go" {
+			continue
+		}
+		af, err := parser.ParseFile(token.NewFileSet(), f, nil, parser.ImportsOnly)
+		if err != nil {
+			t.Fatal(err)
+		}
+		checked++
+		for _, imp := range af.Imports {
+			p, _ := strconv.Unquote(imp.Path.Value)
+			if strings.HasPrefix(p, "github.com/spacehq/space/") && !allowed[p] {
+				t.Errorf("%s imports %s: a client command may use only the SDK and package api (host-side code goes in host.go)", f, p)
+			}
+			if p == "net/http" {
+				t.Errorf("%s imports net/http: the CLI speaks HTTP only through the SDK", f)
+			}
+		}
+	}
+	if checked < 5 {
+		t.Fatalf("only %d files checked", checked)
+	}
+}
