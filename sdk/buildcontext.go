@@ -116,7 +116,7 @@ func parseDockerignore(r io.Reader) (*dockerignore, error) {
 		segs := strings.Split(l, "/")
 		for _, s := range segs {
 			if _, err := path.Match(s, ""); err != nil {
-				return nil, fmt.Errorf(".dockerignore line %d: bad pattern %q: %v: %w", n, sc.Text(), err, errdefs.ErrInvalidArgument)
+				return nil, fmt.Errorf(".dockerignore line %d: bad pattern %q: %w: %w", n, sc.Text(), err, errdefs.ErrInvalidArgument)
 			}
 		}
 		d.rules = append(d.rules, ignoreRule{neg: neg, segs: segs})

@@ -79,25 +79,25 @@ func (a *Agent) Exec(ctx context.Context, req *agentproto.ExecRequest) (*api.Exe
 	// writer goroutine; larger stdin is fed while the process runs.
 	stdinR, preloaded, err := preloadedStdin(req.Stdin)
 	if err != nil {
-		return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("creating pipes: %w: %w", err, errdefs.ErrUnavailable)
 	}
 	var stdinW *os.File
 	if !preloaded {
 		if stdinR, stdinW, err = inPipe(); err != nil {
-			return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
+			return nil, fmt.Errorf("creating pipes: %w: %w", err, errdefs.ErrUnavailable)
 		}
 		defer stdinW.Close()
 	}
 	outR, outW, err := outPipe()
 	if err != nil {
 		closeFDs(stdinR)
-		return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("creating pipes: %w: %w", err, errdefs.ErrUnavailable)
 	}
 	defer outR.Close()
 	errR, errW, err := outPipe()
 	if err != nil {
 		closeFDs(stdinR, outW)
-		return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("creating pipes: %w: %w", err, errdefs.ErrUnavailable)
 	}
 	defer errR.Close()
 

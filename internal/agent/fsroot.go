@@ -130,7 +130,7 @@ func fsError(op, p string, err error) error {
 	if sentinel == nil {
 		return fmt.Errorf("%s %s: %w", op, p, err)
 	}
-	return fmt.Errorf("%s %s: %v: %w", op, p, err, sentinel)
+	return fmt.Errorf("%s %s: %w: %w", op, p, err, sentinel)
 }
 
 // readSmall reads a whole regular file of at most limit bytes.
@@ -422,7 +422,7 @@ func (r *fsRoot) writeFile(rel string, mode int64, body io.Reader) (api.FileInfo
 		if errors.As(err, &errno) {
 			return fail(fsError("write", p, err))
 		}
-		return fail(fmt.Errorf("write %s: reading request body: %v: %w", p, err, errdefs.ErrInvalidArgument))
+		return fail(fmt.Errorf("write %s: reading request body: %w: %w", p, err, errdefs.ErrInvalidArgument))
 	}
 	if err := unix.Fchmod(fd, perm); err != nil {
 		return fail(fsError("chmod", p, err))

@@ -131,7 +131,7 @@ func (a *Agent) startProc(id string, l *launch, tty bool, rows, cols uint16) (*p
 	if tty {
 		master, slave, err := openPTY()
 		if err != nil {
-			return nil, fmt.Errorf("allocating a pty: %v: %w", err, errdefs.ErrUnavailable)
+			return nil, fmt.Errorf("allocating a pty: %w: %w", err, errdefs.ErrUnavailable)
 		}
 		if rows == 0 {
 			rows = 24
@@ -151,20 +151,20 @@ func (a *Agent) startProc(id string, l *launch, tty bool, rows, cols uint16) (*p
 	} else {
 		stdinR, stdinW, err := inPipe()
 		if err != nil {
-			return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
+			return nil, fmt.Errorf("creating pipes: %w: %w", err, errdefs.ErrUnavailable)
 		}
 		outR, outW, err := outPipe()
 		if err != nil {
 			closeFDs(stdinR)
 			stdinW.Close()
-			return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
+			return nil, fmt.Errorf("creating pipes: %w: %w", err, errdefs.ErrUnavailable)
 		}
 		errR, errW, err := outPipe()
 		if err != nil {
 			closeFDs(stdinR, outW)
 			stdinW.Close()
 			outR.Close()
-			return nil, fmt.Errorf("creating pipes: %v: %w", err, errdefs.ErrUnavailable)
+			return nil, fmt.Errorf("creating pipes: %w: %w", err, errdefs.ErrUnavailable)
 		}
 		files = []uintptr{uintptr(stdinR), uintptr(outW), uintptr(errW)}
 		childEnds = append(childEnds, func() { closeFDs(stdinR, outW, errW) })

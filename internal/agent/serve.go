@@ -363,7 +363,7 @@ func decodeJSON(w http.ResponseWriter, r *http.Request, v any) error {
 		if errors.As(err, &tooBig) {
 			return fmt.Errorf("request body exceeds %d bytes: %w", agentproto.MaxJSONBody, errdefs.ErrTooLarge)
 		}
-		return fmt.Errorf("decoding request body: %v: %w", err, errdefs.ErrInvalidArgument)
+		return fmt.Errorf("decoding request body: %w: %w", err, errdefs.ErrInvalidArgument)
 	}
 	if dec.More() {
 		return fmt.Errorf("request body has trailing data: %w", errdefs.ErrInvalidArgument)

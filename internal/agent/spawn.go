@@ -154,14 +154,14 @@ func checkExecutable(p string) error {
 func spawnError(argv0 string, err error) error {
 	switch {
 	case errors.Is(err, unix.ENOENT):
-		return fmt.Errorf("exec %s: %v: %w", argv0, err, errdefs.ErrNotFound)
+		return fmt.Errorf("exec %s: %w: %w", argv0, err, errdefs.ErrNotFound)
 	case errors.Is(err, unix.EACCES), errors.Is(err, unix.EPERM), errors.Is(err, unix.ENOEXEC),
 		errors.Is(err, unix.ENOTDIR), errors.Is(err, unix.ELOOP), errors.Is(err, unix.ETXTBSY):
-		return fmt.Errorf("exec %s: %v: %w", argv0, err, errdefs.ErrUnprocessable)
+		return fmt.Errorf("exec %s: %w: %w", argv0, err, errdefs.ErrUnprocessable)
 	case errors.Is(err, unix.EAGAIN), errors.Is(err, unix.ENOMEM):
 		return fmt.Errorf("exec %s: %v (process or memory limit): %w", argv0, err, errdefs.ErrUnavailable)
 	case errors.Is(err, unix.E2BIG), errors.Is(err, unix.EINVAL):
-		return fmt.Errorf("exec %s: %v: %w", argv0, err, errdefs.ErrInvalidArgument)
+		return fmt.Errorf("exec %s: %w: %w", argv0, err, errdefs.ErrInvalidArgument)
 	}
 	return fmt.Errorf("exec %s: %w", argv0, err)
 }

@@ -209,7 +209,7 @@ func extractTar(root int, body io.Reader) error {
 			return nil
 		}
 		if err != nil {
-			return fmt.Errorf("reading tar: %v: %w", err, errdefs.ErrInvalidArgument)
+			return fmt.Errorf("reading tar: %w: %w", err, errdefs.ErrInvalidArgument)
 		}
 		name, err := tarName(hdr.Name)
 		if err != nil {
@@ -302,7 +302,7 @@ func extractEntry(root, pfd int, base, name string, hdr *tar.Header, perm uint32
 			if errors.As(err, &errno) {
 				return fsError("extract", name, err)
 			}
-			return fmt.Errorf("reading tar entry %q: %v: %w", truncate(name, 128), err, errdefs.ErrInvalidArgument)
+			return fmt.Errorf("reading tar entry %q: %w: %w", truncate(name, 128), err, errdefs.ErrInvalidArgument)
 		}
 	}
 	mt := unix.NsecToTimespec(hdr.ModTime.UnixNano())

@@ -79,7 +79,7 @@ func newClient(conn net.Conn, timeout time.Duration) (*Client, error) {
 	sess, err := yamux.Client(conn, cfg)
 	if err != nil {
 		conn.Close()
-		return nil, fmt.Errorf("agent session: %v: %w", err, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("agent session: %w: %w", err, errdefs.ErrUnavailable)
 	}
 	c := &Client{sess: sess, timeout: timeout}
 	newTransport := func(headerTimeout time.Duration) *http.Transport {
@@ -170,7 +170,7 @@ func (c *Client) roundTrip(ctx context.Context, cl call, bounded bool) (*http.Re
 	req, err := http.NewRequestWithContext(cctx, cl.method, u, cl.body)
 	if err != nil {
 		cc.done()
-		return nil, nil, fmt.Errorf("agent %s %s: %v: %w", cl.method, cl.path, err, errdefs.ErrInvalidArgument)
+		return nil, nil, fmt.Errorf("agent %s %s: %w: %w", cl.method, cl.path, err, errdefs.ErrInvalidArgument)
 	}
 	if cl.contentType != "" {
 		req.Header.Set("Content-Type", cl.contentType)
@@ -272,7 +272,7 @@ func (c *Client) doJSON(ctx context.Context, cl call, in, out any, limit int64) 
 	if in != nil {
 		b, err := json.Marshal(in)
 		if err != nil {
-			return fmt.Errorf("encoding request: %v: %w", err, errdefs.ErrInvalidArgument)
+			return fmt.Errorf("encoding request: %w: %w", err, errdefs.ErrInvalidArgument)
 		}
 		if len(b) > agentproto.MaxJSONBody {
 			return fmt.Errorf("request body exceeds %d bytes: %w", agentproto.MaxJSONBody, errdefs.ErrTooLarge)

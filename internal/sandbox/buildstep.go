@@ -99,7 +99,7 @@ func (m *Manager) RunStep(ctx context.Context, s build.Step) (int, error) {
 func (m *Manager) stepRuntimes(ctx context.Context) ([]runtime.Runtime, error) {
 	first, err := runtime.PickAuto(ctx, m.cfg.Runtimes)
 	if err != nil {
-		return nil, fmt.Errorf("build step: %v: %w", err, errdefs.ErrUnprocessable)
+		return nil, fmt.Errorf("build step: %w: %w", err, errdefs.ErrUnprocessable)
 	}
 	out := []runtime.Runtime{first}
 	strength := map[string]int{}

@@ -191,7 +191,7 @@ func (m *Manager) pickRuntime(ctx context.Context, name string) (runtime.Runtime
 	if name == "" || name == runtime.Auto {
 		rt, err := runtime.PickAuto(ctx, m.cfg.Runtimes)
 		if err != nil {
-			return nil, runtime.Capabilities{}, fmt.Errorf("%v: %w", err, errdefs.ErrUnprocessable)
+			return nil, runtime.Capabilities{}, fmt.Errorf("%w: %w", err, errdefs.ErrUnprocessable)
 		}
 		return rt, rt.Probe(ctx), nil
 	}
@@ -586,7 +586,7 @@ func (m *Manager) connect(ctx context.Context, e *entry, inst runtime.Instance) 
 		last = err
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("agent did not become ready within %s: %v: %w", m.cfg.AgentReadyTimeout, last, errdefs.ErrUnavailable)
+			return fmt.Errorf("agent did not become ready within %s: %w: %w", m.cfg.AgentReadyTimeout, last, errdefs.ErrUnavailable)
 		case <-inst.Exited():
 			if why := exitReason(inst); why != "" {
 				return fmt.Errorf("sandbox init exited before its agent became ready: %s: %w", why, errdefs.ErrUnavailable)

@@ -74,13 +74,13 @@ func decodeJSON(w http.ResponseWriter, r *http.Request, v any) error {
 		case errors.Is(err, io.EOF):
 			return fmt.Errorf("request body is empty; expected a JSON object: %w", errdefs.ErrInvalidArgument)
 		case errors.As(err, &se):
-			return fmt.Errorf("malformed JSON at byte %d: %v: %w", se.Offset, err, errdefs.ErrInvalidArgument)
+			return fmt.Errorf("malformed JSON at byte %d: %w: %w", se.Offset, err, errdefs.ErrInvalidArgument)
 		case errors.As(err, &te):
 			return fmt.Errorf("field %q must be %s, got JSON %s: %w", te.Field, te.Type, te.Value, errdefs.ErrInvalidArgument)
 		case strings.HasPrefix(err.Error(), "json: unknown field"):
 			return fmt.Errorf("%s: %w", strings.TrimPrefix(err.Error(), "json: "), errdefs.ErrInvalidArgument)
 		default:
-			return fmt.Errorf("malformed JSON: %v: %w", err, errdefs.ErrInvalidArgument)
+			return fmt.Errorf("malformed JSON: %w: %w", err, errdefs.ErrInvalidArgument)
 		}
 	}
 	if dec.More() {

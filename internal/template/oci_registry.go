@@ -112,24 +112,24 @@ func registryErr(err error, what string) error {
 	if errors.As(err, &te) {
 		switch {
 		case te.StatusCode == http.StatusNotFound && what == "manifest":
-			return fmt.Errorf("%s: %v: %w", what, err, errdefs.ErrNotFound)
+			return fmt.Errorf("%s: %w: %w", what, err, errdefs.ErrNotFound)
 		case te.StatusCode == http.StatusNotFound:
 			return invalid("%s missing in the registry: %v", what, err)
 		case te.StatusCode == http.StatusUnauthorized || te.StatusCode == http.StatusForbidden:
 			return invalid("the registry refused anonymous access to the %s: %v", what, err)
 		}
-		return fmt.Errorf("%s: %v: %w", what, err, errdefs.ErrUnavailable)
+		return fmt.Errorf("%s: %w: %w", what, err, errdefs.ErrUnavailable)
 	}
 	msg := err.Error()
 	switch {
 	case strings.Contains(msg, "no child with platform"):
-		return fmt.Errorf("%s: %v: %w", what, err, errdefs.ErrNotFound)
+		return fmt.Errorf("%s: %w: %w", what, err, errdefs.ErrNotFound)
 	case strings.Contains(msg, "error verifying"), strings.Contains(msg, "does not match"):
 		return invalid("%s: digest or size mismatch: %v", what, err)
 	case strings.Contains(msg, "refusing"):
 		return invalid("%v", err)
 	}
-	return fmt.Errorf("%s: %v: %w", what, err, errdefs.ErrUnavailable)
+	return fmt.Errorf("%s: %w: %w", what, err, errdefs.ErrUnavailable)
 }
 
 // shortErr bounds an error's text, keeping it for errors.As/Is.

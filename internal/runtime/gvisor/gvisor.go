@@ -144,7 +144,7 @@ func (r *Runtime) newInstance(spec runtime.Spec) (*instance, error) {
 	}
 	rs, err := r.runsc()
 	if err != nil {
-		return nil, fmt.Errorf("gvisor runtime: %v: %w", err, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("gvisor runtime: %w: %w", err, errdefs.ErrUnavailable)
 	}
 	dir := filepath.Join(r.sandboxesDir(), spec.ID)
 	// The agent socket's host path may be longer than a sockaddr_un

@@ -122,7 +122,7 @@ func (i *instance) DialAgent(ctx context.Context) (net.Conn, error) {
 	}
 	fd, err := unix.Open(i.sockPath(), unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, fmt.Errorf("dial agent of %s: %v: %w", i.spec.ID, err, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("dial agent of %s: %w: %w", i.spec.ID, err, errdefs.ErrUnavailable)
 	}
 	defer unix.Close(fd)
 	var st unix.Stat_t
@@ -132,7 +132,7 @@ func (i *instance) DialAgent(ctx context.Context) (net.Conn, error) {
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "unix", fmt.Sprintf("/proc/self/fd/%d", fd))
 	if err != nil {
-		return nil, fmt.Errorf("dial agent of %s: %v: %w", i.spec.ID, err, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("dial agent of %s: %w: %w", i.spec.ID, err, errdefs.ErrUnavailable)
 	}
 	return c, nil
 }

@@ -211,7 +211,7 @@ func dialQMPNoFollow(ctx context.Context, path string) (*QMP, error) {
 		}
 		select {
 		case <-ctx.Done():
-			return nil, fmt.Errorf("QMP socket %s: %v: %w", path, err, errdefs.ErrUnavailable)
+			return nil, fmt.Errorf("QMP socket %s: %w: %w", path, err, errdefs.ErrUnavailable)
 		case <-time.After(5 * time.Millisecond):
 		}
 	}

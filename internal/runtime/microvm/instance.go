@@ -215,7 +215,7 @@ func (i *instance) DialAgent(ctx context.Context) (net.Conn, error) {
 	}
 	c, err := dialAgentSocket(ctx, i.agentSocket())
 	if err != nil {
-		return nil, fmt.Errorf("dial agent of %s: %v: %w", i.spec.ID, err, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("dial agent of %s: %w: %w", i.spec.ID, err, errdefs.ErrUnavailable)
 	}
 	return c, nil
 }
@@ -296,7 +296,7 @@ func (i *instance) readVM() (VM, error) {
 	var vm VM
 	b, err := os.ReadFile(i.vmFile())
 	if err != nil {
-		return vm, fmt.Errorf("sandbox %s has no VM description: %v: %w", i.spec.ID, err, errdefs.ErrNotFound)
+		return vm, fmt.Errorf("sandbox %s has no VM description: %w: %w", i.spec.ID, err, errdefs.ErrNotFound)
 	}
 	if err := json.Unmarshal(b, &vm); err != nil {
 		return vm, fmt.Errorf("sandbox %s: VM description: %w", i.spec.ID, err)
@@ -414,7 +414,7 @@ func (i *instance) waitReady(ctx context.Context) error {
 		case <-pr.exited:
 			return fmt.Errorf("sandbox %s ended during boot: %s: %w", i.spec.ID, i.describeExit(pr), errdefs.ErrUnavailable)
 		case <-ctx.Done():
-			return fmt.Errorf("sandbox %s: the guest's init does not answer its control port: %v: %w", i.spec.ID, err, errdefs.ErrUnavailable)
+			return fmt.Errorf("sandbox %s: the guest's init does not answer its control port: %w: %w", i.spec.ID, err, errdefs.ErrUnavailable)
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
@@ -541,7 +541,7 @@ func (i *instance) ctlClient(ctx context.Context) (*vmctl.Client, error) {
 	}
 	c, err := sharedCtl(ctx, i.ctlSocket())
 	if err != nil {
-		return nil, fmt.Errorf("sandbox %s: control port: %v: %w", i.spec.ID, err, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("sandbox %s: control port: %w: %w", i.spec.ID, err, errdefs.ErrUnavailable)
 	}
 	return c, nil
 }

@@ -40,7 +40,7 @@ func FindKernel(cacheDir string) (Kernel, error) {
 	// setup.sh writes "complete" last, after an atomic rename of the tree.
 	for _, p := range []string{filepath.Join(dir, "complete"), k.Vmlinuz, k.ModulesDir} {
 		if _, err := os.Stat(p); err != nil {
-			return Kernel{}, fmt.Errorf("guest kernel %s (run scripts/setup.sh): %v: %w", KernelRelease, err, errdefs.ErrNotFound)
+			return Kernel{}, fmt.Errorf("guest kernel %s (run scripts/setup.sh): %w: %w", KernelRelease, err, errdefs.ErrNotFound)
 		}
 	}
 	return k, nil

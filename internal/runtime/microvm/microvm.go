@@ -144,7 +144,7 @@ func (r *Runtime) bootFiles() (*bootFiles, error) {
 	}
 	k, err := FindKernel(kernelCacheDir())
 	if err != nil {
-		return nil, fmt.Errorf("guest kernel: %v: %w", err, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("guest kernel: %w: %w", err, errdefs.ErrUnavailable)
 	}
 	if r.cfg.AgentBinary == "" {
 		return nil, fmt.Errorf("microvm runtime: no agent binary configured: %w", errdefs.ErrUnavailable)

@@ -473,7 +473,7 @@ func (p *Process) DialAgent(ctx context.Context) (net.Conn, error) {
 		case <-p.done:
 			return nil, p.exitError()
 		case <-ctx.Done():
-			return nil, fmt.Errorf("dialling the agent of the VM: %v: %w", ctx.Err(), errdefs.ErrUnavailable)
+			return nil, fmt.Errorf("dialling the agent of the VM: %w: %w", ctx.Err(), errdefs.ErrUnavailable)
 		case <-time.After(2 * time.Millisecond):
 		}
 	}

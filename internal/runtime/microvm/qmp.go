@@ -55,7 +55,7 @@ func DialQMP(ctx context.Context, path string) (*QMP, error) {
 		}
 		select {
 		case <-ctx.Done():
-			return nil, fmt.Errorf("dialling QMP %s: %v: %w", path, err, errdefs.ErrUnavailable)
+			return nil, fmt.Errorf("dialling QMP %s: %w: %w", path, err, errdefs.ErrUnavailable)
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
@@ -65,7 +65,7 @@ func DialQMP(ctx context.Context, path string) (*QMP, error) {
 	// The greeting: {"QMP": {...}}.
 	if _, err := q.readMessage(); err != nil {
 		conn.Close()
-		return nil, fmt.Errorf("QMP greeting: %v: %w", err, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("QMP greeting: %w: %w", err, errdefs.ErrUnavailable)
 	}
 	if _, err := q.execute(ctx, "qmp_capabilities", nil, -1); err != nil {
 		conn.Close()
@@ -108,7 +108,7 @@ func (q *QMP) execute(ctx context.Context, cmd string, args any, fd int) (json.R
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if q.err != nil {
-		return nil, fmt.Errorf("QMP %s: %v: %w", cmd, q.err, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("QMP %s: %w: %w", cmd, q.err, errdefs.ErrUnavailable)
 	}
 	msg := map[string]any{"execute": cmd}
 	if args != nil {
@@ -127,7 +127,7 @@ func (q *QMP) execute(ctx context.Context, cmd string, args any, fd int) (json.R
 		// The reply may still come and would be taken for the next one.
 		q.err = err
 		_ = q.conn.Close()
-		return nil, fmt.Errorf("QMP %s: %v: %w", cmd, err, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("QMP %s: %w: %w", cmd, err, errdefs.ErrUnavailable)
 	}
 	var oob []byte
 	if fd >= 0 {

@@ -107,7 +107,7 @@ func (i *instance) DialAgent(ctx context.Context) (net.Conn, error) {
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "unix", i.sockPath())
 	if err != nil {
-		return nil, fmt.Errorf("dial agent of %s: %v: %w", i.spec.ID, err, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("dial agent of %s: %w: %w", i.spec.ID, err, errdefs.ErrUnavailable)
 	}
 	return c, nil
 }
@@ -149,7 +149,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	t0 := time.Now()
 	defer i.rt.disks.busy()()
 	if err := i.rt.checkAgent(); err != nil {
-		return fmt.Errorf("native runtime: %v: %w", err, errdefs.ErrUnavailable)
+		return fmt.Errorf("native runtime: %w: %w", err, errdefs.ErrUnavailable)
 	}
 	// A read-only export of the disk (Changes) is a second superblock on
 	// the same image once the disk is mounted again: end it first.

@@ -140,11 +140,11 @@ func makePlan(s *Spec) (*plan, error) {
 		}
 		real, err := filepath.EvalSymlinks(path)
 		if err != nil {
-			return fmt.Errorf("jail: %q: %v: %w", path, err, errdefs.ErrNotFound)
+			return fmt.Errorf("jail: %q: %w: %w", path, err, errdefs.ErrNotFound)
 		}
 		st, err := os.Stat(real)
 		if err != nil {
-			return fmt.Errorf("jail: %q: %v: %w", path, err, errdefs.ErrNotFound)
+			return fmt.Errorf("jail: %q: %w: %w", path, err, errdefs.ErrNotFound)
 		}
 		p.Binds = append(p.Binds, bind{Path: real, Dir: st.IsDir(), Writable: writable})
 		return nil
@@ -174,7 +174,7 @@ func makePlan(s *Spec) (*plan, error) {
 	for _, d := range append(append([]string{}, baseDevices...), s.Devices...) {
 		var st unix.Stat_t
 		if err := unix.Stat(d, &st); err != nil {
-			return nil, fmt.Errorf("jail: device %q: %v: %w", d, err, errdefs.ErrNotFound)
+			return nil, fmt.Errorf("jail: device %q: %w: %w", d, err, errdefs.ErrNotFound)
 		}
 		if st.Mode&unix.S_IFMT != unix.S_IFCHR {
 			return nil, invalid("device %q is not a character device", d)

@@ -208,7 +208,7 @@ func (s *Spec) normalize() error {
 			seen[p] = l.kind
 			var st unix.Stat_t
 			if err := unix.Lstat(p, &st); err != nil {
-				return fmt.Errorf("jail: %s path %q: %v: %w", l.kind, p, err, errdefs.ErrNotFound)
+				return fmt.Errorf("jail: %s path %q: %w: %w", l.kind, p, err, errdefs.ErrNotFound)
 			}
 			isLink := st.Mode&unix.S_IFMT == unix.S_IFLNK
 			switch l.kind {
@@ -247,7 +247,7 @@ func (s *Spec) normalize() error {
 	}
 	prog, err := filepath.EvalSymlinks(s.Argv[0])
 	if err != nil {
-		return fmt.Errorf("jail: program %q: %v: %w", s.Argv[0], err, errdefs.ErrNotFound)
+		return fmt.Errorf("jail: program %q: %w: %w", s.Argv[0], err, errdefs.ErrNotFound)
 	}
 	if !coveredBy(prog, s.ReadOnly) {
 		return invalid("program %q (%s) is under none of the read-only paths", s.Argv[0], prog)
@@ -266,7 +266,7 @@ func (s *Spec) normalize() error {
 func QEMUPaths(qemu string) ([]string, error) {
 	real, err := filepath.EvalSymlinks(qemu)
 	if err != nil {
-		return nil, fmt.Errorf("jail: qemu %q: %v: %w", qemu, err, errdefs.ErrNotFound)
+		return nil, fmt.Errorf("jail: qemu %q: %w: %w", qemu, err, errdefs.ErrNotFound)
 	}
 	out := []string{"/usr"}
 	for _, p := range []string{"/lib", "/lib64", "/lib32", "/etc/ld.so.cache"} {

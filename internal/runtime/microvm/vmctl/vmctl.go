@@ -190,7 +190,7 @@ func (c *Client) call(ctx context.Context, req Request) (Response, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.err != nil {
-		return Response{}, fmt.Errorf("vm control: %v: %w", c.err, errdefs.ErrUnavailable)
+		return Response{}, fmt.Errorf("vm control: %w: %w", c.err, errdefs.ErrUnavailable)
 	}
 	c.nextID++
 	req.ID = c.nextID
@@ -207,7 +207,7 @@ func (c *Client) call(ctx context.Context, req Request) (Response, error) {
 		}
 		c.err = err
 		_ = c.conn.Close()
-		return Response{}, fmt.Errorf("vm control %s: %v: %w", req.Op, err, errdefs.ErrUnavailable)
+		return Response{}, fmt.Errorf("vm control %s: %w: %w", req.Op, err, errdefs.ErrUnavailable)
 	}
 	if resp.Error != "" {
 		return resp, fmt.Errorf("guest init: %s: %s", req.Op, truncate(resp.Error, 512))
