@@ -221,9 +221,8 @@ func TestGroupHost(t *testing.T) {
 	l := Host()
 	ctrls := []string{"memory", "pids", "cpu", "cpuacct", "freezer", "devices"}
 	g := l.Group(parent, name, ctrls)
-	if _, ok := g.Dir("memory"); !ok {
-		t.Skip("no memory cgroup hierarchy")
-	}
+	_, ok := g.Dir("memory")
+	testenv.Require(t, "memory-cgroup", ok, "no memory cgroup hierarchy on this host")
 	if err := g.Create(Limits{MemoryBytes: 64 << 20, Pids: 64, CPUs: 0.25, Devices: []string{"c 1:3 rwm", "c 1:5 rwm"}}); err != nil {
 		t.Fatal(err)
 	}
@@ -309,9 +308,8 @@ func TestGroupUnifiedKill(t *testing.T) {
 	if !Host().Unified {
 		root = filepath.Join(Root, "unified")
 		var st unix.Statfs_t
-		if err := unix.Statfs(root, &st); err != nil || st.Type != unix.CGROUP2_SUPER_MAGIC {
-			t.Skip("no cgroup2 mount")
-		}
+		err := unix.Statfs(root, &st)
+		testenv.Require(t, "cgroup2", err == nil && st.Type == unix.CGROUP2_SUPER_MAGIC, "no cgroup2 mount at "+root)
 	}
 	g := Layout{Root: root, Unified: true}.Group("space-cgroupfs-test", fmt.Sprintf("k-%d", os.Getpid()), nil)
 	dir, _ := g.Dir("")
@@ -319,8 +317,7 @@ func TestGroupUnifiedKill(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.Remove(dir); os.Remove(filepath.Dir(dir)) })
-	if _, err := os.Stat(filepath.Join(dir, "cgroup.kill")); err != nil {
-		t.Skip("kernel without cgroup.kill")
-	}
+	_, err := os.Stat(filepath.Join(dir, "cgroup.kill"))
+	testenv.Require(t, "cgroup.kill", err == nil, "kernel without cgroup.kill")
 	exercise(t, g)
 }

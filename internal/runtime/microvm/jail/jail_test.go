@@ -511,11 +511,10 @@ func copyFile(src, dst string) error {
 // stage's reason, and leaves no cgroup.
 func TestStartFailureReported(t *testing.T) {
 	testenv.RequireRoot(t)
-	if fi, err := os.Lstat("/lib64"); err != nil || fi.Mode()&os.ModeSymlink == 0 {
-		t.Skip("needs a merged-usr host (/lib64 a symlink)")
-	}
+	fi, err := os.Lstat("/lib64")
+	testenv.Require(t, "merged-usr", err == nil && fi.Mode()&os.ModeSymlink != 0, "needs a merged-usr host (/lib64 a symlink), as Debian 12 is")
 	id := randomID(t)
-	_, err := jail.Start(testenv.JailBinary(t), jail.Spec{ID: id, Argv: []string{"/usr/bin/true"}, ReadOnly: []string{"/usr"},
+	_, err = jail.Start(testenv.JailBinary(t), jail.Spec{ID: id, Argv: []string{"/usr/bin/true"}, ReadOnly: []string{"/usr"},
 		Limits: jail.Limits{MemoryBytes: 64 << 20, CPUs: 1}})
 	if err == nil || !strings.Contains(err.Error(), "exec /usr/bin/true in the jail") || !errors.Is(err, errdefs.ErrUnavailable) {
 		t.Fatalf("err = %v, want the stage's exec failure", err)
