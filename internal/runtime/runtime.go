@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"path/filepath"
 	"sort"
 	"sync"
 
@@ -155,8 +156,9 @@ type Forker interface {
 }
 
 // TemplatePreparer is implemented by runtimes that derive their own format
-// from a template tree (a uid-shifted copy, a disk image). The server calls
-// PrepareTemplate when a template is imported or built, so that creating a
+// from a template tree (a uid-shifted copy, a disk image). The template
+// service (internal/templatesvc) calls PrepareTemplate when a template is
+// imported, pulled or built, so that creating a
 // sandbox never copies the template, and ForgetTemplate when garbage
 // collection removes the tree. Both are idempotent; Create still derives on
 // demand if PrepareTemplate was never called.
@@ -184,6 +186,20 @@ type Changes struct {
 // instance must be stopped.
 type ChangeExporter interface {
 	Changes(ctx context.Context) (Changes, error)
+}
+
+// Check validates the configuration a factory got and returns the logger
+// the runtime named name logs with (the configured one, or slog's default,
+// tagged with the runtime's name).
+func (c Config) Check(name string) (*slog.Logger, error) {
+	if c.DataDir == "" || !filepath.IsAbs(c.DataDir) {
+		return nil, fmt.Errorf("%s runtime needs an absolute DataDir, got %q: %w", name, c.DataDir, errdefs.ErrInvalidArgument)
+	}
+	log := c.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	return log.With("runtime", name), nil
 }
 
 // Factory builds a runtime from the server's configuration.

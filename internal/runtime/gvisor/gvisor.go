@@ -90,14 +90,11 @@ var (
 
 // New builds the gVisor runtime; it touches nothing until used.
 func New(cfg runtime.Config) (runtime.Runtime, error) {
-	if cfg.DataDir == "" || !filepath.IsAbs(cfg.DataDir) {
-		return nil, fmt.Errorf("gvisor runtime needs an absolute DataDir, got %q: %w", cfg.DataDir, errdefs.ErrInvalidArgument)
+	log, err := cfg.Check(Name)
+	if err != nil {
+		return nil, err
 	}
-	log := cfg.Logger
-	if log == nil {
-		log = slog.Default()
-	}
-	return &Runtime{cfg: cfg, log: log.With("runtime", Name)}, nil
+	return &Runtime{cfg: cfg, log: log}, nil
 }
 
 // Name implements runtime.Runtime.

@@ -285,3 +285,17 @@ func (p *Process) Close() error {
 	p.closed = true
 	return p.f.Close()
 }
+
+// Running reports whether the process behind an Exited channel still runs:
+// false for a nil channel (nothing started or watched) and for a closed one.
+func Running(exited <-chan struct{}) bool {
+	if exited == nil {
+		return false
+	}
+	select {
+	case <-exited:
+		return false
+	default:
+		return true
+	}
+}

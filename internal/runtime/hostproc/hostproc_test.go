@@ -195,3 +195,17 @@ func TestExitedHoldsNoThread(t *testing.T) {
 		waitClosed(t, chans[i], "Exited")
 	}
 }
+
+func TestRunning(t *testing.T) {
+	if Running(nil) {
+		t.Error("a nil channel (nothing watched) is running")
+	}
+	ch := make(chan struct{})
+	if !Running(ch) {
+		t.Error("an open channel is not running")
+	}
+	close(ch)
+	if Running(ch) {
+		t.Error("a closed channel is running")
+	}
+}

@@ -96,16 +96,13 @@ var (
 
 // New builds the microvm runtime; it touches nothing until used.
 func New(cfg runtime.Config) (runtime.Runtime, error) {
-	if cfg.DataDir == "" || !filepath.IsAbs(cfg.DataDir) {
-		return nil, fmt.Errorf("microvm runtime needs an absolute DataDir, got %q: %w", cfg.DataDir, errdefs.ErrInvalidArgument)
-	}
-	log := cfg.Logger
-	if log == nil {
-		log = slog.Default()
+	log, err := cfg.Check(Name)
+	if err != nil {
+		return nil, err
 	}
 	return &Runtime{
 		cfg:    cfg,
-		log:    log.With("runtime", Name),
+		log:    log,
 		images: &Images{Dir: filepath.Join(cfg.DataDir, "images"), AgentBinary: cfg.AgentBinary},
 	}, nil
 }

@@ -73,17 +73,7 @@ func (i *instance) Pid() int {
 	return i.pid
 }
 
-func (i *instance) aliveLocked() bool {
-	if i.exited == nil {
-		return false
-	}
-	select {
-	case <-i.exited:
-		return false
-	default:
-		return true
-	}
-}
+func (i *instance) aliveLocked() bool { return hostproc.Running(i.exited) }
 
 // Alive implements runtime.Instance.
 func (i *instance) Alive() bool {

@@ -100,14 +100,11 @@ var _ runtime.Runtime = (*Runtime)(nil)
 
 // New builds the native runtime; it touches nothing until used.
 func New(cfg runtime.Config) (runtime.Runtime, error) {
-	if cfg.DataDir == "" || !filepath.IsAbs(cfg.DataDir) {
-		return nil, fmt.Errorf("native runtime needs an absolute DataDir, got %q: %w", cfg.DataDir, errdefs.ErrInvalidArgument)
+	log, err := cfg.Check(Name)
+	if err != nil {
+		return nil, err
 	}
-	log := cfg.Logger
-	if log == nil {
-		log = slog.Default()
-	}
-	return &Runtime{cfg: cfg, log: log.With("runtime", Name),
+	return &Runtime{cfg: cfg, log: log,
 		disks: newDiskPool(filepath.Join(cfg.DataDir, "pool"))}, nil
 }
 
