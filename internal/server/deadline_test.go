@@ -107,7 +107,7 @@ func TestBodyDeadlineLifted(t *testing.T) {
 			return
 		case <-time.After(3 * bodyTimeout):
 		}
-		io.WriteString(w, string(b))
+		w.Write(b)
 	})}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
