@@ -293,14 +293,7 @@ func (i *instance) Destroy(ctx context.Context) error {
 	if err := i.stopLocked(ctx); err != nil {
 		return err
 	}
-	if mps, err := hostfs.MountsUnder(i.dir); err != nil || len(mps) > 0 {
-		// Never RemoveAll through a live mount: it would delete the template.
-		return fmt.Errorf("sandbox %s still has mounts %v (%v)", i.spec.ID, mps, err)
-	}
-	if err := os.RemoveAll(i.dir); err != nil {
-		return fmt.Errorf("remove sandbox %s: %w", i.spec.ID, err)
-	}
-	return nil
+	return hostfs.RemoveSandbox(i.dir, i.spec.ID)
 }
 
 // Pause implements runtime.Pauser: the sentry stops every task; the

@@ -24,3 +24,21 @@ func MkdirSandbox(dir, id string) error {
 	}
 	return nil
 }
+
+// RemoveSandbox removes dir, the host directory of sandbox id, and
+// everything below it, refusing while anything is still mounted below it:
+// a RemoveAll through a live mount would delete what is mounted there (a
+// template's tree, another disk).
+func RemoveSandbox(dir, id string) error {
+	mps, err := MountsUnder(dir)
+	if err != nil {
+		return fmt.Errorf("remove sandbox %s: reading the mount table: %w", id, err)
+	}
+	if len(mps) > 0 {
+		return fmt.Errorf("remove sandbox %s: still has mounts %v", id, mps)
+	}
+	if err := os.RemoveAll(dir); err != nil {
+		return fmt.Errorf("remove sandbox %s: %w", id, err)
+	}
+	return nil
+}

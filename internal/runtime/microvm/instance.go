@@ -17,6 +17,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/hostfs"
 	"github.com/spacehq/space/internal/runtime/hostproc"
 	"github.com/spacehq/space/internal/runtime/microvm/jail"
 	"github.com/spacehq/space/internal/runtime/microvm/vmctl"
@@ -787,10 +788,7 @@ func (i *instance) Destroy(ctx context.Context) error {
 	for _, pid := range qemuProcessesUnder(i.rt.sandboxesDir())[i.spec.ID] {
 		killPid(pid)
 	}
-	if err := os.RemoveAll(i.dir); err != nil {
-		return fmt.Errorf("remove sandbox %s: %w", i.spec.ID, err)
-	}
-	return nil
+	return hostfs.RemoveSandbox(i.dir, i.spec.ID)
 }
 
 // hasSavedState reports whether a suspend image waits in state/.
