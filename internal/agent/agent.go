@@ -29,5 +29,6 @@ package agent
 
 // Main parses the agent's flags and serves until the listener closes.
 func Main(args []string) error {
+	startSpareThreads(spareThreads)
 	return serveMain(args)
 }
