@@ -85,7 +85,8 @@ func TestOpenAPIMatchesRoutes(t *testing.T) {
 		t.Fatalf("only %d documented operations; is the OpenAPI file complete?", len(documented))
 	}
 
-	mux, h := s.mux(), s.routes()
+	mux, _ := s.mux()
+	h := s.routes()
 	fill := strings.NewReplacer("{id}", "sb-aaaaaaaaaaaaaaaa", "{cid}", "cmd-aaaaaaaaaaaaaaaa", "{ref}", "base:latest")
 	for pattern := range documented {
 		method, path, _ := strings.Cut(pattern, " ")

@@ -409,25 +409,24 @@ func (s *Server) routeTable() []route {
 	return rs
 }
 
-// mux registers every route of the table with its access check.
-func (s *Server) mux() *http.ServeMux {
+// mux registers every route of the table with its access check, and
+// returns each pattern's body kind.
+func (s *Server) mux() (*http.ServeMux, map[string]bodyKind) {
 	mux := http.NewServeMux()
+	bodies := map[string]bodyKind{}
 	for _, rt := range s.routeTable() {
 		h := rt.handler
 		if rt.access == apiKey {
 			h = s.authed(h.ServeHTTP)
 		}
 		mux.Handle(rt.pattern, h)
+		bodies[rt.pattern] = rt.body
 	}
-	return mux
+	return mux, bodies
 }
 
 func (s *Server) routes() http.Handler {
-	mux := s.mux()
-	bodies := map[string]bodyKind{}
-	for _, rt := range s.routeTable() {
-		bodies[rt.pattern] = rt.body
-	}
+	mux, bodies := s.mux()
 	notFound := func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, fmt.Errorf("no route for %s %s: %w", r.Method, r.URL.Path, errdefs.ErrNotFound))
 	}
