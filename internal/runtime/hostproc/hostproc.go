@@ -149,26 +149,15 @@ type Process struct {
 // still runs: its pidfd is opened first and the start time checked after,
 // so the pidfd names the process that matched. A zombie is not running.
 func Open(rec Record) (*Process, error) {
-	if rec.Pid <= 0 {
-		return nil, fmt.Errorf("pid %d: %w", rec.Pid, ErrNotRunning)
-	}
-	fd, err := unix.PidfdOpen(rec.Pid, unix.PIDFD_NONBLOCK)
+	p, err := OpenPid(rec.Pid)
 	if err != nil {
-		if errors.Is(err, unix.ESRCH) {
-			return nil, fmt.Errorf("process %d: %w", rec.Pid, ErrNotRunning)
-		}
-		return nil, fmt.Errorf("pidfd_open %d: %w", rec.Pid, err)
-	}
-	st, err := StartTime(rec.Pid)
-	if err == nil && st != rec.StartTime {
-		err = fmt.Errorf("pid %d names another process now (start time %d, not %d): %w", rec.Pid, st, rec.StartTime, ErrNotRunning)
-	}
-	if err != nil {
-		unix.Close(fd)
 		return nil, err
 	}
-	// A non-blocking descriptor is registered with the runtime's poller.
-	return &Process{rec: rec, f: os.NewFile(uintptr(fd), "pidfd"), exited: make(chan struct{})}, nil
+	if p.rec.StartTime != rec.StartTime {
+		p.Close()
+		return nil, fmt.Errorf("pid %d names another process now (start time %d, not %d): %w", rec.Pid, p.rec.StartTime, rec.StartTime, ErrNotRunning)
+	}
+	return p, nil
 }
 
 // Adopt opens the process the pid file at path names, if it still runs
@@ -181,9 +170,10 @@ func Adopt(path string) (*Process, error) {
 	return Open(rec)
 }
 
-// OpenPid opens the process pid names now and records its start time: for
-// a process just started (a child not yet reaped cannot have lost its
-// pid), whose Record is then written to a pid file.
+// OpenPid opens the process pid names now and records its start time, read
+// after the pidfd was opened, so the Record names the process the pidfd
+// holds. For a process just started (a child not yet reaped cannot have
+// lost its pid) the Record is then written to a pid file.
 func OpenPid(pid int) (*Process, error) {
 	if pid <= 0 {
 		return nil, fmt.Errorf("pid %d: %w", pid, ErrNotRunning)
@@ -200,6 +190,7 @@ func OpenPid(pid int) (*Process, error) {
 		unix.Close(fd)
 		return nil, err
 	}
+	// A non-blocking descriptor is registered with the runtime's poller.
 	return &Process{rec: Record{Pid: pid, StartTime: st}, f: os.NewFile(uintptr(fd), "pidfd"), exited: make(chan struct{})}, nil
 }
 
