@@ -163,18 +163,8 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, startTimeout)
 	defer cancel()
 	runArgs := []string{"--detach", "--bundle", i.dir, "--pid-file", i.runscPid(), i.spec.ID}
-	if _, err := i.rs.run(ctx, startTimeout, "run", runArgs...); err != nil {
-		// A container that died on its own (crash) is still in runsc's
-		// state until deleted: delete it and try once more.
-		if !errors.Is(err, errContainerExists) {
-			return fmt.Errorf("start sandbox %s: %w", i.spec.ID, err)
-		}
-		if err := i.rs.deleteForce(ctx, i.spec.ID); err != nil {
-			return fmt.Errorf("start sandbox %s: removing its old container: %w", i.spec.ID, err)
-		}
-		if _, err := i.rs.run(ctx, startTimeout, "run", runArgs...); err != nil {
-			return fmt.Errorf("start sandbox %s: %w", i.spec.ID, err)
-		}
+	if err := i.rs.runReplacingStale(ctx, startTimeout, "run", i.spec.ID, runArgs...); err != nil {
+		return fmt.Errorf("start sandbox %s: %w", i.spec.ID, err)
 	}
 	tRun := time.Now()
 	exited, pid, err := i.trackSandboxLocked()

@@ -262,6 +262,22 @@ func (r *runsc) list(ctx context.Context) ([]string, error) {
 	return strings.Fields(string(out)), nil
 }
 
+// runReplacingStale runs sub (run or restore) for container id; if runsc's
+// state still holds a container of that id — one that died on its own
+// (a crash), or one left between a checkpoint and its delete — it deletes
+// it and tries once more.
+func (r *runsc) runReplacingStale(ctx context.Context, timeout time.Duration, sub, id string, args ...string) error {
+	_, err := r.run(ctx, timeout, sub, args...)
+	if !errors.Is(err, errContainerExists) {
+		return err
+	}
+	if err := r.deleteForce(ctx, id); err != nil {
+		return fmt.Errorf("removing its old container: %w", err)
+	}
+	_, err = r.run(ctx, timeout, sub, args...)
+	return err
+}
+
 // deleteForce kills and removes a container; a missing one is not an error.
 func (r *runsc) deleteForce(ctx context.Context, id string) error {
 	_, err := r.run(ctx, 0, "delete", "--force", id)

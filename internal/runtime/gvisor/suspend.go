@@ -272,18 +272,8 @@ func (i *instance) Restore(ctx context.Context) (err error) {
 // tracks the sandbox process.
 func (i *instance) restoreFrom(ctx context.Context, image string) error {
 	args := []string{"--detach", "--image-path", image, "--bundle", i.dir, "--pid-file", i.runscPid(), i.spec.ID}
-	if _, err := i.rs.run(ctx, restoreTimeout, "restore", args...); err != nil {
-		if !errors.Is(err, errContainerExists) {
-			return err
-		}
-		// A container of this id left in runsc's state (a crash between
-		// its checkpoint and our delete): remove it and try once more.
-		if err := i.rs.deleteForce(ctx, i.spec.ID); err != nil {
-			return err
-		}
-		if _, err := i.rs.run(ctx, restoreTimeout, "restore", args...); err != nil {
-			return err
-		}
+	if err := i.rs.runReplacingStale(ctx, restoreTimeout, "restore", i.spec.ID, args...); err != nil {
+		return err
 	}
 	_, _, err := i.trackSandboxLocked()
 	return err
