@@ -80,6 +80,9 @@ type CreateSandboxRequest struct {
 	Labels     map[string]string `json:"labels,omitempty"`
 	TTLSeconds int64             `json:"ttl_seconds,omitempty"` // delete after this long; 0 = never
 	Idle       *IdlePolicy       `json:"idle,omitempty"`
+	// Network is the egress policy; nil = the template's, else the server's
+	// default (shipped default: no egress at all).
+	Network *NetworkPolicy `json:"network,omitempty"`
 }
 
 // Sandbox is the representation of one sandbox.
@@ -97,6 +100,7 @@ type Sandbox struct {
 	Labels         map[string]string `json:"labels,omitempty"`
 	TTLSeconds     int64             `json:"ttl_seconds,omitempty"`
 	Idle           *IdlePolicy       `json:"idle,omitempty"`
+	Network        *NetworkPolicy    `json:"network,omitempty"` // the policy in force
 	Error          string            `json:"error,omitempty"`
 	CreatedAt      time.Time         `json:"created_at"`
 	UpdatedAt      time.Time         `json:"updated_at"`
@@ -257,6 +261,9 @@ type TemplateConfig struct {
 	Workdir string            `json:"workdir,omitempty"`
 	User    string            `json:"user,omitempty"` // "uid[:gid]" or a name from the template's /etc/passwd
 	Start   *StartCommand     `json:"start,omitempty"`
+	// Network is the default egress policy of sandboxes created from the
+	// template (a request's own policy replaces it whole).
+	Network *NetworkPolicy `json:"network,omitempty"`
 }
 
 // StartCommand is started in the background when a sandbox is created from

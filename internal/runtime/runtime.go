@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
 	"path/filepath"
 	"sort"
 	"sync"
@@ -121,6 +122,18 @@ type Instance interface {
 // it in the sandbox's error. Empty while running or when unknown.
 type ExitReasoner interface {
 	ExitReason() string
+}
+
+// NICProvider is implemented by instances that have one virtual NIC whose
+// far end is the network gateway (internal/gateway). The sandbox side of the
+// link is configured as hostnet describes (address, gateway, resolver).
+type NICProvider interface {
+	// NIC returns a descriptor that carries the sandbox's Ethernet frames,
+	// one frame per read and per write (a TAP device, or a datagram
+	// socket). The caller owns it. Valid after Start or Restore while the
+	// instance runs; calling it again (for a restarted gateway) returns a
+	// new descriptor of the same link.
+	NIC(ctx context.Context) (*os.File, error)
 }
 
 // Pauser is implemented by instances that can stay resident without CPU.
