@@ -18,38 +18,9 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime/hostnet"
+	"github.com/spacehq/space/internal/runtime/runtimetest"
 	"github.com/spacehq/space/internal/testenv"
 )
-
-// hostState is everything of the host's own network namespace a NIC could
-// have touched: links, addresses, routes (all tables).
-func hostState(t *testing.T) []string {
-	t.Helper()
-	var out []string
-	links, err := netlink.LinkList()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, l := range links {
-		out = append(out, "link "+l.Attrs().Name)
-	}
-	addrs, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, a := range addrs {
-		out = append(out, "addr "+a.IPNet.String())
-	}
-	routes, err := netlink.RouteListFiltered(netlink.FAMILY_ALL, &netlink.Route{Table: unix.RT_TABLE_UNSPEC}, netlink.RT_FILTER_TABLE)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, r := range routes {
-		out = append(out, "route "+r.String())
-	}
-	sort.Strings(out)
-	return out
-}
 
 // newNetNS makes a namespace pinned on a temp file, removed at cleanup.
 func newNetNS(t *testing.T) string {
@@ -118,62 +89,11 @@ func sendTo(t *testing.T, fd int, port int, payload string) {
 	}
 }
 
-// readFrame reads frames off the TAP until match accepts one. Any IPv6
-// frame fails the test: the link is IPv4 only.
-func readFrame(t *testing.T, f *os.File, match func([]byte) bool) []byte {
-	t.Helper()
-	buf := make([]byte, 65536)
-	if err := f.SetReadDeadline(time.Now().Add(5 * time.Second)); err != nil {
-		t.Fatal(err)
-	}
-	for {
-		n, err := f.Read(buf)
-		if err != nil {
-			t.Fatalf("read TAP: %v", err)
-		}
-		fr := buf[:n]
-		if len(fr) < 14 {
-			t.Fatalf("short frame %x", fr)
-		}
-		if binary.BigEndian.Uint16(fr[12:14]) == 0x86dd {
-			t.Fatalf("IPv6 frame on an IPv4-only link: %x", fr)
-		}
-		if match(fr) {
-			return append([]byte(nil), fr...)
-		}
-	}
-}
-
-func isARPFor(ip string) func([]byte) bool {
-	want := net.ParseIP(ip).To4()
-	return func(fr []byte) bool {
-		return len(fr) >= 42 && binary.BigEndian.Uint16(fr[12:14]) == 0x0806 &&
-			binary.BigEndian.Uint16(fr[20:22]) == 1 && bytes.Equal(fr[38:42], want)
-	}
-}
-
-func mac(s string) net.HardwareAddr { m, _ := net.ParseMAC(s); return m }
-
-// arpReply is the gateway's answer to an ARP request for GatewayAddr.
-func arpReply() []byte {
-	fr := make([]byte, 42)
-	copy(fr[0:6], mac(hostnet.SandboxMAC))
-	copy(fr[6:12], mac(hostnet.GatewayMAC))
-	binary.BigEndian.PutUint16(fr[12:], 0x0806)
-	binary.BigEndian.PutUint16(fr[14:], 1)      // Ethernet
-	binary.BigEndian.PutUint16(fr[16:], 0x0800) // IPv4
-	fr[18], fr[19] = 6, 4
-	binary.BigEndian.PutUint16(fr[20:], 2) // reply
-	copy(fr[22:28], mac(hostnet.GatewayMAC))
-	copy(fr[28:32], net.ParseIP(hostnet.GatewayAddr).To4())
-	copy(fr[32:38], mac(hostnet.SandboxMAC))
-	copy(fr[38:42], net.ParseIP(hostnet.SandboxAddr).To4())
-	return fr
-}
+func mustMAC(s string) net.HardwareAddr { m, _ := net.ParseMAC(s); return m }
 
 func TestCreateTAP(t *testing.T) {
 	testenv.RequireRoot(t)
-	before := hostState(t)
+	before := runtimetest.HostNetState(t)
 	nsPath := newNetNS(t)
 
 	t0 := time.Now()
@@ -237,21 +157,21 @@ func TestCreateTAP(t *testing.T) {
 	// gateway's MAC.
 	sock := udpSocketIn(t, nsPath)
 	sendTo(t, sock, 53, "hello")
-	fr := readFrame(t, tap, isARPFor(hostnet.GatewayAddr))
-	if !bytes.Equal(fr[0:6], []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff}) || !bytes.Equal(fr[6:12], mac(hostnet.SandboxMAC)) {
+	fr := runtimetest.ReadFrame(t, tap, runtimetest.IsARPRequestFor(hostnet.GatewayAddr))
+	if !bytes.Equal(fr[0:6], []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff}) || !bytes.Equal(fr[6:12], mustMAC(hostnet.SandboxMAC)) {
 		t.Errorf("ARP request addressing %x", fr[:12])
 	}
 	if !bytes.Equal(fr[28:32], net.ParseIP(hostnet.SandboxAddr).To4()) {
 		t.Errorf("ARP sender IP %v", net.IP(fr[28:32]))
 	}
 	// The gateway answers; the datagram follows, to the gateway's MAC.
-	if _, err := tap.Write(arpReply()); err != nil {
+	if _, err := tap.Write(runtimetest.ARPReply()); err != nil {
 		t.Fatal(err)
 	}
-	udp := readFrame(t, tap, func(fr []byte) bool {
+	udp := runtimetest.ReadFrame(t, tap, func(fr []byte) bool {
 		return binary.BigEndian.Uint16(fr[12:14]) == 0x0800 && fr[23] == unix.IPPROTO_UDP
 	})
-	if !bytes.Equal(udp[0:6], mac(hostnet.GatewayMAC)) || !bytes.Equal(udp[30:34], net.ParseIP(hostnet.GatewayAddr).To4()) ||
+	if !bytes.Equal(udp[0:6], mustMAC(hostnet.GatewayMAC)) || !bytes.Equal(udp[30:34], net.ParseIP(hostnet.GatewayAddr).To4()) ||
 		binary.BigEndian.Uint16(udp[36:38]) != 53 || string(udp[42:]) != "hello" {
 		t.Errorf("UDP frame %x", udp)
 	}
@@ -272,10 +192,10 @@ func TestCreateTAP(t *testing.T) {
 		// The kernel forgot the gateway's MAC when the link lost its
 		// carrier (the descriptor closed): it may ask again first.
 		sendTo(t, sock, 54, "again")
-		arp := isARPFor(hostnet.GatewayAddr)
-		readFrame(t, again, func(fr []byte) bool {
+		arp := runtimetest.IsARPRequestFor(hostnet.GatewayAddr)
+		runtimetest.ReadFrame(t, again, func(fr []byte) bool {
 			if arp(fr) {
-				if _, err := again.Write(arpReply()); err != nil {
+				if _, err := again.Write(runtimetest.ARPReply()); err != nil {
 					t.Fatal(err)
 				}
 				return false
@@ -292,7 +212,7 @@ func TestCreateTAP(t *testing.T) {
 	t.Logf("OpenTAP took %v", time.Since(t0))
 	reopened.Close()
 
-	if after := hostState(t); !equal(before, after) {
+	if after := runtimetest.HostNetState(t); !equal(before, after) {
 		t.Errorf("the host's network namespace changed:\nbefore %v\nafter  %v", before, after)
 	}
 }
@@ -310,7 +230,7 @@ func TestOpenTAPWithoutDevice(t *testing.T) {
 // nothing lands in the host's namespace.
 func TestTAPDiesWithNamespace(t *testing.T) {
 	testenv.RequireRoot(t)
-	before := hostState(t)
+	before := runtimetest.HostNetState(t)
 	p := filepath.Join(t.TempDir(), "netns")
 	if err := hostnet.NewNetNS(p); err != nil {
 		t.Fatal(err)
@@ -330,7 +250,7 @@ func TestTAPDiesWithNamespace(t *testing.T) {
 	// Namespace teardown is asynchronous in the kernel.
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		after := hostState(t)
+		after := runtimetest.HostNetState(t)
 		if equal(before, after) {
 			break
 		}
@@ -363,5 +283,50 @@ func TestCreateTAPRefusesHostNamespace(t *testing.T) {
 			}
 			t.Errorf("CreateTAP(%s): %v, want ErrInvalidArgument", p, err)
 		}
+	}
+}
+
+// BenchmarkNewNetNSCreateTAP is what the gvisor runtime adds to every
+// start, restore and fork child: a pinned namespace with a configured TAP,
+// then its removal.
+func BenchmarkNewNetNSCreateTAP(b *testing.B) {
+	testenv.RequireRoot(b)
+	dir := b.TempDir()
+	for i := 0; i < b.N; i++ {
+		p := filepath.Join(dir, "netns")
+		if err := hostnet.NewNetNS(p); err != nil {
+			b.Fatal(err)
+		}
+		tap, err := hostnet.CreateTAP(p)
+		if err != nil {
+			b.Fatal(err)
+		}
+		tap.Close()
+		if err := hostnet.RemoveNetNS(p); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkOpenTAP is NIC's cost under gVisor: attach to the existing TAP.
+func BenchmarkOpenTAP(b *testing.B) {
+	testenv.RequireRoot(b)
+	p := filepath.Join(b.TempDir(), "netns")
+	if err := hostnet.NewNetNS(p); err != nil {
+		b.Fatal(err)
+	}
+	defer hostnet.RemoveNetNS(p)
+	tap, err := hostnet.CreateTAP(p)
+	if err != nil {
+		b.Fatal(err)
+	}
+	tap.Close()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		tap, err := hostnet.OpenTAP(p)
+		if err != nil {
+			b.Fatal(err)
+		}
+		tap.Close()
 	}
 }

@@ -255,3 +255,22 @@ except OSError as e:
 		t.Errorf("the sandbox changed eth0's address: %+v", res)
 	}
 }
+
+// nicWorks shows, where the instance has a NIC, that a datagram the
+// sandbox sends to the gateway arrives on a new descriptor of it.
+func (sb *Sandbox) nicWorks(t *testing.T, payload string) {
+	t.Helper()
+	p, ok := sb.Inst.(runtime.NICProvider)
+	if !ok {
+		return
+	}
+	nic, err := p.NIC(ctxFor(t, time.Minute))
+	if err != nil {
+		t.Fatalf("NIC: %v", err)
+	}
+	defer nic.Close()
+	if res := sb.Exec(t, sendScript(53, payload)...); res.ExitCode != 0 {
+		t.Fatalf("send to the gateway: %+v", res)
+	}
+	ExpectUDP(t, nic, 53, payload)
+}
