@@ -172,7 +172,10 @@ func (k *instance) restoreChild(ctx context.Context, image string) (err error) {
 	if hostname == "" {
 		hostname = k.spec.ID
 	}
-	if err := writeSpec(k.dir, bundleSpec(k.spec.ID, k.rootfsDir(), hostname, k.agentDir(), k.rt.cfg.AgentBinary, k.spec.Limits)); err != nil {
+	if err := k.prepareNICLocked(); err != nil {
+		return err
+	}
+	if err := writeSpec(k.dir, bundleSpec(k.spec.ID, k.rootfsDir(), hostname, k.agentDir(), k.rt.cfg.AgentBinary, k.netnsPath(), k.spec.Limits)); err != nil {
 		return err
 	}
 	if err := writeResumeMarker(k.agentDir()); err != nil {

@@ -368,3 +368,8 @@ func TestStartAfterCrash(t *testing.T) {
 		t.Fatalf("after the restart /root/kept reads %q", out)
 	}
 }
+
+// TestNIC is the conformance suite's NIC subtest alone.
+func TestNIC(t *testing.T) {
+	runtimetest.NIC(t, harness(t))
+}

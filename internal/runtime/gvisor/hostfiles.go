@@ -1,6 +1,7 @@
 package gvisor
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -10,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/runtime/confine"
+	"github.com/spacehq/space/internal/runtime/hostnet"
 )
 
 // writeHostFiles makes the hostname resolve inside the sandbox, as native
@@ -24,6 +26,7 @@ func writeHostFiles(root, hostname string) {
 	}
 	defer unix.Close(dir)
 	_ = writeInRoot(dir, "etc/hostname", []byte(hostname+"\n"))
+	writeResolvConf(dir)
 	hosts, err := readInRoot(dir, "etc/hosts", 1<<20)
 	if err != nil && !os.IsNotExist(err) {
 		return
@@ -38,6 +41,30 @@ func writeHostFiles(root, hostname string) {
 	}
 	hosts = append(hosts, fmt.Sprintf("127.0.1.1\t%s\n", hostname)...)
 	_ = writeInRoot(dir, "etc/hosts", hosts)
+}
+
+// writeResolvConf makes etc/resolv.conf in the root at dir name the
+// gateway as the only resolver (hostnet.ResolvConf). A symlink in its place
+// (systemd-resolved's stub, say) is removed, not followed; a file that
+// already says the right thing is left alone, so the writable layer gets
+// no copy of it.
+func writeResolvConf(dir int) {
+	const path = "etc/resolv.conf"
+	if b, err := readInRoot(dir, path, 4096); err == nil && string(b) == hostnet.ResolvConf {
+		return
+	}
+	err := writeInRoot(dir, path, []byte(hostnet.ResolvConf))
+	if !errors.Is(err, unix.ELOOP) {
+		return
+	}
+	etc, err := openInRoot(dir, "etc", unix.O_PATH|unix.O_DIRECTORY, 0)
+	if err != nil {
+		return
+	}
+	defer etc.Close()
+	if unix.Unlinkat(int(etc.Fd()), "resolv.conf", 0) == nil {
+		_ = writeInRoot(dir, path, []byte(hostnet.ResolvConf))
+	}
 }
 
 func openInRoot(dir int, path string, flags uint64, mode uint64) (*os.File, error) {

@@ -51,6 +51,7 @@ var (
 	_ runtime.Instance       = (*instance)(nil)
 	_ runtime.Pauser         = (*instance)(nil)
 	_ runtime.ChangeExporter = (*instance)(nil)
+	_ runtime.NICProvider    = (*instance)(nil)
 )
 
 func (i *instance) diskImage() string { return filepath.Join(i.dir, "disk.img") }
@@ -156,7 +157,10 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		hostname = i.spec.ID
 	}
 	writeHostFiles(i.rootfsDir(), hostname)
-	if err := writeSpec(i.dir, bundleSpec(i.spec.ID, i.rootfsDir(), hostname, i.agentDir(), i.rt.cfg.AgentBinary, i.spec.Limits)); err != nil {
+	if err := i.prepareNICLocked(); err != nil {
+		return err
+	}
+	if err := writeSpec(i.dir, bundleSpec(i.spec.ID, i.rootfsDir(), hostname, i.agentDir(), i.rt.cfg.AgentBinary, i.netnsPath(), i.spec.Limits)); err != nil {
 		return err
 	}
 	tPrepared := time.Now()

@@ -137,7 +137,7 @@ func (r *Runtime) probeRun(ctx context.Context, rs *runsc, then func(id, dir str
 		return 0, err
 	}
 	id := "probe-" + strconv.FormatInt(time.Now().UnixNano()%1e12, 36)
-	spec := bundleSpec(id, root, id, agent, r.cfg.AgentBinary, api.Limits{CPUs: 1, MemoryMiB: 128, Pids: 32})
+	spec := bundleSpec(id, root, id, agent, r.cfg.AgentBinary, "", api.Limits{CPUs: 1, MemoryMiB: 128, Pids: 32})
 	if err := writeSpec(dir, spec); err != nil {
 		return 0, err
 	}

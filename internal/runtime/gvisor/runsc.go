@@ -37,7 +37,8 @@ type runsc struct {
 const RunscVersion = "v0.0.0-20260905035102-160fafc42237"
 
 // globalFlags are the sandbox configuration: systrap (the default platform,
-// named so a changed default cannot surprise us), no network at all, writes
+// named so a changed default cannot surprise us), the network of the
+// sandbox's own namespace (its NIC), writes
 // to the host's per-sandbox overlay (not a gVisor-internal one that would
 // vanish on stop), and the agent's socket bound on a host directory.
 func globalFlags() []string {
@@ -49,7 +50,11 @@ func globalFlags() []string {
 	}
 	return append(debug,
 		"--platform=systrap",
-		"--network=none",
+		// The sandbox's network namespace (the bundle names it) holds its
+		// one NIC, a TAP whose far end is the gateway: runsc moves the
+		// TAP's address and routes into the sentry's stack, which sends
+		// and receives on it through a packet socket (network.go).
+		"--network=sandbox",
 		// The root filesystem is a host overlay with a per-sandbox upper on
 		// its own disk; gVisor's own rootfs overlay (default root:self)
 		// would keep writes in a file that dies with the sandbox.

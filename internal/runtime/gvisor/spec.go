@@ -67,11 +67,12 @@ type ociMount struct {
 }
 
 type ociLinux struct {
-	CgroupsPath string         `json:"cgroupsPath"`
-	Resources   ociResources   `json:"resources"`
-	Namespaces  []ociNamespace `json:"namespaces"`
-	Seccomp     *ociSeccomp    `json:"seccomp,omitempty"`
-	MaskedPaths []string       `json:"maskedPaths,omitempty"`
+	CgroupsPath string            `json:"cgroupsPath"`
+	Resources   ociResources      `json:"resources"`
+	Namespaces  []ociNamespace    `json:"namespaces"`
+	Seccomp     *ociSeccomp       `json:"seccomp,omitempty"`
+	MaskedPaths []string          `json:"maskedPaths,omitempty"`
+	Sysctl      map[string]string `json:"sysctl,omitempty"`
 }
 
 type ociResources struct {
@@ -96,6 +97,7 @@ type ociPids struct {
 
 type ociNamespace struct {
 	Type string `json:"type"`
+	Path string `json:"path,omitempty"`
 }
 
 type ociSeccomp struct {
@@ -165,8 +167,9 @@ func seccompPolicy() *ociSeccomp {
 	return p
 }
 
-// bundleSpec builds the sandbox's OCI spec.
-func bundleSpec(id, rootfs, hostname, hostAgentDir, agentBinary string, l api.Limits) ociSpec {
+// bundleSpec builds the sandbox's OCI spec. netns is the network namespace
+// the sandbox runs in (its NIC, see network.go); empty: a new, empty one.
+func bundleSpec(id, rootfs, hostname, hostAgentDir, agentBinary, netns string, l api.Limits) ociSpec {
 	if hostname == "" {
 		hostname = id
 	}
@@ -207,8 +210,12 @@ func bundleSpec(id, rootfs, hostname, hostAgentDir, agentBinary string, l api.Li
 			CgroupsPath: "/" + cgroupBase + "/" + id,
 			Resources:   ociResources{},
 			Namespaces: []ociNamespace{
-				{Type: "pid"}, {Type: "ipc"}, {Type: "uts"}, {Type: "mount"}, {Type: "network"},
+				{Type: "pid"}, {Type: "ipc"}, {Type: "uts"}, {Type: "mount"}, {Type: "network", Path: netns},
 			},
+			// runsc (--network=sandbox) copies the namespace's links into
+			// the sentry's stack; this keeps IPv6 out of it (the link is
+			// IPv4 only, and the TAP has IPv6 disabled).
+			Sysctl:  map[string]string{"net.ipv6.conf.all.disable_ipv6": "1"},
 			Seccomp: seccompPolicy(),
 		},
 	}

@@ -251,6 +251,11 @@ func (i *instance) Restore(ctx context.Context) (err error) {
 	if err := writeResumeMarker(i.agentDir()); err != nil {
 		return err
 	}
+	// A fresh namespace and TAP at the same path the bundle names: the
+	// suspended sandbox's namespace ended with it.
+	if err := i.prepareNICLocked(); err != nil {
+		return err
+	}
 	tPrepared := time.Now()
 	if err := i.restoreFrom(ctx, i.imageDir()); err != nil {
 		return fmt.Errorf("restore sandbox %s: %w", i.spec.ID, err)

@@ -14,6 +14,7 @@ import (
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/hostfs"
+	"github.com/spacehq/space/internal/runtime/hostnet"
 	"github.com/spacehq/space/internal/runtime/native/nsinit"
 )
 
@@ -101,8 +102,8 @@ func (i *instance) exportLocked() error {
 
 // revertHostFiles takes the sandbox init's own start-up writes out of the
 // upper layer on the disk mounted (detached, read-write) at mfd: every
-// start writes /etc/hostname and adds the hostname to /etc/hosts
-// (nsinit.writeHostFiles), and those are not changes the sandbox's code
+// start writes /etc/hostname and /etc/resolv.conf and adds the hostname to
+// /etc/hosts (nsinit.writeHostFiles, writeResolvConf), and those are not changes the sandbox's code
 // made — a template built from its changes would otherwise carry the build
 // sandbox's name. Only content exactly as the init writes it is taken out.
 // Everything in upper/ was written by the sandbox, so nothing is resolved
@@ -120,6 +121,13 @@ func (i *instance) revertHostFiles(mfd int) error {
 	if b, ok := readSmall(etc, "hostname", 4096); ok && bytes.Equal(b, nsinit.HostnameFile(hostname)) {
 		if err := unix.Unlinkat(etc, "hostname", 0); err != nil {
 			return fmt.Errorf("remove etc/hostname: %w", err)
+		}
+	}
+	// resolv.conf as the init writes it (writeResolvConf): the template's
+	// own file shows again.
+	if b, ok := readSmall(etc, "resolv.conf", 4096); ok && string(b) == hostnet.ResolvConf {
+		if err := unix.Unlinkat(etc, "resolv.conf", 0); err != nil {
+			return fmt.Errorf("remove etc/resolv.conf: %w", err)
 		}
 	}
 	hosts, ok := readSmall(etc, "hosts", nsinit.MaxHostsFile+4096)

@@ -21,6 +21,7 @@ import (
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/cgroupfs"
 	"github.com/spacehq/space/internal/runtime/hostfs"
+	"github.com/spacehq/space/internal/runtime/hostnet"
 	"github.com/spacehq/space/internal/runtime/hostproc"
 	"github.com/spacehq/space/internal/runtime/native/nsinit"
 )
@@ -48,6 +49,7 @@ var (
 	_ runtime.Instance       = (*instance)(nil)
 	_ runtime.Pauser         = (*instance)(nil)
 	_ runtime.ChangeExporter = (*instance)(nil)
+	_ runtime.NICProvider    = (*instance)(nil)
 )
 
 func (i *instance) diskImage() string   { return filepath.Join(i.dir, "disk.img") }
@@ -220,7 +222,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		},
 	}
 	tPrepared := time.Now()
-	conf := nsinit.Config{Hostname: i.spec.Hostname, SpawnedUnixNano: tPrepared.UnixNano()}
+	conf := nsinit.Config{Hostname: i.spec.Hostname, SpawnedUnixNano: tPrepared.UnixNano(), ResolvConf: hostnet.ResolvConf}
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start sandbox init: %w", err)
 	}
@@ -274,11 +276,45 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if err := i.waitSetup(ctx, statR, exited); err != nil {
 		return err
 	}
+	tSetup := time.Now()
+	// The sandbox has its NIC from the start, its far end unattached
+	// (no carrier) until the gateway calls NIC.
+	tap, err := hostnet.CreateTAP(fmt.Sprintf("/proc/%d/ns/net", pid))
+	if err != nil {
+		return fmt.Errorf("sandbox %s NIC: %w", i.spec.ID, err)
+	}
+	tap.Close()
 	i.rt.log.Debug("sandbox started", "id", i.spec.ID, "pid", pid,
-		"prepare", tPrepared.Sub(t0), "spawn", tSpawned.Sub(tPrepared), "setup", time.Since(tSpawned))
+		"prepare", tPrepared.Sub(t0), "spawn", tSpawned.Sub(tPrepared), "setup", tSetup.Sub(tSpawned), "nic", time.Since(tSetup))
 	i.pid = pid
 	i.exited = exited
 	return nil
+}
+
+// NIC implements runtime.NICProvider: the TAP device eth0 in the network
+// namespace of the sandbox's init, created by Start and (re)configured on
+// every call (hostnet.CreateTAP). The namespace belongs
+// to the sandbox's user namespace; the host's root may still enter it, and
+// the sandbox, without CAP_NET_ADMIN, cannot attach to the device or
+// change its configuration. The device dies with the namespace: when the
+// sandbox's processes are gone and the caller has closed the descriptor.
+func (i *instance) NIC(ctx context.Context) (*os.File, error) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if !i.aliveLocked() {
+		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	ns, err := os.Open(fmt.Sprintf("/proc/%d/ns/net", i.pid))
+	if err != nil {
+		return nil, fmt.Errorf("sandbox %s network namespace: %w", i.spec.ID, err)
+	}
+	defer ns.Close()
+	// Still alive after the open: the pid named this sandbox's init (it
+	// cannot have been reused while the init lives).
+	if !i.aliveLocked() {
+		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrConflict)
+	}
+	return hostnet.CreateTAP(fmt.Sprintf("/proc/self/fd/%d", ns.Fd()))
 }
 
 // waitSetup waits for the init's verdict: EOF with nothing written means it

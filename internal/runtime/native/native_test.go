@@ -459,3 +459,8 @@ func TestConcurrentStarts(t *testing.T) {
 		t.Fatalf("left behind: %v %v", removed, err)
 	}
 }
+
+// TestNIC is the conformance suite's NIC subtest alone.
+func TestNIC(t *testing.T) {
+	runtimetest.NIC(t, harness(t))
+}

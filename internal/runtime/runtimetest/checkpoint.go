@@ -99,6 +99,8 @@ func testSuspend(t *testing.T, h Harness) {
 	sb.MustSh(t, "echo on-disk > /root/before")
 	sb.startMemProc(t)
 	x0, n0 := sb.memState(t)
+	// The sandbox has learnt the gateway's MAC before it is saved.
+	sb.nicWorks(t, "before-suspend")
 
 	// Without a quiesce the suspend must fail (or succeed, for a runtime
 	// that needs none) and the sandbox keep serving.
@@ -140,6 +142,7 @@ func testSuspend(t *testing.T, h Harness) {
 	sb2 := &Sandbox{RT: rt, Inst: inst2, Spec: sb.Spec}
 	sb2.restored(t, "")
 	t.Logf("restore→agent healthy %v", time.Since(t0).Round(time.Millisecond))
+	sb2.nicWorks(t, "after-restore")
 	if sus2.Suspended() {
 		t.Fatal("still Suspended after Restore")
 	}
@@ -251,6 +254,8 @@ func testFork(t *testing.T, h Harness) {
 			t.Fatalf("sandbox %d: process record %+v %v", i, info, err)
 		}
 		sb.MustSh(t, fmt.Sprintf("echo %d > /root/mine", i))
+		// Each has a NIC of its own.
+		sb.nicWorks(t, fmt.Sprintf("fork-%d", i))
 	}
 	randoms := map[string]int{}
 	for i, sb := range sbs {

@@ -65,7 +65,11 @@ func Run(t *testing.T, h Harness) {
 	// Optional: skipped where the runtime does not implement them.
 	t.Run("suspend", func(t *testing.T) { testSuspend(t, h) })
 	t.Run("fork", func(t *testing.T) { testFork(t, h) })
+	t.Run("nic", func(t *testing.T) { testNIC(t, h) })
 }
+
+// NIC runs the conformance suite's NIC subtest alone.
+func NIC(t *testing.T, h Harness) { testNIC(t, h) }
 
 // Sandbox is one started instance and a client for its agent.
 type Sandbox struct {

@@ -49,4 +49,8 @@ type Config struct {
 	// SpawnedUnixNano is when the host started the init, so init.log can
 	// say how the start-up time divides (diagnostics only).
 	SpawnedUnixNano int64 `json:"spawned,omitempty"`
+	// ResolvConf is the content of the sandbox's /etc/resolv.conf
+	// (hostnet.ResolvConf: the gateway is the only resolver); empty leaves
+	// the file as the template has it.
+	ResolvConf string `json:"resolv_conf,omitempty"`
 }

@@ -128,6 +128,7 @@ func build(entered time.Time) error {
 	// Only after pivot_root: the writable layer is the sandbox's, and a
 	// symlink it planted must resolve inside the sandbox, never on the host.
 	writeHostFiles(cfg.Hostname)
+	writeResolvConf(cfg.ResolvConf)
 	if err := setRlimits(cfg.NoFile); err != nil {
 		return err
 	}
@@ -244,6 +245,33 @@ func writeHostFiles(hostname string) {
 	}
 	if next, changed := AddHostname(hosts, hostname); changed {
 		_ = os.WriteFile("/etc/hosts", next, 0o644)
+	}
+}
+
+// writeResolvConf makes /etc/resolv.conf name the gateway as the only
+// resolver. Like writeHostFiles it runs after pivot_root, so whatever the
+// sandbox planted in /etc resolves inside the sandbox. A symlink in its
+// place (systemd-resolved's stub, say) is replaced by a plain file through
+// a rename, rather than followed into a directory that may not exist. An
+// existing regular file with the right content is left alone, so the
+// writable layer gets no copy of it. Best effort.
+func writeResolvConf(content string) {
+	const path = "/etc/resolv.conf"
+	if content == "" {
+		return
+	}
+	if fi, err := os.Lstat(path); err == nil && fi.Mode().IsRegular() && fi.Size() == int64(len(content)) {
+		if b, err := os.ReadFile(path); err == nil && string(b) == content {
+			return
+		}
+	}
+	tmp := "/etc/.resolv.conf.space"
+	_ = os.Remove(tmp)
+	if err := os.WriteFile(tmp, []byte(content), 0o644); err != nil {
+		return
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		_ = os.Remove(tmp)
 	}
 }
 
