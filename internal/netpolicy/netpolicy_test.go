@@ -522,8 +522,18 @@ func TestCompileOptions(t *testing.T) {
 	if v := pol.Check("", netip.MustParseAddr("10.1.2.3"), 80); !v.Allow {
 		t.Errorf("%+v", v)
 	}
+	// The zero Policy, like the zero api.NetworkPolicy, reaches nothing.
 	var zero Policy
-	_ = zero // the zero Policy is not usable; Compile is the constructor
+	if v := zero.Check("pypi.org", netip.MustParseAddr("8.8.8.8"), 443); v.Allow {
+		t.Errorf("zero Policy allowed %+v", v)
+	}
+	if _, ok := zero.NameAllowed("pypi.org"); ok {
+		t.Error("zero Policy resolves names")
+	}
+	empty := mustCompile(t, api.NetworkPolicy{}, Options{})
+	if v := empty.Check("", netip.MustParseAddr("8.8.8.8"), 443); v.Allow || v.Reason != "not allowed" {
+		t.Errorf("empty policy: %+v", v)
+	}
 }
 
 func BenchmarkCheck1024(b *testing.B) {
