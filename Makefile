@@ -11,6 +11,7 @@ build:
 	go build -trimpath -o bin/space ./cmd/space
 	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-agent ./cmd/space-agent
 	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-jail ./cmd/space-jail
+	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-gateway ./cmd/space-gateway
 
 # Sets everything up (idempotent) and starts the server with its embedded defaults.
 run: setup
@@ -19,14 +20,14 @@ run: setup
 # Sets everything up (idempotent), lints (go vet, staticcheck) and runs the
 # whole test suite.
 test: lint
-	SPACE_CI=$${SPACE_CI:-0} SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent SPACE_JAIL_BIN=$(CURDIR)/bin/space-jail go test -p 1 -timeout 15m -count=1 ./...
+	SPACE_CI=$${SPACE_CI:-0} SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent SPACE_JAIL_BIN=$(CURDIR)/bin/space-jail SPACE_GATEWAY_BIN=$(CURDIR)/bin/space-gateway go test -p 1 -timeout 15m -count=1 ./...
 
 # Benchmarks (not part of `make test`): p50/p99 over 200 iterations with the
 # raw tool in the same run, then the idle-density run (SPACE_BENCH_IDLE sandboxes).
 bench: setup
-	SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent SPACE_JAIL_BIN=$(CURDIR)/bin/space-jail go test -run '^$$' -bench . -benchtime 200x -timeout 30m ./bench/
-	SPACE_BENCH=1 SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent SPACE_JAIL_BIN=$(CURDIR)/bin/space-jail go test -run 'TestTemplate|TestCreateTimeBySize|TestGvisorCheckpointBench|TestMicroVMBench' -v -timeout 30m ./bench/
-	SPACE_BENCH=1 SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent SPACE_JAIL_BIN=$(CURDIR)/bin/space-jail go test -run 'TestIdleDensity|TestGvisorSuspendedDensity' -v -timeout 60m ./bench/
+	SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent SPACE_JAIL_BIN=$(CURDIR)/bin/space-jail SPACE_GATEWAY_BIN=$(CURDIR)/bin/space-gateway go test -run '^$$' -bench . -benchtime 200x -timeout 30m ./bench/
+	SPACE_BENCH=1 SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent SPACE_JAIL_BIN=$(CURDIR)/bin/space-jail SPACE_GATEWAY_BIN=$(CURDIR)/bin/space-gateway go test -run 'TestTemplate|TestCreateTimeBySize|TestGvisorCheckpointBench|TestMicroVMBench' -v -timeout 30m ./bench/
+	SPACE_BENCH=1 SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent SPACE_JAIL_BIN=$(CURDIR)/bin/space-jail SPACE_GATEWAY_BIN=$(CURDIR)/bin/space-gateway go test -run 'TestIdleDensity|TestGvisorSuspendedDensity' -v -timeout 60m ./bench/
 
 # go vet and the pinned staticcheck (scripts/setup.sh installs it into bin/).
 lint: setup

@@ -31,6 +31,7 @@ mkdir -p bin
 go build -trimpath -o bin/space ./cmd/space
 CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-agent ./cmd/space-agent
 CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-jail ./cmd/space-jail
+CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-gateway ./cmd/space-gateway
 
 # runsc (gVisor) for the gvisor runtime: a static build pinned to an exact
 # version. Debian's runsc is from 2022 (no systrap), and a cgo build fails

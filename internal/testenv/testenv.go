@@ -68,7 +68,16 @@ type staticBinary struct {
 var (
 	agentBin = &staticBinary{name: "space-agent", env: "SPACE_AGENT_BIN", pkg: "github.com/spacehq/space/cmd/space-agent"}
 	jailBin  = &staticBinary{name: "space-jail", env: "SPACE_JAIL_BIN", pkg: "github.com/spacehq/space/cmd/space-jail"}
+	gwBin    = &staticBinary{name: "space-gateway", env: "SPACE_GATEWAY_BIN", pkg: "github.com/spacehq/space/cmd/space-gateway"}
 )
+
+// GatewayBinary returns a static space-gateway (the network gateway
+// process) for tests, as AgentBinary does ($SPACE_GATEWAY_BIN when set).
+// It is executable by the gateway's unprivileged user.
+func GatewayBinary(t testing.TB) string {
+	t.Helper()
+	return gwBin.get(t)
+}
 
 // AgentBinary returns a static space-agent for tests: $SPACE_AGENT_BIN when
 // set (make test builds bin/space-agent first), else one built once per test
@@ -118,6 +127,10 @@ func (b *staticBinary) build() (string, error) {
 		return "", &buildError{out: string(out), err: err}
 	}
 	path := filepath.Join(dir, b.name)
+	// The gateway runs as an unprivileged user: it must be able to exec it.
+	if err := os.Chmod(tmp.Name(), 0o755); err != nil {
+		return "", err
+	}
 	if err := os.Rename(tmp.Name(), path); err != nil {
 		return "", err
 	}

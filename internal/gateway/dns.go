@@ -1,0 +1,359 @@
+package gateway
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/net/dns/dnsmessage"
+	"golang.org/x/time/rate"
+	"gvisor.dev/gvisor/pkg/tcpip"
+	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
+	"gvisor.dev/gvisor/pkg/tcpip/network/ipv4"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/netpolicy"
+)
+
+// bindings are the (name → IP, expiry) pairs this gateway resolved for one
+// sandbox: the only way a name entry of the policy makes an IP reachable.
+type bindings struct {
+	mu   sync.Mutex
+	byIP map[netip.Addr]map[string]time.Time
+}
+
+func newBindings() *bindings { return &bindings{byIP: map[netip.Addr]map[string]time.Time{}} }
+
+func (b *bindings) add(name string, ip netip.Addr, until time.Time) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	m := b.byIP[ip]
+	if m == nil {
+		m = map[string]time.Time{}
+		b.byIP[ip] = m
+	}
+	if until.After(m[name]) {
+		m[name] = until
+	}
+}
+
+// names returns the live names bound to ip.
+func (b *bindings) names(ip netip.Addr) []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	t := now()
+	var out []string
+	for name, until := range b.byIP[ip] {
+		if t.Before(until) {
+			out = append(out, name)
+		} else {
+			delete(b.byIP[ip], name)
+		}
+	}
+	if len(b.byIP[ip]) == 0 {
+		delete(b.byIP, ip)
+	}
+	return out
+}
+
+func (b *bindings) has(name string, ip netip.Addr) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	until, ok := b.byIP[ip][name]
+	return ok && now().Before(until)
+}
+
+// dnsGuard bounds what a sandbox can push through DNS: a query rate, and
+// distinct names per wildcard zone per window (data hidden in
+// <data>.allowed-zone labels).
+type dnsGuard struct {
+	lim     Limits
+	rate    *rate.Limiter
+	mu      sync.Mutex
+	zones   map[string]map[string]struct{}
+	started time.Time
+}
+
+func newDNSGuard(lim Limits) *dnsGuard {
+	return &dnsGuard{lim: lim, rate: rate.NewLimiter(rate.Limit(lim.DNSPerSecond), int(2*lim.DNSPerSecond)+1),
+		zones: map[string]map[string]struct{}{}, started: now()}
+}
+
+// admit says why a query for name (under zone; "" if none) is refused, or "".
+func (d *dnsGuard) admit(name, zone string) string {
+	if !d.rate.Allow() {
+		return "dns query rate limit"
+	}
+	if zone == "" {
+		return ""
+	}
+	for _, label := range strings.Split(name, ".") {
+		if len(label) > d.lim.MaxLabel {
+			return fmt.Sprintf("label longer than %d under wildcard zone %s", d.lim.MaxLabel, zone)
+		}
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if now().Sub(d.started) > d.lim.ZoneWindow {
+		d.zones = map[string]map[string]struct{}{}
+		d.started = now()
+	}
+	names := d.zones[zone]
+	if names == nil {
+		names = map[string]struct{}{}
+		d.zones[zone] = names
+	}
+	if _, seen := names[name]; !seen {
+		if len(names) >= d.lim.NamesPerZone {
+			return fmt.Sprintf("more than %d distinct names under %s", d.lim.NamesPerZone, zone)
+		}
+		names[name] = struct{}{}
+	}
+	return ""
+}
+
+// serveDNSUDP answers queries sent to the gateway's port 53.
+func (l *link) serveDNSUDP() error {
+	pc, err := gonet.DialUDP(l.stack, &tcpip.FullAddress{NIC: nicID, Addr: tcpip.AddrFrom4(gatewayAddr.As4()), Port: 53}, nil, ipv4.ProtocolNumber)
+	if err != nil {
+		return fmt.Errorf("gateway: dns listener: %w", err)
+	}
+	go func() {
+		defer pc.Close()
+		buf := make([]byte, 1500)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return // the stack is gone
+			}
+			q := append([]byte(nil), buf[:n]...)
+			go func() {
+				if resp := l.answer(q, 512); resp != nil {
+					_, _ = pc.WriteTo(resp, from)
+				}
+			}()
+		}
+	}()
+	return nil
+}
+
+// serveDNSTCP answers length-prefixed queries on one TCP connection.
+func (l *link) serveDNSTCP(c net.Conn) {
+	defer c.Close()
+	for {
+		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		var n uint16
+		if err := binary.Read(c, binary.BigEndian, &n); err != nil {
+			return
+		}
+		q := make([]byte, n)
+		if _, err := io.ReadFull(c, q); err != nil {
+			return
+		}
+		resp := l.answer(q, 65535)
+		if resp == nil {
+			return
+		}
+		out := binary.BigEndian.AppendUint16(nil, uint16(len(resp)))
+		if _, err := c.Write(append(out, resp...)); err != nil {
+			return
+		}
+	}
+}
+
+// answer builds the reply to one query (nil: drop it, it is not DNS).
+func (l *link) answer(query []byte, maxSize int) []byte {
+	l.queries.Add(1)
+	var p dnsmessage.Parser
+	h, err := p.Start(query)
+	if err != nil || h.Response {
+		return nil
+	}
+	qs, err := p.AllQuestions()
+	if err != nil || len(qs) != 1 || h.OpCode != 0 {
+		return reply(h, qs, dnsmessage.RCodeFormatError, nil, maxSize)
+	}
+	q := qs[0]
+	name := strings.TrimSuffix(strings.ToLower(q.Name.String()), ".")
+	ev := api.NetworkEvent{Protocol: "dns", Name: name}
+	pol := l.policy.Load()
+	rule, ok := pol.NameAllowed(name)
+	if !ok || q.Class != dnsmessage.ClassINET {
+		ev.Verdict, ev.Reason = api.VerdictDeny, "name not allowed"
+		l.events.add(ev)
+		return reply(h, qs, dnsmessage.RCodeNameError, nil, maxSize)
+	}
+	if why := l.dns.admit(name, pol.Zone(name)); why != "" {
+		ev.Verdict, ev.Reason = api.VerdictLimit, why
+		l.events.add(ev)
+		return reply(h, qs, dnsmessage.RCodeRefused, nil, maxSize)
+	}
+	if q.Type != dnsmessage.TypeA {
+		// The link is IPv4 only; nothing but addresses ever leaves here
+		// (a TXT or NULL answer is a channel).
+		ev.Verdict, ev.Reason = api.VerdictAllow, rule+" (no data for type "+q.Type.String()+")"
+		l.events.add(ev)
+		return reply(h, qs, dnsmessage.RCodeSuccess, nil, maxSize)
+	}
+	start := time.Now()
+	ips, ttl, rcode, err := l.resolve(q)
+	ev.DurationMS = float64(time.Since(start).Microseconds()) / 1000
+	if err != nil {
+		ev.Verdict, ev.Reason = api.VerdictError, "upstream: "+err.Error()
+		l.events.add(ev)
+		return reply(h, qs, dnsmessage.RCodeServerFailure, nil, maxSize)
+	}
+	if ttl < l.g.opts.MinTTL {
+		ttl = l.g.opts.MinTTL
+	}
+	var kept []netip.Addr
+	var removed []string
+	for _, ip := range ips {
+		if why := l.unreachable(ip); why != "" {
+			removed = append(removed, ip.String()+" ("+why+")")
+			continue
+		}
+		kept = append(kept, ip)
+	}
+	until := now().Add(max(time.Duration(ttl)*time.Second, l.g.opts.BindingTTL))
+	for _, ip := range kept {
+		l.bindings.add(name, ip, until)
+		ev.Answers = append(ev.Answers, ip.String())
+	}
+	ev.Verdict, ev.Reason = api.VerdictAllow, rule
+	if len(removed) > 0 {
+		ev.Reason += "; removed " + strings.Join(removed, ", ")
+	}
+	l.events.add(ev)
+	var rrs []dnsmessage.Resource
+	for _, ip := range kept {
+		alias, _ := toSandbox(ip)
+		rrs = append(rrs, dnsmessage.Resource{
+			Header: dnsmessage.ResourceHeader{Name: q.Name, Type: dnsmessage.TypeA, Class: dnsmessage.ClassINET, TTL: ttl},
+			Body:   &dnsmessage.AResource{A: alias.As4()},
+		})
+	}
+	return reply(h, qs, rcode, rrs, maxSize)
+}
+
+// unreachable says why an answer's address may never be bound, or "":
+// non-public addresses stay out unless the operator opened their range.
+func (l *link) unreachable(ip netip.Addr) string {
+	if _, ok := toSandbox(ip); !ok {
+		return "no address in the sandbox for it"
+	}
+	for _, p := range l.g.opts.Policy.Protected {
+		if p.Addr().Unmap() == ip {
+			return "protected address"
+		}
+	}
+	class := netpolicy.Classify(ip)
+	if class == "" {
+		return ""
+	}
+	for _, p := range l.g.opts.Policy.AllowPrivate {
+		if p.Contains(ip) {
+			return ""
+		}
+	}
+	return class
+}
+
+// resolve asks the upstream for q's A records, following the CNAME chain
+// the upstream returns; only the final addresses come back.
+func (l *link) resolve(q dnsmessage.Question) ([]netip.Addr, uint32, dnsmessage.RCode, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Second)
+	defer cancel()
+	c, err := l.g.opts.Dialer.DialContext(ctx, "udp", l.g.opts.DNSUpstream)
+	if err != nil {
+		return nil, 0, 0, err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(3 * time.Second))
+	id := uint16(time.Now().UnixNano())
+	msg := dnsmessage.Message{Header: dnsmessage.Header{ID: id, RecursionDesired: true}, Questions: []dnsmessage.Question{q}}
+	b, err := msg.Pack()
+	if err != nil {
+		return nil, 0, 0, err
+	}
+	if _, err := c.Write(b); err != nil {
+		return nil, 0, 0, err
+	}
+	buf := make([]byte, 4096)
+	for {
+		n, err := c.Read(buf)
+		if err != nil {
+			return nil, 0, 0, err
+		}
+		var resp dnsmessage.Message
+		if resp.Unpack(buf[:n]) != nil || resp.ID != id || !resp.Response || len(resp.Questions) != 1 ||
+			!strings.EqualFold(resp.Questions[0].Name.String(), q.Name.String()) {
+			continue // not the answer to our question: keep waiting
+		}
+		if resp.RCode != dnsmessage.RCodeSuccess {
+			return nil, 0, resp.RCode, nil
+		}
+		return chain(q.Name, resp.Answers)
+	}
+}
+
+// chain follows CNAMEs from name through answers and returns the A records
+// at the end with the smallest TTL seen.
+func chain(name dnsmessage.Name, answers []dnsmessage.Resource) ([]netip.Addr, uint32, dnsmessage.RCode, error) {
+	target := strings.ToLower(name.String())
+	ttl := uint32(1<<32 - 1)
+	for hops := 0; hops < 8; hops++ {
+		var ips []netip.Addr
+		next := ""
+		for _, rr := range answers {
+			if strings.ToLower(rr.Header.Name.String()) != target {
+				continue
+			}
+			switch body := rr.Body.(type) {
+			case *dnsmessage.AResource:
+				ips = append(ips, netip.AddrFrom4(body.A))
+				ttl = min(ttl, rr.Header.TTL)
+			case *dnsmessage.CNAMEResource:
+				next = strings.ToLower(body.CNAME.String())
+				ttl = min(ttl, rr.Header.TTL)
+			}
+		}
+		if len(ips) > 0 || next == "" {
+			if len(ips) == 0 {
+				ttl = 0
+			}
+			return ips, ttl, dnsmessage.RCodeSuccess, nil
+		}
+		target = next
+	}
+	return nil, 0, 0, errors.New("cname chain too long")
+}
+
+func reply(h dnsmessage.Header, qs []dnsmessage.Question, rcode dnsmessage.RCode, answers []dnsmessage.Resource, maxSize int) []byte {
+	if len(qs) > 1 {
+		qs = qs[:1]
+	}
+	m := dnsmessage.Message{
+		Header: dnsmessage.Header{ID: h.ID, Response: true, OpCode: h.OpCode, RecursionDesired: h.RecursionDesired,
+			RecursionAvailable: true, RCode: rcode},
+		Questions: qs,
+		Answers:   answers,
+	}
+	b, err := m.Pack()
+	for err == nil && len(b) > maxSize && len(m.Answers) > 0 {
+		m.Answers = m.Answers[:len(m.Answers)-1]
+		m.Header.Truncated = true
+		b, err = m.Pack()
+	}
+	if err != nil {
+		return nil
+	}
+	return b
+}

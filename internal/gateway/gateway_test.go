@@ -1,0 +1,368 @@
+package gateway
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/netip"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/net/dns/dnsmessage"
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/gateway/gatewaytest"
+	"github.com/spacehq/space/internal/netpolicy"
+)
+
+type fixture struct {
+	g       *Gateway
+	sb      *gatewaytest.SandboxStack
+	dns     *gatewaytest.FakeDNS
+	dialer  *gatewaytest.GuardDialer
+	port    uint16 // HTTP on 127.0.0.2 and 127.0.0.3
+	tlsPort uint16 // HTTPS on 127.0.0.2 and 127.0.0.3
+	tlsConf *tls.Config
+}
+
+func listenBoth(t *testing.T) (net.Listener, net.Listener, uint16) {
+	for range 20 {
+		a, err := net.Listen("tcp", "127.0.0.2:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := a.Addr().(*net.TCPAddr).Port
+		b, err := net.Listen("tcp", fmt.Sprintf("127.0.0.3:%d", port))
+		if err != nil {
+			a.Close()
+			continue
+		}
+		return a, b, uint16(port)
+	}
+	t.Fatal("no common free port on 127.0.0.2 and 127.0.0.3")
+	return nil, nil, 0
+}
+
+func newFixture(t *testing.T, p api.NetworkPolicy, lim ...Limits) *fixture {
+	f := &fixture{dialer: &gatewaytest.GuardDialer{T: t}}
+	f.dns = gatewaytest.StartDNS(t, map[string][]string{
+		"allowed.test":      {"127.0.0.2"},
+		"other.test":        {"127.0.0.3"}, // a denied name sharing a "CDN" with nothing
+		"alias.test":        {"cname:edge.cdn.test", "127.0.0.2"},
+		"a.zone.test":       {"127.0.0.2"},
+		"rebind-meta.test":  {"169.254.169.254"},
+		"rebind-lan.test":   {"10.1.2.3"},
+		"rebind-local.test": {"127.0.0.1"}, // the host itself (protected)
+		"rebind-mixed.test": {"10.1.2.3", "127.0.0.2"},
+	})
+	// HTTP servers answer with their own address so a test sees where it landed.
+	for _, pair := range [][2]string{{"http", ""}, {"https", ""}} {
+		a, b, port := listenBoth(t)
+		for _, ln := range []net.Listener{a, b} {
+			srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				fmt.Fprintf(w, "hello from %s host=%s", r.Context().Value(http.LocalAddrContextKey), r.Host)
+			}))
+			srv.Listener.Close()
+			srv.Listener = ln
+			if pair[0] == "https" {
+				srv.StartTLS()
+				f.tlsConf = &tls.Config{InsecureSkipVerify: true} //nolint:gosec // test server's own cert
+			} else {
+				srv.Start()
+			}
+			t.Cleanup(srv.Close)
+		}
+		if pair[0] == "https" {
+			f.tlsPort = port
+		} else {
+			f.port = port
+		}
+	}
+	g, err := New(Options{
+		DNSUpstream: f.dns.Addr,
+		Policy: netpolicy.Options{
+			AllowPrivate: []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")},
+			Protected:    []netip.AddrPort{netip.MustParseAddrPort("127.0.0.1:0")},
+		},
+		Dialer: f.dialer,
+		Limits: append(lim, Limits{})[0],
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(g.Close)
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	nic := os.NewFile(uintptr(fds[0]), "nic")
+	if err := g.Attach("sb1", nic, p); err != nil {
+		t.Fatal(err)
+	}
+	nic.Close()
+	f.g = g
+	f.sb = gatewaytest.NewSandboxStack(t, fds[1])
+	return f
+}
+
+var (
+	// The sandbox addresses loopback servers through the alias range.
+	ip2 = netip.MustParseAddr("198.19.0.2")
+	ip3 = netip.MustParseAddr("198.19.0.3")
+)
+
+func (f *fixture) events(t *testing.T) []api.NetworkEvent {
+	var out []api.NetworkEvent
+	if err := f.g.Events(context.Background(), "sb1", 0, false, func(ev api.NetworkEvent) error {
+		out = append(out, ev)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func (f *fixture) hasEvent(t *testing.T, match func(api.NetworkEvent) bool) bool {
+	for range 50 {
+		for _, ev := range f.events(t) {
+			if match(ev) {
+				return true
+			}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return false
+}
+
+func TestAllowedNameResolvesAndConnects(t *testing.T) {
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test", "alias.test"}})
+	rc, ips, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA)
+	if err != nil || rc != dnsmessage.RCodeSuccess || len(ips) != 1 || ips[0] != ip2 {
+		t.Fatalf("query allowed.test: rcode %v ips %v err %v", rc, ips, err)
+	}
+	body, err := f.sb.Get(ip2, f.port, "allowed.test")
+	if err != nil || !strings.Contains(body, "127.0.0.2:") {
+		t.Fatalf("GET allowed.test: %q %v", body, err)
+	}
+	// TLS with the allowed SNI.
+	c, err := f.sb.Dial(ip2, f.tlsPort)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conf := f.tlsConf.Clone()
+	conf.ServerName = "allowed.test"
+	tc := tls.Client(c, conf)
+	_ = tc.SetDeadline(time.Now().Add(5 * time.Second))
+	if err := tc.Handshake(); err != nil {
+		t.Fatalf("tls to allowed.test: %v", err)
+	}
+	tc.Close()
+	// A CNAME chain binds the name asked for.
+	if _, ips, err := f.sb.Query(t, gatewayAddr, "alias.test", dnsmessage.TypeA); err != nil || len(ips) != 1 || ips[0] != ip2 {
+		t.Fatalf("alias.test: %v %v", ips, err)
+	}
+	if body, err := f.sb.Get(ip2, f.port, "alias.test"); err != nil || !strings.Contains(body, "host=alias.test") {
+		t.Fatalf("GET alias.test: %q %v", body, err)
+	}
+	// AAAA: nothing (the link is IPv4 only), and never forwarded.
+	if rc, ips, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeAAAA); err != nil || rc != dnsmessage.RCodeSuccess || len(ips) != 0 {
+		t.Fatalf("AAAA: %v %v %v", rc, ips, err)
+	}
+	info, err := f.g.Info("sb1")
+	if err != nil || info.Stats.BytesIn == 0 || info.Stats.BytesOut == 0 {
+		t.Fatalf("stats: %+v %v", info.Stats, err)
+	}
+	if !f.hasEvent(t, func(ev api.NetworkEvent) bool {
+		return ev.Protocol == "http" && ev.Verdict == api.VerdictAllow && ev.Name == "allowed.test" && ev.BytesIn > 0
+	}) {
+		t.Fatalf("no allow event with bytes: %+v", f.events(t))
+	}
+}
+
+func TestDeniedNamesAndAddresses(t *testing.T) {
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test", "*.zone.test", "rebind-meta.test", "rebind-lan.test", "rebind-local.test", "rebind-mixed.test"}})
+	// A denied name: NXDOMAIN, never forwarded.
+	rc, _, err := f.sb.Query(t, gatewayAddr, "other.test", dnsmessage.TypeA)
+	if err != nil || rc != dnsmessage.RCodeNameError {
+		t.Fatalf("other.test: %v %v", rc, err)
+	}
+	long := strings.Repeat("x", 60) + ".exfil.denied.test"
+	if rc, _, err := f.sb.Query(t, gatewayAddr, long, dnsmessage.TypeA); err != nil || rc != dnsmessage.RCodeNameError {
+		t.Fatalf("long label to a denied zone: %v %v", rc, err)
+	}
+	if f.dns.WasAsked("other.test") || f.dns.WasAsked(long) {
+		t.Fatal("a denied name reached the upstream resolver")
+	}
+	// Its IP, never resolved by this sandbox: refused.
+	if _, err := f.sb.Get(ip3, f.port, "other.test"); err == nil {
+		t.Fatal("connection to a never-resolved IP went through")
+	}
+	// Shared CDN: allowed name's SNI sent to the IP of a denied name.
+	if _, _, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.sb.Get(ip3, f.port, "allowed.test"); err == nil {
+		t.Fatal("Host of an allowed name reached the IP of a denied one")
+	}
+	// Host mismatch on an allowed IP.
+	if _, err := f.sb.Get(ip2, f.port, "other.test"); err == nil {
+		t.Fatal("Host of a denied name went through to an allowed IP")
+	}
+	// TLS without SNI.
+	c, err := f.sb.Dial(ip2, f.tlsPort)
+	if err == nil {
+		tc := tls.Client(c, &tls.Config{InsecureSkipVerify: true}) //nolint:gosec // no SNI on purpose
+		_ = tc.SetDeadline(time.Now().Add(5 * time.Second))
+		if tc.Handshake() == nil {
+			t.Fatal("TLS without SNI went through")
+		}
+		c.Close()
+	}
+	// Rebinding: answers that point inside are removed; a direct dial too.
+	for _, name := range []string{"rebind-meta.test", "rebind-lan.test", "rebind-local.test"} {
+		rc, ips, err := f.sb.Query(t, gatewayAddr, name, dnsmessage.TypeA)
+		if err != nil || rc != dnsmessage.RCodeSuccess || len(ips) != 0 {
+			t.Fatalf("%s: rcode %v ips %v err %v", name, rc, ips, err)
+		}
+	}
+	if _, ips, _ := f.sb.Query(t, gatewayAddr, "rebind-mixed.test", dnsmessage.TypeA); len(ips) != 1 || ips[0] != ip2 {
+		t.Fatalf("rebind-mixed.test: %v", ips)
+	}
+	for _, dst := range []string{"169.254.169.254", "10.1.2.3", "198.19.0.1"} {
+		if _, err := f.sb.Get(netip.MustParseAddr(dst), 80, "allowed.test"); err == nil {
+			t.Fatalf("connection to %s went through", dst)
+		}
+	}
+	// DNS to any other address is dropped.
+	if _, _, err := f.sb.Query(t, ip2, "allowed.test", dnsmessage.TypeA); err == nil {
+		t.Fatal("a DNS query to another address was answered")
+	}
+	if !f.hasEvent(t, func(ev api.NetworkEvent) bool { return ev.Protocol == "dns" && ev.Verdict == api.VerdictDrop }) {
+		t.Fatal("no drop event for DNS to another address")
+	}
+	for _, v := range []string{api.VerdictDeny, api.VerdictDrop} {
+		if !f.hasEvent(t, func(ev api.NetworkEvent) bool { return ev.Verdict == v }) {
+			t.Fatalf("no %s event", v)
+		}
+	}
+	if f.dialer.Dialed("127.0.0.3") {
+		t.Fatal("the gateway dialed the denied address")
+	}
+}
+
+func TestLivePolicyChangeClosesConnections(t *testing.T) {
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"127.0.0.2/32"}})
+	c, err := f.sb.Dial(ip2, f.port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fmt.Fprintf(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	br := bufio.NewReader(c)
+	if resp, err := http.ReadResponse(br, nil); err != nil {
+		t.Fatal(err)
+	} else {
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	if err := f.g.SetPolicy("sb1", api.NetworkPolicy{}); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := br.ReadByte(); err == nil || strings.Contains(err.Error(), "timeout") {
+		t.Fatalf("open connection survived a policy that no longer allows it: %v", err)
+	}
+	if _, err := f.sb.Get(ip2, f.port, "x"); err == nil {
+		t.Fatal("new connection allowed after the policy was emptied")
+	}
+}
+
+func TestZoneExfiltrationBounded(t *testing.T) {
+	lim := DefaultLimits
+	lim.NamesPerZone = 3
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"*.zone.test"}}, lim)
+	for i := range 3 {
+		if rc, _, err := f.sb.Query(t, gatewayAddr, fmt.Sprintf("n%d.zone.test", i), dnsmessage.TypeA); err != nil || rc == dnsmessage.RCodeRefused {
+			t.Fatalf("query %d: %v %v", i, rc, err)
+		}
+	}
+	if rc, _, _ := f.sb.Query(t, gatewayAddr, "n9.zone.test", dnsmessage.TypeA); rc != dnsmessage.RCodeRefused {
+		t.Fatalf("4th distinct name: %v, want REFUSED", rc)
+	}
+	if rc, _, _ := f.sb.Query(t, gatewayAddr, strings.Repeat("a", 50)+".zone.test", dnsmessage.TypeA); rc != dnsmessage.RCodeRefused {
+		t.Fatalf("long label: %v, want REFUSED", rc)
+	}
+	if f.dns.WasAsked("n9.zone.test") {
+		t.Fatal("a refused name reached the upstream")
+	}
+	if !f.hasEvent(t, func(ev api.NetworkEvent) bool { return ev.Verdict == api.VerdictLimit }) {
+		t.Fatal("no limit event")
+	}
+}
+
+func TestHTTPEveryRequestIsChecked(t *testing.T) {
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}})
+	if _, _, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA); err != nil {
+		t.Fatal(err)
+	}
+	c, err := f.sb.Dial(ip2, f.port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	// Two requests on one kept-alive connection: the second names another host.
+	fmt.Fprintf(c, "GET /1 HTTP/1.1\r\nHost: allowed.test\r\n\r\nGET /2 HTTP/1.1\r\nHost: other.test\r\n\r\n")
+	br := bufio.NewReader(c)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(body), "host=allowed.test") {
+		t.Fatalf("first request: %q", body)
+	}
+	if resp, err := http.ReadResponse(br, nil); err == nil {
+		b, _ := io.ReadAll(resp.Body)
+		t.Fatalf("second request with another Host was answered: %q", b)
+	}
+	if !f.hasEvent(t, func(ev api.NetworkEvent) bool {
+		return ev.Verdict == api.VerdictDeny && ev.Name == "other.test" && strings.Contains(ev.Reason, "later request")
+	}) {
+		t.Fatalf("no deny event for the second request: %+v", f.events(t))
+	}
+}
+
+func TestEgressProxyFailsClosed(t *testing.T) {
+	px := gatewaytest.StartSocks5(t, "127.0.0.4:0")
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"127.0.0.2/32"}, EgressProxy: "socks5://" + px.Addr})
+	body, err := f.sb.Get(ip2, f.port, "anything")
+	if err != nil || !strings.Contains(body, "127.0.0.2:") {
+		t.Fatalf("through the proxy: %q %v", body, err)
+	}
+	want := fmt.Sprintf("127.0.0.2:%d", f.port)
+	if got := px.Targets(); len(got) != 1 || got[0] != want {
+		t.Fatalf("proxy targets %v, want [%s]", got, want)
+	}
+	if f.dialer.Dialed("tcp " + want) {
+		t.Fatal("the gateway dialed the destination directly")
+	}
+	px.Close()
+	if _, err := f.sb.Get(ip2, f.port, "anything"); err == nil {
+		t.Fatal("a connection went through with the proxy down")
+	}
+	if f.dialer.Dialed("tcp " + want) {
+		t.Fatal("the gateway fell back to a direct dial")
+	}
+}

@@ -1,0 +1,129 @@
+package gwctl
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/sandbox"
+)
+
+// Client talks to the gateway's control socket. It is the API server's
+// sandbox.Network.
+type Client struct {
+	Path string
+}
+
+var _ sandbox.Network = (*Client)(nil)
+
+// roundTrip sends req (with nic, if any) and calls each for every reply line
+// until the final one, whose error it returns.
+func (c *Client) roundTrip(ctx context.Context, req request, nic *os.File, each func(response) error) (response, error) {
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, "unix", c.Path)
+	if err != nil {
+		return response{}, fmt.Errorf("%w: %w: %v", errdefs.ErrUnavailable, errNoGateway, err)
+	}
+	defer conn.Close()
+	uc := conn.(*net.UnixConn)
+	stop := context.AfterFunc(ctx, func() { uc.Close() })
+	defer stop()
+	var oob []byte
+	if nic != nil {
+		oob = unix.UnixRights(int(nic.Fd()))
+	}
+	if _, _, err := uc.WriteMsgUnix(marshalLine(req), oob, nil); err != nil {
+		return response{}, fmt.Errorf("%w: gateway: %v", errdefs.ErrUnavailable, err)
+	}
+	r := bufio.NewReaderSize(uc, 64<<10)
+	for {
+		line, err := r.ReadBytes('\n')
+		if err != nil {
+			if ctx.Err() != nil {
+				return response{}, ctx.Err()
+			}
+			return response{}, fmt.Errorf("%w: gateway: %v", errdefs.ErrUnavailable, err)
+		}
+		var resp response
+		if err := json.Unmarshal(line, &resp); err != nil {
+			return response{}, fmt.Errorf("%w: gateway reply: %v", errdefs.ErrUnavailable, err)
+		}
+		if resp.Done {
+			return resp, asError(resp.Error)
+		}
+		if each != nil {
+			if err := each(resp); err != nil {
+				return resp, err
+			}
+		}
+	}
+}
+
+func (c *Client) call(ctx context.Context, req request, nic *os.File) (response, error) {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	return c.roundTrip(ctx, req, nic, nil)
+}
+
+// Ping reports the gateway's pid if it answers.
+func (c *Client) Ping(ctx context.Context) (int, error) {
+	resp, err := c.call(ctx, request{Op: opPing}, nil)
+	return resp.Pid, err
+}
+
+func (c *Client) Attach(ctx context.Context, id string, nic *os.File, p api.NetworkPolicy) error {
+	_, err := c.call(ctx, request{Op: opAttach, ID: id, Policy: &p}, nic)
+	return err
+}
+
+func (c *Client) SetPolicy(ctx context.Context, id string, p api.NetworkPolicy) error {
+	_, err := c.call(ctx, request{Op: opSetPolicy, ID: id, Policy: &p}, nil)
+	return err
+}
+
+func (c *Client) Detach(ctx context.Context, id string) error {
+	_, err := c.call(ctx, request{Op: opDetach, ID: id}, nil)
+	return err
+}
+
+func (c *Client) Info(ctx context.Context, id string) (api.NetworkInfo, error) {
+	resp, err := c.call(ctx, request{Op: opInfo, ID: id}, nil)
+	if err != nil {
+		return api.NetworkInfo{}, err
+	}
+	if resp.Info == nil {
+		return api.NetworkInfo{}, fmt.Errorf("%w: gateway sent no info", errdefs.ErrUnavailable)
+	}
+	return *resp.Info, nil
+}
+
+func (c *Client) Attached(ctx context.Context) ([]string, error) {
+	resp, err := c.call(ctx, request{Op: opAttached}, nil)
+	return resp.IDs, err
+}
+
+func (c *Client) Events(ctx context.Context, id string, after uint64, follow bool, fn func(api.NetworkEvent) error) error {
+	if !follow {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+	}
+	_, err := c.roundTrip(ctx, request{Op: opEvents, ID: id, After: after, Follow: follow}, nil, func(r response) error {
+		if r.Event == nil {
+			return nil
+		}
+		return fn(*r.Event)
+	})
+	if err != nil && follow && ctx.Err() != nil {
+		return nil
+	}
+	return err
+}

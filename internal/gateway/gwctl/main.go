@@ -1,0 +1,180 @@
+package gwctl
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/landlock-lsm/go-landlock/landlock"
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/gateway"
+	"github.com/spacehq/space/internal/netpolicy"
+	"github.com/spacehq/space/internal/runtime/confine"
+)
+
+// Main is the gateway process (cmd/space-gateway). The supervisor starts it
+// as an unprivileged user with the control listener on --control-fd; it
+// confines itself before it reads a byte from any sandbox.
+func Main(args []string) error {
+	fs := flag.NewFlagSet("space-gateway", flag.ContinueOnError)
+	controlFD := fs.Int("control-fd", 3, "inherited listening unix socket")
+	upstream := fs.String("dns-upstream", "", "resolver for allowed names (host:port)")
+	allowPrivate := fs.String("allow-private", "", "comma-separated CIDRs the operator opened")
+	protect := fs.String("protect", "", "comma-separated ip or ip:port never reachable")
+	guard := fs.String("dial-guard", "", `"loopback": refuse and report every dial off this machine (tests)`)
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	popts, err := parseOptions(*allowPrivate, *protect)
+	if err != nil {
+		return err
+	}
+	f := os.NewFile(uintptr(*controlFD), "control")
+	fl, err := net.FileListener(f)
+	f.Close()
+	if err != nil {
+		return fmt.Errorf("control listener: %w", err)
+	}
+	ln, ok := fl.(*net.UnixListener)
+	if !ok {
+		return errors.New("control descriptor is not a unix listener")
+	}
+	if os.Getuid() == 0 {
+		return errors.New("refusing to run as root: the gateway parses hostile bytes")
+	}
+	if err := confineSelf(); err != nil {
+		return err
+	}
+	g, err := gateway.New(gateway.Options{
+		DNSUpstream: *upstream,
+		Policy:      popts,
+		Dialer:      hostDialer(popts, *guard, log),
+		Logger:      log,
+	})
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	go exitWhenOrphanedAndIdle(ctx, g, stop, log)
+	log.Info("gateway serving", "pid", os.Getpid(), "dns_upstream", *upstream, "allow_private", *allowPrivate, "dial_guard", *guard)
+	err = Serve(ctx, ln, g, log)
+	g.Close()
+	return err
+}
+
+func parseOptions(allowPrivate, protect string) (netpolicy.Options, error) {
+	var o netpolicy.Options
+	for _, s := range splitList(allowPrivate) {
+		p, err := netip.ParsePrefix(s)
+		if err != nil {
+			return o, fmt.Errorf("--allow-private %q: %w", s, err)
+		}
+		o.AllowPrivate = append(o.AllowPrivate, p.Masked())
+	}
+	for _, s := range splitList(protect) {
+		if ap, err := netip.ParseAddrPort(s); err == nil {
+			o.Protected = append(o.Protected, ap)
+			continue
+		}
+		a, err := netip.ParseAddr(s)
+		if err != nil {
+			return o, fmt.Errorf("--protect %q: %w", s, err)
+		}
+		o.Protected = append(o.Protected, netip.AddrPortFrom(a, 0))
+	}
+	return o, nil
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// confineSelf: no new privileges, no filesystem at all (Landlock, on every
+// thread), the same seccomp allowlist as native sandboxes (every thread).
+func confineSelf() error {
+	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
+		return fmt.Errorf("no_new_privs: %w", err)
+	}
+	if err := landlock.V5.BestEffort().RestrictPaths(); err != nil {
+		return fmt.Errorf("landlock: %w", err)
+	}
+	if err := confine.LoadFilter(confine.HostKernel, unix.SECCOMP_FILTER_FLAG_TSYNC); err != nil {
+		return fmt.Errorf("seccomp: %w", err)
+	}
+	return nil
+}
+
+// hostDialer dials from the host's own sockets. Every dial is checked once
+// more at the socket (after any name resolution, which never happens here:
+// the gateway only dials addresses): a non-public address outside the
+// operator's ranges, or a protected one, is refused whatever called. With
+// guard "loopback" anything off 127.0.0.0/8 is refused and reported.
+func hostDialer(o netpolicy.Options, guard string, log *slog.Logger) gateway.Dialer {
+	return &net.Dialer{
+		Timeout: 10 * time.Second,
+		Control: func(network, address string, _ syscall.RawConn) error {
+			ap, err := netip.ParseAddrPort(address)
+			if err != nil {
+				return fmt.Errorf("dial %s: %w", address, err)
+			}
+			ip := ap.Addr().Unmap()
+			if guard == "loopback" && !ip.IsLoopback() {
+				log.Error("DIAL GUARD VIOLATION: refused a dial off this machine", "network", network, "address", address)
+				return fmt.Errorf("dial guard: %s is not on this machine", address)
+			}
+			for _, p := range o.Protected {
+				if p.Addr().Unmap() == ip && (p.Port() == 0 || p.Port() == ap.Port()) {
+					return fmt.Errorf("dial %s: protected address", address)
+				}
+			}
+			if class := netpolicy.Classify(ip); class != "" {
+				for _, p := range o.AllowPrivate {
+					if p.Contains(ip) {
+						return nil
+					}
+				}
+				return fmt.Errorf("dial %s: %s address", address, class)
+			}
+			return nil
+		},
+	}
+}
+
+// exitWhenOrphanedAndIdle ends the gateway once the server that started it
+// is gone and no sandbox has a link: nothing would be lost, and nothing else
+// would ever stop it. With links it stays for the next server to adopt.
+func exitWhenOrphanedAndIdle(ctx context.Context, g *gateway.Gateway, stop func(), log *slog.Logger) {
+	parent := os.Getppid()
+	t := time.NewTicker(10 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if os.Getppid() != parent && len(g.Attached()) == 0 {
+			log.Info("server gone and no links: exiting")
+			stop()
+			return
+		}
+	}
+}

@@ -1,0 +1,72 @@
+// Package gwctl is the control channel between the API server and the
+// gateway process (cmd/space-gateway): a unix stream socket carrying one
+// JSON request per connection (a NIC descriptor rides along in SCM_RIGHTS)
+// and JSON lines back. Server runs in the gateway; Client is the API
+// server's sandbox.Network; Supervisor starts, re-adopts and restarts the
+// gateway process.
+package gwctl
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+)
+
+// maxRequest bounds one request (a policy of 2×1024 entries and its rules
+// fits many times over).
+const maxRequest = 4 << 20
+
+// Ops.
+const (
+	opAttach    = "attach"
+	opSetPolicy = "set-policy"
+	opDetach    = "detach"
+	opInfo      = "info"
+	opEvents    = "events"
+	opAttached  = "attached"
+	opPing      = "ping"
+)
+
+type request struct {
+	Op     string             `json:"op"`
+	ID     string             `json:"id,omitempty"`
+	Policy *api.NetworkPolicy `json:"policy,omitempty"`
+	After  uint64             `json:"after,omitempty"`
+	Follow bool               `json:"follow,omitempty"`
+}
+
+type response struct {
+	Error *api.ErrorBody    `json:"error,omitempty"`
+	Info  *api.NetworkInfo  `json:"info,omitempty"`
+	IDs   []string          `json:"ids,omitempty"`
+	Event *api.NetworkEvent `json:"event,omitempty"`
+	Done  bool              `json:"done,omitempty"` // last line of a reply
+	Pid   int               `json:"pid,omitempty"`
+}
+
+func errorBody(err error) *api.ErrorBody {
+	code := errdefs.Code(err)
+	return &api.ErrorBody{Code: code, Message: err.Error()}
+}
+
+// asError turns a reply's error back into one wrapping the sentinel of its
+// code, so the API answers the same status the gateway meant.
+func asError(b *api.ErrorBody) error {
+	if b == nil {
+		return nil
+	}
+	return fmt.Errorf("%w: %s", errdefs.FromCode(b.Code), b.Message)
+}
+
+func marshalLine(v any) []byte {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(err) // our own types always marshal
+	}
+	return append(b, '\n')
+}
+
+var errNoGateway = errors.New("network gateway is not running")

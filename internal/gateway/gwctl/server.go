@@ -1,0 +1,174 @@
+package gwctl
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/gateway"
+)
+
+// Serve answers control requests on ln until ctx ends. Every connection is
+// one request; only the API server (root, the socket's directory is 0700)
+// can connect.
+func Serve(ctx context.Context, ln *net.UnixListener, g *gateway.Gateway, log *slog.Logger) error {
+	go func() {
+		<-ctx.Done()
+		ln.Close()
+	}()
+	for {
+		c, err := ln.AcceptUnix()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		go func() {
+			defer c.Close()
+			if err := serveConn(ctx, c, g); err != nil {
+				log.Debug("control request", "err", err)
+			}
+		}()
+	}
+}
+
+func serveConn(ctx context.Context, c *net.UnixConn, g *gateway.Gateway) error {
+	req, nic, err := readRequest(c)
+	if nic != nil {
+		defer nic.Close()
+	}
+	if err != nil {
+		_, _ = c.Write(marshalLine(response{Error: errorBody(err), Done: true}))
+		return err
+	}
+	reply := func(r response) error {
+		r.Done = true
+		if r.Error == nil {
+			r.Pid = os.Getpid()
+		}
+		_, err := c.Write(marshalLine(r))
+		return err
+	}
+	fail := func(err error) error { return reply(response{Error: errorBody(err)}) }
+	switch req.Op {
+	case opPing:
+		return reply(response{})
+	case opAttach:
+		if nic == nil || req.Policy == nil {
+			return fail(fmt.Errorf("%w: attach needs a descriptor and a policy", errdefs.ErrInvalidArgument))
+		}
+		if err := g.Attach(req.ID, nic, *req.Policy); err != nil {
+			return fail(err)
+		}
+		return reply(response{})
+	case opSetPolicy:
+		if req.Policy == nil {
+			return fail(fmt.Errorf("%w: set-policy needs a policy", errdefs.ErrInvalidArgument))
+		}
+		if err := g.SetPolicy(req.ID, *req.Policy); err != nil {
+			return fail(err)
+		}
+		return reply(response{})
+	case opDetach:
+		g.Detach(req.ID)
+		return reply(response{})
+	case opInfo:
+		info, err := g.Info(req.ID)
+		if err != nil {
+			return fail(err)
+		}
+		return reply(response{Info: &info})
+	case opAttached:
+		return reply(response{IDs: g.Attached()})
+	case opEvents:
+		// The client ends a follow by closing: notice it.
+		ctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		go func() {
+			var b [1]byte
+			_, _ = c.Read(b[:])
+			cancel()
+		}()
+		err := g.Events(ctx, req.ID, req.After, req.Follow, func(ev api.NetworkEvent) error {
+			_, err := c.Write(marshalLine(response{Event: &ev}))
+			return err
+		})
+		if err != nil {
+			return fail(err)
+		}
+		return reply(response{})
+	default:
+		return fail(fmt.Errorf("%w: unknown op %q", errdefs.ErrInvalidArgument, req.Op))
+	}
+}
+
+// readRequest reads one JSON line and at most one passed descriptor.
+func readRequest(c *net.UnixConn) (request, *os.File, error) {
+	var req request
+	var nic *os.File
+	var buf bytes.Buffer
+	chunk := make([]byte, 64<<10)
+	oob := make([]byte, unix.CmsgSpace(4*4))
+	for {
+		n, oobn, _, _, err := c.ReadMsgUnix(chunk, oob)
+		if oobn > 0 {
+			f, ferr := takeFD(oob[:oobn])
+			if ferr != nil || nic != nil {
+				if f != nil {
+					f.Close()
+				}
+				if nic != nil {
+					nic.Close()
+				}
+				return req, nil, fmt.Errorf("%w: bad descriptor message", errdefs.ErrInvalidArgument)
+			}
+			nic = f
+		}
+		buf.Write(chunk[:n])
+		if i := bytes.IndexByte(buf.Bytes(), '\n'); i >= 0 {
+			if err := jsonStrict(buf.Bytes()[:i], &req); err != nil {
+				return req, nic, fmt.Errorf("%w: %v", errdefs.ErrInvalidArgument, err)
+			}
+			return req, nic, nil
+		}
+		if buf.Len() > maxRequest {
+			return req, nic, fmt.Errorf("%w: request over %d bytes", errdefs.ErrTooLarge, maxRequest)
+		}
+		if err != nil || n == 0 {
+			return req, nic, errors.Join(errors.New("request ended early"), err)
+		}
+	}
+}
+
+// takeFD returns the one descriptor carried by oob (closing any extra).
+func takeFD(oob []byte) (*os.File, error) {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, err
+	}
+	var fds []int
+	for _, m := range msgs {
+		got, err := unix.ParseUnixRights(&m)
+		if err != nil {
+			continue
+		}
+		fds = append(fds, got...)
+	}
+	if len(fds) != 1 {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+		return nil, fmt.Errorf("%d descriptors", len(fds))
+	}
+	unix.CloseOnExec(fds[0])
+	return os.NewFile(uintptr(fds[0]), "nic"), nil
+}

@@ -1,0 +1,424 @@
+package gateway
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"strconv"
+	"sync"
+	"time"
+
+	"golang.org/x/net/proxy"
+	"golang.org/x/time/rate"
+	"gvisor.dev/gvisor/pkg/tcpip"
+	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
+	"gvisor.dev/gvisor/pkg/tcpip/transport/tcp"
+	"gvisor.dev/gvisor/pkg/waiter"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/gateway/sniff"
+	"github.com/spacehq/space/internal/netpolicy"
+)
+
+const (
+	peekMax     = 16 << 10
+	peekTimeout = 10 * time.Second
+	// opaqueWait is how long a connection allowed for a server-speaks-first
+	// protocol (an entry with an explicit port) waits for the client's
+	// first bytes before it is relayed as opaque.
+	opaqueWait  = 300 * time.Millisecond
+	dialTimeout = 10 * time.Second
+)
+
+// handleTCP decides one SYN of the sandbox.
+func (l *link) handleTCP(r *tcp.ForwarderRequest) {
+	id := r.ID()
+	dst := netip.AddrFrom4(id.LocalAddress.As4())
+	port := id.LocalPort
+	if dst == gatewayAddr {
+		if port != 53 {
+			r.Complete(true)
+			return
+		}
+		c, err := l.accept(r)
+		if err != nil {
+			return
+		}
+		l.serveDNSTCP(c)
+		return
+	}
+	dst = toHost(dst)
+	ev := api.NetworkEvent{Protocol: "tcp", IP: dst.String(), Port: int(port)}
+	refuse := func(verdict, reason string) {
+		ev.Verdict, ev.Reason = verdict, reason
+		l.events.add(ev)
+		r.Complete(true)
+	}
+	if !l.connLimit.Allow() {
+		refuse(api.VerdictLimit, "new connection rate limit")
+		return
+	}
+	l.mu.Lock()
+	full := len(l.conns) >= l.g.opts.Limits.MaxConns
+	l.mu.Unlock()
+	if full {
+		refuse(api.VerdictLimit, fmt.Sprintf("more than %d open connections", l.g.opts.Limits.MaxConns))
+		return
+	}
+	pol := l.policy.Load()
+	// By address alone (an allowed CIDR, or internet): no name to prove.
+	v := pol.Check("", dst, port)
+	byAddr := v.Allow
+	if !byAddr {
+		// Else some allowed name this sandbox resolved to dst must claim it.
+		candidates := l.bindings.names(dst)
+		any := false
+		for _, n := range candidates {
+			if pol.Check(n, dst, port).Allow {
+				any = true
+				break
+			}
+		}
+		if !any {
+			reason := v.Reason
+			if len(candidates) == 0 && reason == "not allowed" {
+				reason = "address not allowed and never resolved by this sandbox for an allowed name"
+			}
+			refuse(api.VerdictDeny, reason)
+			return
+		}
+	}
+	c, err := l.accept(r)
+	if err != nil {
+		return
+	}
+	name, head, reason, ok := "", []byte(nil), v.Reason, true
+	if !byAddr {
+		name, head, ev.Protocol, reason, ok = l.proveName(c, pol, dst, port)
+	}
+	ev.Name = name
+	if !ok {
+		ev.Verdict, ev.Reason = api.VerdictDeny, reason
+		l.events.add(ev)
+		abort(c)
+		return
+	}
+	l.relay(c, head, &ev, name, dst, port, reason)
+}
+
+// httpRequests copies requests from the sandbox to up one at a time,
+// checking that each one's Host is still a name bound to dst that the policy
+// allows: on a kept-alive connection the first request's Host proved
+// nothing about the second's (a shared address serves many names).
+func (l *link) httpRequests(up io.Writer, in io.Reader, dst netip.Addr, port uint16, bw *rate.Limiter, n *int64) error {
+	br := bufio.NewReaderSize(in, 16<<10)
+	cw := &countingWriter{w: up, bw: bw, n: n, total: &l.bytesOut}
+	for {
+		req, err := http.ReadRequest(br)
+		if err != nil {
+			if err == io.EOF {
+				return nil
+			}
+			return fmt.Errorf("http: %w", err)
+		}
+		host := req.Host
+		if h, _, err := net.SplitHostPort(host); err == nil {
+			host = h
+		}
+		name, ok := netpolicy.CanonicalName(host)
+		if !ok || !l.bindings.has(name, dst) || !l.policy.Load().Check(name, dst, port).Allow {
+			l.events.add(api.NetworkEvent{Protocol: "http", Name: host, IP: dst.String(), Port: int(port),
+				Verdict: api.VerdictDeny, Reason: "a later request on the connection names " + host + ", not allowed for this address"})
+			return errors.New("host changed")
+		}
+		if _, has := req.Header["User-Agent"]; !has {
+			req.Header["User-Agent"] = []string{""} // Write adds Go's own otherwise
+		}
+		upgrade := req.Header.Get("Upgrade") != ""
+		if err := req.Write(cw); err != nil {
+			return err
+		}
+		if upgrade {
+			// A protocol switch (WebSocket): what follows is not HTTP.
+			*n += pump(up, br, bw, &l.bytesOut)
+			return nil
+		}
+	}
+}
+
+type countingWriter struct {
+	w     io.Writer
+	bw    *rate.Limiter
+	n     *int64
+	total counter
+}
+
+func (c *countingWriter) Write(p []byte) (int, error) {
+	if c.bw != nil {
+		_ = c.bw.WaitN(context.Background(), min(len(p), c.bw.Burst()))
+	}
+	k, err := c.w.Write(p)
+	*c.n += int64(k)
+	c.total.Add(int64(k))
+	return k, err
+}
+
+// proveName reads the client's first bytes and returns the allowed name
+// they claim for dst:port (TLS SNI or HTTP Host), the bytes read, the
+// protocol seen and the rule, or ok=false with the reason.
+func (l *link) proveName(c net.Conn, pol *netpolicy.Policy, dst netip.Addr, port uint16) (name string, head []byte, proto, reason string, ok bool) {
+	// A name entry with an explicit port also allows protocols where the
+	// server speaks first: wait only briefly for client bytes then.
+	opaque := ""
+	for _, n := range l.bindings.names(dst) {
+		if v := pol.Check(n, dst, port); v.Allow && v.OpaqueOK {
+			opaque = n
+			break
+		}
+	}
+	wait := peekTimeout
+	if opaque != "" {
+		wait = opaqueWait
+	}
+	_ = c.SetReadDeadline(time.Now().Add(wait))
+	head, res, err := sniff.Peek(c, peekMax)
+	_ = c.SetReadDeadline(time.Time{})
+	if res.Err != nil && res.Kind != sniff.Unknown {
+		p := "tls"
+		if res.Kind == sniff.HTTP {
+			p = "http"
+		}
+		return res.Name, head, p, p + ": " + res.Err.Error(), false
+	}
+	switch res.Kind {
+	case sniff.TLS:
+		proto = "tls"
+		if res.Name == "" {
+			return "", head, proto, "tls without sni", false
+		}
+	case sniff.HTTP:
+		proto = "http"
+		if res.Name == "" {
+			return "", head, proto, "http without host", false
+		}
+	default:
+		if opaque != "" {
+			// Nothing claimed a name; the entry with a port allowed the
+			// protocol as such.
+			return opaque, head, "tcp", "opaque protocol to " + opaque + ":" + strconv.Itoa(int(port)), true
+		}
+		if err != nil && !isTimeout(err) {
+			return "", head, "tcp", "connection ended before a tls or http request", false
+		}
+		return "", head, "tcp", "neither tls with sni nor http with host (allow the name with an explicit port for other protocols)", false
+	}
+	name = res.Name
+	if !l.bindings.has(name, dst) {
+		return name, head, proto, fmt.Sprintf("%s names %s, which this sandbox did not resolve to %s", proto, name, dst), false
+	}
+	v := pol.Check(name, dst, port)
+	if !v.Allow {
+		return name, head, proto, v.Reason, false
+	}
+	return name, head, proto, v.Reason, true
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+func (l *link) accept(r *tcp.ForwarderRequest) (net.Conn, error) {
+	var wq waiter.Queue
+	ep, terr := r.CreateEndpoint(&wq)
+	if terr != nil {
+		r.Complete(true)
+		return nil, fmt.Errorf("create endpoint: %s", terr)
+	}
+	r.Complete(false)
+	ep.SocketOptions().SetKeepAlive(true)
+	return &stackConn{TCPConn: gonet.NewTCPConn(&wq, ep), ep: ep}, nil
+}
+
+// stackConn is the sandbox side of a connection, with its endpoint so it
+// can be reset.
+type stackConn struct {
+	*gonet.TCPConn
+	ep tcpip.Endpoint
+}
+
+// abort resets a sandbox-side connection (RST, not FIN: the client must not
+// take a refused connection for a finished one).
+func abort(c net.Conn) {
+	if sc, ok := c.(*stackConn); ok {
+		sc.ep.Abort()
+	}
+	_ = c.Close()
+}
+
+// dial re-originates to dst:port from the host, through the egress proxy
+// if the policy names one (never around it: a proxy that cannot be reached
+// fails the connection).
+func (l *link) dial(ctx context.Context, pol *netpolicy.Policy, dst netip.Addr, port uint16) (net.Conn, error) {
+	addr := netip.AddrPortFrom(dst, port).String()
+	px := pol.Proxy()
+	if px == nil {
+		return l.g.opts.Dialer.DialContext(ctx, "tcp", addr)
+	}
+	var auth *proxy.Auth
+	if px.Username != "" {
+		auth = &proxy.Auth{User: px.Username, Password: px.Password}
+	}
+	d, err := proxy.SOCKS5("tcp", px.Address(), auth, dialerFunc(l.g.opts.Dialer.DialContext))
+	if err != nil {
+		return nil, fmt.Errorf("egress proxy: %w", err)
+	}
+	c, err := d.(proxy.ContextDialer).DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("egress proxy %s: %w", px.Address(), err)
+	}
+	return c, nil
+}
+
+type dialerFunc func(ctx context.Context, network, address string) (net.Conn, error)
+
+func (f dialerFunc) Dial(network, address string) (net.Conn, error) {
+	return f(context.Background(), network, address)
+}
+
+// relay is one allowed connection, sandbox side and host side.
+type relay struct {
+	l         *link
+	in, out   net.Conn
+	name      string
+	ip        netip.Addr
+	port      uint16
+	once      sync.Once
+	closedWhy string
+}
+
+func (l *link) relay(c net.Conn, head []byte, ev *api.NetworkEvent, name string, dst netip.Addr, port uint16, rule string) {
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), dialTimeout)
+	up, err := l.dial(ctx, l.policy.Load(), dst, port)
+	cancel()
+	if err != nil {
+		ev.Verdict, ev.Reason = api.VerdictError, rule+"; dial: "+err.Error()
+		l.events.add(*ev)
+		abort(c)
+		return
+	}
+	rl := &relay{l: l, in: c, out: up, name: name, ip: dst, port: port}
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		abort(c)
+		up.Close()
+		return
+	}
+	l.conns[rl] = struct{}{}
+	l.mu.Unlock()
+	defer func() {
+		l.mu.Lock()
+		delete(l.conns, rl)
+		l.mu.Unlock()
+	}()
+
+	var bw *rate.Limiter
+	if b := l.g.opts.Limits.BandwidthBytesPerSecond; b > 0 {
+		bw = rate.NewLimiter(rate.Limit(b), int(max(b, 64<<10)))
+	}
+	var wg sync.WaitGroup
+	var outN, inN int64
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		if ev.Protocol == "http" {
+			// A refused request ends the stream to the server; responses
+			// to the requests already sent still come back.
+			_ = l.httpRequests(up, io.MultiReader(bytes.NewReader(head), c), dst, port, bw, &outN)
+			closeWrite(up)
+			return
+		}
+		if len(head) > 0 {
+			if _, err := up.Write(head); err != nil {
+				return
+			}
+			outN += int64(len(head))
+			l.bytesOut.Add(int64(len(head)))
+		}
+		outN += pump(up, c, bw, &l.bytesOut)
+		closeWrite(up)
+	}()
+	go func() {
+		defer wg.Done()
+		inN += pump(c, up, bw, &l.bytesIn)
+		closeWrite(c)
+	}()
+	wg.Wait()
+	rl.abort("")
+	ev.Verdict, ev.Reason = api.VerdictAllow, rule
+	if rl.closedWhy != "" {
+		ev.Reason += "; " + rl.closedWhy
+	}
+	ev.BytesOut, ev.BytesIn = outN, inN
+	ev.DurationMS = float64(time.Since(start).Microseconds()) / 1000
+	l.events.add(*ev)
+}
+
+func (r *relay) abort(why string) {
+	r.once.Do(func() {
+		r.closedWhy = why
+		if why != "" {
+			abort(r.in)
+		} else {
+			r.in.Close()
+		}
+		r.out.Close()
+	})
+}
+
+func (l *link) stillAllowed(pol *netpolicy.Policy, r *relay) bool {
+	if pol.Check("", r.ip, r.port).Allow {
+		return true
+	}
+	return r.name != "" && l.bindings.has(r.name, r.ip) && pol.Check(r.name, r.ip, r.port).Allow
+}
+
+type counter interface{ Add(int64) int64 }
+
+// pump copies src to dst, counting, under an optional bandwidth limit.
+func pump(dst io.Writer, src io.Reader, bw *rate.Limiter, total counter) int64 {
+	buf := make([]byte, 32<<10)
+	var n int64
+	for {
+		k, err := src.Read(buf)
+		if k > 0 {
+			if bw != nil {
+				_ = bw.WaitN(context.Background(), min(k, bw.Burst()))
+			}
+			if _, werr := dst.Write(buf[:k]); werr != nil {
+				return n
+			}
+			n += int64(k)
+			total.Add(int64(k))
+		}
+		if err != nil {
+			return n
+		}
+	}
+}
+
+func closeWrite(c net.Conn) {
+	if cw, ok := c.(interface{ CloseWrite() error }); ok {
+		_ = cw.CloseWrite()
+		return
+	}
+	_ = c.Close()
+}
