@@ -107,6 +107,8 @@ func TestOpenAPISchemasMatchTypes(t *testing.T) {
 		"Template": Template{}, "TemplateList": TemplateList{}, "RuntimeInfo": RuntimeInfo{}, "Info": Info{},
 		"TemplateConfig": TemplateConfig{}, "StartCommand": StartCommand{}, "TemplateLayer": TemplateLayer{},
 		"TagRequest": TagRequest{}, "PullRequest": PullRequest{}, "GCResult": GCResult{}, "BuildEvent": BuildEvent{},
+		"NetworkPolicy": NetworkPolicy{}, "HeaderRule": HeaderRule{}, "NetworkInfo": NetworkInfo{},
+		"NetworkStats": NetworkStats{}, "NetworkEvent": NetworkEvent{},
 	}
 	for name, v := range types {
 		s, ok := d.Components.Schemas[name]

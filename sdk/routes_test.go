@@ -76,6 +76,18 @@ func TestRoutesAndEncoding(t *testing.T) {
 			seen{Method: "GET", Path: "/v1/operations/op", Query: "wait=30s"}},
 		{func() error { return c.SignalCommand(ctx, "sb", "c1", "TERM") },
 			seen{Method: "POST", Path: "/v1/sandboxes/sb/commands/c1/signal", Body: `{"signal":"TERM"}`, ContentType: "application/json"}},
+		{func() error { _, err := c.SandboxNetwork(ctx, "sb"); return err },
+			seen{Method: "GET", Path: "/v1/sandboxes/sb/network"}},
+		{func() error {
+			_, err := c.SetSandboxNetwork(ctx, "sb", api.NetworkPolicy{AllowOut: []string{"pypi.org:443"}, Internet: true})
+			return err
+		}, seen{Method: "PUT", Path: "/v1/sandboxes/sb/network", Body: `{"allow_out":["pypi.org:443"],"internet":true}`, ContentType: "application/json"}},
+		{func() error { _, err := c.SetSandboxNetwork(ctx, "sb", api.NetworkPolicy{}); return err },
+			seen{Method: "PUT", Path: "/v1/sandboxes/sb/network", Body: `{}`, ContentType: "application/json"}},
+		{func() error {
+			_, err := c.CreateSandbox(ctx, api.CreateSandboxRequest{Network: &api.NetworkPolicy{DenyOut: []string{"10.0.0.0/8"}}})
+			return err
+		}, seen{Method: "POST", Path: "/v1/sandboxes", Body: `{"limits":{},"network":{"deny_out":["10.0.0.0/8"]}}`, ContentType: "application/json"}},
 		{func() error { _, err := c.ListCommands(ctx, "sb"); return err },
 			seen{Method: "GET", Path: "/v1/sandboxes/sb/commands"}},
 		{func() error {
@@ -110,6 +122,7 @@ func TestLocalValidation(t *testing.T) {
 		"empty signal":   c.SignalCommand(ctx, "sb", "c", ""),
 		"empty rename":   c.Rename(ctx, "sb", "", "/b"),
 		"nil attach cmd": func() error { _, err := c.Attach(ctx, nil, AttachOptions{}); return err }(),
+		"network bad id": func() error { _, err := c.SandboxNetwork(ctx, ".."); return err }(),
 	} {
 		if !errors.Is(err, errdefs.ErrInvalidArgument) {
 			t.Errorf("%s: %v, want ErrInvalidArgument", name, err)
@@ -138,5 +151,26 @@ func TestBuildBaseTemplateStream(t *testing.T) {
 		if !errors.Is(err, tc.wantErr) || (tc.wantErr == nil && (tpl == nil || tpl.Digest != "sha256:ab")) || n != tc.phases {
 			t.Errorf("body %q: tpl %v err %v progress %d", tc.body, tpl, err, n)
 		}
+	}
+}
+
+func TestNetworkEventsStream(t *testing.T) {
+	var query string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		query = r.URL.RawQuery
+		w.Header().Set("Content-Type", "application/x-ndjson")
+		io.WriteString(w, `{"seq":3,"time":"2026-01-02T03:04:05Z","protocol":"dns","name":"a.example","verdict":"deny"}`+"\n\n"+
+			`{"seq":4,"time":"2026-01-02T03:04:06Z","protocol":"tcp","ip":"1.2.3.4","port":443,"verdict":"allow"}`+"\n")
+	}))
+	defer srv.Close()
+	c, _ := New(srv.URL, testKey)
+	var got []api.NetworkEvent
+	err := c.NetworkEvents(context.Background(), "sb", 2, true, func(ev api.NetworkEvent) error { got = append(got, ev); return nil })
+	if err != nil || len(got) != 2 || got[0].Name != "a.example" || got[1].Port != 443 || query != "after=2&follow=true" {
+		t.Fatalf("%v %+v %q", err, got, query)
+	}
+	stop := errors.New("enough")
+	if err := c.NetworkEvents(context.Background(), "sb", 0, false, func(api.NetworkEvent) error { return stop }); err != stop || query != "" {
+		t.Fatalf("fn error: %v %q", err, query)
 	}
 }

@@ -42,6 +42,8 @@ type fake struct {
 	attached  chan struct{} // closed on the first attach, if set
 	noBase    bool          // base:latest is not built yet
 	baseBuilt bool
+	netPuts   []string // bodies of PUT …/network
+	events    []api.NetworkEvent
 }
 
 func newFakeServer(t *testing.T) (*fake, string) {
@@ -206,6 +208,36 @@ func newFakeServer(t *testing.T) (*fake, string) {
 		}
 		w.Header().Set("Content-Type", "application/x-tar")
 		w.Write(b)
+	}))
+	netInfo := func(p api.NetworkPolicy) api.NetworkInfo {
+		return api.NetworkInfo{Policy: p, Address: "198.18.0.2", Gateway: "198.18.0.1", Attached: true,
+			Stats: api.NetworkStats{BytesOut: 2048, DNSQueries: 3, Verdicts: map[string]int64{"allow": 2, "deny": 1}}}
+	}
+	mux.HandleFunc("GET /v1/sandboxes/{id}/network", auth(func(w http.ResponseWriter, r *http.Request) {
+		if r.PathValue("id") != "sb-1" {
+			fail(w, errdefs.ErrNotFound, "sandbox "+r.PathValue("id")+" not found")
+			return
+		}
+		reply(w, 200, netInfo(api.NetworkPolicy{AllowOut: []string{"pypi.org"}}))
+	}))
+	mux.HandleFunc("PUT /v1/sandboxes/{id}/network", auth(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		f.mu.Lock()
+		f.netPuts = append(f.netPuts, strings.TrimSpace(string(b)))
+		f.mu.Unlock()
+		var p api.NetworkPolicy
+		json.Unmarshal(b, &p)
+		reply(w, 200, netInfo(p))
+	}))
+	mux.HandleFunc("GET /v1/sandboxes/{id}/network/events", auth(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/x-ndjson")
+		f.mu.Lock()
+		evs := f.events
+		f.mu.Unlock()
+		for _, ev := range evs {
+			b, _ := json.Marshal(ev)
+			w.Write(append(b, '\n'))
+		}
 	}))
 	mux.HandleFunc("GET /v1/info", auth(func(w http.ResponseWriter, r *http.Request) {
 		reply(w, 200, api.Info{Version: "0.1.0", AutoRuntime: "native", Runtimes: []api.RuntimeInfo{

@@ -15,6 +15,7 @@ package cli
 import (
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
 	"os/signal"
 	"syscall"
@@ -47,8 +48,44 @@ func (a *app) buildBaseLocal(cacheDir string) error {
 	return nil
 }
 
+// serverNetFlags are `space server`'s network gateway flags.
+type serverNetFlags struct {
+	allowPrivate    []string
+	dnsUpstream     string
+	defaultAllowOut []string
+	defaultInternet bool
+}
+
+func (f *serverNetFlags) register(cmd *cobra.Command) {
+	fl := cmd.Flags()
+	fl.StringSliceVar(&f.allowPrivate, "egress-allow-private", nil, "CIDR[,CIDR]: loopback, private or link-local ranges sandboxes may reach when their policy allows them (none by default)")
+	fl.StringVar(&f.dnsUpstream, "dns-upstream", "", "HOST:PORT of the resolver the gateway asks for allowed names (default: the first nameserver of /etc/resolv.conf, port 53)")
+	fl.StringArrayVar(&f.defaultAllowOut, "default-allow-out", nil, "allow-out entry of the default policy, for sandboxes whose request and template set none (repeatable)")
+	fl.BoolVar(&f.defaultInternet, "default-internet", false, "the default policy allows every public destination")
+}
+
+// options checks the flags and builds the server's NetworkOptions; the
+// server validates the default policy itself.
+func (f *serverNetFlags) options() (server.NetworkOptions, error) {
+	o := server.NetworkOptions{DNSUpstream: f.dnsUpstream,
+		Default: api.NetworkPolicy{Internet: f.defaultInternet, AllowOut: f.defaultAllowOut}}
+	for _, s := range f.allowPrivate {
+		p, err := netip.ParsePrefix(s)
+		if err != nil {
+			a, aerr := netip.ParseAddr(s)
+			if aerr != nil {
+				return o, usagef("--egress-allow-private %q: want a CIDR such as 10.0.0.0/8 or an IP", s)
+			}
+			p = netip.PrefixFrom(a, a.BitLen())
+		}
+		o.AllowPrivate = append(o.AllowPrivate, p.Masked())
+	}
+	return o, nil
+}
+
 func newServerCmd(a *app) *cobra.Command {
 	cfg := server.Config{}
+	var nf serverNetFlags
 	cmd := &cobra.Command{
 		Use:   "server",
 		Short: "Run the space API server and node services",
@@ -56,6 +93,10 @@ func newServerCmd(a *app) *cobra.Command {
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if cfg.DataDir == "" || cfg.CacheDir == "" || cfg.Listen == "" {
 				return usagef("--data, --cache and --listen must not be empty")
+			}
+			var err error
+			if cfg.Network, err = nf.options(); err != nil {
+				return err
 			}
 			cfg.Logger = slog.New(slog.NewTextHandler(a.errOut, nil))
 			ctx, stop := signal.NotifyContext(a.ctx, os.Interrupt, syscall.SIGTERM)
@@ -69,5 +110,6 @@ func newServerCmd(a *app) *cobra.Command {
 	cmd.Flags().StringVar(&cfg.CacheDir, "cache", cacheDefault, "cache directory for templates and kernels (env SPACE_CACHE)")
 	cmd.Flags().Int64Var(&cfg.MaxTemplateBytes, "max-template-bytes", 8<<30, "limit on one template import or build step (unpacked bytes, and each compressed OCI layer)")
 	cmd.Flags().BoolVar(&cfg.AllowPrivateRegistries, "allow-private-registries", false, "let template pulls reach loopback, private and link-local registry addresses")
+	nf.register(cmd)
 	return cmd
 }

@@ -155,6 +155,7 @@ func newRootCmd(a *app) *cobra.Command {
 		newOpCmd(a),
 		newTemplateCmd(a),
 		newInfoCmd(a),
+		newNetCmd(a),
 	)
 	for _, verb := range []string{"pause", "resume", "stop", "start", "wake", "suspend", "restore"} {
 		root.AddCommand(newLifecycleCmd(a, verb))

@@ -25,6 +25,7 @@ type sandboxFlags struct {
 	ttl               string
 	idleAfter         string
 	idleAction        string
+	net               netFlags
 }
 
 func (f *sandboxFlags) register(cmd *cobra.Command, full bool) {
@@ -35,6 +36,7 @@ func (f *sandboxFlags) register(cmd *cobra.Command, full bool) {
 	fl.StringVarP(&f.workdir, "workdir", "w", "", "working directory inside the sandbox")
 	fl.Float64Var(&f.cpus, "cpus", 0, "CPU quota in cores, e.g. 0.5 or 2")
 	fl.StringVar(&f.memory, "memory", "", "memory limit, e.g. 512m or 1g (a bare number is MiB)")
+	f.net.register(fl)
 	if !full {
 		return
 	}
@@ -97,6 +99,14 @@ func (f *sandboxFlags) request() (api.CreateSandboxRequest, error) {
 	}
 	if req.Workdir != "" && !strings.HasPrefix(req.Workdir, "/") {
 		return req, usagef("--workdir %q: must be an absolute path", req.Workdir)
+	}
+	// No policy flag: no policy sent, the template's or the server's applies.
+	if f.net.given() {
+		p, err := f.net.policy()
+		if err != nil {
+			return req, err
+		}
+		req.Network = &p
 	}
 	return req, nil
 }
@@ -272,6 +282,9 @@ func printSandbox(a *app, sb *api.Sandbox) error {
 	}
 	if sb.ExpiresAt != nil {
 		t.row("Expires:", sb.ExpiresAt.Format(time.RFC3339))
+	}
+	if sb.Network != nil {
+		t.row("Network:", policySummary(*sb.Network))
 	}
 	if sb.Idle != nil {
 		t.row("Idle:", fmt.Sprintf("%s after %s", sb.Idle.Action, time.Duration(sb.Idle.AfterSeconds)*time.Second))

@@ -126,6 +126,8 @@ func (m *Manager) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Ste
 	sb, op, err := m.Create(ctx, api.CreateSandboxRequest{
 		Template: s.Template, Runtime: rt.Name(), Limits: BuildStepLimits,
 		Labels: map[string]string{BuildLabel: BuildLabelStep},
+		// No egress whatever the server's default (see s.Network above).
+		Network: &api.NetworkPolicy{},
 	})
 	if err != nil {
 		return -1, fmt.Errorf("build step sandbox: %w", err)

@@ -86,6 +86,15 @@ func applyTemplateDefaults(sb *api.Sandbox, tc api.TemplateConfig) error {
 		}
 		sb.User = tc.User
 	}
+	// The template's policy replaces none the request set (a request's
+	// policy replaces the template's whole, not field by field).
+	if sb.Network == nil && tc.Network != nil {
+		if err := validatePolicy(*tc.Network); err != nil {
+			return fmt.Errorf("template network policy: %w", err)
+		}
+		p := ClonePolicy(*tc.Network)
+		sb.Network = &p
+	}
 	return nil
 }
 

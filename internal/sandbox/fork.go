@@ -56,6 +56,11 @@ func (m *Manager) Fork(ctx context.Context, id string, req api.ForkRequest) (api
 			TTLSeconds: sb.TTLSeconds, Idle: sb.Idle, CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
 			OperationID: op.ID,
 		}
+		if sb.Network != nil {
+			// Children inherit the parent's policy, as they do its disk.
+			pol := ClonePolicy(*sb.Network)
+			child.Network = &pol
+		}
 		if child.Labels == nil {
 			child.Labels = map[string]string{}
 		}
@@ -147,11 +152,13 @@ func (m *Manager) doFork(ctx context.Context, p *phases, id string, children []s
 		return runtime.NotSupported(sb.Runtime, "fork", "its instances cannot be cloned")
 	}
 	specs := make([]runtime.Spec, len(children))
+	policies := make([]api.NetworkPolicy, len(children))
 	for i, cid := range children {
 		child, err := m.cfg.DB.GetSandbox(ctx, cid)
 		if err != nil {
 			return err
 		}
+		policies[i] = policyOf(child)
 		if specs[i], _, err = m.spec(ctx, child); err != nil {
 			return err
 		}
@@ -198,6 +205,10 @@ func (m *Manager) doFork(ctx context.Context, p *phases, id string, children []s
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
+			if err := m.attachNetwork(ctx, kp, insts[i], policies[i]); err != nil {
+				errs[i] = fmt.Errorf("child %s: %w", cid, err)
+				return
+			}
 			if err := kp.run("agent_ready", func() error { return m.connect(ctx, ce, insts[i]) }); err != nil {
 				errs[i] = fmt.Errorf("child %s: %w", cid, err)
 				return

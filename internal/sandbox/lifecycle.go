@@ -202,6 +202,7 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 		m.setState(id, api.StateStopping, "", "")
 		e.expectExit.Store(true)
 		m.dropClient(e)
+		m.detachNetwork(id, "stop")
 		// Stopping a suspended instance discards its saved image.
 		if err := p.run("stop_runtime", func() error { return inst.Stop(ctx) }); err != nil {
 			m.setState(id, api.StateError, err.Error(), "")
@@ -278,6 +279,7 @@ func (m *Manager) doDelete(ctx context.Context, p *phases, id string) error {
 	m.setState(id, api.StateDeleting, "", "")
 	e.expectExit.Store(true)
 	m.dropClient(e)
+	m.detachNetwork(id, "delete")
 	if err := p.run("destroy", func() error {
 		inst, rt, err := m.instance(ctx, e, sb)
 		if err != nil {

@@ -55,6 +55,12 @@ type Config struct {
 	AgentReadyTimeout time.Duration
 	// BaseTemplateRef is built on first need when missing (default "base:latest").
 	BaseTemplateRef string
+	// Network is the gateway that serves sandboxes' virtual NICs; nil
+	// disables networking (sandboxes get no link at all).
+	Network Network
+	// DefaultNetwork is the policy of a sandbox whose request and template
+	// set none. The zero value reaches nothing.
+	DefaultNetwork api.NetworkPolicy
 }
 
 // Manager owns every sandbox of this server.
@@ -216,6 +222,13 @@ func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api
 	if err := validateUser("user", req.User); err != nil {
 		return api.Sandbox{}, api.Operation{}, err
 	}
+	if req.Network != nil {
+		if err := validatePolicy(*req.Network); err != nil {
+			return api.Sandbox{}, api.Operation{}, err
+		}
+		p := ClonePolicy(*req.Network)
+		req.Network = &p
+	}
 	rt, caps, err := m.pickRuntime(ctx, req.Runtime)
 	if err != nil {
 		return api.Sandbox{}, api.Operation{}, err
@@ -230,7 +243,7 @@ func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api
 	sb := api.Sandbox{
 		ID: newID("sb"), State: api.StateCreating, Runtime: rt.Name(), Isolation: caps.Isolation,
 		Template: req.Template, Limits: lim, Env: req.Env, Workdir: req.Workdir, User: req.User, Labels: req.Labels,
-		TTLSeconds: req.TTLSeconds, Idle: req.Idle, CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
+		TTLSeconds: req.TTLSeconds, Idle: req.Idle, Network: req.Network, CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
 	}
 	if req.TTLSeconds > 0 {
 		exp := now.Add(time.Duration(req.TTLSeconds) * time.Second)
@@ -497,6 +510,10 @@ func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
 	if err := applyTemplateDefaults(&sb, tmpl.Config); err != nil {
 		return fail(fmt.Errorf("template %s: %w", sb.Template, err))
 	}
+	if sb.Network == nil {
+		p := ClonePolicy(m.cfg.DefaultNetwork)
+		sb.Network = &p
+	}
 	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
 		return fail(err)
 	}
@@ -548,6 +565,11 @@ func (m *Manager) bootWith(ctx context.Context, p *phases, e *entry, inst runtim
 	e.expectExit.Store(false)
 	if err := p.run("start_runtime", func() error { return inst.Start(ctx) }); err != nil {
 		return fmt.Errorf("starting sandbox: %w", err)
+	}
+	// The link is up before anything in the sandbox (its start command)
+	// runs; on error the caller's stop detaches it again.
+	if err := m.attachNetwork(ctx, p, inst, policyOf(sb)); err != nil {
+		return err
 	}
 	if err := p.run("agent_ready", func() error { return m.connect(ctx, e, inst) }); err != nil {
 		return err

@@ -30,6 +30,10 @@ type harness struct {
 	m    *Manager
 	opts fakeruntime.Options
 	rt   *fakeruntime.Runtime // of the current manager
+	// netw, when set, is the manager's Network (nil: networking off);
+	// defNet its DefaultNetwork.
+	netw   *FakeNetwork
+	defNet api.NetworkPolicy
 }
 
 func newHarness(t *testing.T) *harness {
@@ -77,10 +81,15 @@ func newHarnessWith(t *testing.T, opts fakeruntime.Options) *harness {
 func (h *harness) manager() *Manager {
 	rt := fakeruntime.NewWithOptions(runtime.Config{DataDir: filepath.Join(h.dir, "fake"), AgentBinary: testenv.AgentBinary(h.t)}, h.opts)
 	h.rt = rt
-	return New(Config{
+	cfg := Config{
 		DB: h.db, Templates: h.tmpl, Runtimes: map[string]runtime.Runtime{fakeruntime.Name: rt},
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), BaseTemplateRef: "tiny:latest",
-	})
+		DefaultNetwork: h.defNet,
+	}
+	if h.netw != nil {
+		cfg.Network = h.netw
+	}
+	return New(cfg)
 }
 
 func (h *harness) ctx() context.Context {

@@ -46,6 +46,7 @@ func (m *Manager) Reconcile(ctx context.Context) error {
 		m.reconcileOne(ctx, sb, redrive)
 	}
 	m.sweep(ctx)
+	m.reconcileNetwork(ctx)
 	return nil
 }
 
@@ -170,15 +171,16 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 	}
 }
 
-// Run applies TTLs and idle policies, persists activity, and re-sweeps host
-// resources periodically, until the manager is closed.
+// Run applies TTLs and idle policies, persists activity, re-attaches
+// network links a restarted gateway lost, and re-sweeps host resources
+// periodically, until the manager is closed.
 func (m *Manager) Run() {
 	m.wg.Add(1)
 	go func() {
 		defer m.wg.Done()
 		tick := time.NewTicker(time.Second)
 		defer tick.Stop()
-		lastSweep := time.Now()
+		lastSweep, lastNet := time.Now(), time.Now()
 		for {
 			select {
 			case <-m.ctx.Done():
@@ -186,6 +188,10 @@ func (m *Manager) Run() {
 			case <-tick.C:
 			}
 			m.tick(m.ctx)
+			if time.Since(lastNet) >= netReconcileEvery {
+				lastNet = time.Now()
+				m.reconcileNetwork(m.ctx)
+			}
 			if time.Since(lastSweep) > time.Minute {
 				lastSweep = time.Now()
 				m.sweep(m.ctx)

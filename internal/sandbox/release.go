@@ -7,10 +7,12 @@ import (
 )
 
 // stopInstance stops inst on a path that is already handling another
-// outcome (a failed boot, an init that died, a lost image). A failure to
-// stop cannot change that outcome, but it may leave host resources behind
-// until the next sweep, so it is logged rather than dropped.
+// outcome (a failed boot, an init that died, a lost image), detaching its
+// network link first. A failure to stop cannot change that outcome, but it
+// may leave host resources behind until the next sweep, so it is logged
+// rather than dropped.
 func (m *Manager) stopInstance(ctx context.Context, inst runtime.Instance, during string) {
+	m.detachNetwork(inst.ID(), during)
 	if err := inst.Stop(ctx); err != nil {
 		m.log.Warn("stopping sandbox instance failed; reconcile will retry", "sandbox", inst.ID(), "during", during, "err", err)
 	}
@@ -19,6 +21,7 @@ func (m *Manager) stopInstance(ctx context.Context, inst runtime.Instance, durin
 // destroyInstance is stopInstance for Destroy: used where a create, fork or
 // re-driven operation throws an instance away.
 func (m *Manager) destroyInstance(ctx context.Context, inst runtime.Instance, during string) {
+	m.detachNetwork(inst.ID(), during)
 	if err := inst.Destroy(ctx); err != nil {
 		m.log.Warn("destroying sandbox instance failed; reconcile will retry", "sandbox", inst.ID(), "during", during, "err", err)
 	}

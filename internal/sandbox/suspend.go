@@ -72,8 +72,12 @@ func (m *Manager) doSuspend(ctx context.Context, p *phases, id string) error {
 	}
 	m.dropClient(e)
 	e.expectExit.Store(true)
+	m.detachNetwork(id, "suspend")
 	if err := p.run("checkpoint", func() error { return sp.Suspend(ctx) }); err != nil {
 		e.expectExit.Store(false)
+		if nerr := m.attachNetwork(ctx, p, inst, policyOf(sb)); nerr != nil {
+			m.log.Warn("network link did not come back after a failed checkpoint; reconcile retries", "sandbox", id, "err", nerr)
+		}
 		if rerr := p.run("reconnect", func() error { return m.connect(ctx, e, inst) }); rerr != nil {
 			m.log.Warn("agent did not come back after a failed checkpoint; the next request re-dials", "sandbox", id, "err", rerr)
 		}
@@ -137,6 +141,9 @@ func (m *Manager) doRestore(ctx context.Context, p *phases, e *entry, sb api.San
 	e.expectExit.Store(false)
 	if err := p.run("restore", func() error { return sp.Restore(ctx) }); err != nil {
 		return failed("restore failed", err)
+	}
+	if err := m.attachNetwork(ctx, p, inst, policyOf(sb)); err != nil {
+		return failed("the restored sandbox's network link failed", err)
 	}
 	if err := p.run("agent_ready", func() error { return m.connect(ctx, e, inst) }); err != nil {
 		return failed("the restored agent did not answer", err)

@@ -56,6 +56,8 @@ type Config struct {
 	AllowPrivateRegistries bool
 	// APIKeyOut receives the one-time notice of a newly generated API key.
 	APIKeyOut *os.File
+	// Network configures the network gateway and the default policy.
+	Network NetworkOptions
 }
 
 // Server is a running space server (store, manager, HTTP handler).
@@ -69,6 +71,7 @@ type Server struct {
 	metrics  *metrics
 	apiKey   string
 	handler  http.Handler
+	netw     sandbox.Network // nil: no gateway, sandboxes have no network
 }
 
 func (c *Config) defaults() {
@@ -174,9 +177,25 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		rts[name] = rt
 	}
 	met := newMetrics(db)
-	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: rts, Logger: cfg.Logger, Observer: met})
+	nopts := cfg.Network
+	nopts.DataDir, nopts.Logger = cfg.DataDir, cfg.Logger
+	if err := nopts.check(); err != nil {
+		db.Close()
+		return nil, err
+	}
+	netw, err := startNetwork(nopts)
+	if err != nil {
+		db.Close()
+		return nil, fmt.Errorf("starting the network gateway: %w", err)
+	}
+	if netw == nil {
+		cfg.Logger.Info("no network gateway: sandboxes get no network link")
+	}
+	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: rts, Logger: cfg.Logger, Observer: met,
+		Network: netw, DefaultNetwork: nopts.Default})
 	if err := mgr.Reconcile(ctx); err != nil {
 		mgr.Close()
+		closeNetwork(netw, cfg.Logger)
 		db.Close()
 		return nil, fmt.Errorf("reconciling: %w", err)
 	}
@@ -190,7 +209,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	mgr.Run()
 	tsvc := templatesvc.New(templatesvc.Config{Templates: tmpl, Runtimes: rts, Sandboxes: mgr, Logger: cfg.Logger,
 		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries})
-	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key}
+	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, netw: netw}
 	s.handler = s.routes()
 	return s, nil
 }
@@ -207,6 +226,7 @@ func (s *Server) APIKey() string { return s.apiKey }
 // Close stops background work and closes the store. Sandboxes keep running.
 func (s *Server) Close() error {
 	s.mgr.Close()
+	closeNetwork(s.netw, s.cfg.Logger)
 	// Runtimes may hold host resources of their own (native: spare disks).
 	for name, rt := range s.runtimes {
 		if c, ok := rt.(io.Closer); ok {
@@ -216,6 +236,15 @@ func (s *Server) Close() error {
 		}
 	}
 	return s.db.Close()
+}
+
+// closeNetwork stops the gateway if it is something to stop.
+func closeNetwork(n sandbox.Network, log *slog.Logger) {
+	if c, ok := n.(io.Closer); ok {
+		if err := c.Close(); err != nil {
+			log.Warn("closing the network gateway", "err", err)
+		}
+	}
 }
 
 // Listen opens cfg.Listen ("host:port" or "unix:/path").
@@ -388,6 +417,9 @@ func (s *Server) routeTable() []route {
 		{pattern: "POST /v1/sandboxes/{id}/files/rename", handler: h(s.rename)},
 		{pattern: "GET /v1/sandboxes/{id}/files/tar", handler: h(s.tarGet)},
 		{pattern: "PUT /v1/sandboxes/{id}/files/tar", body: bodyStream, handler: h(s.tarPut)},
+		{pattern: "GET /v1/sandboxes/{id}/network", handler: h(s.getNetwork)},
+		{pattern: "PUT /v1/sandboxes/{id}/network", handler: h(s.putNetwork)},
+		{pattern: "GET /v1/sandboxes/{id}/network/events", handler: h(s.networkEvents)},
 		{pattern: "GET /v1/templates", handler: h(s.listTemplates)},
 		{pattern: "POST /v1/templates", body: bodyStream, handler: h(s.importTemplate)},
 		{pattern: "POST /v1/templates/base", handler: h(s.buildBase)},

@@ -36,7 +36,9 @@ type CommandRecord struct {
 	Detached    bool            `json:"detached,omitempty"`
 }
 
-// PutSandbox inserts or replaces s, keyed by s.ID.
+// PutSandbox inserts or replaces s, keyed by s.ID. The whole record —
+// its network policy included — is the data column's JSON; the other
+// columns only index it.
 func (d *DB) PutSandbox(ctx context.Context, s api.Sandbox) error {
 	if err := requireID("sandbox", s.ID); err != nil {
 		return err

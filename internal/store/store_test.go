@@ -37,6 +37,8 @@ func sandbox(id string, n int, state string, labels map[string]string) api.Sandb
 		Limits: api.Limits{CPUs: 0.5, MemoryMiB: 256, Pids: 100},
 		Env:    map[string]string{"A": "b"}, Workdir: "/root", Labels: labels,
 		TTLSeconds: 3600, Idle: &api.IdlePolicy{AfterSeconds: 60, Action: "pause"},
+		Network: &api.NetworkPolicy{AllowOut: []string{"pypi.org:443"}, DenyOut: []string{"10.0.0.0/8"},
+			Rules: []api.HeaderRule{{Domain: "*.example.com", SetHeaders: map[string]string{"X-Key": "placeholder"}}}},
 		CreatedAt: created, UpdatedAt: created, LastActiveAt: created, ExpiresAt: &exp,
 		OperationID: "op-" + id,
 	}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/netpolicy"
 )
 
 var (
@@ -26,7 +27,8 @@ const (
 )
 
 // ValidateConfig checks template defaults: env names, an absolute workdir,
-// a "uid[:gid]" or name user, and a start command with sane bounds.
+// a "uid[:gid]" or name user, a start command with sane bounds, and a
+// network policy netpolicy accepts.
 func ValidateConfig(c api.TemplateConfig) error {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("template config: %s: %w", fmt.Sprintf(format, args...), errdefs.ErrInvalidArgument)
@@ -75,6 +77,11 @@ func ValidateConfig(c api.TemplateConfig) error {
 		}
 		if len(st.Ready) == 0 && (st.ReadyTimeoutSeconds != 0 || st.ReadyIntervalMS != 0) {
 			return bad("ready timeout/interval set without a ready command")
+		}
+	}
+	if c.Network != nil {
+		if err := netpolicy.Validate(*c.Network); err != nil {
+			return fmt.Errorf("template config: %w", err)
 		}
 	}
 	return nil

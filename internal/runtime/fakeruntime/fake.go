@@ -27,9 +27,10 @@ import (
 const Name = "fake"
 
 var (
-	_ runtime.Runtime  = (*Runtime)(nil)
-	_ runtime.Instance = (*Instance)(nil)
-	_ runtime.Pauser   = (*Instance)(nil)
+	_ runtime.Runtime     = (*Runtime)(nil)
+	_ runtime.Instance    = (*Instance)(nil)
+	_ runtime.Pauser      = (*Instance)(nil)
+	_ runtime.NICProvider = (*Instance)(nil)
 )
 
 // live holds the agent processes of every fake runtime in this test binary,
@@ -81,8 +82,8 @@ func NewWithOptions(cfg runtime.Config, opts Options) *Runtime {
 	return &Runtime{cfg: cfg, opts: opts, faults: map[string]fault{}}
 }
 
-// FailNext makes the next call of verb (api.OpSuspend, api.OpRestore or
-// api.OpFork) on any instance fail with err, honouring the runtime
+// FailNext makes the next call of verb (api.OpSuspend, api.OpRestore,
+// api.OpFork, or "nic" for NIC) on any instance fail with err, honouring the runtime
 // contract for failures: a failed suspend leaves the instance running, a
 // failed restore keeps the image unless discardImage, a failed fork leaves
 // no child behind.
@@ -309,3 +310,22 @@ func (i *Instance) Exited() <-chan struct{} {
 
 func (i *Instance) Pause(context.Context) error  { return i.signal(syscall.SIGSTOP) }
 func (i *Instance) Resume(context.Context) error { return i.signal(syscall.SIGCONT) }
+
+// NIC returns one end of a fresh datagram socket pair whose other end is
+// closed (frames written go nowhere): enough for the manager's attach path
+// to run against a fake gateway. It fails unless the instance runs, as a
+// real NIC would, and when FailNext("nic", …) armed a fault.
+func (i *Instance) NIC(ctx context.Context) (*os.File, error) {
+	if f, ok := i.rt.takeFault("nic"); ok {
+		return nil, f.err
+	}
+	if !i.Alive() {
+		return nil, fmt.Errorf("fake instance %s is not running: %w", i.id, errdefs.ErrConflict)
+	}
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_SEQPACKET|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("fake NIC: %w", err)
+	}
+	syscall.Close(fds[1])
+	return os.NewFile(uintptr(fds[0]), "fake-nic-"+i.id), nil
+}

@@ -1,0 +1,116 @@
+package cli
+
+import (
+	"encoding/json"
+	"net/netip"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacehq/space/api"
+)
+
+func TestNetworkFlagsOnCreateAndRun(t *testing.T) {
+	f, url := newFakeServer(t)
+	code, _, errOut := runCLI(t, url, "", "sandbox", "create", "-q", "--internet", "--allow-out", "pypi.org",
+		"--allow-out", "*.github.com:443,1.2.3.0/24", "--deny-out", "10.0.0.0/8", "--egress-proxy", "socks5://127.0.0.1:1080")
+	if code != 0 {
+		t.Fatalf("create: %d %s", code, errOut)
+	}
+	want := api.NetworkPolicy{Internet: true, AllowOut: []string{"pypi.org", "*.github.com:443", "1.2.3.0/24"},
+		DenyOut: []string{"10.0.0.0/8"}, EgressProxy: "socks5://127.0.0.1:1080"}
+	if got := f.creates[0].Network; got == nil || !reflect.DeepEqual(*got, want) {
+		t.Fatalf("create sent %+v", got)
+	}
+	// No policy flag: no policy sent (the template's or server's applies).
+	if code, _, _ := runCLI(t, url, "", "create", "-q"); code != 0 || f.creates[1].Network != nil {
+		t.Fatalf("plain create sent %+v", f.creates[1].Network)
+	}
+	if code, _, errOut := runCLI(t, url, "", "run", "--allow-out", "example.com", "--", "true"); code != 0 {
+		t.Fatalf("run: %d %s", code, errOut)
+	}
+	if got := f.creates[2].Network; got == nil || !reflect.DeepEqual(got.AllowOut, []string{"example.com"}) {
+		t.Fatalf("run sent %+v", got)
+	}
+	for _, args := range [][]string{
+		{"create", "--allow-out", "a.com,,b.com"},
+		{"create", "--egress-proxy", "http://proxy:3128"},
+		{"net", "set", "sb-1"},
+		{"net", "set", "sb-1", "--none", "--internet"},
+		{"net", "get"},
+	} {
+		if code, _, errOut := runCLI(t, url, "", args...); code != ExitUsage {
+			t.Errorf("%v: code %d %s", args, code, errOut)
+		}
+	}
+}
+
+func TestNetCommands(t *testing.T) {
+	f, url := newFakeServer(t)
+	code, out, errOut := runCLI(t, url, "", "net", "get", "sb-1")
+	if code != 0 || !strings.Contains(out, "pypi.org") || !strings.Contains(out, "198.18.0.2") || !strings.Contains(out, "allow=2 deny=1") {
+		t.Fatalf("get: %d %q %s", code, out, errOut)
+	}
+	code, out, _ = runCLI(t, url, "", "--json", "net", "get", "sb-1")
+	var info api.NetworkInfo
+	if code != 0 || json.Unmarshal([]byte(out), &info) != nil || !info.Attached {
+		t.Fatalf("get --json: %d %q", code, out)
+	}
+	if code, _, _ := runCLI(t, url, "", "net", "get", "sb-nope"); code != ExitError {
+		t.Fatalf("unknown sandbox: %d", code)
+	}
+
+	code, out, errOut = runCLI(t, url, "", "net", "set", "sb-1", "--internet", "--deny-out", "10.0.0.0/8")
+	if code != 0 || !strings.Contains(out, "Internet:") || !strings.Contains(out, "yes") {
+		t.Fatalf("set: %d %q %s", code, out, errOut)
+	}
+	if code, _, _ := runCLI(t, url, "", "net", "set", "sb-1", "--none"); code != 0 {
+		t.Fatalf("set --none: %d", code)
+	}
+	if want := []string{`{"deny_out":["10.0.0.0/8"],"internet":true}`, `{}`}; !reflect.DeepEqual(f.netPuts, want) {
+		t.Fatalf("PUT bodies %q", f.netPuts)
+	}
+
+	at := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	f.events = []api.NetworkEvent{
+		{Seq: 1, Time: at, Protocol: "dns", Name: "evil.example", Verdict: api.VerdictDeny, Reason: "not in allow_out"},
+		{Seq: 2, Time: at, Protocol: "tcp", Name: "pypi.org", IP: "151.101.0.223", Port: 443, Verdict: api.VerdictAllow, Reason: "allow_out[0]", BytesOut: 1500, BytesIn: 3 << 20},
+	}
+	code, out, _ = runCLI(t, url, "", "net", "log", "sb-1")
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if code != 0 || len(lines) != 2 || !strings.Contains(lines[0], "deny") || !strings.Contains(lines[0], "evil.example") ||
+		!strings.Contains(lines[1], "151.101.0.223:443") || !strings.Contains(lines[1], "out=1.5KiB in=3.0MiB") {
+		t.Fatalf("log: %d %q", code, out)
+	}
+	code, out, _ = runCLI(t, url, "", "--json", "net", "log", "sb-1")
+	lines = strings.Split(strings.TrimSpace(out), "\n")
+	var ev api.NetworkEvent
+	if code != 0 || len(lines) != 2 || json.Unmarshal([]byte(lines[1]), &ev) != nil || ev.Port != 443 {
+		t.Fatalf("log --json: %d %q", code, out)
+	}
+}
+
+func TestServerNetworkFlags(t *testing.T) {
+	f := serverNetFlags{allowPrivate: []string{"10.1.2.3/8", "192.168.1.5"}, dnsUpstream: "9.9.9.9:53",
+		defaultAllowOut: []string{"pypi.org"}, defaultInternet: true}
+	o, err := f.options()
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantPrefixes := []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("192.168.1.5/32")}
+	if !reflect.DeepEqual(o.AllowPrivate, wantPrefixes) || o.DNSUpstream != "9.9.9.9:53" ||
+		!o.Default.Internet || !reflect.DeepEqual(o.Default.AllowOut, []string{"pypi.org"}) {
+		t.Fatalf("options %+v", o)
+	}
+	f.allowPrivate = []string{"not-a-cidr"}
+	if _, err := f.options(); err == nil {
+		t.Fatal("a bad CIDR was accepted")
+	}
+	cmd := newServerCmd(&app{})
+	for _, name := range []string{"egress-allow-private", "dns-upstream", "default-allow-out", "default-internet"} {
+		if cmd.Flags().Lookup(name) == nil {
+			t.Errorf("space server has no --%s", name)
+		}
+	}
+}
