@@ -33,10 +33,11 @@ func freePort(t *testing.T) string {
 	return l.Addr().String()
 }
 
-func startServer(t *testing.T, bin, data, addr string) *proc {
+func startServer(t *testing.T, bin, data, addr string, extra ...string) *proc {
 	t.Helper()
-	cmd := exec.Command(bin, "server", "--data", data, "--listen", addr, "--cache", testenv.CacheDir())
-	cmd.Env = append(os.Environ(), "SPACE_AGENT_BIN="+testenv.AgentBinary(t), "SPACE_JAIL_BIN="+testenv.JailBinary(t))
+	cmd := exec.Command(bin, append([]string{"server", "--data", data, "--listen", addr, "--cache", testenv.CacheDir()}, extra...)...)
+	cmd.Env = append(os.Environ(), "SPACE_AGENT_BIN="+testenv.AgentBinary(t), "SPACE_JAIL_BIN="+testenv.JailBinary(t),
+		"SPACE_GATEWAY_BIN="+testenv.GatewayBinary(t))
 	log, _ := os.OpenFile(filepath.Join(data, "..", "server.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {

@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -32,6 +33,11 @@ type env struct {
 	data   string
 	srv    *server.Server
 	client *sdk.Client
+	// internet stands in for the outside world (network_test.go); the
+	// server's gateway reaches it only through 127.0.0.0/8, opened with
+	// --egress-allow-private, and refuses any dial off this machine.
+	internet *fakeInternet
+	apiPort  int
 }
 
 var (
@@ -53,7 +59,18 @@ func setup(t *testing.T) *env {
 			sharedErr = err
 			return
 		}
-		s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: agent, JailBinary: testenv.JailBinary(t), APIKeyOut: os.Stderr, MaxFileBytes: maxFileBytes})
+		fi, err := startFakeInternet()
+		if err != nil {
+			sharedErr = err
+			return
+		}
+		s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: agent, JailBinary: testenv.JailBinary(t), APIKeyOut: os.Stderr, MaxFileBytes: maxFileBytes,
+			Network: server.NetworkOptions{
+				AllowPrivate:  []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")},
+				DNSUpstream:   fi.dns.Addr,
+				DialGuard:     "loopback",
+				GatewayBinary: testenv.GatewayBinary(t),
+			}})
 		if err != nil {
 			sharedErr = err
 			return
@@ -70,7 +87,7 @@ func setup(t *testing.T) *env {
 			sharedErr = err
 			return
 		}
-		shared = &env{url: url, key: s.APIKey(), data: data, srv: s, client: c}
+		shared = &env{url: url, key: s.APIKey(), data: data, srv: s, client: c, internet: fi, apiPort: l.Addr().(*net.TCPAddr).Port}
 	})
 	if sharedErr != nil {
 		t.Fatalf("starting server: %v", sharedErr)
@@ -91,6 +108,11 @@ func TestMain(m *testing.M) {
 		}
 		cancel()
 		shared.srv.Close()
+		if err := gatewayClean(shared.data); err != nil {
+			os.Stderr.WriteString("e2e: " + err.Error() + "\n")
+			code = 1
+		}
+		shared.internet.close()
 		if leaks := hostLeaks(shared.data); len(leaks) > 0 {
 			os.Stderr.WriteString("e2e: host resources leaked after deleting every sandbox:\n  " + strings.Join(leaks, "\n  ") + "\n")
 			code = 1

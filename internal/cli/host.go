@@ -54,6 +54,7 @@ type serverNetFlags struct {
 	dnsUpstream     string
 	defaultAllowOut []string
 	defaultInternet bool
+	dialGuard       string
 }
 
 func (f *serverNetFlags) register(cmd *cobra.Command) {
@@ -62,12 +63,18 @@ func (f *serverNetFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.dnsUpstream, "dns-upstream", "", "HOST:PORT of the resolver the gateway asks for allowed names (default: the first nameserver of /etc/resolv.conf, port 53)")
 	fl.StringArrayVar(&f.defaultAllowOut, "default-allow-out", nil, "allow-out entry of the default policy, for sandboxes whose request and template set none (repeatable)")
 	fl.BoolVar(&f.defaultInternet, "default-internet", false, "the default policy allows every public destination")
+	// Tests: the gateway refuses (and logs as a violation) any dial off this machine.
+	fl.StringVar(&f.dialGuard, "egress-dial-guard", "", `"loopback": the gateway refuses and reports every dial off this machine (tests)`)
+	_ = fl.MarkHidden("egress-dial-guard")
 }
 
 // options checks the flags and builds the server's NetworkOptions; the
 // server validates the default policy itself.
 func (f *serverNetFlags) options() (server.NetworkOptions, error) {
-	o := server.NetworkOptions{DNSUpstream: f.dnsUpstream,
+	if f.dialGuard != "" && f.dialGuard != "loopback" {
+		return server.NetworkOptions{}, usagef("--egress-dial-guard %q: only \"loopback\"", f.dialGuard)
+	}
+	o := server.NetworkOptions{DNSUpstream: f.dnsUpstream, DialGuard: f.dialGuard,
 		Default: api.NetworkPolicy{Internet: f.defaultInternet, AllowOut: f.defaultAllowOut}}
 	for _, s := range f.allowPrivate {
 		p, err := netip.ParsePrefix(s)

@@ -198,7 +198,7 @@ func (l *link) answer(query []byte, maxSize int) []byte {
 	if q.Type != dnsmessage.TypeA {
 		// The link is IPv4 only; nothing but addresses ever leaves here
 		// (a TXT or NULL answer is a channel).
-		ev.Verdict, ev.Reason = api.VerdictAllow, rule+" (no data for type "+q.Type.String()+")"
+		ev.Verdict, ev.Reason = api.VerdictAllow, rule+" (no data for type "+strings.TrimPrefix(q.Type.String(), "Type")+")"
 		l.events.add(ev)
 		return reply(h, qs, dnsmessage.RCodeSuccess, nil, maxSize)
 	}
@@ -269,6 +269,9 @@ func (l *link) unreachable(ip netip.Addr) string {
 // resolve asks the upstream for q's A records, following the CNAME chain
 // the upstream returns; only the final addresses come back.
 func (l *link) resolve(q dnsmessage.Question) ([]netip.Addr, uint32, dnsmessage.RCode, error) {
+	if l.g.opts.DNSUpstream == "" {
+		return nil, 0, 0, errors.New("no upstream resolver configured (--dns-upstream)")
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Second)
 	defer cancel()
 	c, err := l.g.opts.Dialer.DialContext(ctx, "udp", l.g.opts.DNSUpstream)

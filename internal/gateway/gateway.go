@@ -71,7 +71,8 @@ var DefaultLimits = Limits{
 
 // Options configure a Gateway.
 type Options struct {
-	// DNSUpstream is the resolver allowed names are forwarded to (host:port).
+	// DNSUpstream is the resolver allowed names are forwarded to (ip:port);
+	// empty: allowed names get SERVFAIL.
 	DNSUpstream string
 	Policy      netpolicy.Options
 	Limits      Limits
@@ -98,7 +99,7 @@ func New(opts Options) (*Gateway, error) {
 	if opts.Dialer == nil {
 		return nil, errors.New("gateway: no dialer")
 	}
-	if _, err := netip.ParseAddrPort(opts.DNSUpstream); err != nil {
+	if _, err := netip.ParseAddrPort(opts.DNSUpstream); err != nil && opts.DNSUpstream != "" {
 		return nil, fmt.Errorf("gateway: dns upstream %q: %w", opts.DNSUpstream, err)
 	}
 	if opts.Logger == nil {

@@ -43,6 +43,8 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 	port := id.LocalPort
 	if dst == gatewayAddr {
 		if port != 53 {
+			l.events.add(api.NetworkEvent{Protocol: "tcp", IP: dst.String(), Port: int(port), Verdict: api.VerdictDeny,
+				Reason: "the gateway serves only DNS"})
 			r.Complete(true)
 			return
 		}
@@ -87,8 +89,8 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 		}
 		if !any {
 			reason := v.Reason
-			if len(candidates) == 0 && reason == "not allowed" {
-				reason = "address not allowed and never resolved by this sandbox for an allowed name"
+			if len(candidates) == 0 {
+				reason = "not resolved for an allowed name by this sandbox; " + reason
 			}
 			refuse(api.VerdictDeny, reason)
 			return

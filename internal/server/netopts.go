@@ -2,16 +2,20 @@ package server
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/gateway/gwctl"
 	"github.com/spacehq/space/internal/netpolicy"
 	"github.com/spacehq/space/internal/sandbox"
 )
@@ -32,10 +36,18 @@ type NetworkOptions struct {
 	// none. The zero value reaches nothing.
 	Default api.NetworkPolicy
 
+	// DialGuard "loopback" makes the gateway refuse, and log as a
+	// violation, every dial off this machine (tests: nothing may leave it).
+	DialGuard string
+	// GatewayBinary overrides discovery of space-gateway (else
+	// $SPACE_GATEWAY_BIN, next to space, next to space-agent).
+	GatewayBinary string
+
 	// Filled by the server: its data directory (the gateway's state lives
-	// in DataDir/network) and logger.
-	DataDir string
-	Logger  *slog.Logger
+	// in DataDir/network), the agent binary and logger.
+	DataDir     string
+	AgentBinary string
+	Logger      *slog.Logger
 }
 
 // check validates the options and fills in DNSUpstream from
@@ -99,15 +111,70 @@ func DefaultDNSUpstream(resolvConf string) (string, error) {
 	return "", errors.New(resolvConf + " names no nameserver")
 }
 
-// startNetwork starts the network gateway with opts and returns the
-// manager's handle on it, or nil when this server has none: then sandboxes
-// get no network link at all (the security default: nothing escapes). If
-// the returned Network is an io.Closer, Server.Close closes it.
-//
-// TODO: the gateway supervisor lands in the same branch of work: it fills
-// this in (start the confined gateway process, return its
-// gateway/supervisor.Client).
+// startNetwork starts (or re-adopts) the network gateway process with opts
+// and returns the manager's handle on it. Without a gateway binary, or
+// where it cannot run (not root: it is started as its own unprivileged
+// user), it returns nil with a warning: sandboxes then get no network link
+// at all (the security default: nothing escapes), and their policies are
+// stored but show attached=false.
 func startNetwork(opts NetworkOptions) (sandbox.Network, error) {
-	_ = opts
-	return nil, nil
+	log := opts.logger()
+	bin := findBinary(opts.GatewayBinary, "SPACE_GATEWAY_BIN", "space-gateway")
+	if bin == "" && opts.AgentBinary != "" {
+		bin = findBinary(filepath.Join(filepath.Dir(opts.AgentBinary), "space-gateway"), "", "")
+	}
+	if bin == "" {
+		log.Warn("space-gateway binary not found (make build, or set SPACE_GATEWAY_BIN): sandboxes get no network link")
+		return nil, nil
+	}
+	if os.Geteuid() != 0 {
+		log.Warn("not root: the network gateway cannot be started as its own user; sandboxes get no network link")
+		return nil, nil
+	}
+	set := gwctl.Settings{DNSUpstream: opts.DNSUpstream, DialGuard: opts.DialGuard}
+	for _, p := range opts.AllowPrivate {
+		set.AllowPrivate = append(set.AllowPrivate, p.String())
+	}
+	set.Protect = hostAddresses()
+	sup := &gwctl.Supervisor{Binary: bin, Dir: filepath.Join(opts.DataDir, "network"), Settings: set,
+		Logger: log.With("component", "gateway")}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := sup.Start(ctx); err != nil {
+		return nil, err
+	}
+	return &gatewayNetwork{Client: sup.Client(), sup: sup}, nil
+}
+
+// gatewayNetwork is the supervised gateway as the manager's Network.
+type gatewayNetwork struct {
+	*gwctl.Client
+	sup *gwctl.Supervisor
+}
+
+// Close stops supervising. The gateway keeps running while it serves any
+// sandbox (the next server adopts it: a restart cuts no sandbox off); with
+// nothing to serve it is stopped.
+func (n *gatewayNetwork) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	ids, err := n.Attached(ctx)
+	n.sup.Close(err == nil && len(ids) == 0)
+	return nil
+}
+
+// hostAddresses are the host's own interface addresses: never reachable
+// from a sandbox, whatever the operator opened (the API listens on one).
+func hostAddresses() []string {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return []string{"127.0.0.1", "::1"}
+	}
+	var out []string
+	for _, a := range addrs {
+		if p, err := netip.ParsePrefix(a.String()); err == nil {
+			out = append(out, p.Addr().String())
+		}
+	}
+	return out
 }

@@ -178,7 +178,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	met := newMetrics(db)
 	nopts := cfg.Network
-	nopts.DataDir, nopts.Logger = cfg.DataDir, cfg.Logger
+	nopts.DataDir, nopts.Logger, nopts.AgentBinary = cfg.DataDir, cfg.Logger, agentBin
 	if err := nopts.check(); err != nil {
 		db.Close()
 		return nil, err

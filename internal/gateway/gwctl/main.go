@@ -59,7 +59,7 @@ func Main(args []string) error {
 	g, err := gateway.New(gateway.Options{
 		DNSUpstream: *upstream,
 		Policy:      popts,
-		Dialer:      hostDialer(popts, *guard, log),
+		Dialer:      hostDialer(popts, *upstream, *guard, log),
 		Logger:      log,
 	})
 	if err != nil {
@@ -127,7 +127,11 @@ func confineSelf() error {
 // the gateway only dials addresses): a non-public address outside the
 // operator's ranges, or a protected one, is refused whatever called. With
 // guard "loopback" anything off 127.0.0.0/8 is refused and reported.
-func hostDialer(o netpolicy.Options, guard string, log *slog.Logger) gateway.Dialer {
+//
+// The operator's DNS upstream is the one exception to the address rules
+// (it often is a loopback or private resolver); the policy still decides
+// whether a sandbox's own connection may go there.
+func hostDialer(o netpolicy.Options, upstream, guard string, log *slog.Logger) gateway.Dialer {
 	return &net.Dialer{
 		Timeout: 10 * time.Second,
 		Control: func(network, address string, _ syscall.RawConn) error {
@@ -139,6 +143,11 @@ func hostDialer(o netpolicy.Options, guard string, log *slog.Logger) gateway.Dia
 			if guard == "loopback" && !ip.IsLoopback() {
 				log.Error("DIAL GUARD VIOLATION: refused a dial off this machine", "network", network, "address", address)
 				return fmt.Errorf("dial guard: %s is not on this machine", address)
+			}
+			if network == "udp" || network == "udp4" || network == "udp6" {
+				if up, err := netip.ParseAddrPort(upstream); err == nil && up.Addr().Unmap() == ip && up.Port() == ap.Port() {
+					return nil
+				}
 			}
 			for _, p := range o.Protected {
 				if p.Addr().Unmap() == ip && (p.Port() == 0 || p.Port() == ap.Port()) {

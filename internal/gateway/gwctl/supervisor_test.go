@@ -3,8 +3,8 @@ package gwctl
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"io"
+	"log/slog"
 	"net/netip"
 	"os"
 	"strings"
