@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -138,10 +139,21 @@ func networkEvents(t *testing.T, e *env, id string) []api.NetworkEvent {
 	return evs
 }
 
+// networkRuntimes are the runtimes the egress test runs on (each sandbox
+// gets its NIC its own way; the gateway and the policy are the same).
+var networkRuntimes = []string{"native", "gvisor"}
+
 func TestNetworkEgressPolicy(t *testing.T) {
 	e := setup(t)
+	for _, rt := range networkRuntimes {
+		t.Run(rt, func(t *testing.T) { testEgressPolicy(t, e, rt) })
+	}
+}
+
+func testEgressPolicy(t *testing.T, e *env, runtime string) {
 	fi := e.internet
-	sb := newSandbox(t, e, api.CreateSandboxRequest{Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test", "rebind-local.test", "rebind-meta.test", "rebind-lan.test"}}})
+	fi.dns.ForgetAsked()
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: runtime, Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test", "rebind-local.test", "rebind-meta.test", "rebind-lan.test"}}})
 	if sb.Network == nil || len(sb.Network.AllowOut) != 4 {
 		t.Fatalf("sandbox does not report its policy: %+v", sb.Network)
 	}
@@ -214,12 +226,24 @@ EOF`, long, fi.udp)
 	evs := networkEvents(t, e, sb.ID)
 	seen := map[string]bool{}
 	for _, ev := range evs {
-		t.Logf("event %s/%s %s %s:%d %s", ev.Protocol, ev.Verdict, ev.Name, ev.IP, ev.Port, ev.Reason)
 		seen[ev.Protocol+"/"+ev.Verdict] = true
 	}
 	for _, want := range []string{"dns/allow", "dns/deny", "http/allow", "tls/allow", "tcp/deny", "dns/drop", "udp/drop"} {
 		if !seen[want] {
 			t.Errorf("no %s event; saw %v", want, seen)
+		}
+	}
+
+	// Prometheus counters by verdict.
+	resp, err := http.Get(e.url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mb, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{`space_network_events_total{protocol="dns",verdict="deny"}`, `space_network_events_total{protocol="tcp",verdict="deny"}`, "space_network_links "} {
+		if !strings.Contains(string(mb), want) {
+			t.Errorf("/metrics lacks %s", want)
 		}
 	}
 

@@ -22,10 +22,11 @@ type eventRing struct {
 	verdict map[string]int64
 	changed chan struct{} // closed and replaced on every append
 	closed  bool
+	onAdd   func(api.NetworkEvent) // the gateway's counters
 }
 
-func newEventRing() *eventRing {
-	return &eventRing{verdict: map[string]int64{}, changed: make(chan struct{})}
+func newEventRing(onAdd func(api.NetworkEvent)) *eventRing {
+	return &eventRing{verdict: map[string]int64{}, changed: make(chan struct{}), onAdd: onAdd}
 }
 
 func (r *eventRing) add(ev api.NetworkEvent) {
@@ -40,6 +41,9 @@ func (r *eventRing) add(ev api.NetworkEvent) {
 		ev.Time = time.Now().UTC()
 	}
 	r.verdict[ev.Verdict]++
+	if r.onAdd != nil {
+		r.onAdd(ev)
+	}
 	if len(r.buf) == ringSize {
 		copy(r.buf, r.buf[1:])
 		r.buf = r.buf[:ringSize-1]

@@ -91,6 +91,9 @@ type Gateway struct {
 
 	mu    sync.Mutex
 	links map[string]*link
+
+	cmu    sync.Mutex
+	counts map[string]int64 // "protocol/verdict" → events, all links ever
 }
 
 // New returns a Gateway. Options.Dialer is required: the caller decides how
@@ -114,7 +117,7 @@ func New(opts Options) (*Gateway, error) {
 	if opts.BindingTTL == 0 {
 		opts.BindingTTL = 5 * time.Minute
 	}
-	return &Gateway{opts: opts, log: opts.Logger, links: map[string]*link{}}, nil
+	return &Gateway{opts: opts, log: opts.Logger, links: map[string]*link{}, counts: map[string]int64{}}, nil
 }
 
 // Attach starts serving one sandbox's NIC. The gateway takes its own
@@ -201,6 +204,24 @@ func (g *Gateway) Close() {
 	for _, id := range g.Attached() {
 		g.Detach(id)
 	}
+}
+
+func (g *Gateway) count(ev api.NetworkEvent) {
+	g.cmu.Lock()
+	g.counts[ev.Protocol+"/"+ev.Verdict]++
+	g.cmu.Unlock()
+}
+
+// Counters returns the events of every link since the gateway started, by
+// "protocol/verdict" (Prometheus counters of the server).
+func (g *Gateway) Counters() map[string]int64 {
+	g.cmu.Lock()
+	defer g.cmu.Unlock()
+	out := make(map[string]int64, len(g.counts))
+	for k, v := range g.counts {
+		out[k] = v
+	}
+	return out
 }
 
 func (g *Gateway) link(id string) (*link, error) {

@@ -88,7 +88,7 @@ func newLink(g *Gateway, id string, nic *os.File, pol *netpolicy.Policy) (_ *lin
 	lim := g.opts.Limits
 	l := &link{
 		g: g, id: id, fd: fd,
-		events:     newEventRing(),
+		events:     newEventRing(g.count),
 		bindings:   newBindings(),
 		dns:        newDNSGuard(lim),
 		connLimit:  rate.NewLimiter(rate.Limit(lim.ConnsPerSecond), int(2*lim.ConnsPerSecond)+1),

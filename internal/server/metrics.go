@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -21,6 +22,37 @@ type metrics struct {
 }
 
 var _ sandbox.Observer = (*metrics)(nil)
+
+// networkCounters is what the metrics need of the gateway.
+type networkCounters interface {
+	Counters(ctx context.Context) (map[string]int64, int, error)
+}
+
+// networkCollector reads the gateway's counters at scrape time. The gateway
+// counts since it started: a restarted gateway resets them, which
+// Prometheus counters tolerate.
+type networkCollector struct{ net networkCounters }
+
+var (
+	netEventsDesc = prometheus.NewDesc("space_network_events_total", "Network events of sandboxes (DNS queries, connection attempts, drops) by protocol and verdict.", []string{"protocol", "verdict"}, nil)
+	netLinksDesc  = prometheus.NewDesc("space_network_links", "Sandbox network links the gateway serves.", nil, nil)
+)
+
+func (c *networkCollector) Describe(ch chan<- *prometheus.Desc) { ch <- netEventsDesc; ch <- netLinksDesc }
+
+func (c *networkCollector) Collect(ch chan<- prometheus.Metric) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	counts, links, err := c.net.Counters(ctx)
+	if err != nil {
+		return
+	}
+	for k, v := range counts {
+		proto, verdict, _ := strings.Cut(k, "/")
+		ch <- prometheus.MustNewConstMetric(netEventsDesc, prometheus.CounterValue, float64(v), proto, verdict)
+	}
+	ch <- prometheus.MustNewConstMetric(netLinksDesc, prometheus.GaugeValue, float64(links))
+}
 
 func newMetrics(db *store.DB) *metrics {
 	m := &metrics{reg: prometheus.NewRegistry()}

@@ -191,6 +191,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if netw == nil {
 		cfg.Logger.Info("no network gateway: sandboxes get no network link")
 	}
+	if nc, ok := netw.(networkCounters); ok {
+		met.reg.MustRegister(&networkCollector{net: nc})
+	}
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: rts, Logger: cfg.Logger, Observer: met,
 		Network: netw, DefaultNetwork: nopts.Default})
 	if err := mgr.Reconcile(ctx); err != nil {

@@ -318,3 +318,10 @@ func (s *Socks5) serve(c net.Conn) {
 	go func() { _, _ = io.Copy(up, br); up.Close() }()
 	_, _ = io.Copy(c, up)
 }
+
+// ForgetAsked clears the record of names asked (a fixture shared by tests).
+func (d *FakeDNS) ForgetAsked() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.asked = nil
+}

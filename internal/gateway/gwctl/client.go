@@ -127,3 +127,10 @@ func (c *Client) Events(ctx context.Context, id string, after uint64, follow boo
 	}
 	return err
 }
+
+// Counters returns the gateway's event counters by "protocol/verdict" (since
+// it started) and how many links it serves.
+func (c *Client) Counters(ctx context.Context) (map[string]int64, int, error) {
+	resp, err := c.call(ctx, request{Op: opCounters}, nil)
+	return resp.Counters, len(resp.IDs), err
+}

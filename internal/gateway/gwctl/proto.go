@@ -28,6 +28,7 @@ const (
 	opEvents    = "events"
 	opAttached  = "attached"
 	opPing      = "ping"
+	opCounters  = "counters"
 )
 
 type request struct {
@@ -45,6 +46,8 @@ type response struct {
 	Event *api.NetworkEvent `json:"event,omitempty"`
 	Done  bool              `json:"done,omitempty"` // last line of a reply
 	Pid   int               `json:"pid,omitempty"`
+	// Counters: events by "protocol/verdict" since the gateway started.
+	Counters map[string]int64 `json:"counters,omitempty"`
 }
 
 func errorBody(err error) *api.ErrorBody {

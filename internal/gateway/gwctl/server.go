@@ -89,6 +89,8 @@ func serveConn(ctx context.Context, c *net.UnixConn, g *gateway.Gateway) error {
 		return reply(response{Info: &info})
 	case opAttached:
 		return reply(response{IDs: g.Attached()})
+	case opCounters:
+		return reply(response{Counters: g.Counters(), IDs: g.Attached()})
 	case opEvents:
 		// The client ends a follow by closing: notice it.
 		ctx, cancel := context.WithCancel(ctx)
