@@ -18,6 +18,7 @@ import (
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/gateway/gatewaytest"
 	"github.com/spacehq/space/internal/testenv"
+	"github.com/spacehq/space/sdk"
 )
 
 // fakeInternet stands in for the outside world on this machine only: a DNS
@@ -389,5 +390,39 @@ func TestNetworkSurvivesServerRestart(t *testing.T) {
 	}
 	if err := gatewayClean(data); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestNetworkBuildStep: a RUN step of a template build reaches what the
+// build's policy allows (through the same gateway), and nothing else; a
+// RUN --network=none step of the same build reaches nothing.
+func TestNetworkBuildStep(t *testing.T) {
+	e := setup(t)
+	ctx := ctxT(t, 10*time.Minute)
+	dir := t.TempDir()
+	file := fmt.Sprintf("FROM base:latest\n"+
+		"RUN curl -sS --max-time 10 http://allowed.test:%d/ > /page.txt\n"+
+		"RUN if curl -sS --max-time 5 http://other.test:%d/; then echo reached > /other.txt; else echo refused > /other.txt; fi\n"+
+		"RUN --network=none sh -c 'if curl -sS --max-time 5 http://allowed.test:%d/; then echo reached; else echo refused; fi > /none.txt'\n",
+		e.internet.httpPort, e.internet.httpPort, e.internet.httpPort)
+	if err := os.WriteFile(filepath.Join(dir, "Dockerfile"), []byte(file), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	const tag = "e2e-net-build:v1"
+	t.Cleanup(func() { e.client.RemoveTemplate(context.Background(), tag, false) })
+	var evs []api.BuildEvent
+	if _, err := e.client.BuildTemplate(ctx, dir, sdk.BuildOptions{Tags: []string{tag}, NoCache: true, AllowOut: []string{"allowed.test"}},
+		func(ev api.BuildEvent) { evs = append(evs, ev) }); err != nil {
+		t.Fatalf("build: %v (events %+v)", err, evs)
+	}
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Template: tag})
+	out, code := sh(t, e, sb.ID, "cat /page.txt /other.txt /none.txt")
+	if code != 0 || !strings.Contains(out, "host=allowed.test") || !strings.Contains(out, "refused\nrefused") {
+		t.Fatalf("build step network: %d %q", code, out)
+	}
+	// A bad build policy is refused before anything runs.
+	_, err := e.client.BuildTemplate(ctx, dir, sdk.BuildOptions{Tags: []string{tag}, AllowOut: []string{"*"}}, nil)
+	if errdefs.Code(err) != api.CodeInvalidArgument || !strings.Contains(err.Error(), "allow_out[0]") {
+		t.Fatalf("bad build policy: %v", err)
 	}
 }

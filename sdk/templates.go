@@ -179,6 +179,12 @@ type BuildOptions struct {
 	// Network asks for network access in RUN steps; the server refuses
 	// the build if the host cannot give it.
 	Network bool
+	// AllowOut, DenyOut and Internet are the egress policy of RUN steps
+	// with network (any of them implies Network); none: every public
+	// destination.
+	AllowOut []string
+	DenyOut  []string
+	Internet bool
 }
 
 // maxBuildEvent bounds one line of a build stream (RUN output comes in
@@ -237,6 +243,15 @@ func (c *Client) BuildTemplateTar(ctx context.Context, contextTar io.Reader, o B
 	}
 	if o.Network {
 		q.Set("network", "true")
+	}
+	for _, a := range o.AllowOut {
+		q.Add("allow_out", a)
+	}
+	for _, d := range o.DenyOut {
+		q.Add("deny_out", d)
+	}
+	if o.Internet {
+		q.Set("internet", "true")
 	}
 	resp, err := c.send(ctx, request{method: http.MethodPost, path: "/v1/templates/build", query: q, body: contextTar, contentType: "application/x-tar"})
 	if err != nil {

@@ -36,6 +36,9 @@ type Step struct {
 	Workdir  string
 	User     string
 	Network  bool      // the build asked for network access
+	// Policy is the egress policy of a step with Network; nil: every
+	// public destination (internet).
+	Policy *api.NetworkPolicy
 	Output   io.Writer // stdout and stderr as they come, interleaved
 	// Apply is called, only when Cmd exited 0, with the stopped sandbox's
 	// filesystem changes, before the sandbox is removed.

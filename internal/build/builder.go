@@ -41,6 +41,9 @@ type Options struct {
 	// allows it. "--network=none" never has network; "--network=host"
 	// asks for it and is refused unless Network is set.
 	Network bool
+	// NetworkPolicy is the egress policy of steps with network; nil:
+	// every public destination. Part of those steps' cache key.
+	NetworkPolicy *api.NetworkPolicy
 	// Events receives progress: a "running" event per step, then "cached",
 	// "done" or "failed"; RUN output in between as Output chunks of at
 	// most OutputChunk bytes (Output alone set; it belongs to the step
@@ -483,6 +486,12 @@ func (b *builder) planRun(p *plan, n int, in *Instruction) {
 	}
 	p.key.Args = in.Args
 	p.key.Flags = map[string]string{"network": strconv.FormatBool(network)}
+	var policy *api.NetworkPolicy
+	if network && b.o.NetworkPolicy != nil {
+		policy = b.o.NetworkPolicy
+		pj, _ := json.Marshal(policy)
+		p.key.Flags["network_policy"] = string(pj)
+	}
 	p.run = func(ctx context.Context, layer api.TemplateLayer) (api.Template, error) {
 		out := &outputWriter{emit: b.emit}
 		var (
@@ -498,6 +507,7 @@ func (b *builder) planRun(p *plan, n int, in *Instruction) {
 			Cmd:      slices.Clone(in.Args),
 			Env:      maps.Clone(p.cfg.Env),
 			Workdir:  workdir,
+			Policy:   policy,
 			User:     p.cfg.User,
 			Network:  network,
 			Output:   out,

@@ -293,6 +293,8 @@ func newTemplateBuildCmd(a *app) *cobra.Command {
 		tags    []string
 		noCache bool
 		network bool
+		allowOut, denyOut []string
+		internet          bool
 	)
 	cmd := &cobra.Command{
 		Use:   "build [-f FILE] [-t name:tag]... [--no-cache] [CONTEXT]",
@@ -332,7 +334,8 @@ func newTemplateBuildCmd(a *app) *cobra.Command {
 				w = a.errOut // stdout stays one JSON document
 			}
 			p := &buildPrinter{w: w}
-			t, err := c.BuildTemplate(a.ctx, dir, sdk.BuildOptions{File: bf, Tags: tags, NoCache: noCache, Network: network}, p.event)
+			t, err := c.BuildTemplate(a.ctx, dir, sdk.BuildOptions{File: bf, Tags: tags, NoCache: noCache, Network: network,
+				AllowOut: allowOut, DenyOut: denyOut, Internet: internet}, p.event)
 			p.endOutput()
 			if err != nil {
 				return err
@@ -351,7 +354,10 @@ func newTemplateBuildCmd(a *app) *cobra.Command {
 	cmd.Flags().StringVarP(&file, "file", "f", "", "build file (default CONTEXT/Dockerfile)")
 	cmd.Flags().StringArrayVarP(&tags, "tag", "t", nil, "tag the result as name[:tag] (repeatable)")
 	cmd.Flags().BoolVar(&noCache, "no-cache", false, "run every step even when the build cache has it")
-	cmd.Flags().BoolVar(&network, "network", false, "give RUN steps network access (refused if the host cannot)")
+	cmd.Flags().BoolVar(&network, "network", false, "give RUN steps network access: every public destination unless --allow-out narrows it (refused if the host cannot)")
+	cmd.Flags().StringArrayVar(&allowOut, "allow-out", nil, "egress of RUN steps with network: domain, *.suffix, IP or CIDR, optionally :port (repeatable; implies --network)")
+	cmd.Flags().StringArrayVar(&denyOut, "deny-out", nil, "IP or CIDR RUN steps may never reach (repeatable)")
+	cmd.Flags().BoolVar(&internet, "internet", false, "RUN steps with network may reach every public destination (implies --network)")
 	return cmd
 }
 

@@ -76,11 +76,10 @@ func (m *Manager) RunStep(ctx context.Context, s build.Step) (int, error) {
 	if err != nil {
 		return -1, err
 	}
-	if s.Network {
-		// No runtime gives sandboxes a network yet (the egress gateway is a
-		// later layer); say so rather than run the step without one.
-		return -1, runtime.NotSupported(rts[0].Name(), "give a build step network access",
-			"its sandboxes have no network besides loopback")
+	if s.Network && m.cfg.Network == nil {
+		// Without a gateway no sandbox has a network: say so rather than
+		// run the step without one.
+		return -1, fmt.Errorf("a build step asks for network access, but this server has no network gateway: %w", errdefs.ErrNotSupported)
 	}
 	var tried []string
 	for _, rt := range rts {
@@ -126,8 +125,7 @@ func (m *Manager) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Ste
 	sb, op, err := m.Create(ctx, api.CreateSandboxRequest{
 		Template: s.Template, Runtime: rt.Name(), Limits: BuildStepLimits,
 		Labels: map[string]string{BuildLabel: BuildLabelStep},
-		// No egress whatever the server's default (see s.Network above).
-		Network: &api.NetworkPolicy{},
+		Network: stepPolicy(s),
 	})
 	if err != nil {
 		return -1, fmt.Errorf("build step sandbox: %w", err)
@@ -334,4 +332,19 @@ func (m *Manager) DeleteBuildSandboxes(ctx context.Context) (int, error) {
 		n++
 	}
 	return n, errors.Join(errs...)
+}
+
+// stepPolicy is a build step's egress: none without network, whatever the
+// server's default; with network, the build's policy, else every public
+// destination.
+func stepPolicy(s build.Step) *api.NetworkPolicy {
+	switch {
+	case !s.Network:
+		return &api.NetworkPolicy{}
+	case s.Policy != nil:
+		p := ClonePolicy(*s.Policy)
+		return &p
+	default:
+		return &api.NetworkPolicy{Internet: true}
+	}
 }

@@ -186,6 +186,13 @@ func (s *Server) buildTemplate(w http.ResponseWriter, r *http.Request) {
 	if req.NoCache, err = queryBool(r, "no_cache"); err == nil {
 		req.Network, err = queryBool(r, "network")
 	}
+	var internet bool
+	if err == nil {
+		internet, err = queryBool(r, "internet")
+	}
+	if q := r.URL.Query(); err == nil && (internet || len(q["allow_out"]) > 0 || len(q["deny_out"]) > 0) {
+		req.NetworkPolicy = &api.NetworkPolicy{Internet: internet, AllowOut: q["allow_out"], DenyOut: q["deny_out"]}
+	}
 	if err == nil {
 		err = req.Check() // before the body is read
 	}

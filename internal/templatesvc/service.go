@@ -21,6 +21,7 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/build"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/netpolicy"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/template"
 )
@@ -271,11 +272,19 @@ type BuildRequest struct {
 	Tags    []string
 	NoCache bool
 	Network bool
+	// NetworkPolicy is the egress policy of RUN steps with network; nil:
+	// every public destination. Setting it implies Network.
+	NetworkPolicy *api.NetworkPolicy
 }
 
 // Check validates req without touching anything, so a caller can refuse a
 // bad request before reading its context.
 func (req BuildRequest) Check() error {
+	if req.NetworkPolicy != nil {
+		if err := netpolicy.Validate(*req.NetworkPolicy); err != nil {
+			return err
+		}
+	}
 	file := req.file()
 	if path.IsAbs(file) || strings.ContainsRune(file, 0) || path.Clean(file) == ".." || strings.HasPrefix(path.Clean(file), "../") {
 		return fmt.Errorf("file %q must be a relative path inside the build context: %w", file, errdefs.ErrInvalidArgument)
@@ -367,7 +376,8 @@ func (b *Build) Run(ctx context.Context, send func(api.BuildEvent) error) (api.T
 	}
 	t, err := build.Build(bctx, build.Options{
 		File: b.file, ContextDir: b.dir, Tags: b.req.Tags, Templates: s.cfg.Templates, Runner: runner,
-		MaxBytes: s.cfg.MaxBytes, NoCache: b.req.NoCache, Network: b.req.Network, Events: events,
+		MaxBytes: s.cfg.MaxBytes, NoCache: b.req.NoCache, Network: b.req.Network || b.req.NetworkPolicy != nil,
+		NetworkPolicy: b.req.NetworkPolicy, Events: events,
 	})
 	if err != nil {
 		status := errdefs.HTTPStatus(err)
