@@ -5,6 +5,11 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
+	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
+	"gvisor.dev/gvisor/pkg/tcpip/header"
+	"gvisor.dev/gvisor/pkg/tcpip/network/ipv4"
+	"gvisor.dev/gvisor/pkg/tcpip/transport/icmp"
+	"gvisor.dev/gvisor/pkg/waiter"
 	"io"
 	"log/slog"
 	"net"
@@ -364,5 +369,117 @@ func TestEgressProxyFailsClosed(t *testing.T) {
 	}
 	if f.dialer.Dialed("tcp " + want) {
 		t.Fatal("the gateway fell back to a direct dial")
+	}
+}
+
+// ping sends one ICMP echo from the sandbox to dst and says whether a
+// reply came.
+func ping(t *testing.T, sb *gatewaytest.SandboxStack, dst netip.Addr) bool {
+	t.Helper()
+	var wq waiter.Queue
+	ep, terr := sb.S.NewEndpoint(icmp.ProtocolNumber4, ipv4.ProtocolNumber, &wq)
+	if terr != nil {
+		t.Fatal(terr)
+	}
+	c := gonet.NewUDPConn(&wq, ep)
+	defer c.Close()
+	echo := header.ICMPv4(make([]byte, header.ICMPv4MinimumSize+4))
+	echo.SetType(header.ICMPv4Echo)
+	copy(echo.Payload(), "ping")
+	if _, err := c.WriteTo(echo, &net.UDPAddr{IP: dst.AsSlice()}); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	buf := make([]byte, 128)
+	n, _, err := c.ReadFrom(buf)
+	return err == nil && n >= header.ICMPv4MinimumSize && header.ICMPv4(buf[:n]).Type() == header.ICMPv4EchoReply
+}
+
+func TestPingAndDNSOverTCP(t *testing.T) {
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}})
+	if !ping(t, f.sb, gatewayAddr) {
+		t.Fatal("ping of the gateway got no reply")
+	}
+	if ping(t, f.sb, ip2) {
+		t.Fatal("ping of an outside address got a reply")
+	}
+	if !f.hasEvent(t, func(ev api.NetworkEvent) bool { return ev.Protocol == "icmp" && ev.Verdict == api.VerdictDrop }) {
+		t.Fatal("no drop event for ICMP out")
+	}
+	// DNS over TCP to the gateway.
+	c, err := f.sb.Dial(gatewayAddr, 53)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	for _, tc := range []struct {
+		name  string
+		rcode dnsmessage.RCode
+	}{{"allowed.test", dnsmessage.RCodeSuccess}, {"other.test", dnsmessage.RCodeNameError}} {
+		m := dnsmessage.Message{Header: dnsmessage.Header{ID: 9, RecursionDesired: true},
+			Questions: []dnsmessage.Question{{Name: dnsmessage.MustNewName(tc.name + "."), Type: dnsmessage.TypeA, Class: dnsmessage.ClassINET}}}
+		b, _ := m.Pack()
+		if _, err := c.Write(append([]byte{byte(len(b) >> 8), byte(len(b))}, b...)); err != nil {
+			t.Fatal(err)
+		}
+		var n [2]byte
+		if _, err := io.ReadFull(c, n[:]); err != nil {
+			t.Fatal(err)
+		}
+		resp := make([]byte, int(n[0])<<8|int(n[1]))
+		if _, err := io.ReadFull(c, resp); err != nil {
+			t.Fatal(err)
+		}
+		var r dnsmessage.Message
+		if err := r.Unpack(resp); err != nil || r.RCode != tc.rcode {
+			t.Fatalf("%s over TCP: %v %v", tc.name, r.RCode, err)
+		}
+		if tc.rcode == dnsmessage.RCodeSuccess && (len(r.Answers) != 1 || r.Answers[0].Body.(*dnsmessage.AResource).A != ip2.As4()) {
+			t.Fatalf("%s over TCP: answers %+v", tc.name, r.Answers)
+		}
+	}
+}
+
+func TestPolicyUpdateEndsNameConnections(t *testing.T) {
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test", "other.test"}})
+	for _, n := range []string{"allowed.test", "other.test"} {
+		if _, _, err := f.sb.Query(t, gatewayAddr, n, dnsmessage.TypeA); err != nil {
+			t.Fatal(err)
+		}
+	}
+	open := func(ip netip.Addr, host string) (net.Conn, *bufio.Reader) {
+		c, err := f.sb.Dial(ip, f.port)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Fprintf(c, "GET / HTTP/1.1\r\nHost: %s\r\n\r\n", host)
+		br := bufio.NewReader(c)
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatalf("%s: %v", host, err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return c, br
+	}
+	keep, keepR := open(ip2, "allowed.test")
+	defer keep.Close()
+	gone, goneR := open(ip3, "other.test")
+	defer gone.Close()
+	if err := f.g.SetPolicy("sb1", api.NetworkPolicy{AllowOut: []string{"allowed.test"}}); err != nil {
+		t.Fatal(err)
+	}
+	_ = gone.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := goneR.ReadByte(); err == nil || strings.Contains(err.Error(), "timeout") {
+		t.Fatalf("connection to a name no longer allowed survived: %v", err)
+	}
+	// The one still allowed keeps working on the same connection.
+	fmt.Fprintf(keep, "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+	_ = keep.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if resp, err := http.ReadResponse(keepR, nil); err != nil {
+		t.Fatalf("still-allowed connection broken: %v", err)
+	} else {
+		resp.Body.Close()
 	}
 }
