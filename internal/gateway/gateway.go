@@ -61,9 +61,9 @@ type Limits struct {
 
 // DefaultLimits are generous for real work and small for abuse.
 var DefaultLimits = Limits{
-	MaxConns:       256,
-	ConnsPerSecond: 50,
-	DNSPerSecond:   50,
+	MaxConns:       512,
+	ConnsPerSecond: 200,
+	DNSPerSecond:   200,
 	NamesPerZone:   200,
 	ZoneWindow:     10 * time.Minute,
 	MaxLabel:       40,

@@ -397,7 +397,7 @@ type counter interface{ Add(int64) int64 }
 
 // pump copies src to dst, counting, under an optional bandwidth limit.
 func pump(dst io.Writer, src io.Reader, bw *rate.Limiter, total counter) int64 {
-	buf := make([]byte, 32<<10)
+	buf := make([]byte, 256<<10)
 	var n int64
 	for {
 		k, err := src.Read(buf)

@@ -36,6 +36,9 @@ type NetworkOptions struct {
 	// none. The zero value reaches nothing.
 	Default api.NetworkPolicy
 
+	// Disabled runs no gateway: sandboxes get no network link at all
+	// (benchmarks compare against it).
+	Disabled bool
 	// DialGuard "loopback" makes the gateway refuse, and log as a
 	// violation, every dial off this machine (tests: nothing may leave it).
 	DialGuard string
@@ -119,6 +122,9 @@ func DefaultDNSUpstream(resolvConf string) (string, error) {
 // stored but show attached=false.
 func startNetwork(opts NetworkOptions) (sandbox.Network, error) {
 	log := opts.logger()
+	if opts.Disabled {
+		return nil, nil
+	}
 	bin := findBinary(opts.GatewayBinary, "SPACE_GATEWAY_BIN", "space-gateway")
 	if bin == "" && opts.AgentBinary != "" {
 		bin = findBinary(filepath.Join(filepath.Dir(opts.AgentBinary), "space-gateway"), "", "")

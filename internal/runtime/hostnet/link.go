@@ -14,10 +14,13 @@ const (
 	SandboxAddr = "198.18.0.2"
 	GatewayAddr = "198.18.0.1"
 	PrefixLen   = 30
-	MTU         = 1500
-	IfName      = "eth0"
-	SandboxMAC  = "02:5a:ce:00:00:02"
-	GatewayMAC  = "02:5a:ce:00:00:01"
+	// MTU is large: the link is virtual, and every frame costs a system
+	// call on each side, so fewer, larger frames are what makes bulk
+	// transfers fast (1500: ~0.05× the host's own download speed).
+	MTU        = 65520
+	IfName     = "eth0"
+	SandboxMAC = "02:5a:ce:00:00:02"
+	GatewayMAC = "02:5a:ce:00:00:01"
 )
 
 // ResolvConf is the sandbox's /etc/resolv.conf: the gateway is its only
