@@ -25,7 +25,7 @@ type FakeNetwork struct {
 	seq      uint64
 	changed  chan struct{} // closed and replaced on every Push
 	calls    []NetCall
-	failNext map[string]error // by method: the next call fails
+	failNext map[string]error  // by method: the next call fails
 	targets  map[uint16]string // DialSandbox: port → local address
 }
 
