@@ -105,13 +105,12 @@ func isRefused(err error) bool {
 // event.
 type ingressConn struct {
 	*gonet.TCPConn
-	l      *link
-	ev     api.NetworkEvent
-	start  time.Time
-	in     atomic.Int64 // bytes the sandbox sent (read here)
-	out    atomic.Int64 // bytes sent to the sandbox
-	once   sync.Once
-	reason string
+	l     *link
+	ev    api.NetworkEvent
+	start time.Time
+	in    atomic.Int64 // bytes the sandbox sent (read here)
+	out   atomic.Int64 // bytes sent to the sandbox
+	once  sync.Once
 }
 
 func (c *ingressConn) Read(p []byte) (int, error) {
