@@ -235,6 +235,21 @@ func TestPortProxy(t *testing.T) {
 	if code, _, _ := ns.portReq(t, "GET", "/v1/sandboxes/"+id+"/ports/9/", "", map[string]string{api.PortTokenHeader: tok}); code != 503 {
 		t.Errorf("nothing listening: %d", code)
 	}
+	// A paused sandbox is woken by a request.
+	op, err := ns.s.mgr.Lifecycle(ctx, id, api.OpPause, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if op, err = ns.s.mgr.Wait(ctx, op.ID); err != nil || op.State != api.OpSucceeded {
+		t.Fatalf("pause: %v %+v", err, op)
+	}
+	if code, _, _ := ns.portReq(t, "GET", base+"/w", "", map[string]string{api.PortTokenHeader: tok}); code != 200 {
+		t.Errorf("paused: %d", code)
+	}
+	if sb, _ := ns.s.mgr.Get(ctx, id); sb.State != api.StateRunning {
+		t.Errorf("state %s after a request to a paused sandbox", sb.State)
+	}
+
 	// An ordinary API request is not taken for a port.
 	ns.call(t, "GET", "/v1/sandboxes/"+id, "", 200, nil)
 }
