@@ -101,6 +101,9 @@ type Sandbox struct {
 	TTLSeconds     int64             `json:"ttl_seconds,omitempty"`
 	Idle           *IdlePolicy       `json:"idle,omitempty"`
 	Network        *NetworkPolicy    `json:"network,omitempty"` // the policy in force
+	// PublicPorts are the ports reachable through the server without the
+	// sandbox's access token (PUT /v1/sandboxes/{id}/ports/{port}).
+	PublicPorts []int `json:"public_ports,omitempty"`
 	Error          string            `json:"error,omitempty"`
 	CreatedAt      time.Time         `json:"created_at"`
 	UpdatedAt      time.Time         `json:"updated_at"`

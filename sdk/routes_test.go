@@ -76,6 +76,10 @@ func TestRoutesAndEncoding(t *testing.T) {
 			seen{Method: "GET", Path: "/v1/operations/op", Query: "wait=30s"}},
 		{func() error { return c.SignalCommand(ctx, "sb", "c1", "TERM") },
 			seen{Method: "POST", Path: "/v1/sandboxes/sb/commands/c1/signal", Body: `{"signal":"TERM"}`, ContentType: "application/json"}},
+		{func() error { _, err := c.Port(ctx, "sb", 8000); return err },
+			seen{Method: "GET", Path: "/v1/sandboxes/sb/ports/8000"}},
+		{func() error { _, err := c.SetPortPublic(ctx, "sb", 8000, true); return err },
+			seen{Method: "PUT", Path: "/v1/sandboxes/sb/ports/8000", Body: `{"public":true}`, ContentType: "application/json"}},
 		{func() error { _, err := c.SandboxNetwork(ctx, "sb"); return err },
 			seen{Method: "GET", Path: "/v1/sandboxes/sb/network"}},
 		{func() error {

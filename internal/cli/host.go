@@ -114,6 +114,7 @@ func newServerCmd(a *app) *cobra.Command {
 	cacheDefault := defaultCacheDir()
 	cmd.Flags().StringVar(&cfg.DataDir, "data", DataDir(), "data directory (env SPACE_DATA)")
 	cmd.Flags().StringVar(&cfg.Listen, "listen", "127.0.0.1:7070", "listen address host:port or unix:/path")
+	cmd.Flags().StringVar(&cfg.PortDomain, "port-domain", "", `domain of host-routed sandbox port URLs, http://<port>-<id>.<domain>/ (e.g. "sandbox.example.com" with a wildcard DNS record; default: the host clients reach the server by, "localhost:<port>" for loopback)`)
 	cmd.Flags().StringVar(&cfg.CacheDir, "cache", cacheDefault, "cache directory for templates and kernels (env SPACE_CACHE)")
 	cmd.Flags().Int64Var(&cfg.MaxTemplateBytes, "max-template-bytes", 8<<30, "limit on one template import or build step (unpacked bytes, and each compressed OCI layer)")
 	cmd.Flags().BoolVar(&cfg.AllowPrivateRegistries, "allow-private-registries", false, "let template pulls reach loopback, private and link-local registry addresses")

@@ -156,6 +156,8 @@ func newRootCmd(a *app) *cobra.Command {
 		newTemplateCmd(a),
 		newInfoCmd(a),
 		newNetCmd(a),
+		newPortCmd(a),
+		newPortForwardCmd(a),
 	)
 	for _, verb := range []string{"pause", "resume", "stop", "start", "wake", "suspend", "restore"} {
 		root.AddCommand(newLifecycleCmd(a, verb))

@@ -4,12 +4,8 @@ import (
 	"bufio"
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
-	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
-	"gvisor.dev/gvisor/pkg/tcpip/header"
-	"gvisor.dev/gvisor/pkg/tcpip/network/ipv4"
-	"gvisor.dev/gvisor/pkg/tcpip/transport/icmp"
-	"gvisor.dev/gvisor/pkg/waiter"
 	"io"
 	"log/slog"
 	"net"
@@ -23,8 +19,15 @@ import (
 
 	"golang.org/x/net/dns/dnsmessage"
 	"golang.org/x/sys/unix"
+	"gvisor.dev/gvisor/pkg/tcpip"
+	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
+	"gvisor.dev/gvisor/pkg/tcpip/header"
+	"gvisor.dev/gvisor/pkg/tcpip/network/ipv4"
+	"gvisor.dev/gvisor/pkg/tcpip/transport/icmp"
+	"gvisor.dev/gvisor/pkg/waiter"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/gateway/gatewaytest"
 	"github.com/spacehq/space/internal/netpolicy"
 )
@@ -481,5 +484,77 @@ func TestPolicyUpdateEndsNameConnections(t *testing.T) {
 		t.Fatalf("still-allowed connection broken: %v", err)
 	} else {
 		resp.Body.Close()
+	}
+}
+
+// TestDialSandbox: the gateway reaches a service listening on the
+// sandbox's own address from its side of the link, both ways, half-close
+// included; a port nothing listens on is a clear error; each connection is
+// an ingress event; an unknown sandbox is not found.
+func TestDialSandbox(t *testing.T) {
+	f := newFixture(t, api.NetworkPolicy{})
+	ln, err := gonet.ListenTCP(f.sb.S, tcpip.FullAddress{Port: 8000}, ipv4.ProtocolNumber)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				b, _ := io.ReadAll(c) // until the host half-closes
+				fmt.Fprintf(c, "got %d bytes: %s", len(b), b)
+			}()
+		}
+	}()
+	ctx := context.Background()
+	c, err := f.g.DialSandbox(ctx, "sb1", 8000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.(interface{ CloseWrite() error }).CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	got, err := io.ReadAll(c)
+	if err != nil || string(got) != "got 5 bytes: hello" {
+		t.Fatalf("reply %q, %v", got, err)
+	}
+	c.Close()
+	if !f.hasEvent(t, func(ev api.NetworkEvent) bool {
+		return ev.Protocol == "ingress" && ev.Port == 8000 && ev.Verdict == api.VerdictAllow && ev.BytesIn == 5 && ev.BytesOut == int64(len(got))
+	}) {
+		t.Errorf("no ingress event: %+v", f.events(t))
+	}
+
+	_, err = f.g.DialSandbox(ctx, "sb1", 8001)
+	if !errors.Is(err, errdefs.ErrUnavailable) || !errors.Is(err, ErrNoListener) || !strings.Contains(err.Error(), "nothing listens on port 8001") {
+		t.Errorf("dial of a closed port: %v", err)
+	}
+	if !f.hasEvent(t, func(ev api.NetworkEvent) bool {
+		return ev.Protocol == "ingress" && ev.Port == 8001 && ev.Verdict == api.VerdictError
+	}) {
+		t.Errorf("no error event: %+v", f.events(t))
+	}
+	if _, err := f.g.DialSandbox(ctx, "nope", 8000); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Errorf("unknown sandbox: %v", err)
+	}
+
+	// Detaching the link ends open ingress connections.
+	c, err = f.g.DialSandbox(ctx, "sb1", 8000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.g.Detach("sb1")
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Read(make([]byte, 1)); err == nil {
+		t.Error("read on a detached link's connection succeeded")
 	}
 }

@@ -50,6 +50,7 @@ type link struct {
 	connLimit *rate.Limiter
 	mu        sync.Mutex
 	conns     map[*relay]struct{}
+	ingress   map[*ingressConn]struct{} // connections the host opened into the sandbox
 	closed    bool
 
 	dropEvents *rate.Limiter // bounds events of dropped packets
@@ -96,6 +97,7 @@ func newLink(g *Gateway, id string, nic *os.File, pol *netpolicy.Policy) (_ *lin
 		dns:        newDNSGuard(lim),
 		connLimit:  rate.NewLimiter(rate.Limit(lim.ConnsPerSecond), int(2*lim.ConnsPerSecond)+1),
 		conns:      map[*relay]struct{}{},
+		ingress:    map[*ingressConn]struct{}{},
 		dropEvents: rate.NewLimiter(20, 40),
 	}
 	l.policy.Store(pol)
@@ -164,7 +166,7 @@ func (l *link) setPolicy(pol *netpolicy.Policy) {
 func (l *link) info() api.NetworkInfo {
 	verdicts, dropped := l.events.counts()
 	l.mu.Lock()
-	open := int64(len(l.conns))
+	open := int64(len(l.conns) + len(l.ingress))
 	l.mu.Unlock()
 	return api.NetworkInfo{
 		Policy:   l.policy.Load().Source(),
@@ -188,9 +190,14 @@ func (l *link) close() {
 	l.closed = true
 	conns := l.conns
 	l.conns = map[*relay]struct{}{}
+	ingress := l.ingress
+	l.ingress = map[*ingressConn]struct{}{}
 	l.mu.Unlock()
 	for r := range conns {
 		r.abort("closed: link detached")
+	}
+	for c := range ingress {
+		_ = c.end("closed: link detached")
 	}
 	// RemoveNIC stops the endpoint's reader before the descriptor goes.
 	l.stack.RemoveNIC(nicID)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"net"
 	"os"
 	"slices"
 	"sync"
@@ -24,12 +25,13 @@ type FakeNetwork struct {
 	seq      uint64
 	changed  chan struct{} // closed and replaced on every Push
 	calls    []NetCall
-	failNext map[string]error // by method: the next call fails
+	failNext map[string]error  // by method: the next call fails
+	targets  map[uint16]string // DialSandbox: port → local address
 }
 
 // NetCall is one recorded call of FakeNetwork.
 type NetCall struct {
-	Method string // "attach", "set_policy", "detach"
+	Method string // "attach", "set_policy", "detach", "dial"
 	ID     string
 	Policy api.NetworkPolicy // attach, set_policy
 }
@@ -39,11 +41,11 @@ var _ Network = (*FakeNetwork)(nil)
 // NewFakeNetwork returns an empty FakeNetwork.
 func NewFakeNetwork() *FakeNetwork {
 	return &FakeNetwork{attached: map[string]api.NetworkPolicy{}, events: map[string][]api.NetworkEvent{},
-		changed: make(chan struct{}), failNext: map[string]error{}}
+		changed: make(chan struct{}), failNext: map[string]error{}, targets: map[uint16]string{}}
 }
 
 // FailNext makes the next call of method ("attach", "set_policy",
-// "detach", "info", "events", "attached") fail with err.
+// "detach", "info", "events", "attached", "dial") fail with err.
 func (f *FakeNetwork) FailNext(method string, err error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -207,4 +209,33 @@ func (f *FakeNetwork) Forget(id string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	delete(f.attached, id)
+}
+
+// Serve makes DialSandbox of port (any sandbox) dial addr, a local TCP
+// address standing in for the service in the sandbox.
+func (f *FakeNetwork) Serve(port uint16, addr string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.targets[port] = addr
+}
+
+// DialSandbox dials the address Serve configured for port (the sandbox need
+// not be attached: the fake runtime's NIC carries nothing). A port without
+// one is ErrUnavailable, as a port nothing listens on is.
+func (f *FakeNetwork) DialSandbox(ctx context.Context, id string, port uint16) (net.Conn, error) {
+	f.mu.Lock()
+	err := f.fault("dial")
+	addr, ok := f.targets[port]
+	if err == nil {
+		f.calls = append(f.calls, NetCall{Method: "dial", ID: id})
+	}
+	f.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	if !ok {
+		return nil, fmt.Errorf("nothing listens on port %d in the sandbox: %w", port, errdefs.ErrUnavailable)
+	}
+	var d net.Dialer
+	return d.DialContext(ctx, "tcp", addr)
 }

@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"context"
+	"net"
 	"os"
 
 	"github.com/spacehq/space/api"
@@ -29,4 +30,9 @@ type Network interface {
 	// Attached lists the ids the gateway serves (reconcile re-attaches the
 	// running sandboxes missing from it, after a gateway restart).
 	Attached(ctx context.Context) ([]string, error)
+	// DialSandbox opens a TCP connection to port on the sandbox's own
+	// address, from the gateway's side of its link (ingress). The conn
+	// supports CloseWrite. ErrNotFound if id is not attached;
+	// ErrUnavailable if nothing listens on the port.
+	DialSandbox(ctx context.Context, id string, port uint16) (net.Conn, error)
 }

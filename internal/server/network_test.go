@@ -56,7 +56,8 @@ func newNetServer(t *testing.T) *netServer {
 	netw := sandbox.NewFakeNetwork()
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: map[string]runtime.Runtime{fakeruntime.Name: rt},
 		Logger: log, BaseTemplateRef: "tiny:latest", Network: netw})
-	s := &Server{cfg: Config{Logger: log}, db: db, tmpl: tmpl, mgr: mgr, metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890"}
+	s := &Server{cfg: Config{Logger: log}, db: db, tmpl: tmpl, mgr: mgr, metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890",
+		portSecret: []byte("0123456789abcdef0123456789abcdef")}
 	s.handler = s.routes()
 	ns := &netServer{s: s, netw: netw, done: make(chan string, 16)}
 	hs := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

@@ -14,10 +14,12 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httputil"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -58,6 +60,11 @@ type Config struct {
 	APIKeyOut *os.File
 	// Network configures the network gateway and the default policy.
 	Network NetworkOptions
+	// PortDomain is the domain of host-routed port URLs
+	// (http://<port>-<id>.<PortDomain>/), e.g. "sandbox.example.com" or
+	// "localhost:7070"; empty: derived from the Host each request used
+	// (a loopback address becomes localhost).
+	PortDomain string
 }
 
 // Server is a running space server (store, manager, HTTP handler).
@@ -72,6 +79,10 @@ type Server struct {
 	apiKey   string
 	handler  http.Handler
 	netw     sandbox.Network // nil: no gateway, sandboxes have no network
+	// portSecret keys the sandboxes' port access tokens (ports.go).
+	portSecret []byte
+	proxyOnce  sync.Once
+	proxyRP    *httputil.ReverseProxy
 }
 
 func (c *Config) defaults() {
@@ -151,6 +162,10 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	portSecret, err := loadOrCreatePortSecret(cfg.DataDir)
+	if err != nil {
+		return nil, fmt.Errorf("port token key: %w", err)
+	}
 	dbPath := filepath.Join(cfg.DataDir, "space.db")
 	db, err := store.Open(dbPath)
 	if err != nil {
@@ -212,7 +227,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	mgr.Run()
 	tsvc := templatesvc.New(templatesvc.Config{Templates: tmpl, Runtimes: rts, Sandboxes: mgr, Logger: cfg.Logger,
 		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries})
-	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, netw: netw}
+	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, netw: netw, portSecret: portSecret}
 	s.handler = s.routes()
 	return s, nil
 }
@@ -362,6 +377,7 @@ const (
 	apiKey      access = iota // Authorization: Bearer <API key>, checked before the handler
 	public                    // nothing
 	attachToken               // the command session's attach token, checked by the handler
+	portToken                 // a sandbox's port access token or the API key (or nothing: a public port), checked by the handler
 )
 
 // bodyKind says how long a route's request body may take to arrive.
@@ -386,6 +402,10 @@ type route struct {
 
 // lifecycleVerbs are the POST /v1/sandboxes/{id}/{verb} routes.
 var lifecycleVerbs = []string{api.OpStop, api.OpStart, api.OpPause, api.OpResume, api.OpWake, api.OpSuspend, api.OpRestore, api.OpFork}
+
+// proxyMethods are the methods path-routed port requests are proxied for
+// (GET patterns also match HEAD).
+var proxyMethods = []string{"GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 
 // routeTable is every route the server serves.
 func (s *Server) routeTable() []route {
@@ -423,6 +443,9 @@ func (s *Server) routeTable() []route {
 		{pattern: "GET /v1/sandboxes/{id}/network", handler: h(s.getNetwork)},
 		{pattern: "PUT /v1/sandboxes/{id}/network", handler: h(s.putNetwork)},
 		{pattern: "GET /v1/sandboxes/{id}/network/events", handler: h(s.networkEvents)},
+		{pattern: "GET /v1/sandboxes/{id}/ports/{port}", handler: h(s.getPort)},
+		{pattern: "PUT /v1/sandboxes/{id}/ports/{port}", handler: h(s.putPort)},
+		{pattern: "GET /v1/sandboxes/{id}/ports/{port}/tcp", access: portToken, body: bodyStream, handler: h(s.portTCP)},
 		{pattern: "GET /v1/templates", handler: h(s.listTemplates)},
 		{pattern: "POST /v1/templates", body: bodyStream, handler: h(s.importTemplate)},
 		{pattern: "POST /v1/templates/base", handler: h(s.buildBase)},
@@ -433,6 +456,9 @@ func (s *Server) routeTable() []route {
 		{pattern: "DELETE /v1/templates/{ref}", handler: h(s.removeTemplate)},
 		{pattern: "POST /v1/templates/{ref}/tags", handler: h(s.tagTemplate)},
 		{pattern: "GET /v1/templates/{ref}/export", handler: h(s.exportTemplate)},
+	}
+	for _, m := range proxyMethods {
+		rs = append(rs, route{pattern: m + " /v1/sandboxes/{id}/ports/{port}/{path...}", access: portToken, body: bodyStream, handler: h(s.proxyPath)})
 	}
 	for _, verb := range lifecycleVerbs {
 		hv := s.lifecycle(verb)
@@ -468,6 +494,13 @@ func (s *Server) routes() http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		sw := &statusWriter{ResponseWriter: w}
 		defer func() { s.metrics.httpReqs.WithLabelValues(r.Method, strconv.Itoa(sw.code)).Inc() }()
+		// Host-routed port requests (<port>-<id>.<domain>) never reach
+		// the API.
+		if id, port, ok := hostRoute(r.Host); ok {
+			guardBody(sw, r, bodyStream)
+			s.proxyHost(sw, r, id, port)
+			return
+		}
 		_, pattern := mux.Handler(r)
 		if pattern == "" {
 			// Distinguish a wrong method from an unknown path, both as JSON.

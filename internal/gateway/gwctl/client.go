@@ -134,3 +134,58 @@ func (c *Client) Counters(ctx context.Context) (map[string]int64, int, error) {
 	resp, err := c.call(ctx, request{Op: opCounters}, nil)
 	return resp.Counters, len(resp.IDs), err
 }
+
+// DialSandbox opens a TCP connection through the gateway to port on the
+// sandbox's own address. The returned conn is the control connection
+// itself, turned into the raw stream after the gateway's success reply; it
+// supports CloseWrite.
+func (c *Client) DialSandbox(ctx context.Context, id string, port uint16) (net.Conn, error) {
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, "unix", c.Path)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w: %v", errdefs.ErrUnavailable, errNoGateway, err)
+	}
+	uc := conn.(*net.UnixConn)
+	stop := context.AfterFunc(ctx, func() { uc.Close() })
+	fail := func(err error) (net.Conn, error) {
+		stop()
+		uc.Close()
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		return nil, err
+	}
+	if _, err := uc.Write(marshalLine(request{Op: opDial, ID: id, Port: port})); err != nil {
+		return fail(fmt.Errorf("%w: gateway: %v", errdefs.ErrUnavailable, err))
+	}
+	// The reply line is read a byte at a time: what follows it is the
+	// sandbox's stream and must stay in the socket for the caller.
+	var line []byte
+	var b [1]byte
+	for {
+		if _, err := uc.Read(b[:]); err != nil {
+			return fail(fmt.Errorf("%w: gateway: %v", errdefs.ErrUnavailable, err))
+		}
+		if b[0] == '\n' {
+			break
+		}
+		if line = append(line, b[0]); len(line) > 64<<10 {
+			return fail(fmt.Errorf("%w: gateway reply too long", errdefs.ErrUnavailable))
+		}
+	}
+	var resp response
+	if err := json.Unmarshal(line, &resp); err != nil {
+		return fail(fmt.Errorf("%w: gateway reply: %v", errdefs.ErrUnavailable, err))
+	}
+	if !resp.Done {
+		return fail(fmt.Errorf("%w: gateway reply is not final", errdefs.ErrUnavailable))
+	}
+	if err := asError(resp.Error); err != nil {
+		return fail(err)
+	}
+	if !stop() {
+		uc.Close()
+		return nil, ctx.Err()
+	}
+	return uc, nil
+}

@@ -29,6 +29,10 @@ const (
 	opAttached  = "attached"
 	opPing      = "ping"
 	opCounters  = "counters"
+	// opDial opens a TCP connection to a port of the sandbox: after a
+	// success reply line the control connection carries its raw bytes both
+	// ways (a half-close of either side is passed on).
+	opDial = "dial"
 )
 
 type request struct {
@@ -37,6 +41,7 @@ type request struct {
 	Policy *api.NetworkPolicy `json:"policy,omitempty"`
 	After  uint64             `json:"after,omitempty"`
 	Follow bool               `json:"follow,omitempty"`
+	Port   uint16             `json:"port,omitempty"`
 }
 
 type response struct {

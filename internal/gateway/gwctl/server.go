@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -87,6 +88,17 @@ func serveConn(ctx context.Context, c *net.UnixConn, g *gateway.Gateway) error {
 			return fail(err)
 		}
 		return reply(response{Info: &info})
+	case opDial:
+		sc, err := g.DialSandbox(ctx, req.ID, req.Port)
+		if err != nil {
+			return fail(err)
+		}
+		if err := reply(response{}); err != nil {
+			sc.Close()
+			return err
+		}
+		splice(c, sc)
+		return nil
 	case opAttached:
 		return reply(response{IDs: g.Attached()})
 	case opCounters:
@@ -111,6 +123,31 @@ func serveConn(ctx context.Context, c *net.UnixConn, g *gateway.Gateway) error {
 	default:
 		return fail(fmt.Errorf("%w: unknown op %q", errdefs.ErrInvalidArgument, req.Op))
 	}
+}
+
+// splice copies a and b into each other until both directions end; the end
+// of one direction is passed on as a half-close, so a request/response
+// protocol whose client closes its writing side still gets its answer.
+func splice(a, b net.Conn) {
+	done := make(chan struct{})
+	go func() {
+		_, _ = io.Copy(b, a)
+		closeWrite(b)
+		close(done)
+	}()
+	_, _ = io.Copy(a, b)
+	closeWrite(a)
+	<-done
+	a.Close()
+	b.Close()
+}
+
+func closeWrite(c net.Conn) {
+	if cw, ok := c.(interface{ CloseWrite() error }); ok {
+		_ = cw.CloseWrite()
+		return
+	}
+	_ = c.Close()
 }
 
 // readRequest reads one JSON line and at most one passed descriptor.
