@@ -120,6 +120,9 @@ func (k *instance) childVM(parent VM) VM {
 	vm.Disk = k.diskImage()
 	vm.CtlSocket = k.ctlSocket()
 	vm.QMPSocket = k.qmpSocket()
+	if parent.NetSocket != "" {
+		vm.NetSocket, vm.NetPeer = k.netSocket(), k.netPeer()
+	}
 	vm.Hostname = k.hostname()
 	vm.IncomingFD = 0
 	return vm

@@ -22,11 +22,13 @@ import (
 // and writable disk), virtio-console (the agent's port), virtio-rng
 // (entropy), virtio-balloon (free page reporting: the guest hands the pages
 // it does not use back to the host), erofs (read-only root images) and
-// overlay (root image plus writable disk). No network or vsock: a sandbox has no network device yet,
-// and this host has no vhost-vsock.
+// overlay (root image plus writable disk), virtio-net with its
+// dependencies failover and net_failover (the sandbox's NIC). No vsock:
+// this host has no vhost-vsock.
 var GuestModules = []string{
 	"virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console",
 	"virtio-rng", "virtio_balloon", "libcrc32c", "erofs", "overlay",
+	"failover", "net_failover", "virtio_net",
 }
 
 // initramfsFormat changes whenever the layout BuildInitramfs writes changes,

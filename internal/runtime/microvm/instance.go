@@ -52,6 +52,8 @@ const warmHostname = "sandbox"
 //	vm/agent.sock   the agent's virtio-serial port (chardev socket)
 //	vm/ctl.sock     the guest init's control port (package vmctl)
 //	vm/qmp.sock     QEMU's monitor
+//	vm/net.sock     QEMU's end of the NIC (unix datagram socket, nic.go)
+//	vm/gw.sock      the host's end of the NIC, bound by NIC
 //
 // For the snapshot code (suspend.go, fork.go, warm.go, migrate.go):
 //
@@ -92,6 +94,7 @@ var (
 	_ runtime.Instance     = (*instance)(nil)
 	_ runtime.Pauser       = (*instance)(nil)
 	_ runtime.ExitReasoner = (*instance)(nil)
+	_ runtime.NICProvider  = (*instance)(nil)
 )
 
 func (i *instance) vmFile() string      { return filepath.Join(i.dir, "vm.json") }
@@ -104,6 +107,8 @@ func (i *instance) consoleLog() string  { return filepath.Join(i.vmDir(), "conso
 func (i *instance) agentSocket() string { return filepath.Join(i.vmDir(), "agent.sock") }
 func (i *instance) ctlSocket() string   { return filepath.Join(i.vmDir(), "ctl.sock") }
 func (i *instance) qmpSocket() string   { return filepath.Join(i.vmDir(), "qmp.sock") }
+func (i *instance) netSocket() string   { return filepath.Join(i.vmDir(), "net.sock") }
+func (i *instance) netPeer() string     { return filepath.Join(i.vmDir(), "gw.sock") }
 
 // ID implements runtime.Instance.
 func (i *instance) ID() string { return i.spec.ID }
@@ -259,6 +264,8 @@ func (i *instance) coldVM(accel string) (VM, error) {
 		Disk:             i.diskImage(),
 		CtlSocket:        i.ctlSocket(),
 		QMPSocket:        i.qmpSocket(),
+		NetSocket:        i.netSocket(),
+		NetPeer:          i.netPeer(),
 		Hostname:         hostname,
 		SandboxMemoryMiB: l.MemoryMiB,
 		Pids:             l.Pids,
@@ -767,7 +774,9 @@ func (i *instance) stopLocked(ctx context.Context) error {
 	if err := jail.RemoveCgroup(i.spec.ID); err != nil {
 		errs = append(errs, err)
 	}
-	for _, p := range []string{i.pidFile(), i.agentSocket(), i.ctlSocket(), i.qmpSocket()} {
+	// The NIC's sockets too: a descriptor NIC returned for this QEMU is
+	// dead with it, and the next QEMU's NIC binds a fresh host end.
+	for _, p := range []string{i.pidFile(), i.agentSocket(), i.ctlSocket(), i.qmpSocket(), i.netSocket(), i.netPeer()} {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, err)
 		}

@@ -21,6 +21,7 @@ import (
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/agentproto"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime/hostnet"
 	"github.com/spacehq/space/internal/runtime/microvm/jail"
 	"github.com/spacehq/space/internal/runtime/microvm/vmctl"
 	"github.com/spacehq/space/internal/runtime/microvm/vminit"
@@ -62,6 +63,14 @@ type VM struct {
 	CtlSocket string
 	// QMPSocket is QEMU's machine protocol socket; empty: none.
 	QMPSocket string
+	// NetSocket and NetPeer are the two ends of the sandbox's NIC, a
+	// virtio-net device (MAC hostnet.SandboxMAC) whose backend is a unix
+	// datagram socket (-netdev dgram): QEMU binds NetSocket, reads the
+	// frames the guest receives from it, and sends each frame the guest
+	// transmits as one datagram to NetPeer, where the host binds the
+	// descriptor NIC returns (nic.go). Both empty: no NIC.
+	NetSocket string
+	NetPeer   string
 	// Hostname, SandboxMemoryMiB and Pids reach the guest's init on the
 	// kernel command line (vminit.Env*): the sandbox's hostname and the
 	// limits of its cgroup inside the guest.
@@ -96,7 +105,7 @@ func (v VM) Args() ([]string, error) {
 			return nil, fmt.Errorf("microvm: path %q is empty or has a comma: %w", p, errdefs.ErrInvalidArgument)
 		}
 	}
-	for _, p := range []string{v.RootImage, v.Disk, v.CtlSocket, v.QMPSocket} {
+	for _, p := range []string{v.RootImage, v.Disk, v.CtlSocket, v.QMPSocket, v.NetSocket, v.NetPeer} {
 		if strings.ContainsRune(p, ',') {
 			return nil, fmt.Errorf("microvm: path %q has a comma: %w", p, errdefs.ErrInvalidArgument)
 		}
@@ -104,7 +113,10 @@ func (v VM) Args() ([]string, error) {
 	if (v.RootImage == "") != (v.Disk == "") {
 		return nil, fmt.Errorf("microvm: a root image needs a writable disk and the other way round: %w", errdefs.ErrInvalidArgument)
 	}
-	for _, p := range []string{v.AgentSocket, v.CtlSocket, v.QMPSocket} {
+	if (v.NetSocket == "") != (v.NetPeer == "") {
+		return nil, fmt.Errorf("microvm: a NIC needs both its sockets: %w", errdefs.ErrInvalidArgument)
+	}
+	for _, p := range []string{v.AgentSocket, v.CtlSocket, v.QMPSocket, v.NetSocket, v.NetPeer} {
 		if len(p) > maxUnixPath {
 			return nil, fmt.Errorf("microvm: socket path %q is longer than %d bytes: %w", p, maxUnixPath, errdefs.ErrInvalidArgument)
 		}
@@ -159,6 +171,14 @@ func (v VM) Args() ([]string, error) {
 			"-device", "virtio-blk-device,drive=root,serial="+vminit.RootSerial,
 			"-drive", "id=disk,file="+v.Disk+",format=raw,if=none,discard=unmap",
 			"-device", "virtio-blk-device,drive=disk,serial="+vminit.DiskSerial)
+	}
+	if v.NetSocket != "" {
+		// No vnet header on a dgram backend: QEMU offers the guest no
+		// checksum or segmentation offloads, so every frame is a whole,
+		// checksummed Ethernet frame of at most the link's MTU.
+		args = append(args,
+			"-netdev", "dgram,id=net0,local.type=unix,local.path="+v.NetSocket+",remote.type=unix,remote.path="+v.NetPeer,
+			"-device", "virtio-net-device,netdev=net0,mac="+hostnet.SandboxMAC)
 	}
 	if v.QMPSocket != "" {
 		args = append(args, "-qmp", "unix:"+v.QMPSocket+",server=on,wait=off")
@@ -315,8 +335,9 @@ func Launch(v VM, o LaunchOptions) (*Process, error) {
 	if bin == "" {
 		bin = DefaultQEMU
 	}
-	// Stale sockets make QEMU fail to bind.
-	for _, s := range []string{v.AgentSocket, v.CtlSocket, v.QMPSocket} {
+	// Stale sockets make QEMU fail to bind; a host end of the NIC left
+	// from an earlier QEMU serves no one (NIC binds a new one).
+	for _, s := range []string{v.AgentSocket, v.CtlSocket, v.QMPSocket, v.NetSocket, v.NetPeer} {
 		if s != "" {
 			_ = os.Remove(s)
 		}

@@ -92,10 +92,16 @@ func (r *Runtime) ForgetWarm(treeDigest string) error {
 // left out: what a warm snapshot of its kind was taken from.
 func warmShape(vm VM) VM {
 	vm.AgentSocket, vm.ConsoleLog, vm.Disk, vm.CtlSocket, vm.QMPSocket = "", "", "", "", ""
+	vm.NetSocket, vm.NetPeer = "", ""
 	vm.Hostname = ""
 	vm.IncomingFD = 0
 	return vm
 }
+
+// warmKeyVersion changes when what a snapshot holds changes beyond the
+// fields of the key: 2 — the VM has a NIC (a virtio-net device), which a
+// snapshot taken without one cannot restore into.
+const warmKeyVersion = 2
 
 // warmKey names the kind of sandbox a warm snapshot serves: a digest over
 // the tree digest, the VM's shape (vCPUs, memory, sandbox memory and
@@ -115,7 +121,7 @@ func (i *instance) warmKey(vm VM, qemuVersion string) (string, error) {
 		Kernel      string
 		Initramfs   string
 		QEMUVersion string
-	}{1, i.spec.TemplateDigest, warmShape(vm), i.spec.Limits.DiskMiB, bf.kernel.Release, filepath.Base(bf.initrd), qemuVersion})
+	}{warmKeyVersion, i.spec.TemplateDigest, warmShape(vm), i.spec.Limits.DiskMiB, bf.kernel.Release, filepath.Base(bf.initrd), qemuVersion})
 	if err != nil {
 		return "", err
 	}

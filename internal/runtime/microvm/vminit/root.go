@@ -294,6 +294,11 @@ func hostsWithName(hosts []byte, name string) []byte {
 // /proc, /sys, /dev or the agent's directory), no magic links, and not
 // blocking on a FIFO. Only regular files are returned.
 func openSandbox(path string, flags int, mode uint32) (*os.File, error) {
+	return openSandboxResolve(path, flags, mode, 0)
+}
+
+// openSandboxResolve is openSandbox with more RESOLVE_ flags.
+func openSandboxResolve(path string, flags int, mode uint32, resolve uint64) (*os.File, error) {
 	root, err := unix.Open("/", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, err
@@ -302,7 +307,7 @@ func openSandbox(path string, flags int, mode uint32) (*os.File, error) {
 	fd, err := unix.Openat2(root, strings.TrimPrefix(path, "/"), &unix.OpenHow{
 		Flags:   uint64(flags | unix.O_CLOEXEC | unix.O_NONBLOCK | unix.O_NOCTTY),
 		Mode:    uint64(mode),
-		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_XDEV | unix.RESOLVE_NO_MAGICLINKS,
+		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_XDEV | unix.RESOLVE_NO_MAGICLINKS | resolve,
 	})
 	if err != nil {
 		return nil, &os.PathError{Op: "open", Path: path, Err: err}
@@ -339,7 +344,14 @@ func readSandboxFile(path string, limit int64) ([]byte, error) {
 // writeSandboxFile replaces the contents of path (owned by sandbox root,
 // mode 0644). A non-regular file there is removed first.
 func writeSandboxFile(path string, data []byte) error {
-	f, err := openSandbox(path, unix.O_WRONLY|unix.O_CREAT, 0o644)
+	return writeSandboxFileResolve(path, data, 0)
+}
+
+// writeSandboxFileResolve is writeSandboxFile with more RESOLVE_ flags
+// (RESOLVE_NO_SYMLINKS: a symlink at path is replaced, one on the way to
+// it fails the write).
+func writeSandboxFileResolve(path string, data []byte, resolve uint64) error {
+	f, err := openSandboxResolve(path, unix.O_WRONLY|unix.O_CREAT, 0o644, resolve)
 	if err != nil {
 		// Not a regular file (a FIFO, a directory, a symlink across a
 		// mount or dangling): replace it. Only the last component is
@@ -347,7 +359,7 @@ func writeSandboxFile(path string, data []byte) error {
 		if rmErr := removeSandboxEntry(path); rmErr != nil {
 			return fmt.Errorf("%v; replacing it: %w", err, rmErr)
 		}
-		f, err = openSandbox(path, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL, 0o644)
+		f, err = openSandboxResolve(path, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL, 0o644, resolve)
 	}
 	if err != nil {
 		return err

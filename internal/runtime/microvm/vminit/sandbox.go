@@ -80,6 +80,12 @@ func runSandbox(cfg config, rootDev, diskDev string, ph *phases) {
 	if err := loopbackUp(); err != nil {
 		fail(err)
 	}
+	if nic, err := nicUp(); err != nil {
+		fail(err)
+	} else if nic {
+		writeResolvConf()
+	}
+	ph.mark("net")
 	if err := hardenKernel(); err != nil {
 		fail(err)
 	}
@@ -320,4 +326,15 @@ func addEntropy(seed []byte) error {
 		return fmt.Errorf("RNDRESEEDCRNG: %w", errno)
 	}
 	return nil
+}
+
+// writeResolvConf makes the gateway the sandbox's resolver. The file is
+// the sandbox's (as /etc/hosts, see setHostname) and is rewritten at every
+// boot; a symlink there (systemd-resolved's stub, or one the sandbox
+// planted) is replaced by a regular file, never followed. A failure is
+// said on the console and left to the sandbox.
+func writeResolvConf() {
+	if err := writeSandboxFileResolve("/etc/resolv.conf", []byte(ResolvConf), unix.RESOLVE_NO_SYMLINKS); err != nil {
+		fmt.Fprintln(os.Stderr, "space-agent: vm init: /etc/resolv.conf not written:", err)
+	}
 }
