@@ -19,7 +19,7 @@ const (
 	NICAddr    = "198.18.0.2"
 	NICPrefix  = 30
 	NICGateway = "198.18.0.1"
-	NICMTU     = 1500
+	NICMTU     = 1500 // not hostnet.MTU: virtio-net receive buffers are sized for standard frames
 	ResolvConf = "nameserver " + NICGateway + "\noptions edns0 trust-ad\n"
 )
 
