@@ -142,7 +142,7 @@ func networkEvents(t *testing.T, e *env, id string) []api.NetworkEvent {
 
 // networkRuntimes are the runtimes the egress test runs on (each sandbox
 // gets its NIC its own way; the gateway and the policy are the same).
-var networkRuntimes = []string{"native", "gvisor"}
+var networkRuntimes = []string{"native", "gvisor", "microvm"}
 
 func TestNetworkEgressPolicy(t *testing.T) {
 	e := setup(t)
