@@ -426,3 +426,61 @@ func TestNetworkBuildStep(t *testing.T) {
 		t.Fatalf("bad build policy: %v", err)
 	}
 }
+
+// TestNetworkSuspendAndFork (gvisor): after suspend and restore the NIC
+// works again; a fork child gets its own gateway state — it inherits the
+// policy but not the parent's DNS bindings, so an address only the parent
+// resolved is refused to the child until it resolves the name itself.
+func TestNetworkSuspendAndFork(t *testing.T) {
+	e := setup(t)
+	hp := e.internet.httpPort
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "gvisor", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+	get := fmt.Sprintf("curl -sS --max-time 10 http://allowed.test:%d/", hp)
+	if out, code := sh(t, e, sb.ID, get); code != 0 || !strings.Contains(out, "host=allowed.test") {
+		t.Fatalf("before suspend: %d %q", code, out)
+	}
+	ctx := ctxT(t, 5*time.Minute)
+	wait := func(op *api.Operation, err error) *api.Operation {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+		done, err := e.client.WaitOperation(ctx, op.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return done
+	}
+	wait(e.client.Suspend(ctx, sb.ID))
+	if info, err := e.client.SandboxNetwork(ctx, sb.ID); err != nil || info.Attached {
+		t.Fatalf("a suspended sandbox still has a link: %+v %v", info, err)
+	}
+	wait(e.client.Restore(ctx, sb.ID))
+	if out, code := sh(t, e, sb.ID, get); code != 0 || !strings.Contains(out, "host=allowed.test") {
+		t.Fatalf("after restore: %d %q", code, out)
+	}
+	op := wait(e.client.Fork(ctx, sb.ID, api.ForkRequest{Count: 1}))
+	if len(op.Children) != 1 {
+		t.Fatalf("fork: %+v", op)
+	}
+	child := op.Children[0]
+	t.Cleanup(func() {
+		if op, err := e.client.DeleteSandbox(context.Background(), child, true); err == nil {
+			e.client.WaitOperation(context.Background(), op.ID)
+		}
+	})
+	csb, err := e.client.GetSandbox(ctx, child)
+	if err != nil || csb.Network == nil || len(csb.Network.AllowOut) != 1 {
+		t.Fatalf("child's policy: %+v %v", csb, err)
+	}
+	noDNS := fmt.Sprintf("curl -sS --max-time 10 --resolve allowed.test:%d:198.19.0.2 http://allowed.test:%d/", hp, hp)
+	if out, code := sh(t, e, child, noDNS); code == 0 {
+		t.Fatalf("the child used a binding only its parent resolved: %q", out)
+	}
+	if out, code := sh(t, e, child, get); code != 0 || !strings.Contains(out, "host=allowed.test") {
+		t.Fatalf("child after its own resolution: %d %q", code, out)
+	}
+	if out, code := sh(t, e, sb.ID, noDNS); code != 0 {
+		t.Fatalf("the parent lost its binding: %d %q", code, out)
+	}
+}
