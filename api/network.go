@@ -46,6 +46,16 @@ type NetworkInfo struct {
 	// Attached is false while the sandbox has no live link (stopped,
 	// suspended, or its gateway is being restarted).
 	Attached bool `json:"attached"`
+	// History are the counters of the sandbox's earlier links, as they
+	// were when each ended (stop, suspend, …), newest first; persisted.
+	History []NetworkSummary `json:"history,omitempty"`
+}
+
+// NetworkSummary is the record of one link that ended.
+type NetworkSummary struct {
+	EndedAt time.Time    `json:"ended_at"`
+	During  string       `json:"during"` // what ended it: "stop", "suspend", "delete", …
+	Stats   NetworkStats `json:"stats"`
 }
 
 // NetworkStats are counters of one sandbox's link since it was attached.
@@ -71,7 +81,7 @@ const (
 type NetworkEvent struct {
 	Seq        uint64    `json:"seq"`
 	Time       time.Time `json:"time"`
-	Protocol   string    `json:"protocol"` // "dns", "tcp", "tls", "http", "udp", "icmp"
+	Protocol   string    `json:"protocol"` // "dns", "tcp", "tls", "http", "udp", "icmp", "other", "ingress", "policy"
 	Name       string    `json:"name,omitempty"`
 	IP         string    `json:"ip,omitempty"`
 	Port       int       `json:"port,omitempty"`

@@ -452,8 +452,13 @@ func TestNetworkSuspendAndFork(t *testing.T) {
 		return done
 	}
 	wait(e.client.Suspend(ctx, sb.ID))
-	if info, err := e.client.SandboxNetwork(ctx, sb.ID); err != nil || info.Attached {
+	info, err := e.client.SandboxNetwork(ctx, sb.ID)
+	if err != nil || info.Attached {
 		t.Fatalf("a suspended sandbox still has a link: %+v %v", info, err)
+	}
+	// What the ended link counted is kept.
+	if len(info.History) == 0 || info.History[0].During != "suspend" || info.History[0].Stats.BytesIn == 0 {
+		t.Fatalf("no summary of the link suspend ended: %+v", info.History)
 	}
 	wait(e.client.Restore(ctx, sb.ID))
 	if out, code := sh(t, e, sb.ID, get); code != 0 || !strings.Contains(out, "host=allowed.test") {

@@ -275,7 +275,7 @@ func (f *filter) admit(proto tcpip.NetworkProtocolNumber, pkt *stack.PacketBuffe
 		f.l.dropEvent(api.NetworkEvent{Protocol: "icmp", IP: dst.String(), Reason: "icmp is not forwarded"})
 		return false
 	default:
-		f.l.dropEvent(api.NetworkEvent{Protocol: fmt.Sprintf("ip-%d", ip.TransportProtocol()), IP: dst.String(), Reason: "protocol is not forwarded"})
+		f.l.dropEvent(api.NetworkEvent{Protocol: "other", IP: dst.String(), Reason: fmt.Sprintf("ip protocol %d is not forwarded", ip.TransportProtocol())})
 		return false
 	}
 }

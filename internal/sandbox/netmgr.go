@@ -118,6 +118,13 @@ func (m *Manager) detachNetwork(id, during string) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
+	// What the link counted outlives it (the gateway forgets at Detach).
+	if gi, err := m.cfg.Network.Info(ctx, id); err == nil {
+		sum := api.NetworkSummary{EndedAt: time.Now().UTC(), During: during, Stats: gi.Stats}
+		if err := m.cfg.DB.AddNetworkSummary(ctx, id, sum); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+			m.log.Warn("recording a network summary failed", "sandbox", id, "err", err)
+		}
+	}
 	if err := m.cfg.Network.Detach(ctx, id); err != nil {
 		m.log.Warn("detaching sandbox from the network gateway failed; reconcile will retry", "sandbox", id, "during", during, "err", err)
 	}
@@ -260,6 +267,9 @@ func (m *Manager) NetworkInfo(ctx context.Context, id string) (api.NetworkInfo, 
 		return api.NetworkInfo{}, err
 	}
 	info := api.NetworkInfo{Policy: policyOf(sb)}
+	if info.History, err = m.cfg.DB.NetworkSummaries(ctx, id, 20); err != nil {
+		return api.NetworkInfo{}, err
+	}
 	if m.cfg.Network == nil {
 		return info, nil
 	}

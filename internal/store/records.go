@@ -300,3 +300,53 @@ func queryJSON[T any](ctx context.Context, db *sql.DB, what, q string, args ...a
 	}
 	return out, nil
 }
+
+// maxNetworkSummaries bounds the summaries kept per sandbox (the oldest go).
+const maxNetworkSummaries = 100
+
+// AddNetworkSummary records what one ended network link of sandbox id
+// counted. A missing sandbox is ErrNotFound.
+func (d *DB) AddNetworkSummary(ctx context.Context, id string, s api.NetworkSummary) error {
+	data, err := json.Marshal(s)
+	if err != nil {
+		return err
+	}
+	return d.write(ctx, func(tx *sql.Tx) error {
+		var n int
+		if err := tx.QueryRowContext(ctx, `SELECT count(*) FROM sandboxes WHERE id = ?`, id).Scan(&n); err != nil {
+			return err
+		}
+		if n == 0 {
+			return notFound("sandbox", id)
+		}
+		if _, err := tx.ExecContext(ctx, `INSERT INTO network_summaries (sandbox_id, ended_at, data) VALUES (?, ?, ?)`,
+			id, s.EndedAt.UnixNano(), string(data)); err != nil {
+			return fmt.Errorf("add network summary of %q: %w", id, err)
+		}
+		_, err := tx.ExecContext(ctx, `DELETE FROM network_summaries WHERE sandbox_id = ? AND rowid NOT IN
+			(SELECT rowid FROM network_summaries WHERE sandbox_id = ? ORDER BY ended_at DESC LIMIT ?)`, id, id, maxNetworkSummaries)
+		return err
+	})
+}
+
+// NetworkSummaries returns up to limit summaries of sandbox id, newest first.
+func (d *DB) NetworkSummaries(ctx context.Context, id string, limit int) ([]api.NetworkSummary, error) {
+	rows, err := d.db.QueryContext(ctx, `SELECT data FROM network_summaries WHERE sandbox_id = ? ORDER BY ended_at DESC LIMIT ?`, id, limit)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []api.NetworkSummary
+	for rows.Next() {
+		var data string
+		if err := rows.Scan(&data); err != nil {
+			return nil, err
+		}
+		var s api.NetworkSummary
+		if err := json.Unmarshal([]byte(data), &s); err != nil {
+			return nil, fmt.Errorf("network summary of %q: %w", id, err)
+		}
+		out = append(out, s)
+	}
+	return out, rows.Err()
+}

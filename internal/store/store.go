@@ -170,6 +170,15 @@ CREATE TABLE commands (
 ) STRICT;
 CREATE INDEX commands_by_created ON commands (sandbox_id, created_at);
 `,
+	// 2: what each ended network link of a sandbox counted.
+	`
+CREATE TABLE network_summaries (
+	sandbox_id TEXT NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+	ended_at   INTEGER NOT NULL, -- unix nanoseconds
+	data       TEXT NOT NULL     -- api.NetworkSummary JSON
+) STRICT;
+CREATE INDEX network_summaries_by_sandbox ON network_summaries (sandbox_id, ended_at);
+`,
 }
 
 // SchemaVersion is the schema version this build writes.

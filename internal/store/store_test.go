@@ -411,3 +411,32 @@ func TestConcurrentWriters(t *testing.T) {
 		t.Fatalf("got %d sandboxes, %v; want %d", len(l), err, workers*each)
 	}
 }
+
+func TestNetworkSummaries(t *testing.T) {
+	d, _ := openTemp(t)
+	ctx := context.Background()
+	if err := d.AddNetworkSummary(ctx, "nope", api.NetworkSummary{}); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("summary of a missing sandbox: %v", err)
+	}
+	sb := api.Sandbox{ID: "sb1", State: api.StateRunning, Runtime: "native", CreatedAt: time.Now()}
+	if err := d.PutSandbox(ctx, sb); err != nil {
+		t.Fatal(err)
+	}
+	base := time.Now().UTC()
+	for i := 0; i < maxNetworkSummaries+5; i++ {
+		if err := d.AddNetworkSummary(ctx, "sb1", api.NetworkSummary{EndedAt: base.Add(time.Duration(i) * time.Second), During: "stop",
+			Stats: api.NetworkStats{BytesIn: int64(i)}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := d.NetworkSummaries(ctx, "sb1", 1000)
+	if err != nil || len(got) != maxNetworkSummaries || got[0].Stats.BytesIn != maxNetworkSummaries+4 {
+		t.Fatalf("summaries: %d %v (newest %+v)", len(got), err, got[0])
+	}
+	if err := d.DeleteSandbox(ctx, "sb1"); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := d.NetworkSummaries(ctx, "sb1", 10); len(got) != 0 {
+		t.Fatalf("summaries outlived their sandbox: %d", len(got))
+	}
+}
