@@ -35,11 +35,11 @@ type Step struct {
 	Env      map[string]string
 	Workdir  string
 	User     string
-	Network  bool      // the build asked for network access
+	Network  bool // the build asked for network access
 	// Policy is the egress policy of a step with Network; nil: every
 	// public destination (internet).
 	Policy *api.NetworkPolicy
-	Output   io.Writer // stdout and stderr as they come, interleaved
+	Output io.Writer // stdout and stderr as they come, interleaved
 	// Apply is called, only when Cmd exited 0, with the stopped sandbox's
 	// filesystem changes, before the sandbox is removed.
 	Apply func(ctx context.Context, upper template.Upper) error

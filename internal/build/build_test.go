@@ -739,3 +739,25 @@ func TestOutputWriterKeepsRunes(t *testing.T) {
 }
 
 func utf8Valid(s string) bool { return strings.ToValidUTF8(s, "\uFFFD") == s }
+
+func TestNetworkInstruction(t *testing.T) {
+	e := newEnv(t)
+	tpl, err := e.build(t, "FROM base\nNETWORK --internet --deny=10.0.0.0/8,192.0.2.0/24 pypi.org *.pythonhosted.org\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := &api.NetworkPolicy{Internet: true, DenyOut: []string{"10.0.0.0/8", "192.0.2.0/24"}, AllowOut: []string{"pypi.org", "*.pythonhosted.org"}}
+	if !reflect.DeepEqual(tpl.Config.Network, want) {
+		t.Fatalf("template network %+v, want %+v", tpl.Config.Network, want)
+	}
+	tpl, err = e.build(t, "FROM base\nNETWORK --internet\nNETWORK none\n")
+	if err != nil || tpl.Config.Network == nil || tpl.Config.Network.Internet || len(tpl.Config.Network.AllowOut) != 0 {
+		t.Fatalf("NETWORK none: %+v %v", tpl.Config.Network, err)
+	}
+	for _, bad := range []string{"NETWORK *", "NETWORK --deny=example.com ok.test", "NETWORK --internet none", "NETWORK --internet=yes", "NETWORK"} {
+		_, err := Parse(strings.NewReader("FROM base\n" + bad + "\n"))
+		if err == nil || !strings.Contains(err.Error(), "line 2") {
+			t.Errorf("%q: %v, want an error on line 2", bad, err)
+		}
+	}
+}

@@ -277,6 +277,14 @@ func (b *builder) lookup() lookupFunc { return mapLookup(b.cfg.Env) }
 func (b *builder) plan(ctx context.Context, n int, in *Instruction) (*plan, error) {
 	p := &plan{cfg: cloneConfig(b.cfg)}
 	switch in.Cmd {
+	case "NETWORK":
+		pol, err := in.NetworkPolicy()
+		if err != nil {
+			return nil, invalidf("NETWORK: %v", err)
+		}
+		p.cfg.Network = &pol
+		pj, _ := json.Marshal(pol)
+		p.key.Args = []string{string(pj)}
 	case "ENV":
 		pairs, err := parseEnv(in.Raw, b.lookup())
 		if err != nil {
@@ -650,6 +658,13 @@ func cloneConfig(c api.TemplateConfig) api.TemplateConfig {
 		s.Cmd = slices.Clone(c.Start.Cmd)
 		s.Ready = slices.Clone(c.Start.Ready)
 		out.Start = &s
+	}
+	if c.Network != nil {
+		n := *c.Network
+		n.AllowOut = slices.Clone(c.Network.AllowOut)
+		n.DenyOut = slices.Clone(c.Network.DenyOut)
+		n.Rules = slices.Clone(c.Network.Rules)
+		out.Network = &n
 	}
 	return out
 }

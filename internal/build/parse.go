@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"github.com/spacehq/space/api"
 	"io"
 	"regexp"
 	"strconv"
@@ -12,6 +13,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/netpolicy"
 )
 
 // Limits on a build file.
@@ -67,10 +69,11 @@ var unsupported = map[string]string{
 // why known Docker flags are refused.
 var (
 	flagsAllowed = map[string][]string{
-		"RUN":   {"network"},
-		"COPY":  {"chown"},
-		"ADD":   {"chown"},
-		"READY": {"timeout", "interval"},
+		"RUN":     {"network"},
+		"COPY":    {"chown"},
+		"ADD":     {"chown"},
+		"READY":   {"timeout", "interval"},
+		"NETWORK": {"internet", "deny"},
 	}
 	flagsRefused = map[string]string{
 		"from":     "multi-stage builds are not supported",
@@ -199,7 +202,7 @@ func parseInstruction(line int, text string) (Instruction, error) {
 		return in, lineError(line, "%s is not supported: %s", in.Cmd, why)
 	}
 	switch in.Cmd {
-	case "FROM", "RUN", "COPY", "ADD", "ENV", "WORKDIR", "USER", "CMD", "START", "READY", "LABEL":
+	case "FROM", "RUN", "COPY", "ADD", "ENV", "WORKDIR", "USER", "CMD", "START", "READY", "LABEL", "NETWORK":
 	default:
 		return in, lineError(line, "unknown instruction %s", kw)
 	}
@@ -230,7 +233,7 @@ func parseInstruction(line int, text string) (Instruction, error) {
 		rest = strings.TrimLeft(after, " \t")
 	}
 	in.Raw = rest
-	if rest == "" && in.Cmd != "LABEL" {
+	if rest == "" && in.Cmd != "LABEL" && !(in.Cmd == "NETWORK" && len(in.Flags) > 0) {
 		return in, lineError(line, "%s needs arguments", in.Cmd)
 	}
 	if strings.HasPrefix(rest, "<<") && (in.Cmd == "RUN" || in.Cmd == "COPY" || in.Cmd == "ADD") {
@@ -246,6 +249,8 @@ func parseInstruction(line int, text string) (Instruction, error) {
 		err = in.parseCopy()
 	case "ENV":
 		_, err = parseEnv(rest, placeholder)
+	case "NETWORK":
+		_, err = in.NetworkPolicy()
 	case "WORKDIR", "USER":
 		var v string
 		v, err = expandWord(rest, placeholder)
@@ -453,4 +458,36 @@ func checkEnvName(name string) error {
 		}
 	}
 	return nil
+}
+
+// NetworkPolicy is the default egress policy a NETWORK instruction gives
+// sandboxes of the template: "NETWORK none" reaches nothing; otherwise the
+// words are allow_out entries, --internet allows every public destination and
+// --deny=CIDR[,CIDR] are deny_out entries.
+func (in *Instruction) NetworkPolicy() (api.NetworkPolicy, error) {
+	var p api.NetworkPolicy
+	words := strings.Fields(in.Raw)
+	if len(words) == 1 && strings.EqualFold(words[0], "none") {
+		if len(in.Flags) > 0 {
+			return p, fmt.Errorf("NETWORK none takes no flags")
+		}
+		return p, nil
+	}
+	if v, ok := in.Flags["internet"]; ok {
+		if v != "" && v != "true" {
+			return p, fmt.Errorf("--internet takes no value")
+		}
+		p.Internet = true
+	}
+	if v, ok := in.Flags["deny"]; ok {
+		if v == "" {
+			return p, fmt.Errorf("--deny needs CIDR[,CIDR]")
+		}
+		p.DenyOut = strings.Split(v, ",")
+	}
+	p.AllowOut = words
+	if err := netpolicy.Validate(p); err != nil {
+		return p, err
+	}
+	return p, nil
 }

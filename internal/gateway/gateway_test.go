@@ -558,3 +558,41 @@ func TestDialSandbox(t *testing.T) {
 		t.Error("read on a detached link's connection succeeded")
 	}
 }
+
+// TestHTTPHeadIsBounded: a request whose head never ends is cut off at
+// 64 KiB; the gateway (which every sandbox shares) holds no more of it.
+func TestHTTPHeadIsBounded(t *testing.T) {
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}})
+	if _, _, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA); err != nil {
+		t.Fatal(err)
+	}
+	c, err := f.sb.Dial(ip2, f.port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	fmt.Fprintf(c, "GET /1 HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+	br := bufio.NewReader(c)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	// The second request's head is a line that never ends.
+	go func() {
+		line := []byte("GET /2 HTTP/1.1\r\nX-Long: " + strings.Repeat("a", 32<<10))
+		for i := 0; i < 8; i++ {
+			if _, err := c.Write(line); err != nil {
+				return
+			}
+			line = []byte(strings.Repeat("a", 32<<10))
+		}
+	}()
+	if _, err := br.ReadByte(); err == nil {
+		t.Fatal("an endless request head got an answer")
+	} else if strings.Contains(err.Error(), "timeout") {
+		t.Fatal("the gateway kept reading an endless request head")
+	}
+}

@@ -59,7 +59,11 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 	ev := api.NetworkEvent{Protocol: "tcp", IP: dst.String(), Port: int(port)}
 	refuse := func(verdict, reason string) {
 		ev.Verdict, ev.Reason = verdict, reason
-		l.events.add(ev)
+		// A flood of refused SYNs must not churn the ring: refusals by a
+		// limit are recorded at a bounded rate, like dropped packets.
+		if verdict != api.VerdictLimit || l.dropEvents.Allow() {
+			l.events.add(ev)
+		}
 		r.Complete(true)
 	}
 	if !l.connLimit.Allow() {
@@ -119,9 +123,18 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 // allows: on a kept-alive connection the first request's Host proved
 // nothing about the second's (a shared address serves many names).
 func (l *link) httpRequests(up io.Writer, in io.Reader, dst netip.Addr, port uint16, bw *rate.Limiter, n *int64) error {
-	br := bufio.NewReaderSize(in, 16<<10)
+	br := bufio.NewReaderSize(in, maxRequestHead)
 	cw := &countingWriter{w: up, bw: bw, n: n, total: &l.bytesOut}
 	for {
+		// net/http reads a header line of any length: the whole head must
+		// be in the buffer first, so a sandbox cannot make the gateway
+		// (which every sandbox shares) hold an unbounded line.
+		if err := bufferHead(br); err != nil {
+			if err == io.EOF {
+				return nil
+			}
+			return fmt.Errorf("http: %w", err)
+		}
 		req, err := http.ReadRequest(br)
 		if err != nil {
 			if err == io.EOF {
@@ -135,6 +148,7 @@ func (l *link) httpRequests(up io.Writer, in io.Reader, dst netip.Addr, port uin
 		}
 		name, ok := netpolicy.CanonicalName(host)
 		if !ok || !l.bindings.has(name, dst) || !l.policy.Load().Check(name, dst, port).Allow {
+			host = clip(host, 255)
 			l.events.add(api.NetworkEvent{Protocol: "http", Name: host, IP: dst.String(), Port: int(port),
 				Verdict: api.VerdictDeny, Reason: "a later request on the connection names " + host + ", not allowed for this address"})
 			return errors.New("host changed")
@@ -423,4 +437,38 @@ func closeWrite(c net.Conn) {
 		return
 	}
 	_ = c.Close()
+}
+
+// maxRequestHead bounds the request line and headers of one HTTP request the
+// gateway relays.
+const maxRequestHead = 64 << 10
+
+var errHeadTooLarge = errors.New("request head over 64 KiB")
+
+// bufferHead reads until br holds a whole request head (up to the empty
+// line), or fails if it does not fit in br's buffer.
+func bufferHead(br *bufio.Reader) error {
+	for {
+		b, _ := br.Peek(br.Buffered())
+		if bytes.Contains(b, []byte("\r\n\r\n")) || bytes.Contains(b, []byte("\n\n")) {
+			return nil
+		}
+		if br.Buffered() >= br.Size() {
+			return errHeadTooLarge
+		}
+		if _, err := br.Peek(br.Buffered() + 1); err != nil {
+			if err == io.EOF && br.Buffered() > 0 {
+				return io.ErrUnexpectedEOF
+			}
+			return err
+		}
+	}
+}
+
+// clip shortens s to at most n bytes (for event fields from the sandbox).
+func clip(s string, n int) string {
+	if len(s) > n {
+		return s[:n]
+	}
+	return s
 }
