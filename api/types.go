@@ -103,13 +103,13 @@ type Sandbox struct {
 	Network        *NetworkPolicy    `json:"network,omitempty"` // the policy in force
 	// PublicPorts are the ports reachable through the server without the
 	// sandbox's access token (PUT /v1/sandboxes/{id}/ports/{port}).
-	PublicPorts []int `json:"public_ports,omitempty"`
-	Error          string            `json:"error,omitempty"`
-	CreatedAt      time.Time         `json:"created_at"`
-	UpdatedAt      time.Time         `json:"updated_at"`
-	LastActiveAt   time.Time         `json:"last_active_at"`
-	ExpiresAt      *time.Time        `json:"expires_at,omitempty"`
-	OperationID    string            `json:"operation_id,omitempty"` // the operation that is acting on it now, if any
+	PublicPorts  []int      `json:"public_ports,omitempty"`
+	Error        string     `json:"error,omitempty"`
+	CreatedAt    time.Time  `json:"created_at"`
+	UpdatedAt    time.Time  `json:"updated_at"`
+	LastActiveAt time.Time  `json:"last_active_at"`
+	ExpiresAt    *time.Time `json:"expires_at,omitempty"`
+	OperationID  string     `json:"operation_id,omitempty"` // the operation that is acting on it now, if any
 }
 
 // SandboxList is GET /v1/sandboxes.

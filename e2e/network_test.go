@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -487,5 +488,53 @@ func TestNetworkSuspendAndFork(t *testing.T) {
 	}
 	if out, code := sh(t, e, sb.ID, noDNS); code != 0 {
 		t.Fatalf("the parent lost its binding: %d %q", code, out)
+	}
+}
+
+// TestNetworkGatewayCrash: the gateway process dies (kill -9); the server
+// starts a new one and re-attaches every running sandbox, whose network
+// comes back by itself.
+func TestNetworkGatewayCrash(t *testing.T) {
+	e := setup(t)
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+	get := fmt.Sprintf("curl -sS --max-time 5 http://allowed.test:%d/", e.internet.httpPort)
+	if out, code := sh(t, e, sb.ID, get); code != 0 {
+		t.Fatalf("before: %d %q", code, out)
+	}
+	pidFile := filepath.Join(e.data, "network", "gateway.pid")
+	readPid := func() int {
+		b, _ := os.ReadFile(pidFile)
+		var pid int
+		fmt.Sscan(string(b), &pid)
+		return pid
+	}
+	old := readPid()
+	if old <= 0 {
+		t.Fatalf("no gateway pid in %s", pidFile)
+	}
+	if err := syscall.Kill(old, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	killed := time.Now()
+	deadline := killed.Add(30 * time.Second)
+	quick := fmt.Sprintf("curl -sS --max-time 2 --retry 0 http://allowed.test:%d/", e.internet.httpPort)
+	for {
+		out, code := sh(t, e, sb.ID, quick)
+		if code == 0 && strings.Contains(out, "host=allowed.test") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the network did not come back after the gateway died: %d %q", code, out)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Logf("network back %v after the gateway was killed", time.Since(killed).Round(time.Millisecond))
+	if pid := readPid(); pid == old || pid <= 0 {
+		t.Fatalf("gateway pid %d after the crash (was %d)", pid, old)
+	}
+	// The CLI shows the new link's events.
+	out, _, code := e.spaceCLI(t, "", "net", "log", sb.ID)
+	if code != 0 || !strings.Contains(out, "allowed.test") || !strings.Contains(out, "allow") {
+		t.Fatalf("space net log: %d %q", code, out)
 	}
 }

@@ -289,10 +289,10 @@ func newTemplatePullCmd(a *app) *cobra.Command {
 
 func newTemplateBuildCmd(a *app) *cobra.Command {
 	var (
-		file    string
-		tags    []string
-		noCache bool
-		network bool
+		file              string
+		tags              []string
+		noCache           bool
+		network           bool
 		allowOut, denyOut []string
 		internet          bool
 	)

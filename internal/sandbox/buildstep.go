@@ -124,7 +124,7 @@ func (m *Manager) stepRuntimes(ctx context.Context) ([]runtime.Runtime, error) {
 func (m *Manager) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Step, out io.Writer) (code int, err error) {
 	sb, op, err := m.Create(ctx, api.CreateSandboxRequest{
 		Template: s.Template, Runtime: rt.Name(), Limits: BuildStepLimits,
-		Labels: map[string]string{BuildLabel: BuildLabelStep},
+		Labels:  map[string]string{BuildLabel: BuildLabelStep},
 		Network: stepPolicy(s),
 	})
 	if err != nil {

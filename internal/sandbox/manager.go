@@ -82,6 +82,8 @@ type Manager struct {
 	opCtx    context.Context
 	opCancel context.CancelFunc
 	opWG     sync.WaitGroup
+
+	netKick chan struct{} // NetworkRestarted → reconcile the links now
 }
 
 // closeGrace is how long Close lets running operations finish.
@@ -117,7 +119,7 @@ func New(cfg Config) *Manager {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	opCtx, opCancel := context.WithCancel(context.Background())
-	return &Manager{cfg: cfg, log: cfg.Logger, obs: cfg.Observer, entries: map[string]*entry{}, opDone: map[string]chan struct{}{},
+	return &Manager{netKick: make(chan struct{}, 1), cfg: cfg, log: cfg.Logger, obs: cfg.Observer, entries: map[string]*entry{}, opDone: map[string]chan struct{}{},
 		ctx: ctx, cancel: cancel, opCtx: opCtx, opCancel: opCancel}
 }
 

@@ -305,3 +305,13 @@ func (m *Manager) NetworkEvents(ctx context.Context, id string, after uint64, fo
 	}
 	return err
 }
+
+// NetworkRestarted tells the manager the gateway was replaced (it lost every
+// link): the running sandboxes are re-attached at once instead of at the
+// next reconcile round.
+func (m *Manager) NetworkRestarted() {
+	select {
+	case m.netKick <- struct{}{}:
+	default:
+	}
+}

@@ -186,6 +186,12 @@ func (m *Manager) Run() {
 			case <-m.ctx.Done():
 				return
 			case <-tick.C:
+			case <-m.netKick:
+				// A new gateway: give the running sandboxes their links
+				// back now rather than at the next round.
+				lastNet = time.Now()
+				m.reconcileNetwork(m.ctx)
+				continue
 			}
 			m.tick(m.ctx)
 			if time.Since(lastNet) >= netReconcileEvery {

@@ -38,7 +38,10 @@ var (
 	netLinksDesc  = prometheus.NewDesc("space_network_links", "Sandbox network links the gateway serves.", nil, nil)
 )
 
-func (c *networkCollector) Describe(ch chan<- *prometheus.Desc) { ch <- netEventsDesc; ch <- netLinksDesc }
+func (c *networkCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- netEventsDesc
+	ch <- netLinksDesc
+}
 
 func (c *networkCollector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)

@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/spacehq/space/api"
@@ -142,21 +143,33 @@ func startNetwork(opts NetworkOptions) (sandbox.Network, error) {
 		set.AllowPrivate = append(set.AllowPrivate, p.String())
 	}
 	set.Protect = hostAddresses()
+	n := &gatewayNetwork{}
 	sup := &gwctl.Supervisor{Binary: bin, Dir: filepath.Join(opts.DataDir, "network"), Settings: set,
-		Logger: log.With("component", "gateway")}
+		Logger: log.With("component", "gateway"), OnRestart: func() {
+			if f := n.onRestart.Load(); f != nil {
+				(*f)()
+			}
+		}}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if err := sup.Start(ctx); err != nil {
 		return nil, err
 	}
-	return &gatewayNetwork{Client: sup.Client(), sup: sup}, nil
+	n.Client, n.sup = sup.Client(), sup
+	return n, nil
 }
 
 // gatewayNetwork is the supervised gateway as the manager's Network.
 type gatewayNetwork struct {
 	*gwctl.Client
 	sup *gwctl.Supervisor
+	// onRestart is what to do when the supervisor replaced a dead gateway
+	// (the manager, once it exists, re-attaches every link).
+	onRestart atomic.Pointer[func()]
 }
+
+// OnRestart sets what runs after a dead gateway was replaced.
+func (n *gatewayNetwork) OnRestart(f func()) { n.onRestart.Store(&f) }
 
 // Close stops supervising. The gateway keeps running while it serves any
 // sandbox (the next server adopts it: a restart cuts no sandbox off); with

@@ -211,6 +211,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: rts, Logger: cfg.Logger, Observer: met,
 		Network: netw, DefaultNetwork: nopts.Default})
+	if r, ok := netw.(interface{ OnRestart(func()) }); ok {
+		r.OnRestart(mgr.NetworkRestarted)
+	}
 	if err := mgr.Reconcile(ctx); err != nil {
 		mgr.Close()
 		closeNetwork(netw, cfg.Logger)

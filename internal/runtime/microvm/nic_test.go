@@ -49,7 +49,7 @@ func TestArgsNIC(t *testing.T) {
 	}
 	want := map[string]bool{
 		"dgram,id=net0,local.type=unix,local.path=/d/net.sock,remote.type=unix,remote.path=/d/gw.sock": false,
-		"virtio-net-device,netdev=net0,mac=" + hostnet.SandboxMAC:                                       false,
+		"virtio-net-device,netdev=net0,mac=" + hostnet.SandboxMAC:                                      false,
 	}
 	for _, a := range args {
 		if _, ok := want[a]; ok {
