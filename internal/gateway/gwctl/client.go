@@ -189,3 +189,10 @@ func (c *Client) DialSandbox(ctx context.Context, id string, port uint16) (net.C
 	}
 	return uc, nil
 }
+
+// Probe has the gateway try what its confinement must refuse; it returns
+// what each attempt got ("" = it worked).
+func (c *Client) Probe(ctx context.Context) (map[string]string, error) {
+	resp, err := c.call(ctx, request{Op: opProbe}, nil)
+	return resp.Probe, err
+}

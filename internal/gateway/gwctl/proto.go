@@ -29,6 +29,9 @@ const (
 	opAttached  = "attached"
 	opPing      = "ping"
 	opCounters  = "counters"
+	// opProbe has the gateway try what its confinement must refuse and
+	// report each result (tests; nothing it does has an effect).
+	opProbe = "probe"
 	// opDial opens a TCP connection to a port of the sandbox: after a
 	// success reply line the control connection carries its raw bytes both
 	// ways (a half-close of either side is passed on).
@@ -53,6 +56,8 @@ type response struct {
 	Pid   int               `json:"pid,omitempty"`
 	// Counters: events by "protocol/verdict" since the gateway started.
 	Counters map[string]int64 `json:"counters,omitempty"`
+	// Probe: what the gateway tried → the error it got ("" = it worked).
+	Probe map[string]string `json:"probe,omitempty"`
 }
 
 func errorBody(err error) *api.ErrorBody {

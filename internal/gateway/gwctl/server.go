@@ -101,6 +101,8 @@ func serveConn(ctx context.Context, c *net.UnixConn, g *gateway.Gateway) error {
 		return nil
 	case opAttached:
 		return reply(response{IDs: g.Attached()})
+	case opProbe:
+		return reply(response{Probe: probeConfinement()})
 	case opCounters:
 		return reply(response{Counters: g.Counters(), IDs: g.Attached()})
 	case opEvents:
@@ -210,4 +212,39 @@ func takeFD(oob []byte) (*os.File, error) {
 	}
 	unix.CloseOnExec(fds[0])
 	return os.NewFile(uintptr(fds[0]), "nic"), nil
+}
+
+// probeConfinement tries what the gateway's confinement must refuse.
+func probeConfinement() map[string]string {
+	res := map[string]string{}
+	note := func(name string, err error) {
+		if err == nil {
+			res[name] = ""
+			return
+		}
+		res[name] = err.Error()
+	}
+	fd, err := unix.Open("/etc/hostname", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err == nil {
+		unix.Close(fd)
+	}
+	note("open", err)
+	for name, family := range map[string]int{"socket_unix": unix.AF_UNIX, "socket_netlink": unix.AF_NETLINK, "socket_packet": unix.AF_PACKET} {
+		fd, err := unix.Socket(family, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err == nil {
+			unix.Close(fd)
+		}
+		note(name, err)
+	}
+	note("execve", unix.Exec("/bin/true", []string{"true"}, nil))
+	note("unshare", unix.Unshare(unix.CLONE_NEWUSER))
+	note("ptrace", unix.PtraceAttach(1))
+	note("kill", unix.Kill(1, 0))
+	note("setuid", unix.Setuid(0))
+	s, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err == nil {
+		note("bind", unix.Bind(s, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}))
+		unix.Close(s)
+	}
+	return res
 }

@@ -72,6 +72,18 @@ func TestSupervisedGateway(t *testing.T) {
 	if !strings.HasPrefix(st["Uid"], fmt.Sprint(UID)) {
 		t.Errorf("gateway Uid = %q, want %d", st["Uid"], UID)
 	}
+	// What the confinement must refuse, tried from inside the gateway.
+	probe, err := sup.Client().Probe(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, what := range []string{"open", "socket_unix", "socket_netlink", "socket_packet", "execve", "unshare", "ptrace", "kill", "setuid", "bind"} {
+		got, ok := probe[what]
+		if !ok || got == "" {
+			t.Errorf("the gateway could %s (probe %q, present %v)", what, got, ok)
+		}
+	}
+	t.Logf("confinement probe: %v", probe)
 
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
