@@ -54,6 +54,7 @@ type link struct {
 	closed    bool
 
 	dropEvents *rate.Limiter // bounds events of dropped packets
+	dnsTCP     atomic.Int32  // open DNS-over-TCP connections
 	bytesOut   atomic.Int64
 	bytesIn    atomic.Int64
 	queries    atomic.Int64

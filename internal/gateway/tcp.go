@@ -27,6 +27,8 @@ import (
 )
 
 const (
+	// maxDNSTCP bounds a sandbox's simultaneous DNS-over-TCP connections.
+	maxDNSTCP   = 16
 	peekMax     = 16 << 10
 	peekTimeout = 10 * time.Second
 	// opaqueWait is how long a connection allowed for a server-speaks-first
@@ -48,6 +50,15 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 			r.Complete(true)
 			return
 		}
+		// DNS over TCP holds a goroutine and an endpoint per connection in
+		// the process every sandbox shares: a few at a time, at the rate
+		// of other connections.
+		if !l.connLimit.Allow() || l.dnsTCP.Add(1) > maxDNSTCP {
+			l.dnsTCP.Add(-1)
+			r.Complete(true)
+			return
+		}
+		defer l.dnsTCP.Add(-1)
 		c, err := l.accept(r)
 		if err != nil {
 			return
@@ -411,7 +422,7 @@ type counter interface{ Add(int64) int64 }
 
 // pump copies src to dst, counting, under an optional bandwidth limit.
 func pump(dst io.Writer, src io.Reader, bw *rate.Limiter, total counter) int64 {
-	buf := make([]byte, 256<<10)
+	buf := make([]byte, relayBuffer)
 	var n int64
 	for {
 		k, err := src.Read(buf)
@@ -472,3 +483,8 @@ func clip(s string, n int) string {
 	}
 	return s
 }
+
+// relayBuffer is each direction's copy buffer: big enough for bulk
+// transfers, small enough that a sandbox's 512 connections cost at most
+// 64 MiB of the shared gateway.
+const relayBuffer = 64 << 10
