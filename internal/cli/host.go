@@ -55,6 +55,7 @@ type serverNetFlags struct {
 	defaultAllowOut []string
 	defaultInternet bool
 	dialGuard       string
+	bandwidth       string
 }
 
 func (f *serverNetFlags) register(cmd *cobra.Command) {
@@ -63,6 +64,7 @@ func (f *serverNetFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.dnsUpstream, "dns-upstream", "", "HOST:PORT of the resolver the gateway asks for allowed names (default: the first nameserver of /etc/resolv.conf, port 53)")
 	fl.StringArrayVar(&f.defaultAllowOut, "default-allow-out", nil, "allow-out entry of the default policy, for sandboxes whose request and template set none (repeatable)")
 	fl.BoolVar(&f.defaultInternet, "default-internet", false, "the default policy allows every public destination")
+	fl.StringVar(&f.bandwidth, "egress-bandwidth", "", "cap on what one sandbox moves in each direction through the gateway, per second (e.g. 10m, 1g; default no cap)")
 	// Tests: the gateway refuses (and logs as a violation) any dial off this machine.
 	fl.StringVar(&f.dialGuard, "egress-dial-guard", "", `"loopback": the gateway refuses and reports every dial off this machine (tests)`)
 	_ = fl.MarkHidden("egress-dial-guard")
@@ -74,7 +76,14 @@ func (f *serverNetFlags) options() (server.NetworkOptions, error) {
 	if f.dialGuard != "" && f.dialGuard != "loopback" {
 		return server.NetworkOptions{}, usagef("--egress-dial-guard %q: only \"loopback\"", f.dialGuard)
 	}
-	o := server.NetworkOptions{DNSUpstream: f.dnsUpstream, DialGuard: f.dialGuard,
+	var bw int64
+	if f.bandwidth != "" {
+		var err error
+		if bw, err = parseMiB(f.bandwidth); err != nil {
+			return server.NetworkOptions{}, usagef("--egress-bandwidth: %v", err)
+		}
+	}
+	o := server.NetworkOptions{DNSUpstream: f.dnsUpstream, DialGuard: f.dialGuard, BandwidthMiB: bw,
 		Default: api.NetworkPolicy{Internet: f.defaultInternet, AllowOut: f.defaultAllowOut}}
 	for _, s := range f.allowPrivate {
 		p, err := netip.ParsePrefix(s)

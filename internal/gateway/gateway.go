@@ -48,7 +48,8 @@ type Dialer interface {
 type Limits struct {
 	MaxConns       int     // concurrent TCP connections
 	ConnsPerSecond float64 // new TCP connections per second (burst 2×)
-	// BandwidthBytesPerSecond, if > 0, caps each direction (token bucket).
+	// BandwidthBytesPerSecond, if > 0, caps what one sandbox moves in each
+	// direction, all its connections together (token buckets).
 	BandwidthBytesPerSecond int64
 	DNSPerSecond            float64 // queries per second (burst 2×)
 	// NamesPerZone bounds distinct names queried under one wildcard zone

@@ -596,3 +596,54 @@ func TestHTTPHeadIsBounded(t *testing.T) {
 		t.Fatal("the gateway kept reading an endless request head")
 	}
 }
+
+// TestBandwidthCapIsPerSandbox: two connections of one sandbox share its
+// cap: 3 MiB each over a 1 MiB/s cap (1 MiB burst per direction) cannot
+// take less than 5 s together.
+func TestBandwidthCapIsPerSandbox(t *testing.T) {
+	big := make([]byte, 3<<20)
+	ln, err := net.Listen("tcp", "127.0.0.5:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.Write(big) })}
+	go srv.Serve(ln)
+	defer srv.Close()
+	port := uint16(ln.Addr().(*net.TCPAddr).Port)
+	lim := DefaultLimits
+	lim.BandwidthBytesPerSecond = 1 << 20
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"127.0.0.5/32"}}, lim)
+	start := time.Now()
+	errs := make(chan error, 2)
+	for range 2 {
+		go func() {
+			c, err := f.sb.Dial(netip.MustParseAddr("198.19.0.5"), port)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer c.Close()
+			_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+			fmt.Fprintf(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+			resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+			if err != nil {
+				errs <- err
+				return
+			}
+			n, err := io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if err == nil && n != int64(len(big)) {
+				err = fmt.Errorf("got %d bytes", n)
+			}
+			errs <- err
+		}()
+	}
+	for range 2 {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if d := time.Since(start); d < 4500*time.Millisecond {
+		t.Fatalf("6 MiB through a 1 MiB/s cap took %v", d)
+	}
+}

@@ -55,6 +55,8 @@ type link struct {
 
 	dropEvents *rate.Limiter // bounds events of dropped packets
 	dnsTCP     atomic.Int32  // open DNS-over-TCP connections
+	bwOut      *rate.Limiter // nil: no bandwidth cap
+	bwIn       *rate.Limiter
 	bytesOut   atomic.Int64
 	bytesIn    atomic.Int64
 	queries    atomic.Int64
@@ -102,6 +104,11 @@ func newLink(g *Gateway, id string, nic *os.File, pol *netpolicy.Policy) (_ *lin
 		dropEvents: rate.NewLimiter(20, 40),
 	}
 	l.policy.Store(pol)
+	if b := lim.BandwidthBytesPerSecond; b > 0 {
+		burst := int(min(b, 1<<20))
+		l.bwOut = rate.NewLimiter(rate.Limit(b), burst)
+		l.bwIn = rate.NewLimiter(rate.Limit(b), burst)
+	}
 
 	s := stack.New(stack.Options{
 		NetworkProtocols:   []stack.NetworkProtocolFactory{ipv4.NewProtocol, arp.NewProtocol},

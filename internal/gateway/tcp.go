@@ -357,10 +357,6 @@ func (l *link) relay(c net.Conn, head []byte, ev *api.NetworkEvent, name string,
 		l.mu.Unlock()
 	}()
 
-	var bw *rate.Limiter
-	if b := l.g.opts.Limits.BandwidthBytesPerSecond; b > 0 {
-		bw = rate.NewLimiter(rate.Limit(b), int(max(b, 64<<10)))
-	}
 	var wg sync.WaitGroup
 	var outN, inN int64
 	wg.Add(2)
@@ -369,7 +365,7 @@ func (l *link) relay(c net.Conn, head []byte, ev *api.NetworkEvent, name string,
 		if ev.Protocol == "http" {
 			// A refused request ends the stream to the server; responses
 			// to the requests already sent still come back.
-			_ = l.httpRequests(up, io.MultiReader(bytes.NewReader(head), c), dst, port, bw, &outN)
+			_ = l.httpRequests(up, io.MultiReader(bytes.NewReader(head), c), dst, port, l.bwOut, &outN)
 			closeWrite(up)
 			return
 		}
@@ -380,12 +376,12 @@ func (l *link) relay(c net.Conn, head []byte, ev *api.NetworkEvent, name string,
 			outN += int64(len(head))
 			l.bytesOut.Add(int64(len(head)))
 		}
-		outN += pump(up, c, bw, &l.bytesOut)
+		outN += pump(up, c, l.bwOut, &l.bytesOut)
 		closeWrite(up)
 	}()
 	go func() {
 		defer wg.Done()
-		inN += pump(c, up, bw, &l.bytesIn)
+		inN += pump(c, up, l.bwIn, &l.bytesIn)
 		closeWrite(c)
 	}()
 	wg.Wait()

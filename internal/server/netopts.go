@@ -37,6 +37,9 @@ type NetworkOptions struct {
 	// none. The zero value reaches nothing.
 	Default api.NetworkPolicy
 
+	// BandwidthMiB caps what one sandbox moves in each direction through
+	// the gateway (MiB/s, all its connections together; 0: no cap).
+	BandwidthMiB int64
 	// Disabled runs no gateway: sandboxes get no network link at all
 	// (benchmarks compare against it).
 	Disabled bool
@@ -138,7 +141,7 @@ func startNetwork(opts NetworkOptions) (sandbox.Network, error) {
 		log.Warn("not root: the network gateway cannot be started as its own user; sandboxes get no network link")
 		return nil, nil
 	}
-	set := gwctl.Settings{DNSUpstream: opts.DNSUpstream, DialGuard: opts.DialGuard}
+	set := gwctl.Settings{DNSUpstream: opts.DNSUpstream, DialGuard: opts.DialGuard, BandwidthMiB: opts.BandwidthMiB}
 	for _, p := range opts.AllowPrivate {
 		set.AllowPrivate = append(set.AllowPrivate, p.String())
 	}

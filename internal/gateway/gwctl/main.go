@@ -31,6 +31,7 @@ func Main(args []string) error {
 	upstream := fs.String("dns-upstream", "", "resolver for allowed names (host:port)")
 	allowPrivate := fs.String("allow-private", "", "comma-separated CIDRs the operator opened")
 	protect := fs.String("protect", "", "comma-separated ip or ip:port never reachable")
+	bandwidthMiB := fs.Int64("bandwidth-mib", 0, "MiB/s one sandbox may move in each direction (0: no cap)")
 	guard := fs.String("dial-guard", "", `"loopback": refuse and report every dial off this machine (tests)`)
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -56,7 +57,10 @@ func Main(args []string) error {
 	if err := confineSelf(); err != nil {
 		return err
 	}
+	lim := gateway.DefaultLimits
+	lim.BandwidthBytesPerSecond = *bandwidthMiB << 20
 	g, err := gateway.New(gateway.Options{
+		Limits:      lim,
 		DNSUpstream: *upstream,
 		Policy:      popts,
 		Dialer:      hostDialer(popts, *upstream, *guard, log),

@@ -35,6 +35,9 @@ type Settings struct {
 	// DialGuard "loopback" makes the gateway refuse, and log as a
 	// violation, every dial off this machine (tests).
 	DialGuard string
+	// BandwidthMiB caps what one sandbox moves in each direction (MiB/s;
+	// 0: no cap).
+	BandwidthMiB int64
 }
 
 func (s Settings) args() []string {
@@ -44,6 +47,9 @@ func (s Settings) args() []string {
 	}
 	if len(s.Protect) > 0 {
 		a = append(a, "--protect", strings.Join(s.Protect, ","))
+	}
+	if s.BandwidthMiB > 0 {
+		a = append(a, "--bandwidth-mib", fmt.Sprint(s.BandwidthMiB))
 	}
 	if s.DialGuard != "" {
 		a = append(a, "--dial-guard", s.DialGuard)
