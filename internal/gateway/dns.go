@@ -19,7 +19,6 @@ import (
 	"gvisor.dev/gvisor/pkg/tcpip/network/ipv4"
 
 	"github.com/spacehq/space/api"
-	"github.com/spacehq/space/internal/netpolicy"
 )
 
 // bindings are the (name → IP, expiry) pairs this gateway resolved for one
@@ -249,21 +248,7 @@ func (l *link) unreachable(ip netip.Addr) string {
 	if _, ok := toSandbox(ip); !ok {
 		return "no address in the sandbox for it"
 	}
-	for _, p := range l.g.opts.Policy.Protected {
-		if p.Addr().Unmap() == ip {
-			return "protected address"
-		}
-	}
-	class := netpolicy.Classify(ip)
-	if class == "" {
-		return ""
-	}
-	for _, p := range l.g.opts.Policy.AllowPrivate {
-		if p.Contains(ip) {
-			return ""
-		}
-	}
-	return class
+	return l.g.opts.Policy.Unreachable(ip, 0)
 }
 
 // resolve asks the upstream for q's A records, following the CNAME chain

@@ -34,6 +34,30 @@ type Options struct {
 	Protected []netip.AddrPort
 }
 
+// Unreachable says why the operator's settings alone keep ip:port out of
+// every sandbox's reach ("protected address", or the Classify class of a
+// special address outside AllowPrivate), or "" if a policy may allow it.
+// Port 0 asks about the address on any port (DNS answers). The gateway's
+// DNS filter and its host dialer both ask this; Check asks more.
+func (o Options) Unreachable(ip netip.Addr, port uint16) string {
+	ip = ip.Unmap()
+	for _, p := range o.Protected {
+		if p.Addr().Unmap() == ip && (port == 0 || p.Port() == 0 || p.Port() == port) {
+			return "protected address"
+		}
+	}
+	class := Classify(ip)
+	if class == "" {
+		return ""
+	}
+	for _, p := range o.AllowPrivate {
+		if p.Contains(ip) {
+			return ""
+		}
+	}
+	return class
+}
+
 // Policy is a compiled api.NetworkPolicy. It is immutable and safe for
 // concurrent use.
 type Policy struct {

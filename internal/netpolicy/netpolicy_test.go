@@ -557,3 +557,30 @@ func BenchmarkCheck1024(b *testing.B) {
 		}
 	}
 }
+
+func TestOptionsUnreachable(t *testing.T) {
+	o := Options{
+		AllowPrivate: []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")},
+		Protected:    []netip.AddrPort{netip.MustParseAddrPort("127.0.0.1:0"), netip.MustParseAddrPort("127.0.0.9:7070")},
+	}
+	for _, c := range []struct {
+		ip   string
+		port uint16
+		want string
+	}{
+		{"127.0.0.2", 80, ""},
+		{"::ffff:127.0.0.2", 80, ""},
+		{"127.0.0.1", 80, "protected address"},
+		{"127.0.0.1", 0, "protected address"},
+		{"127.0.0.9", 7070, "protected address"},
+		{"127.0.0.9", 80, ""},
+		{"127.0.0.9", 0, "protected address"},
+		{"10.1.2.3", 443, "private"},
+		{"169.254.169.254", 80, "link-local"},
+		{"151.101.1.1", 443, ""},
+	} {
+		if got := o.Unreachable(netip.MustParseAddr(c.ip), c.port); got != c.want {
+			t.Errorf("Unreachable(%s, %d) = %q, want %q", c.ip, c.port, got, c.want)
+		}
+	}
+}

@@ -174,18 +174,8 @@ func hostDialer(o netpolicy.Options, upstream, guard string, log *slog.Logger) g
 					return nil
 				}
 			}
-			for _, p := range o.Protected {
-				if p.Addr().Unmap() == ip && (p.Port() == 0 || p.Port() == ap.Port()) {
-					return fmt.Errorf("dial %s: protected address", address)
-				}
-			}
-			if class := netpolicy.Classify(ip); class != "" {
-				for _, p := range o.AllowPrivate {
-					if p.Contains(ip) {
-						return nil
-					}
-				}
-				return fmt.Errorf("dial %s: %s address", address, class)
+			if why := o.Unreachable(ip, ap.Port()); why != "" {
+				return fmt.Errorf("dial %s: %s", address, why)
 			}
 			return nil
 		},

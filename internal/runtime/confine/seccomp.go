@@ -221,9 +221,10 @@ func (p *program) each(list []Syscall, ret uint32) {
 	}
 }
 
-// Filter assembles the seccomp program for a sandbox on kernel k.
-func Filter(k Kernel) []unix.SockFilter {
-	var p program
+// prologue starts every program of this package: foreign architectures and
+// x32 syscalls killed, clone into new namespaces refused, clone3 (whose
+// flags a filter cannot see) ENOSYS so callers fall back to clone.
+func (p *program) prologue() {
 	p.ld(offArch)
 	p.jmp(unix.BPF_JEQ, unix.AUDIT_ARCH_X86_64, 1, 0)
 	p.ret(retKill)
@@ -239,15 +240,21 @@ func Filter(k Kernel) []unix.SockFilter {
 	p.onSyscall(unix.SYS_CLONE, b)
 
 	b = nil
+	b.ret(retErrno(unix.ENOSYS))
+	p.onSyscall(unix.SYS_CLONE3, b)
+}
+
+// Filter assembles the seccomp program for a sandbox on kernel k.
+func Filter(k Kernel) []unix.SockFilter {
+	var p program
+	p.prologue()
+
+	var b program
 	b.ld(offArgLo(0))
 	b.jmp(unix.BPF_JSET, NamespaceFlags|unix.CLONE_NEWTIME, 0, 1)
 	b.ret(retEPERM)
 	b.ret(retAllow)
 	p.onSyscall(unix.SYS_UNSHARE, b)
-
-	b = nil
-	b.ret(retErrno(unix.ENOSYS))
-	p.onSyscall(unix.SYS_CLONE3, b)
 
 	if k == OwnKernel {
 		p.each(DeniedMounts, retEPERM)
@@ -294,7 +301,11 @@ func Filter(k Kernel) []unix.SockFilter {
 // an execve carries it into the new program and all its descendants.
 // no_new_privs must already be set.
 func LoadFilter(k Kernel, flags uintptr) error {
-	f := Filter(k)
+	return load(Filter(k), flags)
+}
+
+// load installs the program f with flags.
+func load(f []unix.SockFilter, flags uintptr) error {
 	prog := unix.SockFprog{Len: uint16(len(f)), Filter: &f[0]}
 	_, _, errno := unix.RawSyscall(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, flags, uintptr(unsafe.Pointer(&prog)))
 	if errno != 0 {

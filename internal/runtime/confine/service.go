@@ -1,11 +1,6 @@
 package confine
 
-import (
-	"fmt"
-	"unsafe"
-
-	"golang.org/x/sys/unix"
-)
+import "golang.org/x/sys/unix"
 
 // ServiceFilter assembles a seccomp program for a host service that parses
 // hostile bytes (the network gateway): only the syscalls in allowed, no
@@ -15,25 +10,9 @@ import (
 // with it).
 func ServiceFilter(allowed []uint32) []unix.SockFilter {
 	var p program
-	p.ld(offArch)
-	p.jmp(unix.BPF_JEQ, unix.AUDIT_ARCH_X86_64, 1, 0)
-	p.ret(retKill)
-	p.ld(offNr)
-	p.jmp(unix.BPF_JGE, x32SyscallBit, 0, 1)
-	p.ret(retKill)
+	p.prologue()
 
 	var b program
-	b.ld(offArgLo(0))
-	b.jmp(unix.BPF_JSET, NamespaceFlags|unix.CLONE_NEWTIME, 0, 1)
-	b.ret(retEPERM)
-	b.ret(retAllow)
-	p.onSyscall(unix.SYS_CLONE, b)
-
-	b = nil
-	b.ret(retErrno(unix.ENOSYS)) // the Go runtime falls back to clone
-	p.onSyscall(unix.SYS_CLONE3, b)
-
-	b = nil
 	b.ld(offArgLo(0))
 	b.jmp(unix.BPF_JEQ, unix.AF_INET, 1, 0)
 	b.jmp(unix.BPF_JEQ, unix.AF_INET6, 0, 1)
@@ -55,11 +34,5 @@ func ServiceFilter(allowed []uint32) []unix.SockFilter {
 // LoadServiceFilter installs ServiceFilter(allowed) on every thread of the
 // process (SECCOMP_FILTER_FLAG_TSYNC). no_new_privs must already be set.
 func LoadServiceFilter(allowed []uint32) error {
-	f := ServiceFilter(allowed)
-	prog := unix.SockFprog{Len: uint16(len(f)), Filter: &f[0]}
-	_, _, errno := unix.RawSyscall(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, unix.SECCOMP_FILTER_FLAG_TSYNC, uintptr(unsafe.Pointer(&prog)))
-	if errno != 0 {
-		return fmt.Errorf("load service seccomp filter (%d instructions): %w", len(f), errno)
-	}
-	return nil
+	return load(ServiceFilter(allowed), unix.SECCOMP_FILTER_FLAG_TSYNC)
 }
