@@ -31,11 +31,29 @@ func start(b testing.TB) *harness {
 	b.Helper()
 	testenv.RequireRoot(b)
 	rootfs := testenv.BaseRootfs(b)
+	s, c, _ := serve(b, server.NetworkOptions{})
+	// Warm: the first create imports the base template and derives the
+	// runtime's root; that one-time cost is not what these benchmarks measure.
+	sb, err := c.CreateSandboxAndWait(context.Background(), api.CreateSandboxRequest{Runtime: "native"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if op, err := c.DeleteSandbox(context.Background(), sb.ID, true); err == nil {
+		c.WaitOperation(context.Background(), op.ID)
+	}
+	return &harness{srv: s, client: c, rootfs: rootfs}
+}
+
+// serve starts a server with network options no on a fresh data dir and a
+// loopback listener; everything goes, sandboxes first, when b ends.
+func serve(b testing.TB, no server.NetworkOptions) (*server.Server, *sdk.Client, string) {
+	b.Helper()
 	data, err := os.MkdirTemp("", "space-bench-")
 	if err != nil {
 		b.Fatal(err)
 	}
-	s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: testenv.AgentBinary(b), JailBinary: testenv.JailBinary(b), APIKeyOut: os.Stderr})
+	s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: testenv.AgentBinary(b),
+		JailBinary: testenv.JailBinary(b), APIKeyOut: os.Stderr, Network: no})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -61,16 +79,7 @@ func start(b testing.TB) *harness {
 		s.Close()
 		os.RemoveAll(data)
 	})
-	// Warm: the first create imports the base template and derives the
-	// runtime's root; that one-time cost is not what these benchmarks measure.
-	sb, err := c.CreateSandboxAndWait(context.Background(), api.CreateSandboxRequest{Runtime: "native"})
-	if err != nil {
-		b.Fatal(err)
-	}
-	if op, err := c.DeleteSandbox(context.Background(), sb.ID, true); err == nil {
-		c.WaitOperation(context.Background(), op.ID)
-	}
-	return &harness{srv: s, client: c, rootfs: rootfs}
+	return s, c, data
 }
 
 type samples []time.Duration

@@ -7,7 +7,6 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"sort"
@@ -32,39 +31,8 @@ type netServer struct {
 }
 
 func startNetServer(t *testing.T, dnsAddr string, disabled bool) *netServer {
-	data, err := os.MkdirTemp("", "space-netbench-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(),
-		AgentBinary: testenv.AgentBinary(t), JailBinary: testenv.JailBinary(t), APIKeyOut: os.Stderr,
-		Network: server.NetworkOptions{Disabled: disabled, AllowPrivate: []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")},
-			DNSUpstream: dnsAddr, DialGuard: "loopback", GatewayBinary: testenv.GatewayBinary(t)}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	hs := &http.Server{Handler: s.Handler()}
-	go hs.Serve(l)
-	c, err := sdk.New("http://"+l.Addr().String(), s.APIKey())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx := context.Background()
-		sbs, _ := c.ListSandboxes(ctx, sdk.ListOptions{})
-		for _, sb := range sbs {
-			if op, err := c.DeleteSandbox(ctx, sb.ID, true); err == nil {
-				c.WaitOperation(ctx, op.ID)
-			}
-		}
-		hs.Close()
-		s.Close()
-		os.RemoveAll(data)
-	})
+	_, c, data := serve(t, server.NetworkOptions{Disabled: disabled, AllowPrivate: []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")},
+		DNSUpstream: dnsAddr, DialGuard: "loopback", GatewayBinary: testenv.GatewayBinary(t)})
 	return &netServer{c: c, data: data}
 }
 

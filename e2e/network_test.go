@@ -6,7 +6,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -50,15 +49,16 @@ func startFakeInternet() (*fakeInternet, error) {
 	fi.dns = d
 	fi.stop = append(fi.stop, stop)
 	for _, tlsOn := range []bool{false, true} {
-		port, err := fi.serveBoth(tlsOn)
+		port, stop, err := gatewaytest.ServeHTTPPair(tlsOn)
 		if err != nil {
 			fi.close()
 			return nil, err
 		}
+		fi.stop = append(fi.stop, stop)
 		if tlsOn {
-			fi.tlsPort = port
+			fi.tlsPort = int(port)
 		} else {
-			fi.httpPort = port
+			fi.httpPort = int(port)
 		}
 	}
 	// A UDP listener that must never hear from a sandbox.
@@ -79,38 +79,6 @@ func startFakeInternet() (*fakeInternet, error) {
 		}
 	}()
 	return fi, nil
-}
-
-// serveBoth serves HTTP(S) on the same port of 127.0.0.2 and 127.0.0.3;
-// the body names the address that answered and the Host it saw.
-func (fi *fakeInternet) serveBoth(tlsOn bool) (int, error) {
-	for range 20 {
-		a, err := net.Listen("tcp", "127.0.0.2:0")
-		if err != nil {
-			return 0, err
-		}
-		port := a.Addr().(*net.TCPAddr).Port
-		b, err := net.Listen("tcp", fmt.Sprintf("127.0.0.3:%d", port))
-		if err != nil {
-			a.Close()
-			continue
-		}
-		for _, ln := range []net.Listener{a, b} {
-			srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				fmt.Fprintf(w, "hello from %s host=%s", r.Context().Value(http.LocalAddrContextKey), r.Host)
-			}))
-			srv.Listener.Close()
-			srv.Listener = ln
-			if tlsOn {
-				srv.StartTLS()
-			} else {
-				srv.Start()
-			}
-			fi.stop = append(fi.stop, srv.Close)
-		}
-		return port, nil
-	}
-	return 0, fmt.Errorf("no common free port on 127.0.0.2 and 127.0.0.3")
 }
 
 func (fi *fakeInternet) close() {

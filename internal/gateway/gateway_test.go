@@ -10,7 +10,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/http/httptest"
 	"net/netip"
 	"os"
 	"strings"
@@ -19,7 +18,6 @@ import (
 
 	"golang.org/x/net/dns/dnsmessage"
 	"golang.org/x/sys/unix"
-	"gvisor.dev/gvisor/pkg/tcpip"
 	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
 	"gvisor.dev/gvisor/pkg/tcpip/header"
 	"gvisor.dev/gvisor/pkg/tcpip/network/ipv4"
@@ -42,24 +40,6 @@ type fixture struct {
 	tlsConf *tls.Config
 }
 
-func listenBoth(t *testing.T) (net.Listener, net.Listener, uint16) {
-	for range 20 {
-		a, err := net.Listen("tcp", "127.0.0.2:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		port := a.Addr().(*net.TCPAddr).Port
-		b, err := net.Listen("tcp", fmt.Sprintf("127.0.0.3:%d", port))
-		if err != nil {
-			a.Close()
-			continue
-		}
-		return a, b, uint16(port)
-	}
-	t.Fatal("no common free port on 127.0.0.2 and 127.0.0.3")
-	return nil, nil, 0
-}
-
 func newFixture(t *testing.T, p api.NetworkPolicy, lim ...Limits) *fixture {
 	f := &fixture{dialer: &gatewaytest.GuardDialer{T: t}}
 	f.dns = gatewaytest.StartDNS(t, map[string][]string{
@@ -72,29 +52,19 @@ func newFixture(t *testing.T, p api.NetworkPolicy, lim ...Limits) *fixture {
 		"rebind-local.test": {"127.0.0.1"}, // the host itself (protected)
 		"rebind-mixed.test": {"10.1.2.3", "127.0.0.2"},
 	})
-	// HTTP servers answer with their own address so a test sees where it landed.
-	for _, pair := range [][2]string{{"http", ""}, {"https", ""}} {
-		a, b, port := listenBoth(t)
-		for _, ln := range []net.Listener{a, b} {
-			srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				fmt.Fprintf(w, "hello from %s host=%s", r.Context().Value(http.LocalAddrContextKey), r.Host)
-			}))
-			srv.Listener.Close()
-			srv.Listener = ln
-			if pair[0] == "https" {
-				srv.StartTLS()
-				f.tlsConf = &tls.Config{InsecureSkipVerify: true} //nolint:gosec // test server's own cert
-			} else {
-				srv.Start()
-			}
-			t.Cleanup(srv.Close)
+	for _, tlsOn := range []bool{false, true} {
+		port, stop, err := gatewaytest.ServeHTTPPair(tlsOn)
+		if err != nil {
+			t.Fatal(err)
 		}
-		if pair[0] == "https" {
+		t.Cleanup(stop)
+		if tlsOn {
 			f.tlsPort = port
 		} else {
 			f.port = port
 		}
 	}
+	f.tlsConf = &tls.Config{InsecureSkipVerify: true} //nolint:gosec // the test servers' own certificate
 	g, err := New(Options{
 		DNSUpstream: f.dns.Addr,
 		Policy: netpolicy.Options{
@@ -268,21 +238,30 @@ func TestDeniedNamesAndAddresses(t *testing.T) {
 	}
 }
 
-func TestLivePolicyChangeClosesConnections(t *testing.T) {
-	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"127.0.0.2/32"}})
-	c, err := f.sb.Dial(ip2, f.port)
+// keptAlive opens a connection from the sandbox to ip, has one request
+// with host answered on it, and leaves it open (closed when t ends).
+func (f *fixture) keptAlive(t *testing.T, ip netip.Addr, host string) (net.Conn, *bufio.Reader) {
+	t.Helper()
+	c, err := f.sb.Dial(ip, f.port)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
-	fmt.Fprintf(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	t.Cleanup(func() { c.Close() })
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	fmt.Fprintf(c, "GET / HTTP/1.1\r\nHost: %s\r\n\r\n", host)
 	br := bufio.NewReader(c)
-	if resp, err := http.ReadResponse(br, nil); err != nil {
-		t.Fatal(err)
-	} else {
-		_, _ = io.Copy(io.Discard, resp.Body)
-		resp.Body.Close()
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatalf("%s: %v", host, err)
 	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return c, br
+}
+
+func TestLivePolicyChangeClosesConnections(t *testing.T) {
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"127.0.0.2/32"}})
+	c, br := f.keptAlive(t, ip2, "x")
 	if err := f.g.SetPolicy("sb1", api.NetworkPolicy{}); err != nil {
 		t.Fatal(err)
 	}
@@ -451,25 +430,8 @@ func TestPolicyUpdateEndsNameConnections(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	open := func(ip netip.Addr, host string) (net.Conn, *bufio.Reader) {
-		c, err := f.sb.Dial(ip, f.port)
-		if err != nil {
-			t.Fatal(err)
-		}
-		fmt.Fprintf(c, "GET / HTTP/1.1\r\nHost: %s\r\n\r\n", host)
-		br := bufio.NewReader(c)
-		resp, err := http.ReadResponse(br, nil)
-		if err != nil {
-			t.Fatalf("%s: %v", host, err)
-		}
-		_, _ = io.Copy(io.Discard, resp.Body)
-		resp.Body.Close()
-		return c, br
-	}
-	keep, keepR := open(ip2, "allowed.test")
-	defer keep.Close()
-	gone, goneR := open(ip3, "other.test")
-	defer gone.Close()
+	keep, keepR := f.keptAlive(t, ip2, "allowed.test")
+	gone, goneR := f.keptAlive(t, ip3, "other.test")
 	if err := f.g.SetPolicy("sb1", api.NetworkPolicy{AllowOut: []string{"allowed.test"}}); err != nil {
 		t.Fatal(err)
 	}
@@ -493,24 +455,10 @@ func TestPolicyUpdateEndsNameConnections(t *testing.T) {
 // an ingress event; an unknown sandbox is not found.
 func TestDialSandbox(t *testing.T) {
 	f := newFixture(t, api.NetworkPolicy{})
-	ln, err := gonet.ListenTCP(f.sb.S, tcpip.FullAddress{Port: 8000}, ipv4.ProtocolNumber)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				b, _ := io.ReadAll(c) // until the host half-closes
-				fmt.Fprintf(c, "got %d bytes: %s", len(b), b)
-			}()
-		}
-	}()
+	f.sb.Serve(t, 8000, func(c net.Conn) {
+		b, _ := io.ReadAll(c) // until the host half-closes
+		fmt.Fprintf(c, "got %d bytes: %s", len(b), b)
+	})
 	ctx := context.Background()
 	c, err := f.g.DialSandbox(ctx, "sb1", 8000)
 	if err != nil {
@@ -566,20 +514,7 @@ func TestHTTPHeadIsBounded(t *testing.T) {
 	if _, _, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA); err != nil {
 		t.Fatal(err)
 	}
-	c, err := f.sb.Dial(ip2, f.port)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
-	fmt.Fprintf(c, "GET /1 HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
-	br := bufio.NewReader(c)
-	resp, err := http.ReadResponse(br, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, _ = io.Copy(io.Discard, resp.Body)
-	resp.Body.Close()
+	c, br := f.keptAlive(t, ip2, "allowed.test")
 	// The second request's head is a line that never ends.
 	go func() {
 		line := []byte("GET /2 HTTP/1.1\r\nX-Long: " + strings.Repeat("a", 32<<10))

@@ -11,6 +11,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"net/netip"
 	"strings"
 	"sync"
@@ -324,4 +325,66 @@ func (d *FakeDNS) ForgetAsked() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.asked = nil
+}
+
+// Serve listens on port of the sandbox's own address and runs handle on
+// each connection (which it then closes), until t ends: a service inside
+// the sandbox.
+func (sb *SandboxStack) Serve(t testing.TB, port uint16, handle func(net.Conn)) {
+	ln, err := gonet.ListenTCP(sb.S, tcpip.FullAddress{Port: port}, ipv4.ProtocolNumber)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				handle(c)
+			}()
+		}
+	}()
+}
+
+// ServeHTTPPair starts HTTP (or HTTPS, with httptest's own certificate)
+// servers on the same port of 127.0.0.2 and 127.0.0.3 — two "hosts" of a
+// fake internet — that answer "hello from <their address> host=<Host>", so
+// a test sees where a request landed and under which name. stop closes both.
+func ServeHTTPPair(tlsOn bool) (port uint16, stop func(), err error) {
+	for range 20 {
+		a, err := net.Listen("tcp", "127.0.0.2:0")
+		if err != nil {
+			return 0, nil, err
+		}
+		p := a.Addr().(*net.TCPAddr).Port
+		b, err := net.Listen("tcp", fmt.Sprintf("127.0.0.3:%d", p))
+		if err != nil {
+			a.Close()
+			continue
+		}
+		var servers []*httptest.Server
+		for _, ln := range []net.Listener{a, b} {
+			srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				fmt.Fprintf(w, "hello from %s host=%s", r.Context().Value(http.LocalAddrContextKey), r.Host)
+			}))
+			srv.Listener.Close()
+			srv.Listener = ln
+			if tlsOn {
+				srv.StartTLS()
+			} else {
+				srv.Start()
+			}
+			servers = append(servers, srv)
+		}
+		return uint16(p), func() {
+			for _, s := range servers {
+				s.Close()
+			}
+		}, nil
+	}
+	return 0, nil, fmt.Errorf("no common free port on 127.0.0.2 and 127.0.0.3")
 }

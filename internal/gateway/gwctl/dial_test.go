@@ -14,9 +14,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-	"gvisor.dev/gvisor/pkg/tcpip"
-	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
-	"gvisor.dev/gvisor/pkg/tcpip/network/ipv4"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
@@ -46,25 +43,11 @@ func TestDialOp(t *testing.T) {
 	}
 	nic.Close()
 	sb := gatewaytest.NewSandboxStack(t, fds[1])
-	ln, err := gonet.ListenTCP(sb.S, tcpip.FullAddress{Port: 8080}, ipv4.ProtocolNumber)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				fmt.Fprint(c, "hello\n") // server speaks first
-				b, _ := io.ReadAll(c)
-				fmt.Fprintf(c, "echo:%s", b)
-			}()
-		}
-	}()
+	sb.Serve(t, 8080, func(c net.Conn) {
+		fmt.Fprint(c, "hello\n") // server speaks first
+		b, _ := io.ReadAll(c)
+		fmt.Fprintf(c, "echo:%s", b)
+	})
 
 	sock := filepath.Join(t.TempDir(), "ctl.sock")
 	uln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
