@@ -47,7 +47,7 @@ func (b *bindings) add(name string, ip netip.Addr, until time.Time) {
 func (b *bindings) names(ip netip.Addr) []string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	t := now()
+	t := time.Now()
 	var out []string
 	for name, until := range b.byIP[ip] {
 		if t.Before(until) {
@@ -66,7 +66,7 @@ func (b *bindings) has(name string, ip netip.Addr) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	until, ok := b.byIP[ip][name]
-	return ok && now().Before(until)
+	return ok && time.Now().Before(until)
 }
 
 // dnsGuard bounds what a sandbox can push through DNS: a query rate, and
@@ -82,7 +82,7 @@ type dnsGuard struct {
 
 func newDNSGuard(lim Limits) *dnsGuard {
 	return &dnsGuard{lim: lim, rate: rate.NewLimiter(rate.Limit(lim.DNSPerSecond), int(2*lim.DNSPerSecond)+1),
-		zones: map[string]map[string]struct{}{}, started: now()}
+		zones: map[string]map[string]struct{}{}, started: time.Now()}
 }
 
 // admit says why a query for name (under zone; "" if none) is refused, or "".
@@ -100,9 +100,9 @@ func (d *dnsGuard) admit(name, zone string) string {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if now().Sub(d.started) > d.lim.ZoneWindow {
+	if time.Now().Sub(d.started) > d.lim.ZoneWindow {
 		d.zones = map[string]map[string]struct{}{}
-		d.started = now()
+		d.started = time.Now()
 	}
 	names := d.zones[zone]
 	if names == nil {
@@ -221,7 +221,7 @@ func (l *link) answer(query []byte, maxSize int) []byte {
 		}
 		kept = append(kept, ip)
 	}
-	until := now().Add(max(time.Duration(ttl)*time.Second, l.g.opts.BindingTTL))
+	until := time.Now().Add(max(time.Duration(ttl)*time.Second, l.g.opts.BindingTTL))
 	for _, ip := range kept {
 		l.bindings.add(name, ip, until)
 		ev.Answers = append(ev.Answers, ip.String())

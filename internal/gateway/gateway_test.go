@@ -582,3 +582,43 @@ func TestBandwidthCapIsPerSandbox(t *testing.T) {
 		t.Fatalf("6 MiB through a 1 MiB/s cap took %v", d)
 	}
 }
+
+// TestOpaqueProtocolNeedsAPort: a protocol where the server speaks first
+// (no SNI, no Host) reaches an allowed name only if its entry names the port.
+func TestOpaqueProtocolNeedsAPort(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.2:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			fmt.Fprint(c, "SSH-2.0-test\r\n")
+			c.Close()
+		}
+	}()
+	port := uint16(ln.Addr().(*net.TCPAddr).Port)
+	for _, c := range []struct {
+		entry string
+		want  bool
+	}{{fmt.Sprintf("allowed.test:%d", port), true}, {"allowed.test", false}} {
+		f := newFixture(t, api.NetworkPolicy{AllowOut: []string{c.entry}})
+		if _, _, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA); err != nil {
+			t.Fatal(err)
+		}
+		conn, err := f.sb.Dial(ip2, port)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = conn.SetDeadline(time.Now().Add(15 * time.Second))
+		line, err := bufio.NewReader(conn).ReadString('\n')
+		conn.Close()
+		if got := err == nil && strings.HasPrefix(line, "SSH-2.0"); got != c.want {
+			t.Errorf("allow_out %q: banner %q, err %v; want reached=%v", c.entry, line, err, c.want)
+		}
+	}
+}

@@ -7,7 +7,6 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"golang.org/x/sys/unix"
 	"golang.org/x/time/rate"
@@ -287,6 +286,3 @@ func (f *filter) admit(proto tcpip.NetworkProtocolNumber, pkt *stack.PacketBuffe
 		return false
 	}
 }
-
-// now is the clock of bindings and limits (tests move it).
-var now = time.Now

@@ -92,14 +92,19 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 	// By address alone (an allowed CIDR, or internet): no name to prove.
 	v := pol.Check("", dst, port)
 	byAddr := v.Allow
+	// opaque is an allowed name bound to dst whose entry has an explicit
+	// port: it also allows protocols that name nothing.
+	opaque := ""
 	if !byAddr {
 		// Else some allowed name this sandbox resolved to dst must claim it.
 		candidates := l.bindings.names(dst)
 		any := false
 		for _, n := range candidates {
-			if pol.Check(n, dst, port).Allow {
+			if nv := pol.Check(n, dst, port); nv.Allow {
 				any = true
-				break
+				if nv.OpaqueOK && opaque == "" {
+					opaque = n
+				}
 			}
 		}
 		if !any {
@@ -117,7 +122,7 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 	}
 	name, head, reason, ok := "", []byte(nil), v.Reason, true
 	if !byAddr {
-		name, head, ev.Protocol, reason, ok = l.proveName(c, pol, dst, port)
+		name, head, ev.Protocol, reason, ok = l.proveName(c, pol, dst, port, opaque)
 	}
 	ev.Name = name
 	if !ok {
@@ -199,16 +204,9 @@ func (c *countingWriter) Write(p []byte) (int, error) {
 // proveName reads the client's first bytes and returns the allowed name
 // they claim for dst:port (TLS SNI or HTTP Host), the bytes read, the
 // protocol seen and the rule, or ok=false with the reason.
-func (l *link) proveName(c net.Conn, pol *netpolicy.Policy, dst netip.Addr, port uint16) (name string, head []byte, proto, reason string, ok bool) {
-	// A name entry with an explicit port also allows protocols where the
-	// server speaks first: wait only briefly for client bytes then.
-	opaque := ""
-	for _, n := range l.bindings.names(dst) {
-		if v := pol.Check(n, dst, port); v.Allow && v.OpaqueOK {
-			opaque = n
-			break
-		}
-	}
+func (l *link) proveName(c net.Conn, pol *netpolicy.Policy, dst netip.Addr, port uint16, opaque string) (name string, head []byte, proto, reason string, ok bool) {
+	// A name entry with an explicit port (opaque) also allows protocols
+	// where the server speaks first: wait only briefly for client bytes.
 	wait := peekTimeout
 	if opaque != "" {
 		wait = opaqueWait
