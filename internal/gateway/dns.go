@@ -100,7 +100,7 @@ func (d *dnsGuard) admit(name, zone string) string {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if time.Now().Sub(d.started) > d.lim.ZoneWindow {
+	if time.Since(d.started) > d.lim.ZoneWindow {
 		d.zones = map[string]map[string]struct{}{}
 		d.started = time.Now()
 	}
