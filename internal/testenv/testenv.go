@@ -73,7 +73,6 @@ var (
 
 // GatewayBinary returns a static space-gateway (the network gateway
 // process) for tests, as AgentBinary does ($SPACE_GATEWAY_BIN when set).
-// It is executable by the gateway's unprivileged user.
 func GatewayBinary(t testing.TB) string {
 	t.Helper()
 	return gwBin.get(t)
@@ -127,10 +126,6 @@ func (b *staticBinary) build() (string, error) {
 		return "", &buildError{out: string(out), err: err}
 	}
 	path := filepath.Join(dir, b.name)
-	// The gateway runs as an unprivileged user: it must be able to exec it.
-	if err := os.Chmod(tmp.Name(), 0o755); err != nil {
-		return "", err
-	}
 	if err := os.Rename(tmp.Name(), path); err != nil {
 		return "", err
 	}

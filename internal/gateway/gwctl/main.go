@@ -32,6 +32,7 @@ func Main(args []string) error {
 	allowPrivate := fs.String("allow-private", "", "comma-separated CIDRs the operator opened")
 	protect := fs.String("protect", "", "comma-separated ip or ip:port never reachable")
 	bandwidthMiB := fs.Int64("bandwidth-mib", 0, "MiB/s one sandbox may move in each direction (0: no cap)")
+	runAs := fs.Int("user", -1, "uid (and gid) to switch to when started as root, before anything else")
 	guard := fs.String("dial-guard", "", `"loopback": refuse and report every dial off this machine (tests)`)
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -51,7 +52,12 @@ func Main(args []string) error {
 	if !ok {
 		return errors.New("control descriptor is not a unix listener")
 	}
-	if os.Getuid() == 0 {
+	if os.Getuid() == 0 && *runAs > 0 {
+		if err := dropTo(*runAs); err != nil {
+			return err
+		}
+	}
+	if os.Getuid() == 0 || os.Geteuid() == 0 {
 		return errors.New("refusing to run as root: the gateway parses hostile bytes")
 	}
 	if err := confineSelf(); err != nil {
@@ -201,4 +207,22 @@ func exitWhenOrphanedAndIdle(ctx context.Context, g *gateway.Gateway, stop func(
 			return
 		}
 	}
+}
+
+// dropTo switches every thread to uid and gid id with no supplementary
+// groups; leaving root clears every capability. The supervisor starts the
+// gateway as root and lets it do this itself (rather than exec it as the
+// user) so that the binary may live under a directory only root can
+// search, as a checkout or an install under /root does.
+func dropTo(id int) error {
+	if err := syscall.Setgroups(nil); err != nil {
+		return fmt.Errorf("setgroups: %w", err)
+	}
+	if err := syscall.Setresgid(id, id, id); err != nil {
+		return fmt.Errorf("setresgid %d: %w", id, err)
+	}
+	if err := syscall.Setresuid(id, id, id); err != nil {
+		return fmt.Errorf("setresuid %d: %w", id, err)
+	}
+	return nil
 }

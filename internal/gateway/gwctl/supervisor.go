@@ -19,13 +19,10 @@ import (
 	"github.com/spacehq/space/internal/runtime/hostproc"
 )
 
-// UID and GID the gateway runs as: no sandbox's user namespace maps onto
-// them (sandbox ids start at confine.IDBase), so no sandbox process can
-// signal or trace the gateway, and it owns nothing on the host.
-const (
-	UID = 99999999
-	GID = 99999999
-)
+// UID is the uid and gid the gateway runs as: no sandbox's user namespace
+// maps onto it (sandbox ids start at confine.IDBase), so no sandbox process
+// can signal or trace the gateway, and it owns nothing on the host.
+const UID = 99999999
 
 // Settings are the gateway process's command-line settings.
 type Settings struct {
@@ -41,7 +38,7 @@ type Settings struct {
 }
 
 func (s Settings) args() []string {
-	a := []string{"--control-fd", "3", "--dns-upstream", s.DNSUpstream}
+	a := []string{"--control-fd", "3", "--user", fmt.Sprint(UID), "--dns-upstream", s.DNSUpstream}
 	if len(s.AllowPrivate) > 0 {
 		a = append(a, "--allow-private", strings.Join(s.AllowPrivate, ","))
 	}
@@ -170,8 +167,9 @@ func (s *Supervisor) spawn(ctx context.Context) (*hostproc.Process, error) {
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.ExtraFiles = []*os.File{lf}
 	cmd.SysProcAttr = &syscall.SysProcAttr{
-		Setsid:     true, // outlives the server, never gets its terminal's signals
-		Credential: &syscall.Credential{Uid: UID, Gid: GID, Groups: []uint32{}},
+		// Outlives the server, never gets its terminal's signals. It
+		// starts as root and switches to UID itself, first thing (Main).
+		Setsid: true,
 	}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start gateway: %w", err)

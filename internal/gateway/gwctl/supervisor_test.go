@@ -69,8 +69,13 @@ func TestSupervisedGateway(t *testing.T) {
 			t.Errorf("gateway %s = %q, want %q", k, st[k], want)
 		}
 	}
-	if !strings.HasPrefix(st["Uid"], fmt.Sprint(UID)) {
-		t.Errorf("gateway Uid = %q, want %d", st["Uid"], UID)
+	for _, k := range []string{"Uid", "Gid"} {
+		if want := strings.Repeat(fmt.Sprint(UID)+"\t", 3) + fmt.Sprint(UID); st[k] != want {
+			t.Errorf("gateway %s = %q, want %q", k, st[k], want)
+		}
+	}
+	if st["Groups"] != "" {
+		t.Errorf("gateway Groups = %q, want none", st["Groups"])
 	}
 	// What the confinement must refuse, tried from inside the gateway.
 	probe, err := sup.Client().Probe(ctx)
