@@ -91,8 +91,8 @@ type CreateSandboxRequest struct {
 	OnExpiry string `json:"on_expiry,omitempty"`
 	// AllPortsPublic makes every port of the sandbox reachable through the
 	// server's ingress without its access token (E2B's allowPublicTraffic).
-	AllPortsPublic bool `json:"all_ports_public,omitempty"`
-	Idle       *IdlePolicy       `json:"idle,omitempty"`
+	AllPortsPublic bool        `json:"all_ports_public,omitempty"`
+	Idle           *IdlePolicy `json:"idle,omitempty"`
 	// Network is the egress policy; nil = the template's, else the server's
 	// default (shipped default: no egress at all).
 	Network *NetworkPolicy `json:"network,omitempty"`
