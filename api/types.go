@@ -232,6 +232,8 @@ type FileInfo struct {
 	Mode    uint32    `json:"mode"` // permission bits
 	ModTime time.Time `json:"mod_time"`
 	Target  string    `json:"target,omitempty"` // symlink target
+	UID     uint32    `json:"uid"`              // owner
+	GID     uint32    `json:"gid"`              // group
 }
 
 // FileList is GET /v1/sandboxes/{id}/files/list.

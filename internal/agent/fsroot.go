@@ -185,6 +185,8 @@ func fileInfo(name, p string, st *unix.Stat_t, target string) api.FileInfo {
 		Mode:    st.Mode & 0o7777,
 		ModTime: time.Unix(st.Mtim.Unix()).UTC(),
 		Target:  target,
+		UID:     st.Uid,
+		GID:     st.Gid,
 	}
 }
 
