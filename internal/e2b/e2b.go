@@ -59,14 +59,18 @@ type Config struct {
 	// Domain is the E2B domain reported for sandboxes (the server's port
 	// domain as the request reached it).
 	Domain func(r *http.Request) string
-	Logger *slog.Logger
+	// MaxFileBytes bounds one file upload or download (0: 1 GiB).
+	MaxFileBytes int64
+	Logger       *slog.Logger
 }
 
 // Handler serves /e2b/….
 type Handler struct {
-	cfg  Config
-	mux  *http.ServeMux
-	proc *processes
+	cfg      Config
+	mux      *http.ServeMux
+	proc     *processes
+	watchers *watchers
+	watch    dirWatcher
 }
 
 // New returns the layer's handler, to be mounted at Prefix.
@@ -76,13 +80,18 @@ func New(cfg Config) *Handler {
 	}
 	h := &Handler{cfg: cfg, mux: http.NewServeMux()}
 	h.proc = newProcesses(h)
+	h.watchers = newWatchers(h)
+	h.watch = managerWatch(cfg.Manager)
 	h.controlRoutes()
 	h.envdRoutes()
 	return h
 }
 
 // Close ends background work (the processes' input attachments).
-func (h *Handler) Close() { h.proc.close() }
+func (h *Handler) Close() {
+	h.proc.close()
+	h.watchers.close()
+}
 
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	h.mux.ServeHTTP(w, r)
@@ -183,7 +192,7 @@ func (h *Handler) authEnvd(signedOK bool, next http.HandlerFunc) http.HandlerFun
 			fail(err)
 			return
 		}
-		ok := false
+		ok, signed := false, false
 		if tok := r.Header.Get("X-Access-Token"); tok != "" {
 			ok = subtle.ConstantTimeCompare([]byte(tok), []byte(h.envdToken(sb))) == 1
 		}
@@ -197,7 +206,7 @@ func (h *Handler) authEnvd(signedOK bool, next http.HandlerFunc) http.HandlerFun
 				fail(err)
 				return
 			}
-			ok = true
+			ok, signed = true, true
 		}
 		if !ok {
 			fail(fmt.Errorf("missing or wrong envd access token (X-Access-Token) for sandbox %s: %w", id, errdefs.ErrUnauthorized))
@@ -208,7 +217,9 @@ func (h *Handler) authEnvd(signedOK bool, next http.HandlerFunc) http.HandlerFun
 			fail(err)
 			return
 		}
-		if user == "" {
+		if user == "" || signed {
+			// A signed URL is for the user it was signed for, whatever
+			// else its bearer sends.
 			user = r.URL.Query().Get("username")
 		}
 		next(w, r.WithContext(context.WithValue(r.Context(), callerKey{}, envdCaller{sb: sb, user: user})))
@@ -223,7 +234,7 @@ func basicUser(r *http.Request) (string, error) {
 	}
 	b, err := base64.StdEncoding.DecodeString(strings.TrimSpace(v))
 	if err != nil {
-		return "", fmt.Errorf("Authorization: Basic is not base64: %w", errdefs.ErrInvalidArgument)
+		return "", fmt.Errorf("the Authorization: Basic header is not base64: %w", errdefs.ErrInvalidArgument)
 	}
 	user, _, _ := strings.Cut(string(b), ":")
 	return user, nil

@@ -235,12 +235,13 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries})
 	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, netw: netw, portSecret: portSecret}
 	s.e2b = e2b.New(e2b.Config{
-		Manager:     mgr,
-		APIKeyValid: func(k string) bool { return subtle.ConstantTimeCompare([]byte(k), []byte(key)) == 1 },
-		Secret:      portSecret,
-		PortToken:   s.portToken,
-		Domain:      s.portDomain,
-		Logger:      cfg.Logger.With("api", "e2b"),
+		Manager:      mgr,
+		APIKeyValid:  func(k string) bool { return subtle.ConstantTimeCompare([]byte(k), []byte(key)) == 1 },
+		Secret:       portSecret,
+		PortToken:    s.portToken,
+		Domain:       s.portDomain,
+		MaxFileBytes: cfg.MaxFileBytes,
+		Logger:       cfg.Logger.With("api", "e2b"),
 	})
 	s.handler = s.routes()
 	return s, nil
@@ -518,7 +519,8 @@ func (s *Server) routes() http.Handler {
 		}
 		// The E2B-compatible API authenticates and answers in its own
 		// shapes; its bodies are bounded by each of its handlers.
-		if strings.HasPrefix(r.URL.Path, e2b.Prefix+"/") {
+		// (E2B's SDK puts its signed file URLs at the root /files.)
+		if strings.HasPrefix(r.URL.Path, e2b.Prefix+"/") || r.URL.Path == e2b.SignedFilesPath {
 			guardBody(sw, r, bodyStream)
 			s.e2b.ServeHTTP(sw, r)
 			return
