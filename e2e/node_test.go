@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -43,7 +44,7 @@ func TestNodeSuites(t *testing.T) {
 				"E2B_API_URL="+e.url+"/e2b",
 				"E2B_SANDBOX_URL="+e.url+"/e2b/envd",
 				"E2B_API_KEY="+e.key,
-				"E2B_DOMAIN="+strings.TrimPrefix(e.url, "http://"),
+				"E2B_DOMAIN=localhost:"+strconv.Itoa(e.apiPort),
 			)
 			out, err := cmd.CombinedOutput()
 			if err != nil || testing.Verbose() {
