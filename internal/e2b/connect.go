@@ -42,6 +42,7 @@ const (
 	codeInternal           = "internal"
 	codeUnavailable        = "unavailable"
 	codeUnauthenticated    = "unauthenticated"
+	codeDataLoss           = "data_loss"
 )
 
 // connectStatus is the HTTP status of a unary error with each code.
@@ -59,6 +60,7 @@ var connectStatus = map[string]int{
 	codeInternal:           500,
 	codeUnavailable:        503,
 	codeUnauthenticated:    401,
+	codeDataLoss:           500,
 }
 
 // rpcError is an error with a Connect code.

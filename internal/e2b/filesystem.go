@@ -579,10 +579,11 @@ func (h *Handler) getFiles(w http.ResponseWriter, r *http.Request) {
 	if whole {
 		return
 	}
-	m, _ := io.Copy(out, body)
-	if int64(n)+m > limit {
+	m, err := io.Copy(out, body)
+	if err != nil || int64(n)+m > limit {
 		// Headers are gone: abort, so the client sees an error rather
-		// than a silently cut file.
+		// than a silently cut file (the agent went away, or the file is
+		// over the limit).
 		panic(http.ErrAbortHandler)
 	}
 }

@@ -287,8 +287,13 @@ func TestWatcherOverflow(t *testing.T) {
 	if err != nil || len(out.Events) != 1 || out.Events[0].Name != "a" {
 		t.Fatalf("events = %+v, %v", out, err)
 	}
-	if _, err := h.watchers.events(ctx, nil, &watcherRequest{WatcherID: cw.WatcherID}); err == nil || !strings.Contains(err.Error(), "data_loss") {
-		t.Errorf("after the loss: %v", err)
+	// Through the Connect handler: a unary error with its own status.
+	rec := httptest.NewRecorder()
+	req := httptest.NewRequest("POST", "/GetWatcherEvents", strings.NewReader(`{"watcherId":"`+cw.WatcherID+`"}`)).WithContext(ctx)
+	req.Header.Set("Content-Type", "application/json")
+	unary(h.watchers.events)(rec, req)
+	if rec.Code != 500 || !strings.Contains(rec.Body.String(), `"code":"data_loss"`) {
+		t.Errorf("after the loss: %d %s", rec.Code, rec.Body)
 	}
 	if _, err := h.watchers.events(ctx, nil, &watcherRequest{WatcherID: cw.WatcherID}); err == nil || !strings.Contains(err.Error(), "not_found") {
 		t.Errorf("after reporting the loss: %v", err)

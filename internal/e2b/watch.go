@@ -124,7 +124,7 @@ func (h *Handler) watchTarget(ctx context.Context, in *watchDirRequest) (id, p, 
 func watchError(p string, err error) error {
 	switch {
 	case errors.Is(err, errEventsLost):
-		return rpcErrorf("data_loss", "watch of %s: %v: the sandbox's event queue overflowed; watch again", p, err)
+		return rpcErrorf(codeDataLoss, "watch of %s: %v (the sandbox's event queue, or this watcher's buffer of %d, overflowed): watch again", p, err, maxWatcherEvents)
 	case errors.Is(err, errdefs.ErrNotFound):
 		return rpcErrorf(codeNotFound, "%v", err)
 	case errors.Is(err, errdefs.ErrConflict):
