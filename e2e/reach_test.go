@@ -109,6 +109,10 @@ func TestCLIPsLogsKill(t *testing.T) {
 		t.Fatalf("logs stopped the command: %+v", p)
 	}
 
+	// A signal nobody knows is refused, naming it; the command runs on.
+	if _, errOut, code = e.spaceCLI(t, "", "kill", "-s", "NOPE", sb.ID, live); code != 1 || !strings.Contains(errOut, "NOPE") {
+		t.Fatalf("kill -s NOPE: %d %s", code, errOut)
+	}
 	// kill: TERM by default; ps shows how it ended.
 	if out, errOut, code = e.spaceCLI(t, "", "kill", sb.ID, live); code != 0 || strings.TrimSpace(out) != live {
 		t.Fatalf("space kill: %d %q %s", code, out, errOut)
