@@ -78,6 +78,11 @@ type Session struct {
 
 	reattachTimeout time.Duration
 
+	// until, when hasUntil, ends Wait once both streams are delivered up
+	// to these offsets (ReadOutput: the output so far, not followed).
+	until    [2]int64
+	hasUntil bool
+
 	waitOnce sync.Once
 	status   api.ExitStatus
 	waitErr  error
@@ -281,6 +286,17 @@ func (s *Session) Wait() (api.ExitStatus, error) {
 // errExit ends the read loop after the exit frame.
 var errExit = errors.New("exit")
 
+// errUntil ends the read loop of a ReadOutput session at its offsets.
+var errUntil = errors.New("read up to the requested offsets")
+
+// reachedUntil reports whether a ReadOutput session has delivered what it
+// was asked for.
+func (s *Session) reachedUntil() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.hasUntil && s.offsets[0] >= s.until[0] && s.offsets[1] >= s.until[1]
+}
+
 func (s *Session) wait() (api.ExitStatus, error) {
 	var st api.ExitStatus
 	progressed := true // the first connection may be replaced at least once
@@ -295,9 +311,15 @@ func (s *Session) wait() (api.ExitStatus, error) {
 			} else {
 				err = s.handle(data, &st)
 			}
-			if err == errExit {
+			if err == nil && s.reachedUntil() {
+				err = errUntil
+			}
+			if err == errExit || err == errUntil {
 				conn.Close(websocket.StatusNormalClosure, "")
 				s.markClosed()
+				if err == errUntil {
+					return st, errUntil
+				}
 				return st, nil
 			}
 			if err != nil {
@@ -465,6 +487,50 @@ func (s *Session) output(i int, off int64, data []byte) error {
 // words for both streams so scripts can grep for them.
 func (s *Session) droppedNote(n int64) {
 	fmt.Fprintf(s.stderr, "[space: %d bytes of output were dropped]\n", n)
+}
+
+// ReadOutput writes what a command has output so far to opts.Stdout and
+// opts.Stderr — from opts' offsets, as much as the server still buffers
+// (a lost part is a "[space: … dropped]" note on Stderr) — without
+// following it. cmd should be fresh from GetCommand: for a running
+// command the read stops at the end offsets the server reported then
+// (StdoutBytes, StderrBytes) and the status is nil; for one that has
+// exited it reads to the end and returns how it ended. A command that has
+// not started has no output, and is not started by this (an attach
+// would start it).
+func (c *Client) ReadOutput(ctx context.Context, cmd *api.Command, opts AttachOptions) (*api.ExitStatus, error) {
+	if cmd == nil {
+		return nil, fmt.Errorf("read output: nil command: %w", errdefs.ErrInvalidArgument)
+	}
+	running := cmd.State == api.CommandRunning
+	switch {
+	case cmd.State == api.CommandCreated:
+		return nil, nil
+	case running && opts.StdoutOffset >= cmd.StdoutBytes && opts.StderrOffset >= cmd.StderrBytes:
+		return nil, nil // nothing new: no need to attach
+	}
+	// The attach token is not wanted here: a fresh one is asked for.
+	c2 := *cmd
+	c2.AttachToken = ""
+	sess, err := c.Attach(ctx, &c2, opts)
+	if err != nil {
+		return nil, err
+	}
+	defer sess.Close()
+	if running {
+		sess.mu.Lock()
+		sess.until, sess.hasUntil = [2]int64{cmd.StdoutBytes, cmd.StderrBytes}, true
+		sess.mu.Unlock()
+	}
+	// Nothing is sent: closing Stdin would close the process's stdin.
+	st, err := sess.Wait()
+	switch {
+	case err == errUntil:
+		return nil, nil
+	case err != nil:
+		return nil, err
+	}
+	return &st, nil
 }
 
 // Run runs req in the sandbox as a command session, streams its output to
