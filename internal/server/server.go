@@ -83,6 +83,9 @@ type Server struct {
 	portSecret []byte
 	proxyOnce  sync.Once
 	proxyRP    *httputil.ReverseProxy
+	// self is the in-process connection the /mcp handler's SDK clients
+	// use to reach this server's own handler (mcp.go).
+	self selfConn
 }
 
 func (c *Config) defaults() {
@@ -246,6 +249,7 @@ func (s *Server) APIKey() string { return s.apiKey }
 
 // Close stops background work and closes the store. Sandboxes keep running.
 func (s *Server) Close() error {
+	s.closeSelf()
 	s.mgr.Close()
 	closeNetwork(s.netw, s.cfg.Logger)
 	// Runtimes may hold host resources of their own (native: spare disks).
@@ -420,6 +424,7 @@ func (s *Server) routeTable() []route {
 			w.Write(api.OpenAPI)
 		})},
 		{pattern: "GET /metrics", access: public, handler: promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{})},
+		{pattern: "POST /mcp", body: bodyStream, handler: s.mcpHandler()},
 		{pattern: "GET /v1/info", handler: h(s.info)},
 		{pattern: "POST /v1/sandboxes", handler: h(s.createSandbox)},
 		{pattern: "GET /v1/sandboxes", handler: h(s.listSandboxes)},
