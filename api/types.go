@@ -69,6 +69,12 @@ type IdlePolicy struct {
 	Action       string `json:"action"` // "pause" | "stop" | "suspend"
 }
 
+// Expiry actions (CreateSandboxRequest.OnExpiry).
+const (
+	ExpiryDelete  = "delete"
+	ExpirySuspend = "suspend"
+)
+
 // CreateSandboxRequest is POST /v1/sandboxes.
 type CreateSandboxRequest struct {
 	Template   string            `json:"template,omitempty"` // "name:tag" or "sha256:…"; default "base:latest"
@@ -79,7 +85,14 @@ type CreateSandboxRequest struct {
 	User       string            `json:"user,omitempty"` // default user of execs and commands; overrides the template's
 	Labels     map[string]string `json:"labels,omitempty"`
 	TTLSeconds int64             `json:"ttl_seconds,omitempty"` // delete after this long; 0 = never
-	Idle       *IdlePolicy       `json:"idle,omitempty"`
+	// OnExpiry is what happens at the deadline TTLSeconds sets:
+	// "delete" (default) or "suspend" (a runtime that cannot suspend stops
+	// instead; either way the deadline is then cleared).
+	OnExpiry string `json:"on_expiry,omitempty"`
+	// AllPortsPublic makes every port of the sandbox reachable through the
+	// server's ingress without its access token (E2B's allowPublicTraffic).
+	AllPortsPublic bool        `json:"all_ports_public,omitempty"`
+	Idle           *IdlePolicy `json:"idle,omitempty"`
 	// Network is the egress policy; nil = the template's, else the server's
 	// default (shipped default: no egress at all).
 	Network *NetworkPolicy `json:"network,omitempty"`
@@ -99,6 +112,8 @@ type Sandbox struct {
 	User           string            `json:"user,omitempty"` // default user of execs and commands ("" = root)
 	Labels         map[string]string `json:"labels,omitempty"`
 	TTLSeconds     int64             `json:"ttl_seconds,omitempty"`
+	OnExpiry       string            `json:"on_expiry,omitempty"` // "delete" (default) | "suspend"
+	AllPortsPublic bool              `json:"all_ports_public,omitempty"`
 	Idle           *IdlePolicy       `json:"idle,omitempty"`
 	Network        *NetworkPolicy    `json:"network,omitempty"` // the policy in force
 	// PublicPorts are the ports reachable through the server without the

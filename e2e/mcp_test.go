@@ -9,7 +9,6 @@ import (
 	"os/exec"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -25,44 +24,6 @@ import (
 // and the server's /mcp (streamable HTTP, API key as bearer). Real
 // sandboxes on the native runtime (fast); suspend and fork where a runtime
 // can do them.
-
-var (
-	spaceBinOnce sync.Once
-	spaceBinPath string
-	spaceBinErr  error
-)
-
-// spaceBin is the space CLI for tests that run it as a process: $SPACE_BIN,
-// else built once per test binary.
-func spaceBin(t *testing.T) string {
-	t.Helper()
-	if p := os.Getenv("SPACE_BIN"); p != "" {
-		return p
-	}
-	spaceBinOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "space-bin-")
-		if err != nil {
-			spaceBinErr = err
-			return
-		}
-		spaceBinPath = dir + "/space"
-		cmd := exec.Command("go", "build", "-o", spaceBinPath, "github.com/spacehq/space/cmd/space")
-		if b, err := cmd.CombinedOutput(); err != nil {
-			spaceBinErr = &buildErr{err, string(b)}
-		}
-	})
-	if spaceBinErr != nil {
-		t.Fatalf("building space: %v", spaceBinErr)
-	}
-	return spaceBinPath
-}
-
-type buildErr struct {
-	err error
-	out string
-}
-
-func (e *buildErr) Error() string { return e.err.Error() + "\n" + e.out }
 
 // bearer adds an API key to every request.
 type bearer struct {
@@ -82,7 +43,7 @@ func mcpConnect(t *testing.T, e *env, transport string) *mcp.ClientSession {
 	var tr mcp.Transport
 	switch transport {
 	case "stdio":
-		cmd := exec.Command(spaceBin(t), "mcp")
+		cmd := exec.Command(spaceBinary(t), "mcp")
 		// Configured like every other CLI command: the server's URL and key
 		// from the environment.
 		cmd.Env = append(os.Environ(), "SPACE_URL="+e.url, "SPACE_API_KEY="+e.key)

@@ -124,6 +124,20 @@ else
 fi
 echo "setup: microvm kernel $MICROVM_KERNEL_DIR/boot/vmlinuz-$MICROVM_KERNEL_RELEASE, modules $MICROVM_KERNEL_DIR/lib/modules/$MICROVM_KERNEL_RELEASE"
 
+# The real npm clients the compatibility tests drive (E2B's SDK, the MCP
+# TypeScript SDK), exactly as locked in e2e/js/package-lock.json. npm ci only
+# when the lockfile changed since the last install (its hash is kept beside).
+command -v node >/dev/null && command -v npm >/dev/null ||
+	{ echo "setup: node and npm are needed for the e2e/js tests (Node.js >= 20.18.1)" >&2; exit 1; }
+lock_sum=$(sha256sum e2e/js/package-lock.json | cut -d' ' -f1)
+if [ -d e2e/js/node_modules ] && [ "$(cat e2e/js/node_modules/.space-lock-sha256 2>/dev/null)" = "$lock_sum" ]; then
+	echo "setup: e2e/js/node_modules matches its lockfile"
+else
+	echo "setup: npm ci in e2e/js"
+	(cd e2e/js && npm ci --no-audit --no-fund --loglevel=error) || { echo "setup: npm ci in e2e/js failed" >&2; exit 1; }
+	echo "$lock_sum" > e2e/js/node_modules/.space-lock-sha256
+fi
+
 if [ ! -e "$CACHE/base-bookworm/complete" ]; then
 	echo "setup: building the Debian base root filesystem into $CACHE (once; a few minutes)"
 fi

@@ -389,3 +389,14 @@ func (m *Manager) command(ctx context.Context, id, cmdID string) (store.CommandR
 	}
 	return m.cfg.DB.GetCommand(ctx, id, cmdID)
 }
+
+// AttachCommand attaches to command cmdID of sandbox id from inside the
+// server (no attach token: the caller has authorised the request already),
+// starting it first if it has not started.
+func (m *Manager) AttachCommand(ctx context.Context, id, cmdID string, stdoutOff, stderrOff int64) (*Attachment, error) {
+	rec, err := m.command(ctx, id, cmdID)
+	if err != nil {
+		return nil, err
+	}
+	return m.Attach(ctx, rec, stdoutOff, stderrOff)
+}

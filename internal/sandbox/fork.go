@@ -53,7 +53,7 @@ func (m *Manager) Fork(ctx context.Context, id string, req api.ForkRequest) (api
 			ID: newID("sb"), State: api.StateCreating, Runtime: sb.Runtime, Isolation: sb.Isolation,
 			Template: sb.Template, TemplateDigest: sb.TemplateDigest, Limits: sb.Limits,
 			Env: maps.Clone(sb.Env), Workdir: sb.Workdir, User: sb.User, Labels: maps.Clone(sb.Labels),
-			TTLSeconds: sb.TTLSeconds, Idle: sb.Idle, CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
+			TTLSeconds: sb.TTLSeconds, OnExpiry: sb.OnExpiry, AllPortsPublic: sb.AllPortsPublic, Idle: sb.Idle, CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
 			OperationID: op.ID,
 		}
 		if sb.Network != nil {

@@ -245,7 +245,7 @@ func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api
 	sb := api.Sandbox{
 		ID: newID("sb"), State: api.StateCreating, Runtime: rt.Name(), Isolation: caps.Isolation,
 		Template: req.Template, Limits: lim, Env: req.Env, Workdir: req.Workdir, User: req.User, Labels: req.Labels,
-		TTLSeconds: req.TTLSeconds, Idle: req.Idle, Network: req.Network, CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
+		TTLSeconds: req.TTLSeconds, OnExpiry: req.OnExpiry, AllPortsPublic: req.AllPortsPublic, Idle: req.Idle, Network: req.Network, CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
 	}
 	if req.TTLSeconds > 0 {
 		exp := now.Add(time.Duration(req.TTLSeconds) * time.Second)

@@ -214,8 +214,7 @@ func (m *Manager) tick(ctx context.Context) {
 	now := time.Now()
 	for _, sb := range sbs {
 		if sb.ExpiresAt != nil && now.After(*sb.ExpiresAt) && sb.State != api.StateDeleting {
-			m.log.Info("sandbox TTL expired; deleting", "sandbox", sb.ID)
-			m.Lifecycle(ctx, sb.ID, api.OpDelete, true)
+			m.expire(ctx, sb)
 			continue
 		}
 		if sb.Idle == nil || sb.State != api.StateRunning {

@@ -174,6 +174,11 @@ func validateCreate(req *api.CreateSandboxRequest) (api.Limits, error) {
 	if req.TTLSeconds < 0 || req.TTLSeconds > maxTTLSeconds {
 		return lim, invalid("ttl_seconds must be between 0 and %d, got %d", maxTTLSeconds, req.TTLSeconds)
 	}
+	switch req.OnExpiry {
+	case "", api.ExpiryDelete, api.ExpirySuspend:
+	default:
+		return lim, invalid("on_expiry must be delete or suspend, got %q", truncate(req.OnExpiry, 32))
+	}
 	if req.Idle != nil {
 		switch req.Idle.Action {
 		case "pause", "stop", "suspend":

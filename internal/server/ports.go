@@ -110,6 +110,19 @@ func (s *Server) portInfo(r *http.Request, sb api.Sandbox, port int) api.PortInf
 	if r.TLS != nil {
 		scheme = "https"
 	}
+	domain := s.portDomain(r)
+	return api.PortInfo{
+		Port:    port,
+		URL:     fmt.Sprintf("%s://%d-%s.%s/", scheme, port, sb.ID, domain),
+		PathURL: fmt.Sprintf("%s://%s/v1/sandboxes/%s/ports/%d/", scheme, r.Host, sb.ID, port),
+		Token:   s.portToken(sb),
+		Public:  sb.AllPortsPublic || slices.Contains(sb.PublicPorts, port),
+	}
+}
+
+// portDomain is the domain of host-routed port URLs as r reached the
+// server: --port-domain, else r's host (a loopback one as localhost).
+func (s *Server) portDomain(r *http.Request) string {
 	domain := s.cfg.PortDomain
 	if domain == "" {
 		// Names under .localhost are loopback (RFC 6761): a server reached
@@ -126,13 +139,7 @@ func (s *Server) portInfo(r *http.Request, sb api.Sandbox, port int) api.PortInf
 			domain += ":" + hport
 		}
 	}
-	return api.PortInfo{
-		Port:    port,
-		URL:     fmt.Sprintf("%s://%d-%s.%s/", scheme, port, sb.ID, domain),
-		PathURL: fmt.Sprintf("%s://%s/v1/sandboxes/%s/ports/%d/", scheme, r.Host, sb.ID, port),
-		Token:   s.portToken(sb),
-		Public:  slices.Contains(sb.PublicPorts, port),
-	}
+	return domain
 }
 
 func (s *Server) getPort(w http.ResponseWriter, r *http.Request) {
@@ -208,7 +215,7 @@ func (s *Server) authorizePort(r *http.Request, id string, port int, tcp bool) (
 	matches := func(v string) bool {
 		return token != "" && v != "" && subtle.ConstantTimeCompare([]byte(v), []byte(token)) == 1
 	}
-	ok := slices.Contains(sb.PublicPorts, port)
+	ok := sb.AllPortsPublic || slices.Contains(sb.PublicPorts, port)
 	// API key: only an Authorization that is the key is consumed; the
 	// service's own Authorization passes through.
 	if bearer, has := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer "); has &&
@@ -216,9 +223,12 @@ func (s *Server) authorizePort(r *http.Request, id string, port int, tcp bool) (
 		ok = true
 		r.Header.Del("Authorization")
 	}
-	if v := r.Header.Get(api.PortTokenHeader); v != "" {
-		ok = ok || matches(v)
-		r.Header.Del(api.PortTokenHeader)
+	// E2B's SDK users send the traffic token in e2b-traffic-access-token.
+	for _, hdr := range []string{api.PortTokenHeader, "E2b-Traffic-Access-Token"} {
+		if v := r.Header.Get(hdr); v != "" {
+			ok = ok || matches(v)
+			r.Header.Del(hdr)
+		}
 	}
 	q := r.URL.Query()
 	if v := q.Get(api.PortTokenQuery); v != "" || q.Has(api.PortTokenQuery) {

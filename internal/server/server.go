@@ -25,6 +25,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/e2b"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 	_ "github.com/spacehq/space/internal/runtime/gvisor"  // registers "gvisor"
@@ -83,6 +84,8 @@ type Server struct {
 	portSecret []byte
 	proxyOnce  sync.Once
 	proxyRP    *httputil.ReverseProxy
+	// e2b serves the E2B-compatible API under /e2b (internal/e2b).
+	e2b *e2b.Handler
 	// self is the in-process connection the /mcp handler's SDK clients
 	// use to reach this server's own handler (mcp.go).
 	self selfConn
@@ -234,6 +237,14 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	tsvc := templatesvc.New(templatesvc.Config{Templates: tmpl, Runtimes: rts, Sandboxes: mgr, Logger: cfg.Logger,
 		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries})
 	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, netw: netw, portSecret: portSecret}
+	s.e2b = e2b.New(e2b.Config{
+		Manager:     mgr,
+		APIKeyValid: func(k string) bool { return subtle.ConstantTimeCompare([]byte(k), []byte(key)) == 1 },
+		Secret:      portSecret,
+		PortToken:   s.portToken,
+		Domain:      s.portDomain,
+		Logger:      cfg.Logger.With("api", "e2b"),
+	})
 	s.handler = s.routes()
 	return s, nil
 }
@@ -250,6 +261,7 @@ func (s *Server) APIKey() string { return s.apiKey }
 // Close stops background work and closes the store. Sandboxes keep running.
 func (s *Server) Close() error {
 	s.closeSelf()
+	s.e2b.Close()
 	s.mgr.Close()
 	closeNetwork(s.netw, s.cfg.Logger)
 	// Runtimes may hold host resources of their own (native: spare disks).
@@ -507,6 +519,13 @@ func (s *Server) routes() http.Handler {
 		if id, port, ok := hostRoute(r.Host); ok {
 			guardBody(sw, r, bodyStream)
 			s.proxyHost(sw, r, id, port)
+			return
+		}
+		// The E2B-compatible API authenticates and answers in its own
+		// shapes; its bodies are bounded by each of its handlers.
+		if strings.HasPrefix(r.URL.Path, e2b.Prefix+"/") {
+			guardBody(sw, r, bodyStream)
+			s.e2b.ServeHTTP(sw, r)
 			return
 		}
 		_, pattern := mux.Handler(r)

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"time"
 	goruntime "runtime"
 
 	"github.com/vishvananda/netlink"
@@ -38,8 +39,8 @@ const tapFlags = unix.IFF_TAP | unix.IFF_NO_PI
 // IPv6 off on the device, loopback up. It returns a descriptor of the TAP
 // (non-blocking, close-on-exec) that carries one Ethernet frame per read
 // and per write. Calling it again after that descriptor was closed returns
-// a new descriptor of the same device; while one is open it fails with
-// errdefs.ErrConflict.
+// a new descriptor of the same device; while one stays open it fails with
+// errdefs.ErrConflict (after retrying for 3 s: see attachTAP).
 //
 // IPv6 is disabled on the device (its disable_ipv6 sysctl in that
 // namespace, set before the link goes up): the sandbox kernel then sends
@@ -156,6 +157,22 @@ func onThread(enter func() error, fn func()) error {
 // thread's network namespace (creating the device if it does not exist),
 // and makes the device persistent.
 func attachTAP() (*os.File, error) {
+	// A descriptor this process closed a moment ago may still be held by
+	// a child forked meanwhile that has not exec'd yet (a sandbox init
+	// waiting for its user namespace's id maps holds a copy of every
+	// descriptor until it execs): EBUSY from that clears within
+	// milliseconds, so it is retried for a while before it is believed.
+	deadline := time.Now().Add(3 * time.Second)
+	for wait := 5 * time.Millisecond; ; wait = min(2*wait, 200*time.Millisecond) {
+		f, err := attachTAPOnce()
+		if err == nil || !errors.Is(err, errdefs.ErrConflict) || time.Now().After(deadline) {
+			return f, err
+		}
+		time.Sleep(wait)
+	}
+}
+
+func attachTAPOnce() (*os.File, error) {
 	fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, fmt.Errorf("open /dev/net/tun: %w", err)

@@ -1,0 +1,237 @@
+// Package e2b serves an E2B-compatible API on the server's one listener, so
+// a program written against E2B's SDKs runs unchanged against space, with
+// only its environment pointed here:
+//
+//	E2B_API_URL=http://HOST:PORT/e2b         the control plane (REST, control.go)
+//	E2B_SANDBOX_URL=http://HOST:PORT/e2b/envd every in-sandbox call (envd: Connect
+//	                                          services process.go, filesystem.go, and /files)
+//	E2B_API_KEY=<a space API key>
+//	E2B_DOMAIN=HOST:PORT                      getHost(port) → PORT-ID.HOST:PORT, the server's host-routed ingress
+//
+// It is a mapping onto this project's model, not a parallel one: an E2B
+// sandbox is a space sandbox (metadata are its labels, its timeout its
+// deadline, pause is suspend), an E2B process is a space command session
+// (its pid is the command's pid in the sandbox), and every call goes through
+// the same sandbox manager, API keys, metrics and logs as the native API.
+// What cannot be mapped is refused in E2B's error shape with a message that
+// says so. docs/e2b.md has the table.
+package e2b
+
+import (
+	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strings"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/sandbox"
+)
+
+// EnvdVersion is the envd version this layer reports. The SDK gates
+// features on it: ≥ 0.5.7 streams uploads as octet-stream, ≥ 0.5.2 closes
+// stdin; below 0.6.2 it refuses file metadata and below 0.6.3 entry info in
+// watch events itself — neither is served here.
+const EnvdVersion = "0.6.1"
+
+// Prefix is where the layer is mounted; EnvdPrefix is E2B_SANDBOX_URL's path.
+const (
+	Prefix     = "/e2b"
+	EnvdPrefix = Prefix + "/envd"
+)
+
+// Config wires the layer to the server.
+type Config struct {
+	Manager *sandbox.Manager
+	// APIKeyValid reports whether key is an API key of this server.
+	APIKeyValid func(key string) bool
+	// Secret keys the sandboxes' envd access tokens.
+	Secret []byte
+	// PortToken is a sandbox's port access token (E2B's traffic token).
+	PortToken func(api.Sandbox) string
+	// Domain is the E2B domain reported for sandboxes (the server's port
+	// domain as the request reached it).
+	Domain func(r *http.Request) string
+	Logger *slog.Logger
+}
+
+// Handler serves /e2b/….
+type Handler struct {
+	cfg  Config
+	mux  *http.ServeMux
+	proc *processes
+}
+
+// New returns the layer's handler, to be mounted at Prefix.
+func New(cfg Config) *Handler {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	h := &Handler{cfg: cfg, mux: http.NewServeMux()}
+	h.proc = newProcesses(h)
+	h.controlRoutes()
+	h.envdRoutes()
+	return h
+}
+
+// Close ends background work (the processes' input attachments).
+func (h *Handler) Close() { h.proc.close() }
+
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	h.mux.ServeHTTP(w, r)
+}
+
+// apiError is E2B's REST error shape.
+type apiError struct {
+	Code    int    `json:"code"`
+	Message string `json:"message"`
+}
+
+// writeAPIError answers a control-plane call with err in E2B's shape and the
+// status this project's error table gives it.
+func (h *Handler) writeAPIError(w http.ResponseWriter, r *http.Request, err error) {
+	status := errdefs.HTTPStatus(err)
+	if status >= 500 && !errors.Is(err, errdefs.ErrUnavailable) && !errors.Is(err, errdefs.ErrTimeout) {
+		h.cfg.Logger.Error("internal error", "method", r.Method, "path", r.URL.Path, "err", err)
+	}
+	writeJSON(w, status, apiError{Code: status, Message: strings.TrimSuffix(err.Error(), ": invalid argument")})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	json.NewEncoder(w).Encode(v)
+}
+
+// notSupported is the error of an E2B feature this server does not serve.
+func notSupported(format string, args ...any) error {
+	return fmt.Errorf(format+" (this server implements E2B's sandbox API; see docs/e2b.md): %w", append(args, errdefs.ErrNotSupported)...)
+}
+
+// authAPI checks the control plane's API key (X-API-KEY, as E2B's SDKs
+// send it, or Authorization: Bearer, as space's do).
+func (h *Handler) authAPI(next http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		key := r.Header.Get("X-API-KEY")
+		if key == "" {
+			key, _ = strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		}
+		if key == "" || !h.cfg.APIKeyValid(key) {
+			h.writeAPIError(w, r, fmt.Errorf("missing or wrong API key (X-API-KEY header, E2B_API_KEY in the SDK): %w", errdefs.ErrUnauthorized))
+			return
+		}
+		next(w, r)
+	}
+}
+
+// envdToken is sandbox sb's envd access token: an HMAC of its id and
+// creation time under the server's secret, so nothing is stored and a
+// deleted sandbox's token opens nothing.
+func (h *Handler) envdToken(sb api.Sandbox) string {
+	m := hmac.New(sha256.New, h.cfg.Secret)
+	fmt.Fprintf(m, "space e2b envd token v1\x00%s\x00%d", sb.ID, sb.CreatedAt.UnixNano())
+	return "ea_" + base64.RawURLEncoding.EncodeToString(m.Sum(nil))
+}
+
+// envdCaller is what an authenticated envd call knows about its caller.
+type envdCaller struct {
+	sb   api.Sandbox
+	user string // from Authorization: Basic user: — "" for the default
+}
+
+type callerKey struct{}
+
+func caller(ctx context.Context) envdCaller {
+	c, _ := ctx.Value(callerKey{}).(envdCaller)
+	return c
+}
+
+// authEnvd checks an envd call: the sandbox named by E2b-Sandbox-Id (or the
+// path of a signed URL) and its access token (X-Access-Token), or, for
+// file URLs, a signature (files.go checks those). The API key is accepted
+// too, so space's own tools can use these routes.
+func (h *Handler) authEnvd(signedOK bool, next http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		id := r.Header.Get("E2b-Sandbox-Id")
+		if id == "" {
+			id = r.URL.Query().Get("sandbox_id")
+		}
+		fail := func(err error) {
+			if strings.Contains(r.URL.Path, ".") { // a Connect procedure
+				writeUnaryError(w, r.Context(), err)
+				return
+			}
+			h.writeAPIError(w, r, err)
+		}
+		if id == "" {
+			fail(fmt.Errorf("missing E2b-Sandbox-Id header: envd calls name their sandbox: %w", errdefs.ErrInvalidArgument))
+			return
+		}
+		if err := sandbox.ValidID(id); err != nil {
+			fail(fmt.Errorf("sandbox %q not found: %w", truncate(id, 64), errdefs.ErrNotFound))
+			return
+		}
+		sb, err := h.cfg.Manager.Get(r.Context(), id)
+		if err != nil {
+			fail(err)
+			return
+		}
+		ok := false
+		if tok := r.Header.Get("X-Access-Token"); tok != "" {
+			ok = subtle.ConstantTimeCompare([]byte(tok), []byte(h.envdToken(sb))) == 1
+		}
+		if !ok {
+			if key := r.Header.Get("X-API-KEY"); key != "" {
+				ok = h.cfg.APIKeyValid(key)
+			}
+		}
+		if !ok && signedOK && r.URL.Query().Get("signature") != "" {
+			if err := h.checkSignature(r, sb); err != nil {
+				fail(err)
+				return
+			}
+			ok = true
+		}
+		if !ok {
+			fail(fmt.Errorf("missing or wrong envd access token (X-Access-Token) for sandbox %s: %w", id, errdefs.ErrUnauthorized))
+			return
+		}
+		user, err := basicUser(r)
+		if err != nil {
+			fail(err)
+			return
+		}
+		if user == "" {
+			user = r.URL.Query().Get("username")
+		}
+		next(w, r.WithContext(context.WithValue(r.Context(), callerKey{}, envdCaller{sb: sb, user: user})))
+	}
+}
+
+// basicUser reads the E2B user from Authorization: Basic base64(user:).
+func basicUser(r *http.Request) (string, error) {
+	v, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Basic ")
+	if !ok {
+		return "", nil
+	}
+	b, err := base64.StdEncoding.DecodeString(strings.TrimSpace(v))
+	if err != nil {
+		return "", fmt.Errorf("Authorization: Basic is not base64: %w", errdefs.ErrInvalidArgument)
+	}
+	user, _, _ := strings.Cut(string(b), ":")
+	return user, nil
+}
+
+func truncate(s string, n int) string {
+	if len(s) > n {
+		return s[:n] + "…"
+	}
+	return s
+}

@@ -1,0 +1,68 @@
+package sandbox
+
+import (
+	"context"
+	"time"
+
+	"github.com/spacehq/space/api"
+)
+
+// SetExpiry moves a sandbox's deadline: at (when set) is when the reconcile
+// loop applies the sandbox's expiry action (delete, or suspend — see
+// api.Sandbox.OnExpiry); nil removes the deadline. A deadline in the past
+// takes effect on the next tick.
+func (m *Manager) SetExpiry(ctx context.Context, id string, at *time.Time) (api.Sandbox, error) {
+	if err := ValidID(id); err != nil {
+		return api.Sandbox{}, err
+	}
+	if at != nil && at.After(time.Now().Add(maxTTLSeconds*time.Second)) {
+		return api.Sandbox{}, invalid("the deadline may be at most %d seconds away", maxTTLSeconds)
+	}
+	e := m.entry(id)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	sb, err := m.cfg.DB.GetSandbox(ctx, id)
+	if err != nil {
+		return api.Sandbox{}, err
+	}
+	if sb.State == api.StateDeleting {
+		return api.Sandbox{}, wrongState(id, sb.State, "set the deadline of")
+	}
+	if at != nil {
+		t := at.UTC()
+		sb.ExpiresAt = &t
+	} else {
+		sb.ExpiresAt = nil
+	}
+	sb.UpdatedAt = time.Now().UTC()
+	m.withActivity(&sb)
+	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
+		return api.Sandbox{}, err
+	}
+	return sb, nil
+}
+
+// expire applies sandbox sb's expiry action now that its deadline passed.
+func (m *Manager) expire(ctx context.Context, sb api.Sandbox) {
+	if sb.OnExpiry == api.ExpirySuspend {
+		switch sb.State {
+		case api.StateSuspended, api.StateStopped:
+			// Nothing runs: the deadline is spent.
+			m.SetExpiry(ctx, sb.ID, nil)
+			return
+		}
+		m.log.Info("sandbox deadline passed; suspending", "sandbox", sb.ID)
+		if _, err := m.Lifecycle(ctx, sb.ID, api.OpSuspend, false); err == nil {
+			m.SetExpiry(ctx, sb.ID, nil)
+			return
+		}
+		// A runtime that cannot suspend stops instead: the disk survives.
+		m.log.Info("sandbox cannot suspend; stopping it at its deadline", "sandbox", sb.ID)
+		if _, err := m.Lifecycle(ctx, sb.ID, api.OpStop, true); err == nil {
+			m.SetExpiry(ctx, sb.ID, nil)
+		}
+		return
+	}
+	m.log.Info("sandbox TTL expired; deleting", "sandbox", sb.ID)
+	m.Lifecycle(ctx, sb.ID, api.OpDelete, true)
+}
