@@ -4,10 +4,12 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
+	"io"
 	"net/http"
 	"os"
 	"os/exec"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -396,8 +398,11 @@ func TestMCPHTTPAuth(t *testing.T) {
 			t.Fatalf("key %q: %d %+v", key, resp.StatusCode, e)
 		}
 	}
-	// With the key, a stateless tools/list answers at once.
-	req, _ := http.NewRequest("POST", e.url+"/mcp", strings.NewReader(body))
+	// With the key, a stateless tools/call answers at once, and the API
+	// request the tool makes lands in the server's metrics like any other.
+	before := metricValue(t, e, `space_http_requests_total{code="200",method="GET"}`)
+	call := `{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"sandbox_list","arguments":{}}}`
+	req, _ := http.NewRequest("POST", e.url+"/mcp", strings.NewReader(call))
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "application/json, text/event-stream")
 	req.Header.Set("Authorization", "Bearer "+e.key)
@@ -405,10 +410,35 @@ func TestMCPHTTPAuth(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("tools/list with the key: %d", resp.StatusCode)
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"sandboxes"`) || strings.Contains(string(b), `"isError":true`) {
+		t.Fatalf("tools/call with the key: %d %s", resp.StatusCode, b)
 	}
+	if after := metricValue(t, e, `space_http_requests_total{code="200",method="GET"}`); after < before+1 {
+		t.Fatalf("GET 200 requests %v → %v: the tool's API request was not counted", before, after)
+	}
+}
+
+// metricValue reads one sample of the server's /metrics (0 if absent).
+func metricValue(t *testing.T, e *env, series string) float64 {
+	t.Helper()
+	resp, err := http.Get(e.url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, series+" "); ok {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				t.Fatalf("%s: %v", l, err)
+			}
+			return f
+		}
+	}
+	return 0
 }
 
 // TestMCPSuspendWakeFork drives suspend, wake and fork through MCP on a
@@ -426,6 +456,7 @@ func TestMCPSuspendWakeFork(t *testing.T) {
 		}
 	}
 	testenv.Require(t, "suspend+fork", rt != "", "no runtime here can suspend and fork")
+	t.Logf("runtime %s", rt)
 	cs := mcpConnect(t, e, "http")
 	sb := toolOK[mcpserver.SandboxInfo](t, cs, "sandbox_create", map[string]any{"runtime": rt})
 	ids := []string{sb.ID}
