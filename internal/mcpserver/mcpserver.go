@@ -20,6 +20,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -130,12 +131,22 @@ func toolError(what string, err error) error {
 		hint = "The MCP server's API key is missing or wrong; this needs a configuration change, not a retry."
 	case errors.Is(err, sdk.ErrUnavailable), errors.Is(err, sdk.ErrTimeout):
 		hint = "This is transient; try again in a few seconds."
+	case isUnreachable(err):
+		hint = "The space server could not be reached: it must be running (space server) where the MCP server is configured to find it (SPACE_URL)."
 	}
 	if hint != "" {
 		hint = ". " + hint
 	}
 	// Wrapped, so callers inside this package can still tell the cause.
 	return fmt.Errorf("%s: %w%s", what, err, hint)
+}
+
+// isUnreachable reports a failure to reach the server at all (as opposed
+// to an answer from it).
+func isUnreachable(err error) bool {
+	var ae *sdk.APIError
+	var oe *net.OpError
+	return !errors.As(err, &ae) && errors.As(err, &oe)
 }
 
 // invalid is a tool error for bad arguments the server never saw.

@@ -189,7 +189,7 @@ func TestBadArgumentsAreToolErrors(t *testing.T) {
 		{"sandbox_get", map[string]any{}, "id"},
 		{"sandbox_get", map[string]any{"id": "sb-1", "extra": 1}, "extra"},
 		// Reaches for the server, which is not there: still a tool error.
-		{"sandbox_get", map[string]any{"id": "sb-1"}, "sb-1"},
+		{"sandbox_get", map[string]any{"id": "sb-1"}, "could not be reached"},
 	} {
 		res, err := cs.CallTool(ctx, &mcp.CallToolParams{Name: c.tool, Arguments: c.args})
 		if err != nil {
