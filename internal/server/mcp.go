@@ -33,7 +33,13 @@ const maxMCPBody = mcpserver.MaxWriteBytes*4/3 + 1<<20
 // session state a client would have to recover.
 func (s *Server) mcpHandler() http.Handler {
 	cache := mcp.NewSchemaCache()
-	opts := &mcp.StreamableHTTPOptions{Stateless: true, MaxRequestBodyBytes: maxMCPBody}
+	opts := &mcp.StreamableHTTPOptions{Stateless: true, MaxRequestBodyBytes: maxMCPBody,
+		// The library refuses a request that reached a loopback address
+		// under another Host (DNS rebinding against keyless local
+		// servers). Here every request needs the API key, which a
+		// rebinding page does not have, and that check would refuse a
+		// reverse proxy on the same host that keeps the public Host.
+		DisableLocalhostProtection: true}
 	if s.cfg.Logger != nil {
 		// The MCP library logs every session's start and end at Info; one
 		// per request here, so only its warnings and errors are kept.
