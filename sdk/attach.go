@@ -31,6 +31,12 @@ type AttachOptions struct {
 	// (a restart, a network blip); 0 means DefaultReattachTimeout, a
 	// negative value one attempt only.
 	ReattachTimeout time.Duration
+	// OnDropped, when set, is told of output that was lost (overwritten in
+	// the server's bounded buffer before it was delivered): n bytes of
+	// stream ("stdout" or "stderr"), in order with the writes. Set, it
+	// replaces the "[space: …]" note on Stderr, so a caller that pages
+	// output by offset (the MCP server) keeps Stderr the process's own.
+	OnDropped func(stream string, n int64)
 }
 
 // DefaultReattachTimeout is how long Wait tries to re-attach by default:
@@ -68,6 +74,7 @@ type Session struct {
 	path      string // attach path on the server
 	stdout    io.Writer
 	stderr    io.Writer
+	onDropped func(stream string, n int64)
 
 	mu      sync.Mutex
 	conn    *websocket.Conn
@@ -110,6 +117,7 @@ func (c *Client) Attach(ctx context.Context, cmd *api.Command, opts AttachOption
 		path:      p + "/attach",
 		stdout:    orDiscard(opts.Stdout),
 		stderr:    orDiscard(opts.Stderr),
+		onDropped: opts.OnDropped,
 		token:     cmd.AttachToken,
 		offsets:   [2]int64{opts.StdoutOffset, opts.StderrOffset},
 
@@ -441,7 +449,7 @@ func (s *Session) handle(frame []byte, st *api.ExitStatus) error {
 		}
 		s.mu.Unlock()
 		if n > 0 {
-			s.droppedNote(n)
+			s.droppedNote(d.Stream, n)
 		}
 		return nil
 	case api.FrameExit:
@@ -475,7 +483,7 @@ func (s *Session) output(i int, off int64, data []byte) error {
 		name, w = "stderr", s.stderr
 	}
 	if gap > 0 {
-		s.droppedNote(gap)
+		s.droppedNote(name, gap)
 	}
 	if _, err := w.Write(data); err != nil {
 		return fmt.Errorf("writing %s: %w", name, err)
@@ -484,8 +492,13 @@ func (s *Session) output(i int, off int64, data []byte) error {
 }
 
 // droppedNote tells the user, on stderr, that output was lost; the same
-// words for both streams so scripts can grep for them.
-func (s *Session) droppedNote(n int64) {
+// words for both streams so scripts can grep for them. An OnDropped
+// callback takes the note's place.
+func (s *Session) droppedNote(stream string, n int64) {
+	if s.onDropped != nil {
+		s.onDropped(stream, n)
+		return
+	}
 	fmt.Fprintf(s.stderr, "[space: %d bytes of output were dropped]\n", n)
 }
 

@@ -163,6 +163,7 @@ func newRootCmd(a *app) *cobra.Command {
 		newAttachCmd(a),
 		newKillCmd(a),
 		newStatsCmd(a),
+		newMCPCmd(a),
 	)
 	for _, verb := range []string{"pause", "resume", "stop", "start", "wake", "suspend", "restore"} {
 		root.AddCommand(newLifecycleCmd(a, verb))

@@ -86,6 +86,9 @@ type Server struct {
 	proxyRP    *httputil.ReverseProxy
 	// e2b serves the E2B-compatible API under /e2b (internal/e2b).
 	e2b *e2b.Handler
+	// self is the in-process connection the /mcp handler's SDK clients
+	// use to reach this server's own handler (mcp.go).
+	self selfConn
 }
 
 func (c *Config) defaults() {
@@ -257,6 +260,7 @@ func (s *Server) APIKey() string { return s.apiKey }
 
 // Close stops background work and closes the store. Sandboxes keep running.
 func (s *Server) Close() error {
+	s.closeSelf()
 	s.e2b.Close()
 	s.mgr.Close()
 	closeNetwork(s.netw, s.cfg.Logger)
@@ -432,6 +436,7 @@ func (s *Server) routeTable() []route {
 			w.Write(api.OpenAPI)
 		})},
 		{pattern: "GET /metrics", access: public, handler: promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{})},
+		{pattern: "POST /mcp", body: bodyStream, handler: s.mcpHandler()},
 		{pattern: "GET /v1/info", handler: h(s.info)},
 		{pattern: "POST /v1/sandboxes", handler: h(s.createSandbox)},
 		{pattern: "GET /v1/sandboxes", handler: h(s.listSandboxes)},
