@@ -108,7 +108,7 @@ func TestOpenAPISchemasMatchTypes(t *testing.T) {
 		"TemplateConfig": TemplateConfig{}, "StartCommand": StartCommand{}, "TemplateLayer": TemplateLayer{},
 		"TagRequest": TagRequest{}, "PullRequest": PullRequest{}, "GCResult": GCResult{}, "BuildEvent": BuildEvent{},
 		"NetworkPolicy": NetworkPolicy{}, "HeaderRule": HeaderRule{}, "NetworkInfo": NetworkInfo{},
-		"NetworkStats": NetworkStats{}, "NetworkEvent": NetworkEvent{},
+		"NetworkStats": NetworkStats{}, "NetworkEvent": NetworkEvent{}, "SandboxStats": SandboxStats{},
 	}
 	for name, v := range types {
 		s, ok := d.Components.Schemas[name]

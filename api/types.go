@@ -203,6 +203,16 @@ type Command struct {
 	AttachURL   string      `json:"attach_url,omitempty"`   // only in the create response
 	AttachToken string      `json:"attach_token,omitempty"` // only in the create response / token refresh
 	CreatedAt   time.Time   `json:"created_at"`
+	// StartedAt is when the process started (first attach, or create for
+	// a detached command); nil while created.
+	StartedAt *time.Time `json:"started_at,omitempty"`
+	// StdoutBytes and StderrBytes are how much the process has written to
+	// each stream so far (the end offsets of its output; the replay buffer
+	// keeps the last part), as the agent counted them when this answer was
+	// made. Only while running: a reader of "the output so far" attaches
+	// and stops at these offsets instead of following.
+	StdoutBytes int64 `json:"stdout_bytes,omitempty"`
+	StderrBytes int64 `json:"stderr_bytes,omitempty"`
 }
 
 // CommandList is GET /v1/sandboxes/{id}/commands.
@@ -391,3 +401,22 @@ const (
 	// LabelForkOf is set on every fork child to its parent's id.
 	LabelForkOf = "space.fork_of"
 )
+
+// SandboxStats is GET /v1/sandboxes/{id}/stats: one sample of a sandbox's resource use.
+type SandboxStats struct {
+	SandboxID      string    `json:"sandbox_id"`
+	State          string    `json:"state"`
+	Timestamp      time.Time `json:"timestamp"`
+	CPUCount       float64   `json:"cpu_count"`    // cores the sandbox may use (its limit, else the host's cores)
+	CPUUsedPct     float64   `json:"cpu_used_pct"` // of CPUCount, over the last ~1 s (0 when not running)
+	CPUSeconds     float64   `json:"cpu_seconds"`  // cumulative
+	MemUsedBytes   int64     `json:"mem_used_bytes"`
+	MemTotalBytes  int64     `json:"mem_total_bytes"` // the memory limit, else host total
+	MemCacheBytes  int64     `json:"mem_cache_bytes"` // page cache part of MemUsed where the runtime can tell, else 0
+	Pids           int64     `json:"pids"`
+	PidsMax        int64     `json:"pids_max,omitempty"`
+	DiskUsedBytes  int64     `json:"disk_used_bytes"`  // writable layer in use
+	DiskTotalBytes int64     `json:"disk_total_bytes"` // the disk limit, else 0 = unbounded
+	NetRxBytes     int64     `json:"net_rx_bytes"`     // into the sandbox, from the gateway's counters
+	NetTxBytes     int64     `json:"net_tx_bytes"`
+}

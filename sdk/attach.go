@@ -31,6 +31,12 @@ type AttachOptions struct {
 	// (a restart, a network blip); 0 means DefaultReattachTimeout, a
 	// negative value one attempt only.
 	ReattachTimeout time.Duration
+	// OnDropped, when set, is told of output that was lost (overwritten in
+	// the server's bounded buffer before it was delivered): n bytes of
+	// stream ("stdout" or "stderr"), in order with the writes. Set, it
+	// replaces the "[space: …]" note on Stderr, so a caller that pages
+	// output by offset (the MCP server) keeps Stderr the process's own.
+	OnDropped func(stream string, n int64)
 }
 
 // DefaultReattachTimeout is how long Wait tries to re-attach by default:
@@ -68,6 +74,7 @@ type Session struct {
 	path      string // attach path on the server
 	stdout    io.Writer
 	stderr    io.Writer
+	onDropped func(stream string, n int64)
 
 	mu      sync.Mutex
 	conn    *websocket.Conn
@@ -77,6 +84,11 @@ type Session struct {
 	offsets [2]int64 // next expected offset of stdout, stderr
 
 	reattachTimeout time.Duration
+
+	// until, when hasUntil, ends Wait once both streams are delivered up
+	// to these offsets (ReadOutput: the output so far, not followed).
+	until    [2]int64
+	hasUntil bool
 
 	waitOnce sync.Once
 	status   api.ExitStatus
@@ -105,6 +117,7 @@ func (c *Client) Attach(ctx context.Context, cmd *api.Command, opts AttachOption
 		path:      p + "/attach",
 		stdout:    orDiscard(opts.Stdout),
 		stderr:    orDiscard(opts.Stderr),
+		onDropped: opts.OnDropped,
 		token:     cmd.AttachToken,
 		offsets:   [2]int64{opts.StdoutOffset, opts.StderrOffset},
 
@@ -281,6 +294,17 @@ func (s *Session) Wait() (api.ExitStatus, error) {
 // errExit ends the read loop after the exit frame.
 var errExit = errors.New("exit")
 
+// errUntil ends the read loop of a ReadOutput session at its offsets.
+var errUntil = errors.New("read up to the requested offsets")
+
+// reachedUntil reports whether a ReadOutput session has delivered what it
+// was asked for.
+func (s *Session) reachedUntil() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.hasUntil && s.offsets[0] >= s.until[0] && s.offsets[1] >= s.until[1]
+}
+
 func (s *Session) wait() (api.ExitStatus, error) {
 	var st api.ExitStatus
 	progressed := true // the first connection may be replaced at least once
@@ -295,9 +319,15 @@ func (s *Session) wait() (api.ExitStatus, error) {
 			} else {
 				err = s.handle(data, &st)
 			}
-			if err == errExit {
+			if err == nil && s.reachedUntil() {
+				err = errUntil
+			}
+			if err == errExit || err == errUntil {
 				conn.Close(websocket.StatusNormalClosure, "")
 				s.markClosed()
+				if err == errUntil {
+					return st, errUntil
+				}
 				return st, nil
 			}
 			if err != nil {
@@ -419,7 +449,7 @@ func (s *Session) handle(frame []byte, st *api.ExitStatus) error {
 		}
 		s.mu.Unlock()
 		if n > 0 {
-			s.droppedNote(n)
+			s.droppedNote(d.Stream, n)
 		}
 		return nil
 	case api.FrameExit:
@@ -453,7 +483,7 @@ func (s *Session) output(i int, off int64, data []byte) error {
 		name, w = "stderr", s.stderr
 	}
 	if gap > 0 {
-		s.droppedNote(gap)
+		s.droppedNote(name, gap)
 	}
 	if _, err := w.Write(data); err != nil {
 		return fmt.Errorf("writing %s: %w", name, err)
@@ -462,9 +492,58 @@ func (s *Session) output(i int, off int64, data []byte) error {
 }
 
 // droppedNote tells the user, on stderr, that output was lost; the same
-// words for both streams so scripts can grep for them.
-func (s *Session) droppedNote(n int64) {
+// words for both streams so scripts can grep for them. An OnDropped
+// callback takes the note's place.
+func (s *Session) droppedNote(stream string, n int64) {
+	if s.onDropped != nil {
+		s.onDropped(stream, n)
+		return
+	}
 	fmt.Fprintf(s.stderr, "[space: %d bytes of output were dropped]\n", n)
+}
+
+// ReadOutput writes what a command has output so far to opts.Stdout and
+// opts.Stderr — from opts' offsets, as much as the server still buffers
+// (a lost part is a "[space: … dropped]" note on Stderr) — without
+// following it. cmd should be fresh from GetCommand: for a running
+// command the read stops at the end offsets the server reported then
+// (StdoutBytes, StderrBytes) and the status is nil; for one that has
+// exited it reads to the end and returns how it ended. A command that has
+// not started has no output, and is not started by this (an attach
+// would start it).
+func (c *Client) ReadOutput(ctx context.Context, cmd *api.Command, opts AttachOptions) (*api.ExitStatus, error) {
+	if cmd == nil {
+		return nil, fmt.Errorf("read output: nil command: %w", errdefs.ErrInvalidArgument)
+	}
+	running := cmd.State == api.CommandRunning
+	switch {
+	case cmd.State == api.CommandCreated:
+		return nil, nil
+	case running && opts.StdoutOffset >= cmd.StdoutBytes && opts.StderrOffset >= cmd.StderrBytes:
+		return nil, nil // nothing new: no need to attach
+	}
+	// The attach token is not wanted here: a fresh one is asked for.
+	c2 := *cmd
+	c2.AttachToken = ""
+	sess, err := c.Attach(ctx, &c2, opts)
+	if err != nil {
+		return nil, err
+	}
+	defer sess.Close()
+	if running {
+		sess.mu.Lock()
+		sess.until, sess.hasUntil = [2]int64{cmd.StdoutBytes, cmd.StderrBytes}, true
+		sess.mu.Unlock()
+	}
+	// Nothing is sent: closing Stdin would close the process's stdin.
+	st, err := sess.Wait()
+	switch {
+	case err == errUntil:
+		return nil, nil
+	case err != nil:
+		return nil, err
+	}
+	return &st, nil
 }
 
 // Run runs req in the sandbox as a command session, streams its output to

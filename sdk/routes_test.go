@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
@@ -92,6 +93,13 @@ func TestRoutesAndEncoding(t *testing.T) {
 			_, err := c.CreateSandbox(ctx, api.CreateSandboxRequest{Network: &api.NetworkPolicy{DenyOut: []string{"10.0.0.0/8"}}})
 			return err
 		}, seen{Method: "POST", Path: "/v1/sandboxes", Body: `{"limits":{},"network":{"deny_out":["10.0.0.0/8"]}}`, ContentType: "application/json"}},
+		{func() error { _, err := c.Stats(ctx, "sb"); return err },
+			seen{Method: "GET", Path: "/v1/sandboxes/sb/stats"}},
+		{func() error {
+			return c.FollowStats(ctx, "sb", 1500*time.Millisecond, func(api.SandboxStats) error { return nil })
+		}, seen{Method: "GET", Path: "/v1/sandboxes/sb/stats", Query: "follow=true&interval=1.5s"}},
+		{func() error { return c.FollowStats(ctx, "sb", 0, func(api.SandboxStats) error { return nil }) },
+			seen{Method: "GET", Path: "/v1/sandboxes/sb/stats", Query: "follow=true"}},
 		{func() error { _, err := c.ListCommands(ctx, "sb"); return err },
 			seen{Method: "GET", Path: "/v1/sandboxes/sb/commands"}},
 		{func() error {
@@ -127,6 +135,9 @@ func TestLocalValidation(t *testing.T) {
 		"empty rename":   c.Rename(ctx, "sb", "", "/b"),
 		"nil attach cmd": func() error { _, err := c.Attach(ctx, nil, AttachOptions{}); return err }(),
 		"network bad id": func() error { _, err := c.SandboxNetwork(ctx, ".."); return err }(),
+		"stats bad id":   func() error { _, err := c.Stats(ctx, ".."); return err }(),
+		"stats interval": c.FollowStats(ctx, "sb", -time.Second, func(api.SandboxStats) error { return nil }),
+		"nil read cmd":   func() error { _, err := c.ReadOutput(ctx, nil, AttachOptions{}); return err }(),
 	} {
 		if !errors.Is(err, errdefs.ErrInvalidArgument) {
 			t.Errorf("%s: %v, want ErrInvalidArgument", name, err)

@@ -432,6 +432,37 @@ func TestAttachDroppedNote(t *testing.T) {
 	}
 }
 
+// TestAttachOnDropped: a caller that pages output by offset is told of the
+// loss through OnDropped, in order with the writes, and Stderr carries only
+// the process's own bytes.
+func TestAttachOnDropped(t *testing.T) {
+	f := newFake(t)
+	f.stdout = "abc"
+	f.stderr = "err"
+	f.dropped = &api.Dropped{Stream: "stdout", From: 3, To: 1003}
+	c := startFake(t, f)
+	var out, errb bytes.Buffer
+	var events []string
+	sess, err := c.Attach(ctxT(t), &api.Command{ID: "c1", SandboxID: "sb-1"}, AttachOptions{
+		Stdout: &out, Stderr: &errb,
+		OnDropped: func(stream string, n int64) {
+			events = append(events, fmt.Sprintf("%s:%d after %q", stream, n, out.String()))
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sess.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if errb.String() != "err" {
+		t.Fatalf("stderr %q, want only the process's", errb.String())
+	}
+	if len(events) != 1 || events[0] != `stdout:1000 after "abc"` {
+		t.Fatalf("OnDropped calls %q", events)
+	}
+}
+
 func TestAttachBadTokenIsUnauthorized(t *testing.T) {
 	f := newFake(t)
 	c := startFake(t, f)

@@ -198,3 +198,13 @@ test('many sandboxes at once', async () => {
   assert.deepEqual(outs.map(o => o.stdout), Array.from({ length: n }, (_, i) => `${i}\n`))
   await Promise.all(sbxs.map(s => s.kill()))
 })
+
+test('getMetrics is a current sample of the sandbox', async () => {
+  const sbx = await create()
+  await sbx.commands.run('head -c 32M /dev/zero > /home/user/fill')
+  const [m] = await sbx.getMetrics()
+  assert.ok(m.timestamp instanceof Date)
+  assert.ok(m.cpuCount >= 1, JSON.stringify(m))
+  assert.ok(m.memUsed > 0 && m.memTotal >= m.memUsed, JSON.stringify(m))
+  assert.ok(m.diskUsed >= 30 << 20, `disk used ${m.diskUsed}`)
+})

@@ -106,7 +106,8 @@ func (p *proc) broadcast() {
 func (p *proc) info() agentproto.ProcInfo {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return agentproto.ProcInfo{ID: p.id, Pid: p.pid, Cmd: p.cmd, TTY: p.tty, Running: p.exit == nil, Exit: p.exit}
+	return agentproto.ProcInfo{ID: p.id, Pid: p.pid, Cmd: p.cmd, TTY: p.tty, Running: p.exit == nil, Exit: p.exit,
+		StdoutEnd: p.out[0].end, StderrEnd: p.out[1].end}
 }
 
 func (p *proc) kill() {

@@ -88,6 +88,10 @@ type ProcInfo struct {
 	TTY     bool            `json:"tty"`
 	Running bool            `json:"running"`
 	Exit    *api.ExitStatus `json:"exit,omitempty"`
+	// StdoutEnd and StderrEnd are the end offsets of the output so far
+	// (bytes written to each stream since the start).
+	StdoutEnd int64 `json:"stdout_end"`
+	StderrEnd int64 `json:"stderr_end"`
 }
 
 // Restored is the body of PathRestored.

@@ -18,7 +18,10 @@ func TestClientCommandsUseOnlySDK(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	allowed := map[string]bool{"github.com/spacehq/space/api": true, "github.com/spacehq/space/sdk": true}
+	// internal/mcpserver is the MCP server `space mcp` runs; it is itself
+	// built only over the SDK and api (TestMCPServerUsesOnlySDK).
+	allowed := map[string]bool{"github.com/spacehq/space/api": true, "github.com/spacehq/space/sdk": true,
+		"github.com/spacehq/space/internal/mcpserver": true}
 	checked := 0
 	for _, f := range files {
 		if strings.HasSuffix(f, "_test.go") || f == "host.go" {
@@ -40,6 +43,38 @@ func TestClientCommandsUseOnlySDK(t *testing.T) {
 		}
 	}
 	if checked < 5 {
+		t.Fatalf("only %d files checked", checked)
+	}
+}
+
+// TestMCPServerUsesOnlySDK keeps the exception above honest: the MCP server
+// the CLI runs reaches a server only through the SDK too.
+func TestMCPServerUsesOnlySDK(t *testing.T) {
+	files, err := filepath.Glob("../mcpserver/*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	checked := 0
+	for _, f := range files {
+		if strings.HasSuffix(f, "_test.go") {
+			continue
+		}
+		af, err := parser.ParseFile(token.NewFileSet(), f, nil, parser.ImportsOnly)
+		if err != nil {
+			t.Fatal(err)
+		}
+		checked++
+		for _, imp := range af.Imports {
+			p, _ := strconv.Unquote(imp.Path.Value)
+			if strings.HasPrefix(p, "github.com/spacehq/space/") && p != "github.com/spacehq/space/api" && p != "github.com/spacehq/space/sdk" {
+				t.Errorf("%s imports %s: the MCP server may use only the SDK and package api", f, p)
+			}
+			if p == "net/http" {
+				t.Errorf("%s imports net/http: the MCP server speaks HTTP only through the SDK", f)
+			}
+		}
+	}
+	if checked < 3 {
 		t.Fatalf("only %d files checked", checked)
 	}
 }

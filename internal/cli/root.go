@@ -158,6 +158,12 @@ func newRootCmd(a *app) *cobra.Command {
 		newNetCmd(a),
 		newPortCmd(a),
 		newPortForwardCmd(a),
+		newPsCmd(a),
+		newLogsCmd(a),
+		newAttachCmd(a),
+		newKillCmd(a),
+		newStatsCmd(a),
+		newMCPCmd(a),
 	)
 	for _, verb := range []string{"pause", "resume", "stop", "start", "wake", "suspend", "restore"} {
 		root.AddCommand(newLifecycleCmd(a, verb))

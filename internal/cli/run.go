@@ -2,11 +2,13 @@ package cli
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
 	"os/signal"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -172,8 +174,16 @@ func newExecCmd(a *app) *cobra.Command {
 				return err
 			}
 			if detach {
-				if p.interactive || p.tty {
-					return usagef("-d cannot be combined with -i or -t")
+				// -d -t (docker's -dit) starts a TTY command for a later
+				// `space attach`, sized like this terminal if there is
+				// one; a detached command's stdin stays open for that
+				// attach anyway, so -i changes nothing.
+				if p.tty {
+					if f, ok := a.stdinFile(); ok && term.IsTerminal(int(f.Fd())) {
+						if cols, rows, err := term.GetSize(int(f.Fd())); err == nil {
+							req.Rows, req.Cols = uint16(rows), uint16(cols)
+						}
+					}
 				}
 				cmdObj, err := c.CreateCommand(a.ctx, args[0], api.CreateCommandRequest{ExecRequest: req, Detached: true})
 				if err != nil {
@@ -190,7 +200,7 @@ func newExecCmd(a *app) *cobra.Command {
 		},
 	}
 	p.register(cmd, true)
-	cmd.Flags().BoolVarP(&detach, "detach", "d", false, "start in the background and print the command id")
+	cmd.Flags().BoolVarP(&detach, "detach", "d", false, "start in the background and print the command id (see space ps, logs, attach, kill)")
 	cmd.Flags().SetInterspersed(false)
 	return cmd
 }
@@ -200,18 +210,17 @@ func newExecCmd(a *app) *cobra.Command {
 func (a *app) attachProcess(c *sdk.Client, id string, req api.ExecRequest, p processFlags) error {
 	var restore func()
 	if req.TTY {
-		f, ok := a.stdinFile()
-		if !ok || !term.IsTerminal(int(f.Fd())) {
+		rows, cols, undo, err := a.makeRaw()
+		if errors.Is(err, errNoTerminal) {
 			return usagef("-t needs a terminal on stdin")
 		}
-		if cols, rows, err := term.GetSize(int(f.Fd())); err == nil {
-			req.Rows, req.Cols = uint16(rows), uint16(cols)
-		}
-		state, err := term.MakeRaw(int(f.Fd()))
 		if err != nil {
-			return &runFailedError{fmt.Errorf("setting the terminal to raw mode: %w", err)}
+			return &runFailedError{err}
 		}
-		restore = func() { _ = term.Restore(int(f.Fd()), state) }
+		if rows > 0 && cols > 0 {
+			req.Rows, req.Cols = rows, cols
+		}
+		restore = undo
 		defer restore()
 	}
 	cmdObj, err := c.CreateCommand(a.ctx, id, api.CreateCommandRequest{ExecRequest: req})
@@ -251,13 +260,27 @@ func (a *app) attachProcess(c *sdk.Client, id string, req api.ExecRequest, p pro
 	if err != nil {
 		return &runFailedError{err}
 	}
-	if st.Reason != "" && (st.OOMKilled || st.Signal != "") {
-		fmt.Fprintf(a.errOut, "space: %s\n", st.Reason)
+	return a.exitWith(st)
+}
+
+// errNoTerminal is makeRaw's answer when stdin is not a terminal.
+var errNoTerminal = errors.New("stdin is not a terminal")
+
+// makeRaw puts the terminal on stdin in raw mode and returns its size (0
+// when unknown) and the function that restores it (idempotent).
+func (a *app) makeRaw() (rows, cols uint16, restore func(), err error) {
+	f, ok := a.stdinFile()
+	if !ok || !term.IsTerminal(int(f.Fd())) {
+		return 0, 0, nil, errNoTerminal
 	}
-	if code := exitCode(st); code != 0 {
-		return &exitCodeError{code}
+	if c, r, err := term.GetSize(int(f.Fd())); err == nil {
+		rows, cols = uint16(r), uint16(c)
 	}
-	return nil
+	state, err := term.MakeRaw(int(f.Fd()))
+	if err != nil {
+		return 0, 0, nil, fmt.Errorf("setting the terminal to raw mode: %w", err)
+	}
+	return rows, cols, sync.OnceFunc(func() { _ = term.Restore(int(f.Fd()), state) }), nil
 }
 
 // forwardSignals relays the CLI's own signals to the process: window

@@ -184,7 +184,7 @@ func newLsCmd(a *app) *cobra.Command {
 	var quiet bool
 	cmd := &cobra.Command{
 		Use:     "ls",
-		Aliases: []string{"list", "ps"},
+		Aliases: []string{"list"}, // `space ps` is its own command (commands of a sandbox)
 		Short:   "List sandboxes",
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {

@@ -699,9 +699,34 @@ func (h *Handler) fork(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
-// metrics: filled in when the manager's Stats lands (PENDING-STATS).
+// e2bMetric is E2B's SandboxMetric.
+type e2bMetric struct {
+	Timestamp     time.Time `json:"timestamp"`
+	TimestampUnix int64     `json:"timestampUnix"`
+	CPUCount      float64   `json:"cpuCount"`
+	CPUUsedPct    float64   `json:"cpuUsedPct"`
+	MemUsed       int64     `json:"memUsed"`
+	MemTotal      int64     `json:"memTotal"`
+	MemCache      int64     `json:"memCache"`
+	DiskUsed      int64     `json:"diskUsed"`
+	DiskTotal     int64     `json:"diskTotal"`
+}
+
+// metrics answers with the sandbox's current sample (Manager.Stats, as
+// GET /v1/sandboxes/{id}/stats): space keeps no history of metrics, so
+// start/end select nothing older.
 func (h *Handler) metrics(w http.ResponseWriter, r *http.Request) {
-	h.writeAPIError(w, r, notSupported("metrics"))
+	st, err := h.cfg.Manager.Stats(r.Context(), r.PathValue("id"))
+	if err != nil {
+		h.writeAPIError(w, r, err)
+		return
+	}
+	m := e2bMetric{
+		Timestamp: st.Timestamp, TimestampUnix: st.Timestamp.Unix(), CPUCount: st.CPUCount, CPUUsedPct: st.CPUUsedPct,
+		MemUsed: st.MemUsedBytes, MemTotal: st.MemTotalBytes, MemCache: st.MemCacheBytes,
+		DiskUsed: st.DiskUsedBytes, DiskTotal: st.DiskTotalBytes,
+	}
+	writeJSON(w, http.StatusOK, []e2bMetric{m})
 }
 
 func (h *Handler) updateNetwork(w http.ResponseWriter, r *http.Request) {

@@ -73,6 +73,13 @@ type Stats struct {
 	OOMKills    int64 // cumulative count of OOM kills in this instance
 	Pids        int64
 	CPUNanos    int64
+	// MemoryCacheBytes is the page cache part of MemoryBytes where the
+	// runtime can tell, else 0.
+	MemoryCacheBytes int64
+	// DiskUsedBytes is what the writable layer (the sandbox's own disk)
+	// holds, as df would say: measured on the filesystem, never the
+	// image file's size (sparse, and it does not shrink on delete).
+	DiskUsedBytes int64
 }
 
 // Runtime is one isolation backend.

@@ -205,6 +205,8 @@ func (m *Manager) startCommand(ctx context.Context, c *agentclient.Client, sb ap
 	}
 	rec.State = api.CommandRunning
 	rec.Pid = info.Pid
+	now := time.Now().UTC()
+	rec.StartedAt = &now
 	return m.cfg.DB.PutCommand(ctx, *rec)
 }
 
@@ -235,7 +237,13 @@ func (m *Manager) refreshCommand(ctx context.Context, rec *store.CommandRecord) 
 		return
 	}
 	info, err := c.Proc(ctx, rec.ID)
-	if err != nil || info.Running || info.Exit == nil {
+	if err != nil {
+		return
+	}
+	if info.Running || info.Exit == nil {
+		// The agent's word, used only as where a reader of "the output
+		// so far" stops; never negative.
+		rec.StdoutBytes, rec.StderrBytes = max(info.StdoutEnd, 0), max(info.StderrEnd, 0)
 		return
 	}
 	rec.State = api.CommandExited

@@ -101,6 +101,8 @@ type entry struct {
 	expectExit atomic.Bool  // set while we stop/destroy it ourselves
 	active     atomic.Int64 // in-flight attaches and file transfers
 	lastActive atomic.Int64 // unix nanos
+
+	cpu cpuMeter // the last CPU sample Stats took (stats.go)
 }
 
 // New builds a Manager. Call Reconcile before serving.

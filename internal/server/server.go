@@ -86,6 +86,9 @@ type Server struct {
 	proxyRP    *httputil.ReverseProxy
 	// e2b serves the E2B-compatible API under /e2b (internal/e2b).
 	e2b *e2b.Handler
+	// self is the in-process connection the /mcp handler's SDK clients
+	// use to reach this server's own handler (mcp.go).
+	self selfConn
 }
 
 func (c *Config) defaults() {
@@ -258,6 +261,7 @@ func (s *Server) APIKey() string { return s.apiKey }
 
 // Close stops background work and closes the store. Sandboxes keep running.
 func (s *Server) Close() error {
+	s.closeSelf()
 	s.e2b.Close()
 	s.mgr.Close()
 	closeNetwork(s.netw, s.cfg.Logger)
@@ -433,6 +437,7 @@ func (s *Server) routeTable() []route {
 			w.Write(api.OpenAPI)
 		})},
 		{pattern: "GET /metrics", access: public, handler: promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{})},
+		{pattern: "POST /mcp", body: bodyStream, handler: s.mcpHandler()},
 		{pattern: "GET /v1/info", handler: h(s.info)},
 		{pattern: "POST /v1/sandboxes", handler: h(s.createSandbox)},
 		{pattern: "GET /v1/sandboxes", handler: h(s.listSandboxes)},
@@ -456,6 +461,7 @@ func (s *Server) routeTable() []route {
 		{pattern: "POST /v1/sandboxes/{id}/files/rename", handler: h(s.rename)},
 		{pattern: "GET /v1/sandboxes/{id}/files/tar", handler: h(s.tarGet)},
 		{pattern: "PUT /v1/sandboxes/{id}/files/tar", body: bodyStream, handler: h(s.tarPut)},
+		{pattern: "GET /v1/sandboxes/{id}/stats", handler: h(s.sandboxStats)},
 		{pattern: "GET /v1/sandboxes/{id}/network", handler: h(s.getNetwork)},
 		{pattern: "PUT /v1/sandboxes/{id}/network", handler: h(s.putNetwork)},
 		{pattern: "GET /v1/sandboxes/{id}/network/events", handler: h(s.networkEvents)},

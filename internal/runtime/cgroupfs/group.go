@@ -505,3 +505,15 @@ func (g *Group) CPUNanos() (int64, error) {
 	}
 	return 0, nil
 }
+
+// MemoryCacheBytes is the page cache part of MemoryBytes: memory.stat's
+// "file" on v2, "total_cache" (this group and its children) on v1.
+func (g *Group) MemoryCacheBytes() (int64, error) {
+	if g.unified {
+		return ReadKey(filepath.Join(g.dirs[""], "memory.stat"), "file")
+	}
+	if d, ok := g.dirs["memory"]; ok {
+		return ReadKey(filepath.Join(d, "memory.stat"), "total_cache")
+	}
+	return 0, nil
+}

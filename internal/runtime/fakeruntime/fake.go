@@ -67,6 +67,9 @@ type Options struct {
 	// idle suspend, restart) in tests; real suspend/fork semantics are
 	// tested against real runtimes.
 	Suspend, Fork bool
+	// Stats, when set, answers Instance.Stats of a running instance (the
+	// fake has no cgroup to read): tests feed the counters they need.
+	Stats func(id string) runtime.Stats
 }
 
 type fault struct {
@@ -299,7 +302,12 @@ func (i *Instance) Destroy(ctx context.Context) error {
 	return os.RemoveAll(i.dir)
 }
 
-func (i *Instance) Stats(context.Context) (runtime.Stats, error) { return runtime.Stats{}, nil }
+func (i *Instance) Stats(context.Context) (runtime.Stats, error) {
+	if f := i.rt.opts.Stats; f != nil && i.proc() != nil {
+		return f(i.id), nil
+	}
+	return runtime.Stats{}, nil
+}
 
 func (i *Instance) Exited() <-chan struct{} {
 	if p := i.proc(); p != nil {

@@ -331,6 +331,15 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	if err == nil && mem > 0 {
 		s.MemoryBytes = mem
 	}
+	// The host cgroup's page cache is the sentry's (its memory file is
+	// file-backed), not the sandbox's, and runsc events leaves its cache
+	// field empty: MemoryCacheBytes stays 0, "cannot tell".
+	if err != nil {
+		return s, err
+	}
+	// With --overlay2=none the sandbox's writes land in the host
+	// overlay's upper on its ext4 disk, mounted at rwDir while it runs.
+	s.DiskUsedBytes, err = hostfs.DiskUsed(i.rwDir())
 	return s, err
 }
 

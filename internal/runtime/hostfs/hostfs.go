@@ -222,3 +222,19 @@ func unescapeMount(s string) string {
 	}
 	return b.String()
 }
+
+// DiskUsed is how many bytes of the filesystem mounted at dir are in use,
+// as df counts them (blocks less free blocks; ext4 leaves its own metadata
+// — journal, inode tables — out of both). It answers 0 when dir is not a
+// mount point: statfs would then describe whatever holds dir (the host's
+// disk), which is not the sandbox's.
+func DiskUsed(dir string) (int64, error) {
+	if !IsMountPoint(dir) {
+		return 0, nil
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return 0, err
+	}
+	return int64(st.Blocks-st.Bfree) * st.Bsize, nil
+}

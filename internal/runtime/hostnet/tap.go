@@ -5,8 +5,8 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"time"
 	goruntime "runtime"
+	"time"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"

@@ -844,7 +844,8 @@ func (i *instance) setPausedLocked(p bool) {
 }
 
 // Stats implements runtime.Instance: memory, OOM kills and processes of
-// the sandbox's cgroup as the guest kernel counts them (from the guest's
+// the sandbox's cgroup and the use of its disk as the guest kernel counts
+// them (from the guest's
 // init, outside the sandbox's confinement; clamped by vmctl), CPU from the
 // host: the jail's cgroup, QEMU's CPU time, which is all the guest ran.
 func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
@@ -882,5 +883,6 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 			return runtime.Stats{}, err
 		}
 	}
-	return runtime.Stats{MemoryBytes: gs.MemoryBytes, OOMKills: gs.OOMKills, Pids: gs.Pids, CPUNanos: cpu}, nil
+	return runtime.Stats{MemoryBytes: gs.MemoryBytes, OOMKills: gs.OOMKills, Pids: gs.Pids, CPUNanos: cpu,
+		MemoryCacheBytes: gs.MemoryCacheBytes, DiskUsedBytes: gs.DiskUsedBytes}, nil
 }

@@ -60,6 +60,9 @@ func cgroupStats(cg *cgroupfs.Group) (runtime.Stats, error) {
 	if s.Pids, err = cg.Pids(); err != nil {
 		return s, err
 	}
+	if s.MemoryCacheBytes, err = cg.MemoryCacheBytes(); err != nil {
+		return s, err
+	}
 	s.CPUNanos, err = cg.CPUNanos()
 	return s, err
 }

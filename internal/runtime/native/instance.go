@@ -442,5 +442,12 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	if !i.Alive() {
 		return runtime.Stats{}, nil
 	}
-	return cgroupStats(i.cg)
+	s, err := cgroupStats(i.cg)
+	if err != nil {
+		return s, err
+	}
+	// The sandbox's ext4 disk is mounted at rwDir while it runs: the
+	// overlay's upper (and work) directory and the init's log.
+	s.DiskUsedBytes, err = hostfs.DiskUsed(i.rwDir())
+	return s, err
 }

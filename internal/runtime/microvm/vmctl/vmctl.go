@@ -67,11 +67,15 @@ type Request struct {
 	Hostname     string `json:"hostname,omitempty"`
 }
 
-// Stats are the guest kernel's counters for the sandbox's cgroup.
+// Stats are the guest kernel's counters for the sandbox's cgroup and disk.
 type Stats struct {
 	MemoryBytes int64 `json:"memory_bytes"` // memory.current
 	OOMKills    int64 `json:"oom_kills"`    // memory.events oom_kill
 	Pids        int64 `json:"pids"`         // pids.current
+	// MemoryCacheBytes is memory.stat's file (page cache).
+	MemoryCacheBytes int64 `json:"memory_cache_bytes,omitempty"`
+	// DiskUsedBytes is what the sandbox's ext4 disk holds (statfs).
+	DiskUsedBytes int64 `json:"disk_used_bytes,omitempty"`
 }
 
 // Response is one guest → host message.
@@ -171,6 +175,8 @@ func (c *Client) Stats(ctx context.Context) (Stats, error) {
 	}
 	s := *resp.Stats
 	s.MemoryBytes, s.OOMKills, s.Pids = max(s.MemoryBytes, 0), max(s.OOMKills, 0), max(s.Pids, 0)
+	s.MemoryCacheBytes = min(max(s.MemoryCacheBytes, 0), s.MemoryBytes)
+	s.DiskUsedBytes = max(s.DiskUsedBytes, 0)
 	return s, nil
 }
 

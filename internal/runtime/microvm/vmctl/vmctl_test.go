@@ -21,7 +21,7 @@ type fakeHandler struct {
 }
 
 func (f *fakeHandler) Stats() (Stats, error) {
-	return Stats{MemoryBytes: 42, OOMKills: 1, Pids: 3}, nil
+	return Stats{MemoryBytes: 42, OOMKills: 1, Pids: 3, MemoryCacheBytes: 7, DiskUsedBytes: 4096}, nil
 }
 func (f *fakeHandler) Restored(seed []byte, t int64, h string) error {
 	if h == "bad" {
@@ -44,7 +44,7 @@ func TestRoundTrip(t *testing.T) {
 		t.Fatal(err)
 	}
 	s, err := c.Stats(ctx)
-	if err != nil || s != (Stats{42, 1, 3}) {
+	if err != nil || s != (Stats{MemoryBytes: 42, OOMKills: 1, Pids: 3, MemoryCacheBytes: 7, DiskUsedBytes: 4096}) {
 		t.Fatalf("stats %+v %v", s, err)
 	}
 	now := time.Unix(1700000000, 5)
@@ -64,7 +64,7 @@ func TestClientDistrustsGuest(t *testing.T) {
 	for name, reply := range map[string][]byte{
 		"oversized": bytes.Repeat([]byte("x"), 2*MaxLine),
 		"garbage":   []byte("{not json\n"),
-		"negative":  []byte(`{"id":1,"stats":{"memory_bytes":-5,"oom_kills":-1,"pids":-9}}` + "\n"),
+		"negative":  []byte(`{"id":1,"stats":{"memory_bytes":-5,"oom_kills":-1,"pids":-9,"memory_cache_bytes":-3,"disk_used_bytes":-1}}` + "\n"),
 	} {
 		t.Run(name, func(t *testing.T) {
 			host, guest := net.Pipe()

@@ -68,6 +68,22 @@ func findDisks(wait time.Duration) (root, disk string, err error) {
 	}
 }
 
+// diskFD is an O_PATH descriptor of the disk's mount point, -1 until
+// mountRoot opened it.
+var diskFD = -1
+
+// diskUsed is what the sandbox's writable disk holds, as df counts it.
+func diskUsed() (int64, error) {
+	if diskFD < 0 {
+		return 0, nil
+	}
+	var st unix.Statfs_t
+	if err := unix.Fstatfs(diskFD, &st); err != nil {
+		return 0, err
+	}
+	return int64(st.Blocks-st.Bfree) * st.Bsize, nil
+}
+
 // mountRoot mounts the template image read-only and the disk, and joins
 // them with overlayfs at newRoot. nodev everywhere: the sandbox's device
 // nodes are the ones PID 1 gives it in /dev.
@@ -87,6 +103,13 @@ func mountRoot(rootDev, diskDev string) error {
 	if err := unix.Mount(diskDev, diskDir, "ext4", unix.MS_NODEV|unix.MS_NOSUID, "discard"); err != nil {
 		return fmt.Errorf("mount the disk %s (ext4): %w", diskDev, err)
 	}
+	// Kept for Stats: after the switch of root the disk's mount point is
+	// out of PID 1's reach by path.
+	fd, err := unix.Open(diskDir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open the disk's mount point: %w", err)
+	}
+	diskFD = fd
 	// The disk's top level is PID 1's: the sandbox only ever sees upper/.
 	for _, d := range []string{"upper", "work"} {
 		p := filepath.Join(diskDir, d)

@@ -252,7 +252,7 @@ type control struct{}
 
 var _ vmctl.Handler = (*control)(nil)
 
-// Stats reads the sandbox cgroup's counters.
+// Stats reads the sandbox cgroup's counters and the disk's use.
 func (*control) Stats() (vmctl.Stats, error) {
 	var s vmctl.Stats
 	var err error
@@ -262,7 +262,13 @@ func (*control) Stats() (vmctl.Stats, error) {
 	if s.Pids, err = cgroupfs.ReadInt(Cgroup + "/pids.current"); err != nil {
 		return s, err
 	}
-	s.OOMKills, err = cgroupfs.ReadKey(Cgroup+"/memory.events", "oom_kill")
+	if s.OOMKills, err = cgroupfs.ReadKey(Cgroup+"/memory.events", "oom_kill"); err != nil {
+		return s, err
+	}
+	if s.MemoryCacheBytes, err = cgroupfs.ReadKey(Cgroup+"/memory.stat", "file"); err != nil {
+		return s, err
+	}
+	s.DiskUsedBytes, err = diskUsed()
 	return s, err
 }
 
