@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http/httptest"
 	"net/url"
 	"strconv"
 	"strings"
 	"testing"
+	"testing/iotest"
 	"time"
 
 	"github.com/spacehq/space/api"
@@ -299,4 +301,15 @@ func TestWatcherOverflow(t *testing.T) {
 		t.Errorf("after reporting the loss: %v", err)
 	}
 	waitIdle(t, fw)
+}
+
+func TestFullReader(t *testing.T) {
+	r := fullReader{iotest.OneByteReader(strings.NewReader("0123456789abc"))}
+	buf := make([]byte, 10)
+	if n, err := r.Read(buf); n != 10 || err != nil {
+		t.Fatalf("first read: %d, %v", n, err)
+	}
+	if n, err := r.Read(buf); n != 3 || err != io.EOF || string(buf[:n]) != "abc" {
+		t.Fatalf("last read: %d %q, %v", n, buf[:n], err)
+	}
 }
