@@ -223,7 +223,7 @@ func basicUser(r *http.Request) (string, error) {
 	}
 	b, err := base64.StdEncoding.DecodeString(strings.TrimSpace(v))
 	if err != nil {
-		return "", fmt.Errorf("Authorization: Basic is not base64: %w", errdefs.ErrInvalidArgument)
+		return "", fmt.Errorf("the Authorization header's Basic credentials are not base64: %w", errdefs.ErrInvalidArgument)
 	}
 	user, _, _ := strings.Cut(string(b), ":")
 	return user, nil
