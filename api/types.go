@@ -255,13 +255,53 @@ type FileList struct {
 type RenameRequest struct {
 	From string `json:"from"`
 	To   string `json:"to"`
+	// User performs the rename as this sandbox user; empty means root.
+	User string `json:"user,omitempty"`
 }
 
 // MkdirRequest is POST /v1/sandboxes/{id}/files/mkdir (always -p).
 type MkdirRequest struct {
 	Path string `json:"path"`
 	Mode uint32 `json:"mode,omitempty"`
+	// User performs the operation as this sandbox user ("name", "uid" or
+	// "uid:gid", like ExecRequest.User); empty means root.
+	User string `json:"user,omitempty"`
 }
+
+// WatchRequest is GET /v1/sandboxes/{id}/files/watch.
+type WatchRequest struct {
+	Path      string `json:"path"`
+	Recursive bool   `json:"recursive,omitempty"`
+	// User watches as this sandbox user: the directories must be readable
+	// by it. Empty means root.
+	User string `json:"user,omitempty"`
+}
+
+// FileEvent is one change under a watched directory, a line of the NDJSON
+// stream of GET /v1/sandboxes/{id}/files/watch. The stream's first line is
+// {"type":"watching"} once the watch is armed: every change after it is
+// reported.
+type FileEvent struct {
+	Name string    `json:"name"` // path relative to the watched directory ("a/b.txt"; "." is the directory itself)
+	Type string    `json:"type"` // one of the FileEvent* constants
+	Time time.Time `json:"time"`
+}
+
+// FileEvent types. They follow fsnotify (and so E2B): the old name of a
+// move is "rename", the new name "create"; writes are reported as they
+// happen ("write" may repeat for one write call).
+const (
+	FileEventWatching = "watching" // the first line: the watch is armed (no name)
+	FileEventCreate   = "create"
+	FileEventWrite    = "write"
+	FileEventRemove   = "remove"
+	FileEventRename   = "rename"
+	FileEventChmod    = "chmod"    // mode, owner, times or other attributes changed
+	FileEventOverflow = "overflow" // events were lost (kernel queue full, or the watch cap reached); no name
+)
+
+// FileEventTypes are the types a change event may have (not "watching").
+var FileEventTypes = []string{FileEventCreate, FileEventWrite, FileEventRemove, FileEventRename, FileEventChmod, FileEventOverflow}
 
 // Template is an immutable root filesystem plus runtime defaults, addressed
 // by digest and by tags. Digest covers the tree and Config: two templates

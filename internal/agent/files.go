@@ -32,8 +32,19 @@ func (a *Agent) handleReadFile(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	// O_NONBLOCK so a FIFO planted at the path cannot hang the open.
-	fd, err := a.root.open(rel, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY)
+	id, err := a.userIdentity(r)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	// Only the open needs the user's credentials: the kernel checks
+	// permissions there, not on later reads.
+	var fd int
+	err = runAs(id, func() (err error) {
+		// O_NONBLOCK so a FIFO planted at the path cannot hang the open.
+		fd, err = a.root.open(rel, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY)
+		return err
+	})
 	if err != nil {
 		writeError(w, fsError("read", apiPath(rel), err))
 		return
@@ -92,7 +103,16 @@ func (a *Agent) handleWriteFile(w http.ResponseWriter, r *http.Request) {
 		}
 		mode = int64(m)
 	}
-	fi, err := a.root.writeFile(rel, mode, r.Body)
+	id, err := a.userIdentity(r)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	var fi api.FileInfo
+	err = runAs(id, func() (err error) {
+		fi, err = a.root.writeFile(rel, mode, r.Body)
+		return err
+	})
 	if err != nil {
 		writeError(w, err)
 		return
@@ -115,7 +135,12 @@ func (a *Agent) handleRemove(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fmt.Errorf("recursive must be 0 or 1: %w", errdefs.ErrInvalidArgument))
 		return
 	}
-	if err := a.root.remove(rel, recursive); err != nil {
+	id, err := a.userIdentity(r)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	if err := runAs(id, func() error { return a.root.remove(rel, recursive) }); err != nil {
 		writeError(w, err)
 		return
 	}
@@ -128,7 +153,16 @@ func (a *Agent) handleStat(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	fi, err := a.root.stat(rel)
+	id, err := a.userIdentity(r)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	var fi api.FileInfo
+	err = runAs(id, func() (err error) {
+		fi, err = a.root.stat(rel)
+		return err
+	})
 	if err != nil {
 		writeError(w, err)
 		return
@@ -142,7 +176,16 @@ func (a *Agent) handleList(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	entries, err := a.root.list(rel)
+	id, err := a.userIdentity(r)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	var entries []api.FileInfo
+	err = runAs(id, func() (err error) {
+		entries, err = a.root.list(rel)
+		return err
+	})
 	if err != nil {
 		writeError(w, err)
 		return
@@ -176,11 +219,19 @@ func (a *Agent) handleMkdir(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fmt.Errorf("mode %o is not a permission: %w", mode, errdefs.ErrInvalidArgument))
 		return
 	}
-	if err := mkdirAll(a.root.fd, rel, mode); err != nil {
+	id, err := a.userIdentity(r)
+	if err != nil {
 		writeError(w, err)
 		return
 	}
-	fi, err := a.root.stat(rel)
+	var fi api.FileInfo
+	err = runAs(id, func() error {
+		if err := mkdirAll(a.root.fd, rel, mode); err != nil {
+			return err
+		}
+		fi, err = a.root.stat(rel)
+		return err
+	})
 	if err != nil {
 		writeError(w, err)
 		return
@@ -204,7 +255,12 @@ func (a *Agent) handleRename(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	if err := a.root.rename(from, to); err != nil {
+	id, err := a.userIdentity(r)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	if err := runAs(id, func() error { return a.root.rename(from, to) }); err != nil {
 		writeError(w, err)
 		return
 	}

@@ -14,6 +14,7 @@ import (
 	"os/signal"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/yamux"
@@ -39,6 +40,9 @@ type Config struct {
 	Root string
 	// MaxProcs caps tracked processes; 0 means DefaultMaxProcs.
 	MaxProcs int
+	// MaxWatches caps the directories one recursive watch follows; 0
+	// means agentproto.MaxWatches.
+	MaxWatches int
 	// RingBytes is the replay buffer per output stream; 0 means
 	// agentproto.DefaultRingBytes.
 	RingBytes int
@@ -79,6 +83,8 @@ type Agent struct {
 
 	lc listenCtl // host sessions and listener, for PathQuiesce
 
+	watches atomic.Int64 // open PathFilesWatch streams
+
 	closeOnce sync.Once
 }
 
@@ -89,6 +95,9 @@ func New(cfg Config) (*Agent, error) {
 	}
 	if cfg.MaxProcs <= 0 {
 		cfg.MaxProcs = DefaultMaxProcs
+	}
+	if cfg.MaxWatches <= 0 {
+		cfg.MaxWatches = agentproto.MaxWatches
 	}
 	if cfg.RingBytes <= 0 {
 		cfg.RingBytes = agentproto.DefaultRingBytes
@@ -149,6 +158,7 @@ func (a *Agent) Handler() http.Handler {
 	mux.HandleFunc("POST "+agentproto.PathRestored, a.handleRestored)
 	mux.HandleFunc("GET "+agentproto.PathFilesTar, a.handleTarGet)
 	mux.HandleFunc("PUT "+agentproto.PathFilesTar, a.handleTarPut)
+	mux.HandleFunc("GET "+agentproto.PathFilesWatch, a.handleWatch)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fmt.Errorf("no route for %s %s: %w", r.Method, r.URL.Path, errdefs.ErrNotFound))
 	})
@@ -328,7 +338,7 @@ func (a *Agent) serveSerial(ctx context.Context, path string) error {
 }
 
 func (a *Agent) handleHealth(w http.ResponseWriter, r *http.Request) {
-	writeJSON(w, http.StatusOK, agentproto.Health{Version: Version, Pid: os.Getpid()})
+	writeJSON(w, http.StatusOK, agentproto.Health{Version: Version, Pid: os.Getpid(), Watches: int(a.watches.Load())})
 }
 
 // writeJSON writes v with status.

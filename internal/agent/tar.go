@@ -27,6 +27,23 @@ func (a *Agent) handleTarGet(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
+	id, err := a.userIdentity(r)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	// An error here is a failed switch of credentials (fn did not run) or
+	// of the restore after it (fn answered; the error is only logged).
+	if err := runAs(id, func() error { a.tarGet(w, rel); return nil }); err != nil {
+		a.log.Warn("tar as user", "err", err)
+		writeError(w, err)
+	}
+}
+
+// tarGet is handleTarGet after the request is parsed, with the credentials
+// it acts with.
+func (a *Agent) tarGet(w http.ResponseWriter, rel string) {
+	var err error
 	// Resolve the top without following a final symlink, like stat does.
 	var dfd int
 	var base string
@@ -168,6 +185,22 @@ func (a *Agent) handleTarPut(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
+	id, err := a.userIdentity(r)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	// An error here is a failed switch of credentials (fn did not run) or
+	// of the restore after it (fn answered; the error is only logged).
+	if err := runAs(id, func() error { a.tarPut(w, r, rel); return nil }); err != nil {
+		a.log.Warn("tar as user", "err", err)
+		writeError(w, err)
+	}
+}
+
+// tarPut is handleTarPut after the request is parsed, with the credentials
+// it acts with.
+func (a *Agent) tarPut(w http.ResponseWriter, r *http.Request, rel string) {
 	if err := mkdirAll(a.root.fd, rel, 0o755); err != nil {
 		writeError(w, err)
 		return

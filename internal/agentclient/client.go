@@ -422,12 +422,36 @@ func (c *Client) stream(ctx context.Context, cl call) (io.ReadCloser, error) {
 	return &streamBody{ReadCloser: resp.Body, done: cc.done}, nil
 }
 
-func pathQuery(p string) url.Values { return url.Values{"path": {p}} }
+// FileOption changes how a file operation is performed.
+type FileOption func(*fileOptions)
+
+type fileOptions struct{ user string }
+
+// AsUser performs a file operation as this sandbox user ("name", "uid" or
+// "uid:gid", resolved by the agent like an exec's user): the sandbox's
+// kernel checks its permissions and new files belong to it. "" is root.
+func AsUser(user string) FileOption { return func(o *fileOptions) { o.user = user } }
+
+// fileQuery is the query of a file operation on p (no path when p is "").
+func fileQuery(p string, opts []FileOption) url.Values {
+	var o fileOptions
+	for _, f := range opts {
+		f(&o)
+	}
+	q := url.Values{}
+	if p != "" {
+		q.Set("path", p)
+	}
+	if o.user != "" {
+		q.Set(agentproto.QueryUser, o.user)
+	}
+	return q
+}
 
 // ReadFile streams a regular file. Reading is bounded by ctx only; the
 // caller must Close the reader.
-func (c *Client) ReadFile(ctx context.Context, path string) (io.ReadCloser, error) {
-	return c.stream(ctx, call{method: http.MethodGet, path: agentproto.PathFiles, query: pathQuery(path)})
+func (c *Client) ReadFile(ctx context.Context, path string, opts ...FileOption) (io.ReadCloser, error) {
+	return c.stream(ctx, call{method: http.MethodGet, path: agentproto.PathFiles, query: fileQuery(path, opts)})
 }
 
 // upload sends a streaming body and reads a bounded JSON answer.
@@ -450,8 +474,8 @@ func (c *Client) upload(ctx context.Context, cl call, out any) error {
 
 // WriteFile atomically replaces path with r's content. mode 0 keeps the
 // mode of an existing file (0644 for a new one). The parent must exist.
-func (c *Client) WriteFile(ctx context.Context, path string, mode os.FileMode, r io.Reader) (api.FileInfo, error) {
-	q := pathQuery(path)
+func (c *Client) WriteFile(ctx context.Context, path string, mode os.FileMode, r io.Reader, opts ...FileOption) (api.FileInfo, error) {
+	q := fileQuery(path, opts)
 	if m := uint32(mode.Perm()) | modeExtra(mode); m != 0 {
 		q.Set("mode", strconv.FormatUint(uint64(m), 8))
 	}
@@ -476,30 +500,30 @@ func modeExtra(m os.FileMode) uint32 {
 }
 
 // Stat describes path without following a final symlink.
-func (c *Client) Stat(ctx context.Context, path string) (api.FileInfo, error) {
+func (c *Client) Stat(ctx context.Context, path string, opts ...FileOption) (api.FileInfo, error) {
 	var fi api.FileInfo
-	err := c.doJSON(ctx, call{method: http.MethodGet, path: agentproto.PathFilesStat, query: pathQuery(path)}, nil, &fi, agentproto.MaxJSONBody)
+	err := c.doJSON(ctx, call{method: http.MethodGet, path: agentproto.PathFilesStat, query: fileQuery(path, opts)}, nil, &fi, agentproto.MaxJSONBody)
 	return fi, err
 }
 
 // List describes the entries of a directory.
-func (c *Client) List(ctx context.Context, path string) ([]api.FileInfo, error) {
+func (c *Client) List(ctx context.Context, path string, opts ...FileOption) ([]api.FileInfo, error) {
 	var fl api.FileList
-	err := c.doJSON(ctx, call{method: http.MethodGet, path: agentproto.PathFilesList, query: pathQuery(path)}, nil, &fl, agentproto.MaxJSONBody)
+	err := c.doJSON(ctx, call{method: http.MethodGet, path: agentproto.PathFilesList, query: fileQuery(path, opts)}, nil, &fl, agentproto.MaxJSONBody)
 	return fl.Entries, err
 }
 
 // Mkdir creates path and its missing parents (mode 0 means 0755).
-func (c *Client) Mkdir(ctx context.Context, path string, mode os.FileMode) (api.FileInfo, error) {
+func (c *Client) Mkdir(ctx context.Context, path string, mode os.FileMode, opts ...FileOption) (api.FileInfo, error) {
 	var fi api.FileInfo
 	req := api.MkdirRequest{Path: path, Mode: uint32(mode.Perm()) | modeExtra(mode)}
-	err := c.doJSON(ctx, call{method: http.MethodPost, path: agentproto.PathFilesMkdir}, req, &fi, agentproto.MaxJSONBody)
+	err := c.doJSON(ctx, call{method: http.MethodPost, path: agentproto.PathFilesMkdir, query: fileQuery("", opts)}, req, &fi, agentproto.MaxJSONBody)
 	return fi, err
 }
 
 // Remove deletes path; a non-empty directory only when recursive.
-func (c *Client) Remove(ctx context.Context, path string, recursive bool) error {
-	q := pathQuery(path)
+func (c *Client) Remove(ctx context.Context, path string, recursive bool, opts ...FileOption) error {
+	q := fileQuery(path, opts)
 	if recursive {
 		q.Set("recursive", "1")
 	}
@@ -507,19 +531,19 @@ func (c *Client) Remove(ctx context.Context, path string, recursive bool) error 
 }
 
 // Rename moves from to to.
-func (c *Client) Rename(ctx context.Context, from, to string) error {
-	return c.doJSON(ctx, call{method: http.MethodPost, path: agentproto.PathFilesRename}, api.RenameRequest{From: from, To: to}, nil, 0)
+func (c *Client) Rename(ctx context.Context, from, to string, opts ...FileOption) error {
+	return c.doJSON(ctx, call{method: http.MethodPost, path: agentproto.PathFilesRename, query: fileQuery("", opts)}, api.RenameRequest{From: from, To: to}, nil, 0)
 }
 
 // TarGet streams a tar of path (a directory's entries relative to it, or
 // one file). The caller must Close the reader.
-func (c *Client) TarGet(ctx context.Context, path string) (io.ReadCloser, error) {
-	return c.stream(ctx, call{method: http.MethodGet, path: agentproto.PathFilesTar, query: pathQuery(path)})
+func (c *Client) TarGet(ctx context.Context, path string, opts ...FileOption) (io.ReadCloser, error) {
+	return c.stream(ctx, call{method: http.MethodGet, path: agentproto.PathFilesTar, query: fileQuery(path, opts)})
 }
 
 // TarPut extracts the tar stream r below directory path (created if missing).
-func (c *Client) TarPut(ctx context.Context, path string, r io.Reader) error {
-	return c.upload(ctx, call{method: http.MethodPut, path: agentproto.PathFilesTar, query: pathQuery(path), body: r, contentType: "application/x-tar"}, nil)
+func (c *Client) TarPut(ctx context.Context, path string, r io.Reader, opts ...FileOption) error {
+	return c.upload(ctx, call{method: http.MethodPut, path: agentproto.PathFilesTar, query: fileQuery(path, opts), body: r, contentType: "application/x-tar"}, nil)
 }
 
 // Quiesce asks the agent to close its listener and every host connection,

@@ -37,7 +37,18 @@ const (
 	PathFilesMkdir  = "/v1/files/mkdir"  // POST api.MkdirRequest → api.FileInfo
 	PathFilesRename = "/v1/files/rename" // POST api.RenameRequest
 	PathFilesTar    = "/v1/files/tar"    // GET ?path= → tar stream of the dir/file; PUT ?path= body=tar → extracted below path
+	// PathFilesWatch: GET ?path=&recursive=1 → NDJSON stream of
+	// api.FileEvent, the first line {"type":"watching"} once armed; it
+	// ends when the host goes away, or after a "remove"/"rename" event
+	// of "." (the watched directory itself).
+	PathFilesWatch = "/v1/files/watch"
 )
+
+// Every files route takes an optional user= query parameter ("name",
+// "uid" or "uid:gid", resolved like ExecRequest.User): the agent performs
+// the operation with that user's credentials, so the kernel's permission
+// checks apply and new files belong to that user. Absent: root.
+const QueryUser = "user"
 
 // Limits the agent and host both enforce.
 const (
@@ -47,12 +58,21 @@ const (
 	DefaultRingBytes = 1 << 20  // replay buffer per output stream of a process
 	DefaultSyncOut   = 1 << 20  // default cap per stream for synchronous exec
 	MaxSyncOut       = 16 << 20 // max cap per stream for synchronous exec
+	// MaxWatches caps the directories one recursive watch follows; past it
+	// the stream reports "overflow" and new directories go unwatched.
+	MaxWatches = 8192
+	// MaxWatchLine caps one line of a watch stream (a 4096-byte name,
+	// JSON-escaped, fits).
+	MaxWatchLine = 32 << 10
 )
 
 // Health is the agent's answer to PathHealth.
 type Health struct {
 	Version string `json:"version"`
 	Pid     int    `json:"pid"`
+	// Watches is the number of open PathFilesWatch streams (tests check
+	// that an abandoned watch is released).
+	Watches int `json:"watches"`
 }
 
 // ExecRequest is a synchronous exec. Env is the complete environment

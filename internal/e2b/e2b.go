@@ -87,7 +87,8 @@ func New(cfg Config) *Handler {
 	return h
 }
 
-// Close ends background work (the processes' input attachments).
+// Close ends background work (the processes' input attachments, the
+// server-side watchers).
 func (h *Handler) Close() {
 	h.proc.close()
 	h.watchers.close()
@@ -234,7 +235,7 @@ func basicUser(r *http.Request) (string, error) {
 	}
 	b, err := base64.StdEncoding.DecodeString(strings.TrimSpace(v))
 	if err != nil {
-		return "", fmt.Errorf("the Authorization: Basic header is not base64: %w", errdefs.ErrInvalidArgument)
+		return "", fmt.Errorf("the Authorization header's Basic credentials are not base64: %w", errdefs.ErrInvalidArgument)
 	}
 	user, _, _ := strings.Cut(string(b), ":")
 	return user, nil

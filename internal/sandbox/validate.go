@@ -125,6 +125,16 @@ func validateEnv(env map[string]string) error {
 	return nil
 }
 
+// ValidateUser checks a sandbox user as requests name one ("name" or
+// "uid", optionally ":group" or ":gid"); empty (root) is valid. Whether the
+// user exists is for the sandbox's /etc/passwd to say.
+func ValidateUser(u string) error {
+	if u != "" && !userRE.MatchString(u) {
+		return invalid("user must be a name or uid, optionally :group, got %q", truncate(u, 64))
+	}
+	return nil
+}
+
 func validatePath(field, p string, allowEmpty bool) error {
 	if p == "" {
 		if allowEmpty {
@@ -233,8 +243,8 @@ func validateExec(req *api.ExecRequest) error {
 			return invalid("workdir must be an absolute path")
 		}
 	}
-	if req.User != "" && !userRE.MatchString(req.User) {
-		return invalid("user must be a name or uid, optionally :group, got %q", truncate(req.User, 64))
+	if err := ValidateUser(req.User); err != nil {
+		return err
 	}
 	if req.TimeoutSeconds < 0 || req.TimeoutSeconds > 24*3600 || math.IsNaN(req.TimeoutSeconds) {
 		return invalid("timeout_seconds must be between 0 and 86400")

@@ -3,14 +3,17 @@ package server
 import (
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"os"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/sandbox"
 )
 
 // checkPath validates a sandbox path before it reaches the agent (which
@@ -30,15 +33,29 @@ func checkPath(p string) error {
 }
 
 // fileOp runs fn against the sandbox's agent (waking the sandbox if needed)
-// with the path from the query, holding the sandbox active meanwhile. fn
-// writes the success response; any error is written here.
-func (s *Server) fileOp(w http.ResponseWriter, r *http.Request, fn func(c *agentclient.Client, path string) error) {
+// with the path from the query, holding the sandbox active meanwhile, as
+// the query's user (root when absent). fn writes the success response; any
+// error is written here.
+func (s *Server) fileOp(w http.ResponseWriter, r *http.Request, fn func(c *agentclient.Client, path string, as agentclient.FileOption) error) {
 	p := r.URL.Query().Get("path")
 	if err := checkPath(p); err != nil {
 		writeError(w, r, err)
 		return
 	}
-	s.agentOp(w, r, func(c *agentclient.Client) error { return fn(c, p) })
+	as, err := asUser(r.URL.Query().Get("user"))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	s.agentOp(w, r, func(c *agentclient.Client) error { return fn(c, p, as) })
+}
+
+// asUser checks the user a file operation is performed as ("" is root).
+func asUser(u string) (agentclient.FileOption, error) {
+	if err := sandbox.ValidateUser(u); err != nil {
+		return nil, err
+	}
+	return agentclient.AsUser(u), nil
 }
 
 func (s *Server) agentOp(w http.ResponseWriter, r *http.Request, fn func(c *agentclient.Client) error) {
@@ -66,8 +83,8 @@ func (s *Server) streamOut(w http.ResponseWriter, rc io.ReadCloser, contentType 
 }
 
 func (s *Server) readFile(w http.ResponseWriter, r *http.Request) {
-	s.fileOp(w, r, func(c *agentclient.Client, p string) error {
-		rc, err := c.ReadFile(r.Context(), p)
+	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
+		rc, err := c.ReadFile(r.Context(), p, as)
 		if err != nil {
 			return err
 		}
@@ -77,8 +94,8 @@ func (s *Server) readFile(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) tarGet(w http.ResponseWriter, r *http.Request) {
-	s.fileOp(w, r, func(c *agentclient.Client, p string) error {
-		rc, err := c.TarGet(r.Context(), p)
+	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
+		rc, err := c.TarGet(r.Context(), p, as)
 		if err != nil {
 			return err
 		}
@@ -145,8 +162,8 @@ func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	s.fileOp(w, r, func(c *agentclient.Client, p string) error {
-		fi, err := c.WriteFile(r.Context(), p, mode, body)
+	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
+		fi, err := c.WriteFile(r.Context(), p, mode, body, as)
 		if err != nil {
 			return body.check(err)
 		}
@@ -161,8 +178,8 @@ func (s *Server) tarPut(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	s.fileOp(w, r, func(c *agentclient.Client, p string) error {
-		if err := c.TarPut(r.Context(), p, body); err != nil {
+	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
+		if err := c.TarPut(r.Context(), p, body, as); err != nil {
 			return body.check(err)
 		}
 		w.WriteHeader(http.StatusNoContent)
@@ -176,8 +193,8 @@ func (s *Server) removeFile(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	s.fileOp(w, r, func(c *agentclient.Client, p string) error {
-		if err := c.Remove(r.Context(), p, rec); err != nil {
+	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
+		if err := c.Remove(r.Context(), p, rec, as); err != nil {
 			return err
 		}
 		w.WriteHeader(http.StatusNoContent)
@@ -186,8 +203,8 @@ func (s *Server) removeFile(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) statFile(w http.ResponseWriter, r *http.Request) {
-	s.fileOp(w, r, func(c *agentclient.Client, p string) error {
-		fi, err := c.Stat(r.Context(), p)
+	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
+		fi, err := c.Stat(r.Context(), p, as)
 		if err != nil {
 			return err
 		}
@@ -197,8 +214,8 @@ func (s *Server) statFile(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) listFiles(w http.ResponseWriter, r *http.Request) {
-	s.fileOp(w, r, func(c *agentclient.Client, p string) error {
-		list, err := c.List(r.Context(), p)
+	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
+		list, err := c.List(r.Context(), p, as)
 		if err != nil {
 			return err
 		}
@@ -228,8 +245,13 @@ func (s *Server) mkdir(w http.ResponseWriter, r *http.Request) {
 	if mode == 0 {
 		mode = 0o755
 	}
+	as, err := asUser(req.User)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
 	s.agentOp(w, r, func(c *agentclient.Client) error {
-		fi, err := c.Mkdir(r.Context(), req.Path, mode)
+		fi, err := c.Mkdir(r.Context(), req.Path, mode, as)
 		if err != nil {
 			return err
 		}
@@ -250,11 +272,56 @@ func (s *Server) rename(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
+	as, err := asUser(req.User)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
 	s.agentOp(w, r, func(c *agentclient.Client) error {
-		if err := c.Rename(r.Context(), req.From, req.To); err != nil {
+		if err := c.Rename(r.Context(), req.From, req.To, as); err != nil {
 			return err
 		}
 		w.WriteHeader(http.StatusNoContent)
 		return nil
 	})
+}
+
+// watchWriteTimeout bounds the write of one event line: a client that stops
+// reading fails its watch instead of holding it.
+const watchWriteTimeout = 30 * time.Second
+
+// watchDir streams api.FileEvent lines. Errors known before the watch is
+// armed (an unknown sandbox, a path that is missing or not a directory)
+// are plain JSON errors; the stream starts with the "watching" event and
+// simply ends otherwise (see sandbox.Manager.WatchDir for why).
+func (s *Server) watchDir(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	rec, err := parseBool(q.Get("recursive"), "recursive")
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	req := api.WatchRequest{Path: q.Get("path"), Recursive: rec, User: q.Get("user")}
+	if err := checkPath(req.Path); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	id := r.PathValue("id")
+	var nd *ndjsonWriter
+	err = s.mgr.WatchDir(r.Context(), id, req, func(ev api.FileEvent) error {
+		if nd == nil {
+			nd = newNDJSON(w, watchWriteTimeout)
+		}
+		return nd.Send(ev)
+	})
+	if nd == nil {
+		if err != nil {
+			writeError(w, r, err)
+		}
+		return
+	}
+	nd.Close()
+	if err != nil && r.Context().Err() == nil {
+		slog.Debug("watch stream ended", "sandbox", id, "path", req.Path, "err", err)
+	}
 }

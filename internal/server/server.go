@@ -461,6 +461,7 @@ func (s *Server) routeTable() []route {
 		{pattern: "POST /v1/sandboxes/{id}/files/rename", handler: h(s.rename)},
 		{pattern: "GET /v1/sandboxes/{id}/files/tar", handler: h(s.tarGet)},
 		{pattern: "PUT /v1/sandboxes/{id}/files/tar", body: bodyStream, handler: h(s.tarPut)},
+		{pattern: "GET /v1/sandboxes/{id}/files/watch", handler: h(s.watchDir)},
 		{pattern: "GET /v1/sandboxes/{id}/stats", handler: h(s.sandboxStats)},
 		{pattern: "GET /v1/sandboxes/{id}/network", handler: h(s.getNetwork)},
 		{pattern: "PUT /v1/sandboxes/{id}/network", handler: h(s.putNetwork)},

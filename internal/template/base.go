@@ -56,6 +56,10 @@ type Progress struct {
 // written last, so an interrupted build never looks finished. Concurrent
 // callers — in this process or others, e.g. parallel test binaries — are
 // serialised by an flock on <cacheDir>/base-bookworm.lock.
+//
+// The base has the unprivileged account "user" (ensureBaseUser). A cached
+// build from before that account existed gets it in place, under the
+// lock, instead of being rebuilt.
 func BuildBase(ctx context.Context, cacheDir string, progress func(Progress)) (string, error) {
 	if progress == nil {
 		progress = func(Progress) {}
@@ -63,7 +67,9 @@ func BuildBase(ctx context.Context, cacheDir string, progress func(Progress)) (s
 	final := filepath.Join(cacheDir, baseCacheDir)
 	rootfs := filepath.Join(final, "rootfs")
 	if baseComplete(final) {
-		return rootfs, nil
+		if ok, err := ensureBaseUser(rootfs, false); err == nil && ok {
+			return rootfs, nil
+		}
 	}
 	if err := os.MkdirAll(cacheDir, 0o755); err != nil {
 		return "", fmt.Errorf("create cache dir: %w", err)
@@ -75,6 +81,9 @@ func BuildBase(ctx context.Context, cacheDir string, progress func(Progress)) (s
 	defer unlock()
 	// Another process may have finished while we waited for the lock.
 	if baseComplete(final) {
+		if _, err := ensureBaseUser(rootfs, true); err != nil {
+			return "", fmt.Errorf("add the %q account to the cached base rootfs: %w", baseUserName, err)
+		}
 		return rootfs, nil
 	}
 
@@ -305,6 +314,9 @@ func finalizeBase(root string) error {
 		if err := os.WriteFile(resolv, nil, 0o644); err != nil {
 			return err
 		}
+	}
+	if _, err := ensureBaseUser(root, true); err != nil {
+		return fmt.Errorf("add the %q account: %w", baseUserName, err)
 	}
 	// debootstrap copies the host's hostname; a template must not leak it.
 	if err := os.WriteFile(filepath.Join(root, "etc", "hostname"), []byte("sandbox\n"), 0o644); err != nil {
