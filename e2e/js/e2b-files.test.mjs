@@ -184,8 +184,62 @@ test('watchDir reports create, write and remove, and stops', async () => {
     assert.equal(events.length, n)
     void exited
 
-    // A missing directory is the SDK's NotFoundError.
+    // Recursive: changes in a new subdirectory, named relative to the watched one.
+    const deep = []
+    const rh = await sbx.files.watchDir('/tmp/w', (ev) => { deep.push(ev) }, { recursive: true })
+    await sbx.files.write('/tmp/w/sub/deep.txt', 'deep')
+    for (const end = Date.now() + 10000; !deep.some((e) => e.name === 'sub/deep.txt') && Date.now() < end;) {
+      await new Promise((resolve) => setTimeout(resolve, 100))
+    }
+    await rh.stop()
+    assert.ok(deep.some((e) => e.name === 'sub' && e.type === 'create'), `events ${JSON.stringify(deep)}`)
+    assert.ok(deep.some((e) => e.name === 'sub/deep.txt' && e.type === 'create'), `events ${JSON.stringify(deep)}`)
+
+    // A missing directory is the SDK's NotFoundError, a file its InvalidArgumentError.
     await assert.rejects(sbx.files.watchDir('/tmp/nope', () => {}), NotFoundError)
+    await assert.rejects(sbx.files.watchDir('/tmp/w/after.txt', () => {}), InvalidArgumentError)
+  })
+})
+
+test('polling watchers: CreateWatcher, GetWatcherEvents, RemoveWatcher (Connect JSON, as E2B\'s other SDKs call them)', async () => {
+  await withSandbox(async (sbx) => {
+    const call = async (method, body) => {
+      const res = await fetch(`${process.env.E2B_SANDBOX_URL}/filesystem.Filesystem/${method}`, {
+        method: 'POST',
+        headers: { 'Content-Type': 'application/json', 'E2b-Sandbox-Id': sbx.sandboxId, 'X-Access-Token': sbx.envdAccessToken },
+        body: JSON.stringify(body)
+      })
+      return { status: res.status, body: await res.json() }
+    }
+    await sbx.files.makeDir('/tmp/pw')
+    const created = await call('CreateWatcher', { path: '/tmp/pw', recursive: true })
+    assert.equal(created.status, 200, JSON.stringify(created.body))
+    const id = created.body.watcherId
+    assert.ok(id)
+    await sbx.files.write('/tmp/pw/sub/x.txt', 'x')
+    await sbx.files.remove('/tmp/pw/sub/x.txt')
+    const seen = []
+    for (const end = Date.now() + 10000; !seen.some((e) => e.name === 'sub/x.txt' && e.type === 'EVENT_TYPE_REMOVE') && Date.now() < end;) {
+      const got = await call('GetWatcherEvents', { watcherId: id })
+      assert.equal(got.status, 200, JSON.stringify(got.body))
+      seen.push(...got.body.events)
+      await new Promise((resolve) => setTimeout(resolve, 100))
+    }
+    const names = seen.map((e) => `${e.type} ${e.name}`)
+    assert.ok(names.includes('EVENT_TYPE_CREATE sub'), names.join(', '))
+    assert.ok(names.includes('EVENT_TYPE_CREATE sub/x.txt'), names.join(', '))
+    assert.ok(names.includes('EVENT_TYPE_REMOVE sub/x.txt'), names.join(', '))
+
+    // Removal ends it (another sandbox cannot reach it: the unit tests).
+    const removed = await call('RemoveWatcher', { watcherId: id })
+    assert.equal(removed.status, 200)
+    const after = await call('GetWatcherEvents', { watcherId: id })
+    assert.equal(after.status, 404)
+    assert.equal(after.body.code, 'not_found')
+
+    const missing = await call('CreateWatcher', { path: '/tmp/none' })
+    assert.equal(missing.status, 404)
+    assert.equal(missing.body.code, 'not_found')
   })
 })
 

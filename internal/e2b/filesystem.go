@@ -132,37 +132,37 @@ func (h *Handler) openFS(ctx context.Context) (*fsCall, error) {
 
 func (f *fsCall) close() { f.release() }
 
-// The agent's file operations, as the call's user: the one place that
-// user reaches the agent.
-// TODO(files-watch): pass agentclient.AsUser(f.user) once the agent
-// performs file operations as a user; until then they run as root.
+// as is the one place the call's user reaches the agent: every file
+// operation below runs as that user, so the sandbox's kernel checks its
+// permissions and what it creates is its own.
+func (f *fsCall) as() agentclient.FileOption { return agentclient.AsUser(f.user) }
 
 func (f *fsCall) stat(ctx context.Context, p string) (api.FileInfo, error) {
-	return f.c.Stat(ctx, p)
+	return f.c.Stat(ctx, p, f.as())
 }
 
 func (f *fsCall) list(ctx context.Context, p string) ([]api.FileInfo, error) {
-	return f.c.List(ctx, p)
+	return f.c.List(ctx, p, f.as())
 }
 
 func (f *fsCall) mkdir(ctx context.Context, p string) (api.FileInfo, error) {
-	return f.c.Mkdir(ctx, p, 0o755)
+	return f.c.Mkdir(ctx, p, 0o755, f.as())
 }
 
 func (f *fsCall) rename(ctx context.Context, from, to string) error {
-	return f.c.Rename(ctx, from, to)
+	return f.c.Rename(ctx, from, to, f.as())
 }
 
 func (f *fsCall) removeAll(ctx context.Context, p string) error {
-	return f.c.Remove(ctx, p, true)
+	return f.c.Remove(ctx, p, true, f.as())
 }
 
 func (f *fsCall) readFile(ctx context.Context, p string) (io.ReadCloser, error) {
-	return f.c.ReadFile(ctx, p)
+	return f.c.ReadFile(ctx, p, f.as())
 }
 
 func (f *fsCall) writeFile(ctx context.Context, p string, r io.Reader) error {
-	_, err := f.c.WriteFile(ctx, p, 0, r)
+	_, err := f.c.WriteFile(ctx, p, 0, r, f.as())
 	return err
 }
 

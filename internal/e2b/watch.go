@@ -10,7 +10,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/sandbox"
 )
 
 // Directory watches: WatchDir streams a watch's events; CreateWatcher runs
@@ -69,13 +71,13 @@ type watchEvent struct {
 // The kinds of watchEvent. watchArmed comes first, once the watch is in
 // place; watchOverflow says events were lost.
 const (
-	watchArmed    = "watching"
-	watchCreate   = "create"
-	watchWrite    = "write"
-	watchRemove   = "remove"
-	watchRename   = "rename"
-	watchChmod    = "chmod"
-	watchOverflow = "overflow"
+	watchArmed    = api.FileEventWatching
+	watchCreate   = api.FileEventCreate
+	watchWrite    = api.FileEventWrite
+	watchRemove   = api.FileEventRemove
+	watchRename   = api.FileEventRename
+	watchChmod    = api.FileEventChmod
+	watchOverflow = api.FileEventOverflow
 )
 
 // eventTypes maps a watch event kind to filesystem.proto's EventType.
@@ -344,9 +346,10 @@ func (ws *watchers) remove(ctx context.Context, r *http.Request, in *watcherRequ
 }
 
 // managerWatch is the sandbox manager's directory watch.
-// TODO(files-watch): Manager.WatchDir; until it lands, watches are refused.
-func managerWatch(m any) dirWatcher {
+func managerWatch(m *sandbox.Manager) dirWatcher {
 	return func(ctx context.Context, id, path string, recursive bool, user string, fn func(watchEvent) error) error {
-		return notSupported("watching directories is not available on this server yet")
+		return m.WatchDir(ctx, id, api.WatchRequest{Path: path, Recursive: recursive, User: user}, func(ev api.FileEvent) error {
+			return fn(watchEvent{Name: ev.Name, Type: ev.Type})
+		})
 	}
 }
