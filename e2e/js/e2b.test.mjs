@@ -189,6 +189,24 @@ test('errors: wrong key is AuthenticationError, unknown sandbox NotFound, unknow
   const sbx = await create()
   const bad = await Sandbox.connect(sbx.sandboxId)
   bad.envdAccessToken = 'ea_wrong'
+  await assert.rejects(bad.commands.run('true'), AuthenticationError)
+  // Raw HTTP: E2B's error shape for what is not served, 413 for an
+  // oversized body, 401 without a key.
+  const api = process.env.E2B_API_URL
+  const key = { 'X-API-KEY': process.env.E2B_API_KEY, 'Content-Type': 'application/json' }
+  let res = await fetch(`${api}/volumes`, { headers: key })
+  assert.equal(res.status, 404)
+  const body = await res.json()
+  assert.equal(body.code, 404)
+  assert.match(body.message, /not part of the E2B API this server implements/)
+  res = await fetch(`${api}/v2/sandboxes`, { method: 'POST', headers: key, body: JSON.stringify({ templateID: 'base', metadata: { pad: 'x'.repeat(2 << 20) } }) })
+  assert.equal(res.status, 413)
+  assert.equal((await res.json()).code, 413)
+  res = await fetch(`${api}/v2/sandboxes`)
+  assert.equal(res.status, 401)
+  res = await fetch(`${api}/v2/sandboxes`, { method: 'POST', headers: key, body: JSON.stringify({ templateID: 'base', mcp: { x: {} } }) })
+  assert.equal(res.status, 422)
+  assert.match((await res.json()).message, /mcp/)
 })
 
 test('many sandboxes at once', async () => {
