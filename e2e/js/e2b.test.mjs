@@ -226,3 +226,35 @@ test('getMetrics is a current sample of the sandbox', async () => {
   assert.ok(m.memUsed > 0 && m.memTotal >= m.memUsed, JSON.stringify(m))
   assert.ok(m.diskUsed >= 30 << 20, `disk used ${m.diskUsed}`)
 })
+
+test('fork copies a running sandbox: memory, disk and a fresh identity', async () => {
+  const sbx = await create()
+  await sbx.commands.run('echo parent-file > /home/user/f.txt')
+  const children = await sbx.fork({ count: 2 })
+  assert.equal(children.length, 2)
+  for (const c of children) {
+    assert.ok(!(c instanceof Error), String(c))
+    made.push(c.sandboxId)
+    assert.notEqual(c.sandboxId, sbx.sandboxId)
+    assert.equal((await c.commands.run('cat /home/user/f.txt')).stdout, 'parent-file\n')
+    const info = await c.getInfo()
+    assert.equal(info.state, 'running')
+  }
+  const names = await Promise.all([sbx, ...children].map(async s => (await s.commands.run('hostname')).stdout))
+  assert.equal(new Set(names).size, 3, `hostnames ${names}`)
+})
+
+test('lifecycle onTimeout pause: the deadline suspends instead of killing', async () => {
+  const sbx = await create({ lifecycle: { onTimeout: 'pause' } })
+  await sbx.commands.run('echo still-here > /home/user/k.txt')
+  assert.equal((await sbx.getInfo()).lifecycle.onTimeout, 'pause')
+  await sbx.setTimeout(1000)
+  let state = ''
+  for (let i = 0; i < 60 && state !== 'paused'; i++) {
+    await new Promise(r => setTimeout(r, 500))
+    state = (await sbx.getInfo()).state
+  }
+  assert.equal(state, 'paused')
+  const back = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 600_000 })
+  assert.equal((await back.commands.run('cat /home/user/k.txt')).stdout, 'still-here\n')
+})
