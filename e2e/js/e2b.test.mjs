@@ -189,6 +189,24 @@ test('errors: wrong key is AuthenticationError, unknown sandbox NotFound, unknow
   const sbx = await create()
   const bad = await Sandbox.connect(sbx.sandboxId)
   bad.envdAccessToken = 'ea_wrong'
+  await assert.rejects(bad.commands.run('true'), AuthenticationError)
+  // Raw HTTP: E2B's error shape for what is not served, 413 for an
+  // oversized body, 401 without a key.
+  const api = process.env.E2B_API_URL
+  const key = { 'X-API-KEY': process.env.E2B_API_KEY, 'Content-Type': 'application/json' }
+  let res = await fetch(`${api}/volumes`, { headers: key })
+  assert.equal(res.status, 404)
+  const body = await res.json()
+  assert.equal(body.code, 404)
+  assert.match(body.message, /not part of the E2B API this server implements/)
+  res = await fetch(`${api}/v2/sandboxes`, { method: 'POST', headers: key, body: JSON.stringify({ templateID: 'base', metadata: { pad: 'x'.repeat(2 << 20) } }) })
+  assert.equal(res.status, 413)
+  assert.equal((await res.json()).code, 413)
+  res = await fetch(`${api}/v2/sandboxes`)
+  assert.equal(res.status, 401)
+  res = await fetch(`${api}/v2/sandboxes`, { method: 'POST', headers: key, body: JSON.stringify({ templateID: 'base', mcp: { x: {} } }) })
+  assert.equal(res.status, 422)
+  assert.match((await res.json()).message, /mcp/)
 })
 
 test('many sandboxes at once', async () => {
@@ -207,4 +225,36 @@ test('getMetrics is a current sample of the sandbox', async () => {
   assert.ok(m.cpuCount >= 1, JSON.stringify(m))
   assert.ok(m.memUsed > 0 && m.memTotal >= m.memUsed, JSON.stringify(m))
   assert.ok(m.diskUsed >= 30 << 20, `disk used ${m.diskUsed}`)
+})
+
+test('fork copies a running sandbox: memory, disk and a fresh identity', async () => {
+  const sbx = await create()
+  await sbx.commands.run('echo parent-file > /home/user/f.txt')
+  const children = await sbx.fork({ count: 2 })
+  assert.equal(children.length, 2)
+  for (const c of children) {
+    assert.ok(!(c instanceof Error), String(c))
+    made.push(c.sandboxId)
+    assert.notEqual(c.sandboxId, sbx.sandboxId)
+    assert.equal((await c.commands.run('cat /home/user/f.txt')).stdout, 'parent-file\n')
+    const info = await c.getInfo()
+    assert.equal(info.state, 'running')
+  }
+  const names = await Promise.all([sbx, ...children].map(async s => (await s.commands.run('hostname')).stdout))
+  assert.equal(new Set(names).size, 3, `hostnames ${names}`)
+})
+
+test('lifecycle onTimeout pause: the deadline suspends instead of killing', async () => {
+  const sbx = await create({ lifecycle: { onTimeout: 'pause' } })
+  await sbx.commands.run('echo still-here > /home/user/k.txt')
+  assert.equal((await sbx.getInfo()).lifecycle.onTimeout, 'pause')
+  await sbx.setTimeout(1000)
+  let state = ''
+  for (let i = 0; i < 60 && state !== 'paused'; i++) {
+    await new Promise(r => setTimeout(r, 500))
+    state = (await sbx.getInfo()).state
+  }
+  assert.equal(state, 'paused')
+  const back = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 600_000 })
+  assert.equal((await back.commands.run('cat /home/user/k.txt')).stdout, 'still-here\n')
 })
