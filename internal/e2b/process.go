@@ -232,7 +232,7 @@ func (p *processes) start(ctx context.Context, r *http.Request, in *startRequest
 		p.mu.Unlock()
 	}
 	stdin := in.Pty != nil || (in.Stdin != nil && *in.Stdin)
-	return p.follow(ctx, c.sb.ID, cmd.ID, !stdin, s)
+	return p.follow(ctx, c.sb.ID, cmd.ID, cmd.TTY, !stdin, s)
 }
 
 func clampSize(v uint32) uint16 {
@@ -251,13 +251,13 @@ func (p *processes) connect(ctx context.Context, r *http.Request, in *connectReq
 	if err != nil {
 		return err
 	}
-	return p.follow(ctx, c.sb.ID, cmd.ID, false, s)
+	return p.follow(ctx, c.sb.ID, cmd.ID, cmd.TTY, false, s)
 }
 
 // follow streams command cmdID's events from the start of its replay
-// buffer: start, data, end. It returns when the process ends, the client
+// buffer: start, data (as pty output when tty), end. It returns when the process ends, the client
 // goes away (the process keeps running) or the call's deadline passes.
-func (p *processes) follow(ctx context.Context, id, cmdID string, closeStdin bool, s *stream) error {
+func (p *processes) follow(ctx context.Context, id, cmdID string, tty, closeStdin bool, s *stream) error {
 	att, err := p.h.cfg.Manager.AttachCommand(ctx, id, cmdID, 0, 0)
 	if err != nil {
 		return err
@@ -269,10 +269,6 @@ func (p *processes) follow(ctx context.Context, id, cmdID string, closeStdin boo
 		if err := conn.Write(ctx, websocket.MessageBinary, []byte{api.FrameCloseStdin}); err != nil {
 			return fmt.Errorf("closing stdin: %w: %w", err, errdefs.ErrUnavailable)
 		}
-	}
-	tty := false
-	if cmd, err := p.h.cfg.Manager.GetCommand(ctx, id, cmdID); err == nil {
-		tty = cmd.TTY
 	}
 	started := false
 	for {
