@@ -6,6 +6,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"mime/multipart"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -90,6 +92,46 @@ func TestE2BBench(t *testing.T) {
 		}
 	}
 
+	// The layer's own cost, without either SDK: the same Go HTTP client
+	// writes and reads 1 MiB through envd's /files (as E2B's user, the
+	// envd token) and through the native files API (as the same user).
+	var sbInfo struct {
+		Token string `json:"envdAccessToken"`
+	}
+	if err := getJSON(l+"/e2b/sandboxes/"+sb.ID, map[string]string{"X-API-KEY": c.APIKey}, &sbInfo); err != nil {
+		t.Fatal(err)
+	}
+	envd := map[string]string{"E2b-Sandbox-Id": sb.ID, "X-Access-Token": sbInfo.Token}
+	var rawE2B, rawE2BMultipart, rawNative samples
+	for i := 0; i < n; i++ {
+		t0 := time.Now()
+		if err := roundTrip(http.MethodPost, l+"/e2b/envd/files?path=/tmp/raw-e2b.bin&username=user", envd, "application/octet-stream", mib); err != nil {
+			t.Fatal(err)
+		}
+		if err := roundTrip(http.MethodGet, l+"/e2b/envd/files?path=/tmp/raw-e2b.bin&username=user", envd, "", nil); err != nil {
+			t.Fatal(err)
+		}
+		rawE2B = append(rawE2B, time.Since(t0))
+		body, ct := multipartBody(t, "/tmp/raw-mp.bin", mib)
+		t0 = time.Now()
+		if err := roundTrip(http.MethodPost, l+"/e2b/envd/files?username=user", envd, ct, body); err != nil {
+			t.Fatal(err)
+		}
+		if err := roundTrip(http.MethodGet, l+"/e2b/envd/files?path=/tmp/raw-mp.bin&username=user", envd, "", nil); err != nil {
+			t.Fatal(err)
+		}
+		rawE2BMultipart = append(rawE2BMultipart, time.Since(t0))
+		bearer := map[string]string{"Authorization": "Bearer " + c.APIKey}
+		t0 = time.Now()
+		if err := roundTrip(http.MethodPut, l+"/v1/sandboxes/"+sb.ID+"/files?path=/tmp/raw-native.bin&user=user", bearer, "application/octet-stream", mib); err != nil {
+			t.Fatal(err)
+		}
+		if err := roundTrip(http.MethodGet, l+"/v1/sandboxes/"+sb.ID+"/files?path=/tmp/raw-native.bin&user=user", bearer, "", nil); err != nil {
+			t.Fatal(err)
+		}
+		rawNative = append(rawNative, time.Since(t0))
+	}
+
 	node, err := exec.LookPath("node")
 	if err != nil {
 		t.Fatal("node is not on PATH")
@@ -125,4 +167,57 @@ func TestE2BBench(t *testing.T) {
 	row("run true (session)", toSamples(js2["run_true"]), goSession)
 	row("run true vs one-shot exec", toSamples(js2["run_true"]), goExec)
 	row("1 MiB write+read", toSamples(js2["file_1mib"]), goFile)
+	row("1 MiB, one Go client: envd octet", rawE2B, rawNative)
+	row("1 MiB, one Go client: envd multipart", rawE2BMultipart, rawNative)
+}
+
+func roundTrip(method, url string, hdr map[string]string, contentType string, body []byte) error {
+	req, err := http.NewRequest(method, url, bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	for k, v := range hdr {
+		req.Header.Set(k, v)
+	}
+	if contentType != "" {
+		req.Header.Set("Content-Type", contentType)
+	}
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer res.Body.Close()
+	n, _ := io.Copy(io.Discard, res.Body)
+	if res.StatusCode/100 != 2 {
+		return fmt.Errorf("%s %s: %d (%d bytes)", method, url, res.StatusCode, n)
+	}
+	return nil
+}
+
+func getJSON(url string, hdr map[string]string, v any) error {
+	req, _ := http.NewRequest(http.MethodGet, url, nil)
+	for k, val := range hdr {
+		req.Header.Set(k, val)
+	}
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer res.Body.Close()
+	if res.StatusCode != 200 {
+		return fmt.Errorf("GET %s: %d", url, res.StatusCode)
+	}
+	return json.NewDecoder(res.Body).Decode(v)
+}
+
+func multipartBody(t *testing.T, dest string, data []byte) ([]byte, string) {
+	var b bytes.Buffer
+	mw := multipart.NewWriter(&b)
+	fw, err := mw.CreateFormFile("file", dest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fw.Write(data)
+	mw.Close()
+	return b.Bytes(), mw.FormDataContentType()
 }
