@@ -179,7 +179,6 @@ test('updateNetwork and getInfo report the policy; unsupported options are refus
   info = await sbx.getInfo()
   assert.deepEqual(info.network.allowOut.sort(), ['0.0.0.0/0', 'pypi.org'])
   await assert.rejects(create({ network: { maskRequestHost: 'x.example.com' } }), /maskRequestHost/)
-  await assert.rejects(sbx.createSnapshot(), /snapshots/)
 })
 
 test('errors: wrong key is AuthenticationError, unknown sandbox NotFound, unknown template named', async () => {
@@ -257,4 +256,23 @@ test('lifecycle onTimeout pause: the deadline suspends instead of killing', asyn
   assert.equal(state, 'paused')
   const back = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 600_000 })
   assert.equal((await back.commands.run('cat /home/user/k.txt')).stdout, 'still-here\n')
+})
+
+test('snapshots: the filesystem as a template the sandbox runs on past; create from it, list, delete', async () => {
+  const sbx = await create()
+  await sbx.commands.run('echo snap > /home/user/s.txt')
+  const bg = await sbx.commands.run('sleep 600', { background: true })
+  const name = `snap-${Date.now()}`
+  const snap = await sbx.createSnapshot({ name })
+  assert.equal(snap.snapshotId, `${name}:latest`)
+  assert.deepEqual(snap.names, [snap.snapshotId])
+  assert.ok((await sbx.commands.list()).some(p => p.pid === bg.pid), 'the sandbox ran on through its snapshot')
+  const listed = await Sandbox.listSnapshots({ sandboxId: sbx.sandboxId }).nextItems()
+  assert.deepEqual(listed.map(s => s.snapshotId), [snap.snapshotId])
+  const fromSnap = await create({ template: snap.snapshotId })
+  assert.equal((await fromSnap.commands.run('cat /home/user/s.txt; id -un')).stdout, 'snap\nuser\n')
+  await fromSnap.kill()
+  assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), true)
+  assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), false)
+  assert.deepEqual(await Sandbox.listSnapshots({ sandboxId: sbx.sandboxId }).nextItems(), [])
 })

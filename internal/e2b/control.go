@@ -17,6 +17,7 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/sandbox"
+	"github.com/spacehq/space/internal/template"
 )
 
 // The control plane: E2B's REST API (its OpenAPI "sandboxes" and
@@ -779,21 +780,101 @@ func (h *Handler) updateNetwork(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
-// Snapshots: a persistent image of a sandbox that new sandboxes start
-// from. space has no sandbox → template commit yet; fork copies a running
-// sandbox (memory and disk) on gvisor and microvm.
+// Snapshots are templates: createSnapshot saves a running sandbox's
+// filesystem as a template new sandboxes start from (Manager.Snapshot: a
+// fork of it is committed, the sandbox runs on); its id is the template's
+// tag, which Sandbox.create takes as its template. Memory is not kept.
 func (h *Handler) createSnapshot(w http.ResponseWriter, r *http.Request) {
-	if _, err := h.cfg.Manager.Get(r.Context(), r.PathValue("id")); err != nil {
+	var req struct {
+		Name string `json:"name"`
+	}
+	if err := decodeBody(r, &req); err != nil {
 		h.writeAPIError(w, r, err)
 		return
 	}
-	h.writeAPIError(w, r, notSupported("snapshots (a sandbox saved as a template new sandboxes start from) are not supported; use fork for copies of a running sandbox, or `space template build`"))
+	id := r.PathValue("id")
+	tag := req.Name
+	if tag == "" {
+		tag = fmt.Sprintf("snapshot-%s:%d", id, time.Now().UnixMilli())
+	}
+	norm, err := template.ParseTag(tag)
+	if err != nil {
+		h.writeAPIError(w, r, err)
+		return
+	}
+	if _, err := h.cfg.Manager.Snapshot(r.Context(), id, norm); err != nil {
+		h.writeAPIError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, e2bSnapshot{SnapshotID: norm, Names: []string{norm}})
+}
+
+type e2bSnapshot struct {
+	SnapshotID string   `json:"snapshotID"`
+	Names      []string `json:"names"`
 }
 
 func (h *Handler) listSnapshots(w http.ResponseWriter, r *http.Request) {
-	writeJSON(w, http.StatusOK, []any{})
+	q := r.URL.Query()
+	ts, err := h.cfg.Templates.List(r.Context())
+	if err != nil {
+		h.writeAPIError(w, r, err)
+		return
+	}
+	var out []e2bSnapshot
+	for _, t := range ts {
+		of, ok := sandbox.SnapshotOf(t)
+		if !ok || len(t.Tags) == 0 || (q.Get("sandboxID") != "" && of != q.Get("sandboxID")) {
+			continue
+		}
+		if n := q.Get("name"); n != "" && !slices.Contains(t.Tags, n) && !slices.Contains(t.Tags, n+":latest") {
+			continue
+		}
+		for _, tag := range t.Tags {
+			out = append(out, e2bSnapshot{SnapshotID: tag, Names: []string{tag}})
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].SnapshotID < out[j].SnapshotID })
+	if tok := q.Get("nextToken"); tok != "" {
+		i := sort.Search(len(out), func(i int) bool { return out[i].SnapshotID > tok })
+		out = out[i:]
+	}
+	limit := 100
+	if l := q.Get("limit"); l != "" {
+		n, err := strconv.Atoi(l)
+		if err != nil || n < 1 || n > maxListLimit {
+			h.writeAPIError(w, r, fmt.Errorf("limit must be 1..%d, got %q: %w", maxListLimit, truncate(l, 16), errdefs.ErrInvalidArgument))
+			return
+		}
+		limit = n
+	}
+	if len(out) > limit {
+		w.Header().Set("X-Next-Token", out[limit-1].SnapshotID)
+		out = out[:limit]
+	}
+	if out == nil {
+		out = []e2bSnapshot{}
+	}
+	writeJSON(w, http.StatusOK, out)
 }
 
+// deleteTemplate is E2B's deleteSnapshot: only templates made by
+// createSnapshot are removed here (others through space's own API).
 func (h *Handler) deleteTemplate(w http.ResponseWriter, r *http.Request) {
-	h.writeAPIError(w, r, fmt.Errorf("snapshot or template %q not found (E2B snapshots are not supported; templates are removed with `space template rm`): %w", truncate(r.PathValue("id"), 64), errdefs.ErrNotFound))
+	ref := r.PathValue("id")
+	t, err := h.cfg.Templates.Get(r.Context(), ref)
+	if err == nil {
+		if _, ok := sandbox.SnapshotOf(t); !ok {
+			err = fmt.Errorf("template %q is not a snapshot (templates are removed with `space template rm`): %w", truncate(ref, 64), errdefs.ErrNotFound)
+		}
+	}
+	if err == nil {
+		// Its tags go with it: a snapshot is one template under its names.
+		err = h.cfg.Templates.Remove(r.Context(), t.Digest, true)
+	}
+	if err != nil {
+		h.writeAPIError(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
 }

@@ -50,6 +50,8 @@ const (
 // Config wires the layer to the server.
 type Config struct {
 	Manager *sandbox.Manager
+	// Templates lists and removes templates (snapshots are templates).
+	Templates Templates
 	// APIKeyValid reports whether key is an API key of this server.
 	APIKeyValid func(key string) bool
 	// Secret keys the sandboxes' envd access tokens.
@@ -62,6 +64,13 @@ type Config struct {
 	// MaxFileBytes bounds one file upload or download (0: 1 GiB).
 	MaxFileBytes int64
 	Logger       *slog.Logger
+}
+
+// Templates is what the layer needs of the template service.
+type Templates interface {
+	List(ctx context.Context) ([]api.Template, error)
+	Get(ctx context.Context, ref string) (api.Template, error)
+	Remove(ctx context.Context, ref string, force bool) error
 }
 
 // Handler serves /e2b/….

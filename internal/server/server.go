@@ -239,6 +239,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, netw: netw, portSecret: portSecret}
 	s.e2b = e2b.New(e2b.Config{
 		Manager:      mgr,
+		Templates:    tsvc,
 		APIKeyValid:  func(k string) bool { return subtle.ConstantTimeCompare([]byte(k), []byte(key)) == 1 },
 		Secret:       portSecret,
 		PortToken:    s.portToken,
