@@ -275,4 +275,21 @@ test('snapshots: the filesystem as a template the sandbox runs on past; create f
   assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), true)
   assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), false)
   assert.deepEqual(await Sandbox.listSnapshots({ sandboxId: sbx.sandboxId }).nextItems(), [])
+
+  // A runtime that cannot fork is refused, saying so.
+  const auth = { Authorization: `Bearer ${process.env.SPACE_API_KEY}`, 'Content-Type': 'application/json' }
+  const res = await fetch(`${process.env.SPACE_URL}/v1/sandboxes`, { method: 'POST', headers: auth, body: JSON.stringify({ runtime: 'native' }) })
+  assert.equal(res.status, 202)
+  const nat = (await res.json()).sandbox.id
+  made.push(nat)
+  let st = ''
+  for (let i = 0; i < 100 && st !== 'running'; i++) {
+    st = (await (await fetch(`${process.env.SPACE_URL}/v1/sandboxes/${nat}`, { headers: auth })).json()).state
+    if (st !== 'running') await new Promise(r => setTimeout(r, 100))
+  }
+  await assert.rejects(Sandbox.createSnapshot(nat), (err) => {
+    assert.match(err.message, /forking/)
+    assert.equal(err.statusCode, 422)
+    return true
+  })
 })
