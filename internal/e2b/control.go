@@ -30,6 +30,8 @@ const (
 	maxBody = 1 << 20
 	// maxListLimit bounds one page of GET /v2/sandboxes.
 	maxListLimit = 1000
+	// maxTimeoutSeconds bounds a sandbox timeout (the manager's longest TTL).
+	maxTimeoutSeconds = 365 * 24 * 3600
 	// allTraffic is E2B's ALL_TRAFFIC selector.
 	allTraffic = "0.0.0.0/0"
 )
@@ -260,8 +262,8 @@ func (h *Handler) create(w http.ResponseWriter, r *http.Request) {
 	}
 	timeout := defaultTimeout
 	if req.Timeout != nil {
-		if *req.Timeout <= 0 || *req.Timeout > 365*24*3600 {
-			h.writeAPIError(w, r, fmt.Errorf("timeout must be 1..%d seconds, got %d: %w", 365*24*3600, *req.Timeout, errdefs.ErrInvalidArgument))
+		if *req.Timeout <= 0 || *req.Timeout > maxTimeoutSeconds {
+			h.writeAPIError(w, r, fmt.Errorf("timeout must be 1..%d seconds, got %d: %w", maxTimeoutSeconds, *req.Timeout, errdefs.ErrInvalidArgument))
 			return
 		}
 		timeout = time.Duration(*req.Timeout) * time.Second
@@ -300,7 +302,7 @@ func (h *Handler) create(w http.ResponseWriter, r *http.Request) {
 	if op.Error != nil {
 		// The create failed: nothing of it should linger.
 		h.cfg.Manager.Lifecycle(context.WithoutCancel(r.Context()), sb.ID, api.OpDelete, true)
-		h.writeAPIError(w, r, templateNotFound(errdefs.FromCodeMsg(op.Error.Code, op.Error.Message), tmpl))
+		h.writeAPIError(w, r, templateNotFound(sandbox.OpError(op), tmpl))
 		return
 	}
 	sb, err = h.cfg.Manager.Get(r.Context(), sb.ID)
@@ -489,14 +491,7 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *Handler) kill(w http.ResponseWriter, r *http.Request) {
-	op, err := h.cfg.Manager.Lifecycle(r.Context(), r.PathValue("id"), api.OpDelete, true)
-	if err == nil {
-		op, err = h.cfg.Manager.Wait(r.Context(), op.ID)
-		if err == nil && op.Error != nil {
-			err = errdefs.FromCodeMsg(op.Error.Code, op.Error.Message)
-		}
-	}
-	if err != nil {
+	if err := h.runOp(r.Context(), r.PathValue("id"), api.OpDelete, true); err != nil {
 		h.writeAPIError(w, r, err)
 		return
 	}
@@ -511,8 +506,8 @@ func (h *Handler) setTimeout(w http.ResponseWriter, r *http.Request) {
 		h.writeAPIError(w, r, err)
 		return
 	}
-	if req.Timeout == nil || *req.Timeout < 0 || *req.Timeout > 365*24*3600 {
-		h.writeAPIError(w, r, fmt.Errorf("timeout (seconds) is required, 0..%d: %w", 365*24*3600, errdefs.ErrInvalidArgument))
+	if req.Timeout == nil || *req.Timeout < 0 || *req.Timeout > maxTimeoutSeconds {
+		h.writeAPIError(w, r, fmt.Errorf("timeout (seconds) is required, 0..%d: %w", maxTimeoutSeconds, errdefs.ErrInvalidArgument))
 		return
 	}
 	at := time.Now().Add(time.Duration(*req.Timeout) * time.Second)
@@ -573,9 +568,9 @@ func (h *Handler) pause(w http.ResponseWriter, r *http.Request) {
 		// Filesystem only: the processes end, the disk stays.
 		verb = api.OpStop
 	}
-	err = h.runOp(r.Context(), id, verb)
+	err = h.runOp(r.Context(), id, verb, false)
 	if errors.Is(err, errdefs.ErrNotSupported) && verb == api.OpSuspend {
-		err = h.runOp(r.Context(), id, api.OpPause)
+		err = h.runOp(r.Context(), id, api.OpPause, false)
 	}
 	if err != nil {
 		h.writeAPIError(w, r, err)
@@ -584,8 +579,9 @@ func (h *Handler) pause(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
-func (h *Handler) runOp(ctx context.Context, id, verb string) error {
-	op, err := h.cfg.Manager.Lifecycle(ctx, id, verb, false)
+// runOp runs lifecycle verb on sandbox id and waits for it to end.
+func (h *Handler) runOp(ctx context.Context, id, verb string, force bool) error {
+	op, err := h.cfg.Manager.Lifecycle(ctx, id, verb, force)
 	if err != nil {
 		return err
 	}
@@ -594,7 +590,7 @@ func (h *Handler) runOp(ctx context.Context, id, verb string) error {
 		return err
 	}
 	if op.Error != nil {
-		return errdefs.FromCodeMsg(op.Error.Code, op.Error.Message)
+		return sandbox.OpError(op)
 	}
 	return nil
 }
@@ -623,15 +619,15 @@ func (h *Handler) connect(w http.ResponseWriter, r *http.Request) {
 	}
 	status := http.StatusOK
 	if sb.State != api.StateRunning {
-		if err := h.runOp(r.Context(), id, api.OpWake); err != nil {
+		if err := h.runOp(r.Context(), id, api.OpWake, false); err != nil {
 			h.writeAPIError(w, r, err)
 			return
 		}
 		status = http.StatusCreated
 	}
 	if req.Timeout != nil {
-		if *req.Timeout < 0 || *req.Timeout > 365*24*3600 {
-			h.writeAPIError(w, r, fmt.Errorf("timeout must be 0..%d seconds: %w", 365*24*3600, errdefs.ErrInvalidArgument))
+		if *req.Timeout < 0 || *req.Timeout > maxTimeoutSeconds {
+			h.writeAPIError(w, r, fmt.Errorf("timeout must be 0..%d seconds: %w", maxTimeoutSeconds, errdefs.ErrInvalidArgument))
 			return
 		}
 		at := time.Now().Add(time.Duration(*req.Timeout) * time.Second)
@@ -678,7 +674,7 @@ func (h *Handler) fork(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if op.Error != nil && len(op.Children) == 0 {
-		h.writeAPIError(w, r, errdefs.FromCodeMsg(op.Error.Code, op.Error.Message))
+		h.writeAPIError(w, r, sandbox.OpError(op))
 		return
 	}
 	timeout := defaultTimeout

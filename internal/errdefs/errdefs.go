@@ -10,7 +10,6 @@ package errdefs
 
 import (
 	"errors"
-	"fmt"
 
 	"github.com/spacehq/space/api"
 )
@@ -97,13 +96,4 @@ func FromCode(code string) error {
 		}
 	}
 	return nil
-}
-
-// FromCodeMsg rebuilds an error from an api.ErrorBody's code and message
-// (an operation's recorded error): the message, wrapping the code's sentinel.
-func FromCodeMsg(code, msg string) error {
-	if s := FromCode(code); s != nil {
-		return fmt.Errorf("%s: %w", msg, s)
-	}
-	return errors.New(msg)
 }

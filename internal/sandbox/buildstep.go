@@ -143,7 +143,7 @@ func (m *Manager) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Ste
 		return -1, fmt.Errorf("build step: creating its sandbox: %w", err)
 	}
 	if op.State != api.OpSucceeded {
-		return -1, fmt.Errorf("build step: creating its sandbox on runtime %s: %w", rt.Name(), opError(op))
+		return -1, fmt.Errorf("build step: creating its sandbox on runtime %s: %w", rt.Name(), OpError(op))
 	}
 	e := m.entry(sb.ID)
 	e.cmu.RLock()
@@ -167,7 +167,7 @@ func (m *Manager) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Ste
 		return -1, fmt.Errorf("build step: stopping its sandbox: %w", err)
 	}
 	if stop.State != api.OpSucceeded {
-		return -1, fmt.Errorf("build step: stopping its sandbox: %w", opError(stop))
+		return -1, fmt.Errorf("build step: stopping its sandbox: %w", OpError(stop))
 	}
 	// Hold the sandbox's lock so nothing starts it again (a stray wake)
 	// while its disk is read.
@@ -188,9 +188,9 @@ func (m *Manager) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Ste
 	return 0, nil
 }
 
-// opError is the error of a finished, failed operation, with the sentinel
+// OpError is the error of a finished, failed operation, with the sentinel
 // its code names (ErrUnavailable when none).
-func opError(op api.Operation) error {
+func OpError(op api.Operation) error {
 	if op.Error == nil {
 		return fmt.Errorf("operation %s ended %s: %w", op.ID, op.State, errdefs.ErrUnavailable)
 	}
@@ -308,7 +308,7 @@ func (m *Manager) deleteStepSandbox(id string) error {
 		return err
 	}
 	if op.State != api.OpSucceeded {
-		return opError(op)
+		return OpError(op)
 	}
 	return nil
 }

@@ -49,7 +49,7 @@ func (m *Manager) Snapshot(ctx context.Context, id, tag string) (_ api.Template,
 		for _, c := range op.Children {
 			m.deleteStepSandbox(c)
 		}
-		return api.Template{}, fmt.Errorf("forking sandbox %s for its snapshot: %w", id, opError(op))
+		return api.Template{}, fmt.Errorf("forking sandbox %s for its snapshot: %w", id, OpError(op))
 	}
 	child := op.Children[0]
 	defer func() {
@@ -73,7 +73,7 @@ func (m *Manager) Snapshot(ctx context.Context, id, tag string) (_ api.Template,
 		return api.Template{}, err
 	}
 	if stop.State != api.OpSucceeded {
-		return api.Template{}, fmt.Errorf("stopping the snapshot's fork: %w", opError(stop))
+		return api.Template{}, fmt.Errorf("stopping the snapshot's fork: %w", OpError(stop))
 	}
 	// Nothing starts the fork again while its disk is read.
 	e.mu.Lock()
