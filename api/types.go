@@ -101,6 +101,7 @@ type CreateSandboxRequest struct {
 // Sandbox is the representation of one sandbox.
 type Sandbox struct {
 	ID             string            `json:"id"`
+	Tenant         string            `json:"tenant,omitempty"` // the tenant of the key that created it ("" = default)
 	State          string            `json:"state"`
 	Runtime        string            `json:"runtime"`
 	Isolation      string            `json:"isolation"` // what the runtime really provides, e.g. "namespaces+seccomp+landlock"
