@@ -32,6 +32,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/netpolicy"
@@ -83,6 +84,10 @@ type Options struct {
 	// BindingTTL so a client that caches an answer longer still connects.
 	MinTTL     uint32
 	BindingTTL time.Duration
+	// Decider decides DNS queries, connections and intercepted HTTP
+	// requests against the temporal policy (it may hold an action while an
+	// approval is pending); nil allows all.
+	Decider actions.Decider
 }
 
 // Gateway serves the links of many sandboxes.
@@ -111,6 +116,9 @@ func New(opts Options) (*Gateway, error) {
 	}
 	if opts.Limits == (Limits{}) {
 		opts.Limits = DefaultLimits
+	}
+	if opts.Decider == nil {
+		opts.Decider = actions.AllowAll{}
 	}
 	if opts.MinTTL == 0 {
 		opts.MinTTL = 10

@@ -21,6 +21,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/spacehq/space/internal/actions"
+	"github.com/spacehq/space/internal/audit"
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/errdefs"
@@ -61,6 +63,12 @@ type Config struct {
 	// DefaultNetwork is the policy of a sandbox whose request and template
 	// set none. The zero value reaches nothing.
 	DefaultNetwork api.NetworkPolicy
+	// Audit receives the manager's audit events (lifecycle operations,
+	// command starts and exits, files changes); nil discards them.
+	Audit audit.Sink
+	// Decider decides the actions the manager sees (exec starts, files
+	// calls, lifecycle verbs) against the temporal policy; nil allows all.
+	Decider actions.Decider
 }
 
 // Manager owns every sandbox of this server.
@@ -112,6 +120,12 @@ func New(cfg Config) *Manager {
 	}
 	if cfg.Observer == nil {
 		cfg.Observer = nopObserver{}
+	}
+	if cfg.Audit == nil {
+		cfg.Audit = audit.Nop{}
+	}
+	if cfg.Decider == nil {
+		cfg.Decider = actions.AllowAll{}
 	}
 	if cfg.AgentReadyTimeout == 0 {
 		cfg.AgentReadyTimeout = 20 * time.Second
