@@ -32,8 +32,8 @@ import (
 	"sync"
 	"time"
 
-	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/netpolicy"
 )
