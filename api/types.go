@@ -96,6 +96,10 @@ type CreateSandboxRequest struct {
 	// Network is the egress policy; nil = the template's, else the server's
 	// default (shipped default: no egress at all).
 	Network *NetworkPolicy `json:"network,omitempty"`
+	// Secrets names the tenant's secrets granted to the sandbox: each one's
+	// env var holds a random placeholder the gateway replaces with the
+	// value only on requests to the secret's hosts.
+	Secrets []string `json:"secrets,omitempty"`
 }
 
 // Sandbox is the representation of one sandbox.

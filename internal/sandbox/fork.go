@@ -65,6 +65,10 @@ func (m *Manager) Fork(ctx context.Context, id string, req api.ForkRequest) (api
 			child.Labels = map[string]string{}
 		}
 		child.Labels[LabelForkOf] = id
+		if err := m.forkSecrets(ctx, sb, &child); err != nil {
+			m.abandonChildren(kids, op.Children, err)
+			return api.Operation{}, err
+		}
 		if sb.Idle != nil {
 			idle := *sb.Idle
 			child.Idle = &idle
@@ -217,6 +221,13 @@ func (m *Manager) doFork(ctx context.Context, p *phases, id string, children []s
 			// streams: that is a failed fork, not a warning.
 			if err := kp.run("reseed", func() error { return m.reseed(ctx, ce, cid) }); err != nil {
 				errs[i] = fmt.Errorf("child %s did not reseed: %w", cid, err)
+				return
+			}
+			// Its own CA replaces the parent's in its trust stores.
+			if child, err := m.cfg.DB.GetSandbox(ctx, cid); err != nil {
+				errs[i] = err
+			} else if _, err := m.secretsReady(ctx, kp, ce, child); err != nil {
+				errs[i] = fmt.Errorf("child %s: %w", cid, err)
 			}
 		}()
 	}

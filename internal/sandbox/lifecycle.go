@@ -298,6 +298,7 @@ func (m *Manager) doDelete(ctx context.Context, p *phases, id string) error {
 	if err := m.cfg.DB.DeleteSandbox(ctx, id); err != nil {
 		return err
 	}
+	m.forgetSecrets(id)
 	m.forget(id)
 	return nil
 }

@@ -27,6 +27,7 @@ import (
 	"github.com/spacehq/space/internal/audit"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/secrets"
 	"github.com/spacehq/space/internal/store"
 	"github.com/spacehq/space/internal/template"
 )
@@ -69,6 +70,12 @@ type Config struct {
 	// Decider decides the actions the manager sees (exec starts, files
 	// calls, lifecycle verbs) against the temporal policy; nil allows all.
 	Decider actions.Decider
+	// Secrets keeps secrets, grants and sandbox CAs (secrets.go); nil: no
+	// brokering (a create naming secrets is refused).
+	Secrets *secrets.Store
+	// Broker hands the gateway each sandbox's brokered secrets; nil: the
+	// gateway cannot broker (placeholders pass unreplaced).
+	Broker Broker
 }
 
 // Manager owns every sandbox of this server.
@@ -267,9 +274,14 @@ func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api
 		exp := now.Add(time.Duration(req.TTLSeconds) * time.Second)
 		sb.ExpiresAt = &exp
 	}
+	undoSecrets, err := m.createSecrets(ctx, &sb, req.Secrets)
+	if err != nil {
+		return api.Sandbox{}, api.Operation{}, err
+	}
 	op := newOperation(api.OpCreate, sb.ID)
 	sb.OperationID = op.ID
 	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
+		undoSecrets()
 		return api.Sandbox{}, api.Operation{}, err
 	}
 	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
@@ -593,6 +605,11 @@ func (m *Manager) bootWith(ctx context.Context, p *phases, e *entry, inst runtim
 		return err
 	}
 	m.watchExit(e, inst)
+	// The CA is trusted before anything of the sandbox's own runs.
+	sb, err := m.secretsReady(ctx, p, e, sb)
+	if err != nil {
+		return err
+	}
 	if start == nil || isBuildStep(sb) {
 		return nil
 	}

@@ -106,7 +106,7 @@ func (m *Manager) attachNIC(ctx context.Context, inst runtime.Instance, pol api.
 	if err := m.cfg.Network.Attach(ctx, inst.ID(), nic, pol); err != nil {
 		return fmt.Errorf("attaching the sandbox to the network gateway: %w", err)
 	}
-	return nil
+	return m.brokerAtAttach(ctx, inst.ID(), pol)
 }
 
 // detachNetwork drops sandbox id's link. A failure is logged: the link
@@ -218,6 +218,9 @@ func (m *Manager) SetNetwork(ctx context.Context, id string, p api.NetworkPolicy
 	if err := validatePolicy(p); err != nil {
 		return api.Sandbox{}, err
 	}
+	if err := m.checkPolicySecrets(ctx, id, p); err != nil {
+		return api.Sandbox{}, err
+	}
 	if _, err := m.cfg.DB.GetSandbox(ctx, id); err != nil {
 		return api.Sandbox{}, err
 	}
@@ -244,6 +247,12 @@ func (m *Manager) SetNetwork(ctx context.Context, id string, p api.NetworkPolicy
 		return sb, nil
 	}
 	err = m.cfg.Network.SetPolicy(ctx, id, ClonePolicy(p))
+	if err == nil {
+		// Header rules may name secrets and add intercepted domains.
+		if berr := m.secretsChanged(ctx, e, sb); berr != nil {
+			m.log.Warn("updating the sandbox's brokered secrets after a policy change failed", "sandbox", id, "err", berr)
+		}
+	}
 	switch {
 	case err == nil, errors.Is(err, errdefs.ErrNotFound):
 		// Not attached (no NIC, or a restarted gateway): the next attach

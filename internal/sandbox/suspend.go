@@ -150,6 +150,10 @@ func (m *Manager) doRestore(ctx context.Context, p *phases, e *entry, sb api.San
 	}
 	m.watchExit(e, inst)
 	e.lastActive.Store(time.Now().UnixNano())
+	if _, err := m.secretsReady(ctx, p, e, sb); err != nil {
+		// Its memory is worth more than its trust store: keep it running.
+		m.log.Warn("installing the restored sandbox's CA failed", "sandbox", sb.ID, "err", err)
+	}
 	if err := p.run("reseed", func() error { return m.reseed(ctx, e, "") }); err != nil {
 		// The same sandbox continues; only its entropy refresh failed.
 		// Say so, but do not throw its memory away.

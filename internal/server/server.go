@@ -33,6 +33,7 @@ import (
 	_ "github.com/spacehq/space/internal/runtime/microvm" // registers "microvm"
 	_ "github.com/spacehq/space/internal/runtime/native"  // registers "native"
 	"github.com/spacehq/space/internal/sandbox"
+	"github.com/spacehq/space/internal/secrets"
 	"github.com/spacehq/space/internal/store"
 	"github.com/spacehq/space/internal/template"
 	"github.com/spacehq/space/internal/templatesvc"
@@ -67,6 +68,10 @@ type Config struct {
 	// "localhost:7070"; empty: derived from the Host each request used
 	// (a loopback address becomes localhost).
 	PortDomain string
+	// Broker overrides the network gateway as the receiver of sandboxes'
+	// brokered secrets (tests record what it is sent); nil: the gateway,
+	// if it can broker.
+	Broker sandbox.Broker
 }
 
 // Server is a running space server (store, manager, HTTP handler).
@@ -89,6 +94,8 @@ type Server struct {
 	e2b *e2b.Handler
 	// audit receives the server's audit events (internal/audit).
 	audit audit.Sink
+	// secrets keeps secrets, grants and sandbox CAs (secrets.go).
+	secrets *secrets.Store
 	// self is the in-process connection the /mcp handler's SDK clients
 	// use to reach this server's own handler (mcp.go).
 	self selfConn
@@ -200,6 +207,11 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		}
 		rts[name] = rt
 	}
+	sec, err := secrets.Open(ctx, db.SQL(), cfg.DataDir)
+	if err != nil {
+		db.Close()
+		return nil, fmt.Errorf("opening the secrets store: %w", err)
+	}
 	met := newMetrics(db)
 	nopts := cfg.Network
 	nopts.DataDir, nopts.Logger, nopts.AgentBinary = cfg.DataDir, cfg.Logger, agentBin
@@ -218,8 +230,12 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if nc, ok := netw.(networkCounters); ok {
 		met.reg.MustRegister(&networkCollector{net: nc})
 	}
+	broker := cfg.Broker
+	if b, ok := netw.(sandbox.Broker); ok && broker == nil {
+		broker = b
+	}
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: rts, Logger: cfg.Logger, Observer: met,
-		Network: netw, DefaultNetwork: nopts.Default})
+		Network: netw, DefaultNetwork: nopts.Default, Secrets: sec, Broker: broker})
 	if r, ok := netw.(interface{ OnRestart(func()) }); ok {
 		r.OnRestart(mgr.NetworkRestarted)
 	}
@@ -239,7 +255,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	mgr.Run()
 	tsvc := templatesvc.New(templatesvc.Config{Templates: tmpl, Runtimes: rts, Sandboxes: mgr, Logger: cfg.Logger,
 		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries})
-	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, netw: netw, portSecret: portSecret, audit: audit.Nop{}}
+	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, netw: netw, portSecret: portSecret, audit: audit.Nop{}, secrets: sec}
 	s.e2b = e2b.New(e2b.Config{
 		Manager:      mgr,
 		Templates:    tsvc,
@@ -473,6 +489,13 @@ func (s *Server) routeTable() []route {
 		{pattern: "GET /v1/sandboxes/{id}/ports/{port}", handler: h(s.getPort)},
 		{pattern: "PUT /v1/sandboxes/{id}/ports/{port}", handler: h(s.putPort)},
 		{pattern: "GET /v1/sandboxes/{id}/ports/{port}/tcp", access: portToken, body: bodyStream, handler: h(s.portTCP)},
+		{pattern: "GET /v1/sandboxes/{id}/secrets", handler: h(s.listSandboxSecrets)},
+		{pattern: "PUT /v1/sandboxes/{id}/secrets/{name}", handler: h(s.grantSecret)},
+		{pattern: "DELETE /v1/sandboxes/{id}/secrets/{name}", handler: h(s.revokeSecret)},
+		{pattern: "GET /v1/secrets", handler: h(s.listSecrets)},
+		{pattern: "PUT /v1/secrets/{name}", handler: h(s.setSecret)},
+		{pattern: "GET /v1/secrets/{name}", handler: h(s.getSecret)},
+		{pattern: "DELETE /v1/secrets/{name}", handler: h(s.deleteSecret)},
 		{pattern: "GET /v1/templates", handler: h(s.listTemplates)},
 		{pattern: "POST /v1/templates", body: bodyStream, handler: h(s.importTemplate)},
 		{pattern: "POST /v1/templates/base", handler: h(s.buildBase)},
