@@ -26,6 +26,7 @@ type sandboxFlags struct {
 	idleAfter         string
 	idleAction        string
 	net               netFlags
+	secrets           []string
 }
 
 func (f *sandboxFlags) register(cmd *cobra.Command, full bool) {
@@ -37,6 +38,7 @@ func (f *sandboxFlags) register(cmd *cobra.Command, full bool) {
 	fl.Float64Var(&f.cpus, "cpus", 0, "CPU quota in cores, e.g. 0.5 or 2")
 	fl.StringVar(&f.memory, "memory", "", "memory limit, e.g. 512m or 1g (a bare number is MiB)")
 	f.net.register(fl)
+	fl.StringArrayVar(&f.secrets, "secret", nil, "grant this secret: its env var holds a placeholder the gateway replaces on requests to its hosts (comma-separated, repeatable)")
 	if !full {
 		return
 	}
@@ -99,6 +101,13 @@ func (f *sandboxFlags) request() (api.CreateSandboxRequest, error) {
 	}
 	if req.Workdir != "" && !strings.HasPrefix(req.Workdir, "/") {
 		return req, usagef("--workdir %q: must be an absolute path", req.Workdir)
+	}
+	for _, s := range f.secrets {
+		for _, n := range strings.Split(s, ",") {
+			if n = strings.TrimSpace(n); n != "" {
+				req.Secrets = append(req.Secrets, n)
+			}
+		}
 	}
 	// No policy flag: no policy sent, the template's or the server's applies.
 	if f.net.given() {
