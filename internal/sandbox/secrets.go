@@ -307,6 +307,9 @@ func (m *Manager) pushBroker(ctx context.Context, sb api.Sandbox, pol api.Networ
 		return nil
 	}
 	if err := m.cfg.Broker.SetBroker(ctx, sb.ID, cfg); err != nil {
+		if errdefs.Code(err) == api.CodeInternal {
+			err = fmt.Errorf("%w: %w", err, errdefs.ErrUnavailable)
+		}
 		return fmt.Errorf("handing the sandbox's brokered secrets to the network gateway: %w", err)
 	}
 	return nil
