@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/audit"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/fakeruntime"
 	"github.com/spacehq/space/internal/sandbox"
@@ -54,10 +55,12 @@ func newNetServer(t *testing.T) *netServer {
 	}
 	rt := fakeruntime.New(runtime.Config{DataDir: filepath.Join(dir, "fake"), AgentBinary: testenv.AgentBinary(t)})
 	netw := sandbox.NewFakeNetwork()
+	keys := testKeyStore(t, db, "sk_test_key_1234567890")
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: map[string]runtime.Runtime{fakeruntime.Name: rt},
-		Logger: log, BaseTemplateRef: "tiny:latest", Network: netw})
+		Logger: log, BaseTemplateRef: "tiny:latest", Network: netw, Tenants: tenantsOf{keys}})
 	s := &Server{cfg: Config{Logger: log}, db: db, tmpl: tmpl, mgr: mgr, metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890",
-		portSecret: []byte("0123456789abcdef0123456789abcdef")}
+		keys: keys, audit: audit.Nop{}, portSecret: []byte("0123456789abcdef0123456789abcdef")}
+	withKeys(t, s)
 	s.handler = s.routes()
 	ns := &netServer{s: s, netw: netw, done: make(chan string, 16)}
 	hs := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

@@ -28,6 +28,7 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/sandbox"
 )
 
@@ -218,10 +219,14 @@ func (s *Server) authorizePort(r *http.Request, id string, port int, tcp bool) (
 	ok := sb.AllPortsPublic || slices.Contains(sb.PublicPorts, port)
 	// API key: only an Authorization that is the key is consumed; the
 	// service's own Authorization passes through.
-	if bearer, has := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer "); has &&
-		subtle.ConstantTimeCompare([]byte(bearer), []byte(s.apiKey)) == 1 {
-		ok = true
-		r.Header.Del("Authorization")
+	// The key must see the sandbox's tenant and may read its ports.
+	if bearer, has := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer "); has {
+		if p, err := s.keys.Authenticate(bearer); err == nil {
+			if p.Sees(sb.Tenant) && p.Can(principal.ScopeNetworkRead) {
+				ok = true
+			}
+			r.Header.Del("Authorization")
+		}
 	}
 	// E2B's SDK users send the traffic token in e2b-traffic-access-token.
 	for _, hdr := range []string{api.PortTokenHeader, "E2b-Traffic-Access-Token"} {
