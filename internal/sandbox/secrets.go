@@ -80,35 +80,23 @@ func sandboxTenant(ctx context.Context, sb api.Sandbox) string {
 	return principal.DefaultTenant
 }
 
-// ruleRef is one header rule value that brokers a secret.
+// ruleRef is one "{secret:NAME}" in a header rule: the gateway puts
+// NAME's value there on requests to the rule's domain.
 type ruleRef struct {
-	domain, header, secret string
+	domain, secret string
 }
 
-// secretRefs returns the header rule values of p that name a secret, as
-// BrokeredSecret headers ("Name: text {}"). A value may name one secret.
+// secretRefs returns the secret references of p's header rules.
 func secretRefs(p api.NetworkPolicy) ([]ruleRef, error) {
 	var out []ruleRef
 	for i, r := range p.Rules {
 		for _, k := range slices.Sorted(maps.Keys(r.SetHeaders)) {
-			v := r.SetHeaders[k]
-			ms := secretRefRE.FindAllStringSubmatchIndex(v, -1)
-			if len(ms) == 0 {
-				continue
+			for _, m := range secretRefRE.FindAllStringSubmatch(r.SetHeaders[k], -1) {
+				if err := secrets.ValidName(m[1]); err != nil {
+					return nil, fmt.Errorf("network.rules[%d].set_headers[%q]: {secret:…}: %w", i, k, err)
+				}
+				out = append(out, ruleRef{domain: strings.ToLower(strings.TrimSuffix(r.Domain, ".")), secret: m[1]})
 			}
-			field := fmt.Sprintf("network.rules[%d].set_headers[%q]", i, k)
-			if len(ms) > 1 {
-				return nil, invalid("%s: a value may name one secret, it names %d", field, len(ms))
-			}
-			name := v[ms[0][2]:ms[0][3]]
-			if err := secrets.ValidName(name); err != nil {
-				return nil, fmt.Errorf("%s: %w", field, err)
-			}
-			if strings.Contains(v, "{}") {
-				return nil, invalid("%s: a value naming a secret may not also contain {}", field)
-			}
-			tmpl := v[:ms[0][0]] + "{}" + v[ms[0][1]:]
-			out = append(out, ruleRef{domain: strings.ToLower(strings.TrimSuffix(r.Domain, ".")), header: k + ": " + tmpl, secret: name})
 		}
 	}
 	return out, nil
@@ -239,7 +227,8 @@ func (m *Manager) planBroker(ctx context.Context, sb api.Sandbox, pol api.Networ
 		return plan, err
 	}
 	hosts := map[string]bool{}
-	ph := map[string]string{}
+	byName := map[string]*gateway.BrokeredSecret{}
+	var order []string
 	for _, g := range gs {
 		sec, val, err := m.cfg.Secrets.Value(ctx, g.Tenant, g.Name)
 		if errors.Is(err, errdefs.ErrNotFound) {
@@ -248,13 +237,8 @@ func (m *Manager) planBroker(ctx context.Context, sb api.Sandbox, pol api.Networ
 		if err != nil {
 			return plan, err
 		}
-		ph[g.Name] = g.Placeholder
-		for _, h := range sec.Hosts {
-			hosts[h] = true
-		}
-		if len(sec.Hosts) > 0 {
-			plan.secrets = append(plan.secrets, gateway.BrokeredSecret{Name: g.Name, Hosts: slices.Clone(sec.Hosts), Header: sec.Header, Placeholder: g.Placeholder, Value: val})
-		}
+		byName[g.Name] = &gateway.BrokeredSecret{Name: g.Name, Hosts: slices.Clone(sec.Hosts), Header: sec.Header, Placeholder: g.Placeholder, Value: val}
+		order = append(order, g.Name)
 	}
 	for _, r := range pol.Rules {
 		if d, err := secrets.CanonicalHosts([]string{r.Domain}); err == nil && len(d) == 1 {
@@ -265,18 +249,28 @@ func (m *Manager) planBroker(ctx context.Context, sb api.Sandbox, pol api.Networ
 	if err != nil {
 		return plan, err
 	}
+	// The gateway puts a rule's {secret:NAME} only on NAME's own hosts:
+	// naming it in a rule for a domain makes that domain one of them.
 	for _, r := range refs {
-		p, ok := ph[r.secret]
+		bs, ok := byName[r.secret]
 		if !ok {
 			// Revoked or deleted since the policy was set: nothing to send.
 			m.log.Warn("a header rule names a secret the sandbox no longer holds; the header is not set", "sandbox", sb.ID, "secret", r.secret, "domain", r.domain)
 			continue
 		}
-		_, val, err := m.cfg.Secrets.Value(ctx, sandboxTenant(ctx, sb), r.secret)
-		if err != nil {
-			return plan, err
+		if d, err := secrets.CanonicalHosts([]string{r.domain}); err == nil && len(d) == 1 && !slices.Contains(bs.Hosts, d[0]) {
+			bs.Hosts = append(bs.Hosts, d[0])
 		}
-		plan.secrets = append(plan.secrets, gateway.BrokeredSecret{Name: r.secret, Hosts: []string{r.domain}, Header: r.header, Placeholder: p, Value: val})
+	}
+	for _, name := range order {
+		bs := byName[name]
+		if len(bs.Hosts) == 0 {
+			continue // no host may receive it: nothing to broker
+		}
+		for _, h := range bs.Hosts {
+			hosts[h] = true
+		}
+		plan.secrets = append(plan.secrets, *bs)
 	}
 	plan.hosts = slices.Sorted(maps.Keys(hosts))
 	return plan, nil

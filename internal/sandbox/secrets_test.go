@@ -40,13 +40,18 @@ func (h *harness) env(id, name string) string {
 	return res.Stdout
 }
 
+// brokered finds name in c, checking the gateway's rule: one entry per name.
 func brokered(c gateway.BrokerConfig, name string) (gateway.BrokeredSecret, bool) {
+	var out []gateway.BrokeredSecret
 	for _, s := range c.Secrets {
-		if s.Name == name && s.Header == "" || s.Name == name && !strings.Contains(s.Header, "{secret:") {
-			return s, true
+		if s.Name == name {
+			out = append(out, s)
 		}
 	}
-	return gateway.BrokeredSecret{}, false
+	if len(out) != 1 {
+		return gateway.BrokeredSecret{}, false
+	}
+	return out[0], true
 }
 
 const testValue = "sk-live-SECRETVALUE-9f8e7d6c5b4a"
@@ -225,35 +230,42 @@ func TestSecretsLiveGrantRevokeRotate(t *testing.T) {
 func TestSecretsInHeaderRules(t *testing.T) {
 	h, st, fb := secretHarness(t, fakeruntime.Options{})
 	ctx := h.ctx()
-	st.Set(ctx, secrets.SetRequest{Name: "KEY", Value: []byte(testValue)})
-	sb := h.create(api.CreateSandboxRequest{Network: &api.NetworkPolicy{AllowOut: []string{"*.example.org"}}})
-	pol := api.NetworkPolicy{AllowOut: []string{"*.example.org"},
-		Rules: []api.HeaderRule{{Domain: "api.example.org", SetHeaders: map[string]string{"X-Api-Key": "key={secret:KEY}"}}}}
+	st.Set(ctx, secrets.SetRequest{Name: "KEY", Value: []byte(testValue)}) // no hosts of its own
+	st.Set(ctx, secrets.SetRequest{Name: "TOK", Value: []byte("tok-value"), Hosts: []string{"api.example.com"}})
+	sb := h.create(api.CreateSandboxRequest{Network: &api.NetworkPolicy{AllowOut: []string{"*.example.org", "api.example.com"}}})
+	pol := api.NetworkPolicy{AllowOut: []string{"*.example.org", "api.example.com"},
+		Rules: []api.HeaderRule{
+			{Domain: "api.example.org", SetHeaders: map[string]string{"X-Api-Key": "key={secret:KEY}"}},
+			{Domain: "up.example.org", SetHeaders: map[string]string{"Authorization": "Bearer {secret:TOK}"}},
+		}}
 	if _, err := h.m.SetNetwork(ctx, sb.ID, pol); !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), "not granted") {
 		t.Fatalf("a rule naming an ungranted secret: %v", err)
 	}
-	two := api.NetworkPolicy{AllowOut: pol.AllowOut, Rules: []api.HeaderRule{{Domain: "api.example.org", SetHeaders: map[string]string{"X": "{secret:KEY}{secret:KEY}"}}}}
-	if _, err := h.m.SetNetwork(ctx, sb.ID, two); !errors.Is(err, errdefs.ErrInvalidArgument) {
-		t.Fatalf("two references in one value: %v", err)
+	bad := api.NetworkPolicy{AllowOut: pol.AllowOut, Rules: []api.HeaderRule{{Domain: "api.example.org", SetHeaders: map[string]string{"X": "{secret:lower}"}}}}
+	if _, err := h.m.SetNetwork(ctx, sb.ID, bad); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("a malformed reference: %v", err)
 	}
-	if _, err := h.m.GrantSecret(ctx, sb.ID, "KEY"); err != nil {
-		t.Fatal(err)
+	for _, n := range []string{"KEY", "TOK"} {
+		if _, err := h.m.GrantSecret(ctx, sb.ID, n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if c, _ := fb.Last(sb.ID); func() bool { _, ok := brokered(c, "KEY"); return ok }() {
+		t.Fatal("a secret without hosts and without a rule naming it was brokered")
 	}
 	if _, err := h.m.SetNetwork(ctx, sb.ID, pol); err != nil {
 		t.Fatal(err)
 	}
 	c, _ := fb.Last(sb.ID)
-	var got *gateway.BrokeredSecret
-	for i := range c.Secrets {
-		if c.Secrets[i].Header != "" {
-			got = &c.Secrets[i]
-		}
+	key, ok1 := brokered(c, "KEY")
+	tok, ok2 := brokered(c, "TOK")
+	if !ok1 || !ok2 || string(key.Value) != testValue || strings.Join(key.Hosts, ",") != "api.example.org" ||
+		strings.Join(tok.Hosts, ",") != "api.example.com,up.example.org" {
+		t.Fatalf("brokered = %+v", c.Secrets)
 	}
-	if got == nil || got.Name != "KEY" || got.Header != "X-Api-Key: key={}" || string(got.Value) != testValue || strings.Join(got.Hosts, ",") != "api.example.org" {
-		t.Fatalf("brokered header rule = %+v (all %+v)", got, c.Secrets)
-	}
-	if len(c.CACertPEM) == 0 {
-		t.Fatal("a header rule's domain got no CA")
+	ca, _ := st.CA(ctx, sb.ID)
+	if strings.Join(ca.Hosts, ",") != "api.example.com,api.example.org,up.example.org" {
+		t.Fatalf("CA hosts %v", ca.Hosts)
 	}
 	if err := h.m.RevokeSecret(ctx, sb.ID, "KEY"); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("revoking a secret a rule names: %v", err)

@@ -34,7 +34,10 @@ import (
 
 // Bounds.
 const (
-	MaxValueBytes = 64 << 10 // one secret's value
+	MaxValueBytes = 64 << 10 // one secret's value as the API takes it (413 above)
+	// MaxHeaderValueBytes is what the gateway can carry: a brokered value
+	// travels in an HTTP header (netpolicy.MaxHeaderValue).
+	MaxHeaderValueBytes = netpolicy.MaxHeaderValue
 	MaxNameLen    = 64
 	MaxHosts      = 64
 	MaxHeaderLen  = 1024
@@ -303,8 +306,8 @@ func ValidHeader(h string) error {
 	if forbiddenHeaders[strings.ToLower(name)] {
 		return invalid("header %s frames or routes the request and may not be brokered", name)
 	}
-	if n := strings.Count(tmpl, "{}"); n > 1 {
-		return invalid("header template has %d {} placeholders, at most one", n)
+	if n := strings.Count(tmpl, "{}"); n != 1 {
+		return invalid("header template must hold {} (standing for the value) once, it holds it %d times", n)
 	}
 	for i := 0; i < len(tmpl); i++ {
 		if c := tmpl[i]; c < ' ' && c != '\t' || c == 0x7f {
@@ -392,6 +395,15 @@ func (s *Store) Set(ctx context.Context, r SetRequest) (sec Secret, created bool
 	}
 	if len(r.Value) > MaxValueBytes {
 		return Secret{}, false, fmt.Errorf("secret value is %d bytes, at most %d: %w", len(r.Value), MaxValueBytes, errdefs.ErrTooLarge)
+	}
+	if len(r.Value) > MaxHeaderValueBytes {
+		return Secret{}, false, invalid("secret value is %d bytes; a brokered value travels in an HTTP header, at most %d bytes", len(r.Value), MaxHeaderValueBytes)
+	}
+	for i, c := range r.Value {
+		if c < 0x20 && c != '\t' || c == 0x7f {
+			// It would split the request it is put in.
+			return Secret{}, false, invalid("secret value has a control character at byte %d (a brokered value travels in an HTTP header)", i)
+		}
 	}
 	hosts, err := CanonicalHosts(r.Hosts)
 	if err != nil {

@@ -128,6 +128,10 @@ func TestValidation(t *testing.T) {
 		{Name: "A", Value: []byte("x"), Hosts: []string{"a.com"}, Header: "X: {} {}"},
 		{Name: "A", Value: []byte("x"), Hosts: []string{"a.com"}, Header: "X: a\r\nY: {}"},
 		{Name: "A", Value: []byte("x"), Header: "X: {}"},
+		{Name: "A", Value: []byte("x"), Hosts: []string{"a.com"}, Header: "X: constant"},
+		{Name: "A", Value: []byte("line\nbreak")},
+		{Name: "A", Value: []byte("nul\x00")},
+		{Name: "A", Value: bytes.Repeat([]byte("v"), MaxHeaderValueBytes+1)},
 	}
 	for _, r := range bad {
 		if _, _, err := s.Set(ctx, r); !errors.Is(err, errdefs.ErrInvalidArgument) {
