@@ -38,9 +38,9 @@ const (
 	// MaxHeaderValueBytes is what the gateway can carry: a brokered value
 	// travels in an HTTP header (netpolicy.MaxHeaderValue).
 	MaxHeaderValueBytes = netpolicy.MaxHeaderValue
-	MaxNameLen    = 64
-	MaxHosts      = 64
-	MaxHeaderLen  = 1024
+	MaxNameLen          = 64
+	MaxHosts            = 64
+	MaxHeaderLen        = 1024
 	// KeyFile is the name of the encryption key's file in the data directory.
 	KeyFile = "secrets.key"
 	// PlaceholderPrefix begins every placeholder.
