@@ -406,3 +406,25 @@ func TestSecretsAPIRefusals(t *testing.T) {
 		}
 	}
 }
+
+// TestSecretRunFlag: `space run --secret NAME` grants it to the run's
+// sandbox: the command sees the placeholder, never the value.
+func TestSecretRunFlag(t *testing.T) {
+	e := setup(t)
+	value := newSecretValue(t)
+	if _, errOut, code := e.spaceCLI(t, value, "secret", "set", "E2E_RUN_TOKEN", "--hosts", "allowed.test"); code != 0 {
+		t.Fatalf("secret set: %s", errOut)
+	}
+	t.Cleanup(func() { e.client.DeleteSecret(context.Background(), "E2E_RUN_TOKEN") })
+	out, errOut, code := e.spaceCLI(t, "", "run", "--runtime", "native", "--secret", "E2E_RUN_TOKEN", "--", "sh", "-c", `printf %s "$E2E_RUN_TOKEN"`)
+	if code != 0 || !strings.HasPrefix(out, "space-ph-") || len(out) != len("space-ph-")+32 || strings.Contains(out+errOut, value) {
+		t.Fatalf("space run --secret: %d %q %q", code, out, errOut)
+	}
+	ls, _, code := e.spaceCLI(t, "", "secret", "ls")
+	if code != 0 || !strings.Contains(ls, "E2E_RUN_TOKEN") || strings.Contains(ls, value) {
+		t.Fatalf("secret ls: %d %q", code, ls)
+	}
+	if _, _, code := e.spaceCLI(t, "", "secret", "rm", "E2E_RUN_TOKEN"); code != 0 {
+		t.Fatal("secret rm failed")
+	}
+}
