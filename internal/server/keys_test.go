@@ -199,3 +199,29 @@ func TestTenantQuotas(t *testing.T) {
 		t.Errorf("create after a delete freed the quota: %d %s", code, b)
 	}
 }
+
+// TestTenantTemplates: a sandbox can be created only from a template its
+// tenant sees (shared or its own); another tenant's is not found.
+func TestTenantTemplates(t *testing.T) {
+	ns := newNetServer(t)
+	a := ns.newKey(t, "team-a", "sandbox:write", "templates:write")
+	b := ns.newKey(t, "team-b", "sandbox:write", "templates:write")
+	if code, body := ns.as(t, a.Key, "POST", "/v1/templates/tiny:latest/tags", `{"tag":"a-app:1"}`); code != http.StatusOK {
+		t.Fatalf("team-a tagging the shared template: %d %s", code, body)
+	}
+	if code, body := ns.as(t, b.Key, "POST", "/v1/sandboxes", `{"template":"a-app:1"}`); code != http.StatusNotFound {
+		t.Errorf("team-b creating from team-a's template: %d %s, want 404", code, body)
+	}
+	if code, body := ns.as(t, b.Key, "GET", "/v1/templates/a-app:1", ""); code != http.StatusNotFound {
+		t.Errorf("team-b reading team-a's template: %d %s, want 404", code, body)
+	}
+	if code, body := ns.as(t, a.Key, "POST", "/v1/sandboxes", `{"template":"a-app:1"}`); code != http.StatusAccepted {
+		t.Errorf("team-a creating from its template: %d %s", code, body)
+	}
+	if code, body := ns.as(t, b.Key, "POST", "/v1/sandboxes", `{"template":"tiny:latest"}`); code != http.StatusAccepted {
+		t.Errorf("team-b creating from the shared template: %d %s", code, body)
+	}
+	if code, body := ns.as(t, b.Key, "POST", "/v1/templates/gc", ""); code != http.StatusForbidden {
+		t.Errorf("team-b gc: %d %s, want 403 (admin only)", code, body)
+	}
+}

@@ -225,8 +225,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if nc, ok := netw.(networkCounters); ok {
 		met.reg.MustRegister(&networkCollector{net: nc})
 	}
+	tenants := &tenantsOf{keys: keys}
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: rts, Logger: cfg.Logger, Observer: met,
-		Network: netw, DefaultNetwork: nopts.Default, Tenants: tenantsOf{keys}})
+		Network: netw, DefaultNetwork: nopts.Default, Tenants: tenants})
 	if r, ok := netw.(interface{ OnRestart(func()) }); ok {
 		r.OnRestart(mgr.NetworkRestarted)
 	}
@@ -245,7 +246,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	mgr.Run()
 	tsvc := templatesvc.New(templatesvc.Config{Templates: tmpl, Runtimes: rts, Sandboxes: mgr, Logger: cfg.Logger,
-		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries})
+		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries, Owners: keys})
+	tenants.tsvc = tsvc
 	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, keys: keys, netw: netw, portSecret: portSecret, audit: audit.Nop{}}
 	s.e2b = e2b.New(e2b.Config{
 		Manager:      mgr,
@@ -477,7 +479,7 @@ func (s *Server) routeTable() []route {
 		{pattern: "POST /v1/templates/base", scope: "templates:write", handler: h(s.buildBase)},
 		{pattern: "POST /v1/templates/pull", scope: "templates:write", handler: h(s.pullTemplate)},
 		{pattern: "POST /v1/templates/build", scope: "templates:write", body: bodyStream, handler: h(s.buildTemplate)},
-		{pattern: "POST /v1/templates/gc", scope: "templates:write", handler: h(s.gcTemplates)},
+		{pattern: "POST /v1/templates/gc", scope: "admin", handler: h(s.gcTemplates)},
 		{pattern: "GET /v1/templates/{ref}", scope: "templates:read", handler: h(s.getTemplate)},
 		{pattern: "DELETE /v1/templates/{ref}", scope: "templates:write", handler: h(s.removeTemplate)},
 		{pattern: "POST /v1/templates/{ref}/tags", scope: "templates:write", handler: h(s.tagTemplate)},
