@@ -2,10 +2,12 @@ package server
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/spacehq/space/api"
 )
@@ -223,5 +225,39 @@ func TestTenantTemplates(t *testing.T) {
 	}
 	if code, body := ns.as(t, b.Key, "POST", "/v1/templates/gc", ""); code != http.StatusForbidden {
 		t.Errorf("team-b gc: %d %s, want 403 (admin only)", code, body)
+	}
+}
+
+// TestPortTokensExpireAndStayInTheirSandbox: a port token opens its own
+// sandbox's ports until it expires, never another sandbox's.
+func TestPortTokensExpireAndStayInTheirSandbox(t *testing.T) {
+	ns := newNetServer(t)
+	id1 := ns.create(t, `{}`)
+	id2 := ns.create(t, `{}`)
+	sb1, _ := ns.s.mgr.Get(t.Context(), id1)
+	sb2, _ := ns.s.mgr.Get(t.Context(), id2)
+	now := time.Now()
+	tok := ns.s.portTokenUntil(sb1, now.Add(time.Hour))
+	if !ns.s.validPortToken(sb1, tok, now) {
+		t.Fatal("a fresh token does not open its sandbox")
+	}
+	if ns.s.validPortToken(sb2, tok, now) {
+		t.Error("a token opens another sandbox")
+	}
+	if ns.s.validPortToken(sb1, tok, now.Add(time.Hour+time.Second)) {
+		t.Error("an expired token still opens its sandbox")
+	}
+	// Moving the expiry breaks the MAC.
+	forged := strings.Replace(tok, fmt.Sprint(now.Add(time.Hour).Unix()), fmt.Sprint(now.Add(100*time.Hour).Unix()), 1)
+	if forged == tok || ns.s.validPortToken(sb1, forged, now) {
+		t.Error("a token with a moved expiry is accepted")
+	}
+	var pi api.PortInfo
+	ns.call(t, "GET", "/v1/sandboxes/"+id1+"/ports/8000?ttl=5m", "", 200, &pi)
+	if d := time.Until(*pi.TokenExpiresAt); d < 4*time.Minute || d > 6*time.Minute {
+		t.Errorf("ttl=5m token expires in %s", d)
+	}
+	if code, body := ns.as(t, ns.s.apiKey, "GET", "/v1/sandboxes/"+id1+"/ports/8000?ttl=1000h", ""); code != 400 {
+		t.Errorf("ttl=1000h: %d %s", code, body)
 	}
 }
