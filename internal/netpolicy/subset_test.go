@@ -315,7 +315,7 @@ func TestSubsetLargeIsBounded(t *testing.T) {
 }
 
 func BenchmarkSubset(b *testing.B) {
-	small := api.NetworkPolicy{AllowOut: []string{"api.example.com:443", "*.pypi.org", "10.1.2.3:5432", "8.8.8.8:53"}, DenyOut: []string{"1.2.3.0/24"}}
+	small := api.NetworkPolicy{AllowOut: []string{"api.example.com", "*.pypi.org", "10.1.2.3:5432", "8.8.8.8:53"}, DenyOut: []string{"1.2.3.0/24"}}
 	bound := api.NetworkPolicy{AllowOut: []string{"*.example.com", "*.pypi.org", "10.0.0.0/8", "8.8.8.0/24"}, DenyOut: []string{"1.2.3.0/24"}}
 	o := Options{AllowPrivate: pfx("10.0.0.0/8")}
 	b.Run("small", func(b *testing.B) {
