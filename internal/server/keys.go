@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -99,6 +100,9 @@ func sandboxRoute(pattern string) bool {
 type tenantsOf struct {
 	keys *tenancy.Store
 	tsvc *templatesvc.Service
+	// allowPrivate are the server's --egress-allow-private ranges: what a
+	// boundary's private CIDRs can open at all.
+	allowPrivate []netip.Prefix
 }
 
 func (t *tenantsOf) UseTemplate(ctx context.Context, ref string) error {
@@ -141,7 +145,7 @@ func (t *tenantsOf) Bound(ctx context.Context, tenant string, p api.NetworkPolic
 	if err != nil || tn.Boundary == nil {
 		return err
 	}
-	return boundaryCheck(p, *tn.Boundary)
+	return boundaryCheck(p, *tn.Boundary, t.allowPrivate)
 }
 
 var _ sandbox.Tenants = (*tenantsOf)(nil)
@@ -280,7 +284,7 @@ func (s *Server) putTenant(w http.ResponseWriter, r *http.Request) {
 		for _, sb := range sbs {
 			if sb.Tenant == name || sb.Tenant == "" && name == principal.DefaultTenant {
 				if sb.Network != nil {
-					if err := boundaryCheck(*sb.Network, *t.Boundary); err != nil {
+					if err := boundaryCheck(*sb.Network, *t.Boundary, s.cfg.Network.AllowPrivate); err != nil {
 						outside = append(outside, sb.ID+" ("+err.Error()+")")
 					}
 				}

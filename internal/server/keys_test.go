@@ -261,3 +261,49 @@ func TestPortTokensExpireAndStayInTheirSandbox(t *testing.T) {
 		t.Errorf("ttl=1000h: %d %s", code, body)
 	}
 }
+
+// TestTenantBoundary: a create or a live update whose policy is not inside
+// the tenant's boundary is refused naming the entries outside; a boundary
+// an existing sandbox is outside of is refused naming the sandbox.
+func TestTenantBoundary(t *testing.T) {
+	ns := newNetServer(t)
+	k := ns.newKey(t, "team-n", "sandbox:write", "network:write")
+	ns.call(t, "PUT", "/v1/tenants/team-n", `{"boundary":{"allow_out":["*.example.com:443","pypi.org"]}}`, http.StatusOK, nil)
+
+	code, body := ns.as(t, k.Key, "POST", "/v1/sandboxes", `{"network":{"allow_out":["api.example.com:443","pypi.org"]}}`)
+	if code != http.StatusAccepted {
+		t.Fatalf("create inside the boundary: %d %s", code, body)
+	}
+	var res api.CreateSandboxResponse
+	json.Unmarshal([]byte(body), &res)
+	ns.s.mgr.Wait(t.Context(), res.Operation.ID)
+	for _, c := range []struct{ policy, names string }{
+		{`{"allow_out":["evil.com"]}`, "evil.com"},
+		{`{"internet":true}`, "internet"},
+		{`{"allow_out":["api.example.com:443","1.2.3.0/24"]}`, "1.2.3.0/24"},
+		{`{"allow_out":["api.example.com"]}`, "api.example.com"},
+	} {
+		code, body := ns.as(t, k.Key, "POST", "/v1/sandboxes", `{"network":`+c.policy+`}`)
+		if code != http.StatusBadRequest || !strings.Contains(body, c.names) || !strings.Contains(body, "boundary") {
+			t.Errorf("create with %s: %d %s", c.policy, code, body)
+		}
+		code, body = ns.as(t, k.Key, "PUT", "/v1/sandboxes/"+res.Sandbox.ID+"/network", c.policy)
+		if code != http.StatusBadRequest || !strings.Contains(body, c.names) {
+			t.Errorf("live update to %s: %d %s", c.policy, code, body)
+		}
+	}
+	// No policy: the server default (no egress) is inside any boundary.
+	if code, body := ns.as(t, k.Key, "POST", "/v1/sandboxes", `{}`); code != http.StatusAccepted {
+		t.Errorf("create without a policy: %d %s", code, body)
+	}
+	// Narrowing the boundary below a live sandbox's policy is refused.
+	code, body = ns.as(t, ns.s.apiKey, "PUT", "/v1/tenants/team-n", `{"boundary":{"allow_out":["pypi.org"]}}`)
+	if code != http.StatusConflict || !strings.Contains(body, res.Sandbox.ID) {
+		t.Errorf("narrowing the boundary under a sandbox: %d %s", code, body)
+	}
+	// Another tenant has no boundary.
+	o := ns.newKey(t, "team-free", "sandbox:write")
+	if code, body := ns.as(t, o.Key, "POST", "/v1/sandboxes", `{"network":{"internet":true}}`); code != http.StatusAccepted {
+		t.Errorf("team-free: %d %s", code, body)
+	}
+}

@@ -225,7 +225,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if nc, ok := netw.(networkCounters); ok {
 		met.reg.MustRegister(&networkCollector{net: nc})
 	}
-	tenants := &tenantsOf{keys: keys}
+	tenants := &tenantsOf{keys: keys, allowPrivate: nopts.AllowPrivate}
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: rts, Logger: cfg.Logger, Observer: met,
 		Network: netw, DefaultNetwork: nopts.Default, Tenants: tenants})
 	if r, ok := netw.(interface{ OnRestart(func()) }); ok {
