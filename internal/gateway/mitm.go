@@ -208,10 +208,12 @@ func (l *link) intercept(c net.Conn, head []byte, ev *api.NetworkEvent, br *brok
 // side ends; it returns how many requests it relayed. Bodies stream (never
 // buffered whole); a protocol switch (101) becomes a raw relay.
 func (l *link) serveIntercepted(ctx context.Context, down, up net.Conn, host string, dst netip.Addr, port uint16) int {
+	// Buffers: what bounds a head each way, and small write buffers (a
+	// sandbox may hold hundreds of these connections in the shared process).
 	cbr := bufio.NewReaderSize(down, maxRequestHead)
-	ubr := bufio.NewReaderSize(up, 64<<10)
-	cbw := bufio.NewWriterSize(down, 16<<10)
-	ubw := bufio.NewWriterSize(up, 16<<10)
+	ubr := bufio.NewReaderSize(up, maxRequestHead)
+	cbw := bufio.NewWriterSize(down, 8<<10)
+	ubw := bufio.NewWriterSize(up, 8<<10)
 	n := 0
 	for {
 		// As in the plain HTTP relay: the whole head must fit the buffer.
@@ -234,6 +236,11 @@ func (l *link) serveIntercepted(ctx context.Context, down, up net.Conn, host str
 		refuse := func(status int, reason string) int {
 			writeRefusal(cbw, status, reason)
 			done(api.VerdictDeny, status, reason)
+			// Read (a bounded part of) the body the client is still
+			// sending, so closing does not reset the connection before it
+			// reads the answer.
+			_ = down.SetReadDeadline(time.Now().Add(2 * time.Second))
+			_, _ = io.CopyN(io.Discard, req.Body, 1<<20)
 			return n
 		}
 		// The TLS name proved the connection; each request's Host must be
@@ -280,14 +287,14 @@ func (l *link) serveIntercepted(ctx context.Context, down, up net.Conn, host str
 		if werr == nil {
 			werr = ubw.Flush()
 		}
-		resp, rerr := http.ReadResponse(ubr, req)
+		resp, rerr := readResponse(ubr, req)
 		for rerr == nil && resp.StatusCode >= 100 && resp.StatusCode < 200 && resp.StatusCode != http.StatusSwitchingProtocols {
 			// Interim responses (103 Early Hints, a 100 the server sent
 			// anyway) go to the client as they are; the final one follows.
 			if err := writeInterim(cbw, resp); err != nil {
 				return n
 			}
-			resp, rerr = http.ReadResponse(ubr, req)
+			resp, rerr = readResponse(ubr, req)
 		}
 		if rerr != nil {
 			why := "upstream: " + rerr.Error()
@@ -324,6 +331,19 @@ func (l *link) serveIntercepted(ctx context.Context, down, up net.Conn, host str
 			return n
 		}
 	}
+}
+
+// readResponse reads a response whose head fits br's buffer: an allowed
+// host is not necessarily a friendly one, and net/http reads a header line
+// of any length.
+func readResponse(br *bufio.Reader, req *http.Request) (*http.Response, error) {
+	if err := bufferHead(br); err != nil {
+		if err == errHeadTooLarge {
+			return nil, fmt.Errorf("response head over %d KiB", br.Size()>>10)
+		}
+		return nil, err
+	}
+	return http.ReadResponse(br, req)
 }
 
 // rewritePlan is what the gateway will put into one request.
