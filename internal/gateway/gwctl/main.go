@@ -168,11 +168,17 @@ var gatewaySyscalls = []uint32{
 	unix.SYS_RESTART_SYSCALL, unix.SYS_EXIT, unix.SYS_EXIT_GROUP,
 }
 
-// confineSelf: no new privileges, no filesystem at all (Landlock, on every
+// confineSelf: no new privileges, not dumpable, no filesystem at all (Landlock, on every
 // thread), a seccomp allowlist of its own (every thread).
 func confineSelf() error {
 	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
 		return fmt.Errorf("no_new_privs: %w", err)
+	}
+	// Brokered secrets and sandbox CA keys live in this process's memory:
+	// no core dump, no ptrace or /proc/PID/mem by its own uid. (Leaving
+	// root already did this; a gateway started as its user has not.)
+	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
+		return fmt.Errorf("dumpable: %w", err)
 	}
 	if err := landlock.V5.BestEffort().RestrictPaths(); err != nil {
 		return fmt.Errorf("landlock: %w", err)
