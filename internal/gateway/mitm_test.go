@@ -629,3 +629,56 @@ func issuePEM(t *testing.T, ca *gatewaytest.CA) []byte {
 	}
 	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: c.Certificate[0]})
 }
+
+// The policy decides before interception: a secret's host the policy does
+// not allow gets nothing, even with a name claimed over an allowed one's
+// address.
+func TestBrokerPolicyFirst(t *testing.T) {
+	f := newBrokerFixture(t, api.NetworkPolicy{AllowOut: []string{"plain.test"}})
+	if err := f.g.SetBroker("sb1", f.config(keySecret("api.test"))); err != nil {
+		t.Fatal(err)
+	}
+	if rc, _, _ := f.sb.Query(t, gatewayAddr, "api.test", dnsmessage.TypeA); rc != dnsmessage.RCodeNameError {
+		t.Fatalf("api.test resolved: %v", rc)
+	}
+	f.open(t, "plain.test", f.upCA) // resolves plain.test to the shared address
+	raw, err := f.sb.Dial(ip2, f.port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := tls.Client(raw, &tls.Config{ServerName: "api.test", RootCAs: f.sbCA.Pool()})
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if err := c.Handshake(); err == nil {
+		t.Fatal("SNI api.test over plain.test's address was served")
+	}
+	f.waitEvent(t, func(ev api.NetworkEvent) bool { return ev.Name == "api.test" && ev.Verdict == api.VerdictDeny })
+	if len(f.decider.actions(actions.SecretUse)) != 0 || len(f.decider.actions(actions.HTTP)) != 0 {
+		t.Fatal("an intercepted request was decided")
+	}
+}
+
+// A header rule alone (a CA, no secret) is enough to intercept its domain.
+func TestBrokerRuleOnly(t *testing.T) {
+	p := allowBroker
+	p.Rules = []api.HeaderRule{{Domain: "plain.test", SetHeaders: map[string]string{"X-Team": "blue"}, RemoveHeaders: []string{"Cookie"}}}
+	f := newBrokerFixture(t, p)
+	if err := f.g.SetBroker("sb1", f.config()); err != nil {
+		t.Fatal(err)
+	}
+	c, err := f.open(t, "plain.test", f.sbCA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, body := c.do(t, get(t, "plain.test", "/", "Cookie", "session=1"))
+	if !strings.Contains(body, "X-Team: blue\n") || strings.Contains(body, "Cookie") {
+		t.Fatalf("upstream saw:\n%s", body)
+	}
+	// Without a CA nothing can be intercepted: the rule's domain is relayed.
+	if err := f.g.SetBroker("sb1", BrokerConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	c2 := f.openH1(t, "plain.test")
+	if issuer(c2) != "test internet CA" {
+		t.Fatalf("intercepted without a config: %s", issuer(c2))
+	}
+}
