@@ -50,7 +50,11 @@ type broker struct {
 	byName  map[string]*brokerSecret
 
 	mu     sync.Mutex
-	leaves map[string]*tls.Certificate
+	leaves map[string]*tls.Config // name → server config with its leaf
+	// upSessions resumes TLS sessions with the real hosts (a resumed
+	// session keeps the chain verified in its full handshake, and
+	// crypto/tls checks it again for the name and the time).
+	upSessions tls.ClientSessionCache
 }
 
 type brokerSecret struct {
@@ -98,7 +102,8 @@ func compileBroker(b BrokerConfig) (*broker, error) {
 	if err != nil {
 		return nil, err
 	}
-	br := &broker{ca: ca, caKey: key, byName: map[string]*brokerSecret{}, leaves: map[string]*tls.Certificate{}}
+	br := &broker{ca: ca, caKey: key, byName: map[string]*brokerSecret{}, leaves: map[string]*tls.Config{},
+		upSessions: tls.NewLRUClientSessionCache(maxLeaves)}
 	for i, s := range b.Secrets {
 		field := fmt.Sprintf("secrets[%d]", i)
 		if s.Name == "" || len(s.Name) > 128 {
@@ -216,15 +221,17 @@ func isToken(s string) bool {
 	return true
 }
 
-// leaf returns a certificate for name issued by the sandbox's CA, from the
-// cache while it has leafRenew left.
-func (b *broker) leaf(name string) (*tls.Certificate, error) {
+// serverConfig returns the TLS config toward the sandbox for name: a leaf
+// issued by the sandbox's CA, ALPN http/1.1. Cached (with its session
+// ticket keys, so the sandbox's clients can resume) while the leaf has
+// leafRenew left.
+func (b *broker) serverConfig(name string) (*tls.Config, error) {
 	now := time.Now()
 	b.mu.Lock()
-	c := b.leaves[name]
+	conf := b.leaves[name]
 	b.mu.Unlock()
-	if c != nil && now.Add(leafRenew).Before(c.Leaf.NotAfter) {
-		return c, nil
+	if conf != nil && now.Add(leafRenew).Before(conf.Certificates[0].Leaf.NotAfter) {
+		return conf, nil
 	}
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
@@ -251,14 +258,18 @@ func (b *broker) leaf(name string) (*tls.Certificate, error) {
 	if err != nil {
 		return nil, err
 	}
-	c = &tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}
+	conf = &tls.Config{
+		Certificates: []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}},
+		NextProtos:   httpALPN,
+		MinVersion:   tls.VersionTLS12,
+	}
 	b.mu.Lock()
 	if len(b.leaves) >= maxLeaves {
 		clear(b.leaves)
 	}
-	b.leaves[name] = c
+	b.leaves[name] = conf
 	b.mu.Unlock()
-	return c, nil
+	return conf, nil
 }
 
 // SetBroker replaces the credential-brokering config of an attached sandbox

@@ -142,9 +142,10 @@ func (l *link) intercept(c net.Conn, head []byte, ev *api.NetworkEvent, br *brok
 	mc := &meteredConn{Conn: raw, l: l}
 	up := tls.Client(mc, &tls.Config{
 		ServerName: name,
-		RootCAs:    l.g.opts.UpstreamRoots, // nil: the system roots
-		NextProtos: httpALPN,
-		MinVersion: tls.VersionTLS12,
+		RootCAs:            l.g.opts.UpstreamRoots, // nil: the system roots
+		NextProtos:         httpALPN,
+		MinVersion:         tls.VersionTLS12,
+		ClientSessionCache: br.upSessions,
 	})
 	err = up.HandshakeContext(ctx)
 	cancel()
@@ -153,17 +154,13 @@ func (l *link) intercept(c net.Conn, head []byte, ev *api.NetworkEvent, br *brok
 		fail("upstream tls (the real certificate of "+name+" did not verify, or the handshake failed; never relayed unverified)", err)
 		return
 	}
-	leaf, err := br.leaf(name)
+	conf, err := br.serverConfig(name)
 	if err != nil {
 		raw.Close()
 		fail("leaf", err)
 		return
 	}
-	down := tls.Server(&prefixConn{Conn: c, r: io.MultiReader(bytes.NewReader(head), c)}, &tls.Config{
-		Certificates: []tls.Certificate{*leaf},
-		NextProtos:   httpALPN,
-		MinVersion:   tls.VersionTLS12,
-	})
+	down := tls.Server(&prefixConn{Conn: c, r: io.MultiReader(bytes.NewReader(head), c)}, conf)
 	hctx, hcancel := context.WithTimeout(context.Background(), peekTimeout)
 	err = down.HandshakeContext(hctx)
 	hcancel()
