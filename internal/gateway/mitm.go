@@ -141,7 +141,7 @@ func (l *link) intercept(c net.Conn, head []byte, ev *api.NetworkEvent, br *brok
 	}
 	mc := &meteredConn{Conn: raw, l: l}
 	up := tls.Client(mc, &tls.Config{
-		ServerName: name,
+		ServerName:         name,
 		RootCAs:            l.g.opts.UpstreamRoots, // nil: the system roots
 		NextProtos:         httpALPN,
 		MinVersion:         tls.VersionTLS12,
