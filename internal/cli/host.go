@@ -56,6 +56,7 @@ type serverNetFlags struct {
 	defaultInternet bool
 	dialGuard       string
 	bandwidth       string
+	upstreamCA      string
 }
 
 func (f *serverNetFlags) register(cmd *cobra.Command) {
@@ -68,6 +69,9 @@ func (f *serverNetFlags) register(cmd *cobra.Command) {
 	// Tests: the gateway refuses (and logs as a violation) any dial off this machine.
 	fl.StringVar(&f.dialGuard, "egress-dial-guard", "", `"loopback": the gateway refuses and reports every dial off this machine (tests)`)
 	_ = fl.MarkHidden("egress-dial-guard")
+	// Tests: a local HTTPS server with its own CA stands in for a brokered host.
+	fl.StringVar(&f.upstreamCA, "egress-upstream-ca", "", "PEM file of extra roots the gateway trusts for the real hosts of intercepted connections (tests)")
+	_ = fl.MarkHidden("egress-upstream-ca")
 }
 
 // options checks the flags and builds the server's NetworkOptions; the
@@ -83,7 +87,7 @@ func (f *serverNetFlags) options() (server.NetworkOptions, error) {
 			return server.NetworkOptions{}, usagef("--egress-bandwidth: %v", err)
 		}
 	}
-	o := server.NetworkOptions{DNSUpstream: f.dnsUpstream, DialGuard: f.dialGuard, BandwidthMiB: bw,
+	o := server.NetworkOptions{DNSUpstream: f.dnsUpstream, DialGuard: f.dialGuard, BandwidthMiB: bw, UpstreamCA: f.upstreamCA,
 		Default: api.NetworkPolicy{Internet: f.defaultInternet, AllowOut: f.defaultAllowOut}}
 	for _, s := range f.allowPrivate {
 		p, err := netip.ParsePrefix(s)

@@ -22,6 +22,7 @@ package gateway
 
 import (
 	"context"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -88,6 +89,10 @@ type Options struct {
 	// requests against the temporal policy (it may hold an action while an
 	// approval is pending); nil allows all.
 	Decider actions.Decider
+	// UpstreamRoots verify the real hosts' certificates on intercepted
+	// connections (credential brokering); nil: the system roots. Tests
+	// and the hidden --egress-upstream-ca add their own CA.
+	UpstreamRoots *x509.CertPool
 }
 
 // Gateway serves the links of many sandboxes.

@@ -42,6 +42,10 @@ type link struct {
 	events *eventRing
 
 	policy atomic.Pointer[netpolicy.Policy]
+	// broker is the credential-brokering config (nil: nothing is
+	// intercepted); ruleCache the policy's header rules (mitm.go).
+	broker    atomic.Pointer[broker]
+	ruleCache atomic.Pointer[ruleCache]
 
 	bindings *bindings
 	dns      *dnsGuard

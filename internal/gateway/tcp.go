@@ -123,12 +123,20 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 	name, head, reason, ok := "", []byte(nil), v.Reason, true
 	if !byAddr {
 		name, head, ev.Protocol, reason, ok = l.proveName(c, pol, dst, port, opaque)
+	} else if n, h, isTLS := l.sniffByAddr(c, dst); isTLS {
+		name, head, ev.Protocol = n, h, "tls"
+	} else {
+		head = h
 	}
 	ev.Name = name
 	if !ok {
 		ev.Verdict, ev.Reason = api.VerdictDeny, reason
 		l.events.add(ev)
 		abort(c)
+		return
+	}
+	if br := l.interceptor(pol, name); br != nil && ev.Protocol == "tls" {
+		l.intercept(c, head, &ev, br, name, dst, port, reason) // credential brokering (mitm.go)
 		return
 	}
 	l.relay(c, head, &ev, name, dst, port, reason)
@@ -326,6 +334,7 @@ type relay struct {
 	port      uint16
 	once      sync.Once
 	closedWhy string
+	onAbort   func() // an intercepted connection's pending decisions end
 }
 
 func (l *link) relay(c net.Conn, head []byte, ev *api.NetworkEvent, name string, dst netip.Addr, port uint16, rule string) {
@@ -396,6 +405,9 @@ func (l *link) relay(c net.Conn, head []byte, ev *api.NetworkEvent, name string,
 func (r *relay) abort(why string) {
 	r.once.Do(func() {
 		r.closedWhy = why
+		if r.onAbort != nil {
+			r.onAbort()
+		}
 		if why != "" {
 			abort(r.in)
 		} else {

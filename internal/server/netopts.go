@@ -46,6 +46,10 @@ type NetworkOptions struct {
 	// DialGuard "loopback" makes the gateway refuse, and log as a
 	// violation, every dial off this machine (tests: nothing may leave it).
 	DialGuard string
+	// UpstreamCA is a PEM file of extra roots the gateway trusts for the
+	// real hosts of intercepted (credential-brokered) connections, on top
+	// of the system roots (tests: local HTTPS servers with their own CA).
+	UpstreamCA string
 	// GatewayBinary overrides discovery of space-gateway (else
 	// $SPACE_GATEWAY_BIN, next to space, next to space-agent).
 	GatewayBinary string
@@ -141,7 +145,7 @@ func startNetwork(opts NetworkOptions) (sandbox.Network, error) {
 		log.Warn("not root: the network gateway cannot be started as its own user; sandboxes get no network link")
 		return nil, nil
 	}
-	set := gwctl.Settings{DNSUpstream: opts.DNSUpstream, DialGuard: opts.DialGuard, BandwidthMiB: opts.BandwidthMiB}
+	set := gwctl.Settings{DNSUpstream: opts.DNSUpstream, DialGuard: opts.DialGuard, BandwidthMiB: opts.BandwidthMiB, UpstreamCA: opts.UpstreamCA}
 	for _, p := range opts.AllowPrivate {
 		set.AllowPrivate = append(set.AllowPrivate, p.String())
 	}

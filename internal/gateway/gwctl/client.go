@@ -13,6 +13,7 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/gateway"
 	"github.com/spacehq/space/internal/sandbox"
 )
 
@@ -86,6 +87,15 @@ func (c *Client) Attach(ctx context.Context, id string, nic *os.File, p api.Netw
 
 func (c *Client) SetPolicy(ctx context.Context, id string, p api.NetworkPolicy) error {
 	_, err := c.call(ctx, request{Op: opSetPolicy, ID: id, Policy: &p}, nil)
+	return err
+}
+
+// SetBroker replaces the credential-brokering config of the attached
+// sandbox id (gateway.SetBroker): its CA and granted secrets, values
+// included. An id with no link is errdefs.ErrNotFound; push it again after
+// every attach.
+func (c *Client) SetBroker(ctx context.Context, id string, b gateway.BrokerConfig) error {
+	_, err := c.call(ctx, request{Op: opBroker, ID: id, Broker: &b}, nil)
 	return err
 }
 

@@ -79,6 +79,14 @@ func serveConn(ctx context.Context, c *net.UnixConn, g *gateway.Gateway) error {
 			return fail(err)
 		}
 		return reply(response{})
+	case opBroker:
+		if req.Broker == nil {
+			return fail(fmt.Errorf("%w: broker needs a config", errdefs.ErrInvalidArgument))
+		}
+		if err := g.SetBroker(req.ID, *req.Broker); err != nil {
+			return fail(err)
+		}
+		return reply(response{})
 	case opDetach:
 		g.Detach(req.ID)
 		return reply(response{})
@@ -102,7 +110,9 @@ func serveConn(ctx context.Context, c *net.UnixConn, g *gateway.Gateway) error {
 	case opAttached:
 		return reply(response{IDs: g.Attached()})
 	case opProbe:
-		return reply(response{Probe: probeConfinement()})
+		p := probeConfinement()
+		p["broker"] = "ok" // this gateway intercepts TLS for brokered secrets
+		return reply(response{Probe: p})
 	case opCounters:
 		return reply(response{Counters: g.Counters(), IDs: g.Attached()})
 	case opEvents:
