@@ -92,4 +92,8 @@ type NetworkEvent struct {
 	DurationMS float64   `json:"duration_ms,omitempty"`
 	// Answers are the addresses a DNS answer carried (after filtering).
 	Answers []string `json:"answers,omitempty"`
+	// Exe is the executable that opened the connection, as the host saw
+	// it in the sandbox's socket table (native runtime, sandboxes with
+	// policy rules); never taken from anything the sandbox says.
+	Exe string `json:"exe,omitempty"`
 }

@@ -82,7 +82,7 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 		return
 	}
 	l.mu.Lock()
-	full := len(l.conns) >= l.g.opts.Limits.MaxConns
+	full := len(l.conns)+int(l.held.Load()) >= l.g.opts.Limits.MaxConns
 	l.mu.Unlock()
 	if full {
 		refuse(api.VerdictLimit, fmt.Sprintf("more than %d open connections", l.g.opts.Limits.MaxConns))
@@ -131,7 +131,17 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 		abort(c)
 		return
 	}
-	l.relay(c, head, &ev, name, dst, port, reason)
+	// The temporal policy has the last word (decide.go), before the host
+	// dials anything.
+	d, exe := l.decideConnect(id, name, ev.Protocol, dst, port)
+	ev.Exe = exe
+	if !d.Allowed() {
+		ev.Verdict, ev.Reason = api.VerdictDeny, deniedBy(d)
+		l.events.add(ev)
+		abort(c)
+		return
+	}
+	l.relay(c, head, &ev, name, dst, port, allowedBy(reason, d))
 }
 
 // httpRequests copies requests from the sandbox to up one at a time,
