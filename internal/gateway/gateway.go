@@ -172,6 +172,9 @@ func (g *Gateway) SetPolicy(id string, p api.NetworkPolicy) error {
 	return nil
 }
 
+// Decider is Options.Decider (AllowAll when none was given).
+func (g *Gateway) Decider() actions.Decider { return g.opts.Decider }
+
 // Detach stops serving id. Idempotent.
 func (g *Gateway) Detach(id string) {
 	g.mu.Lock()

@@ -71,6 +71,8 @@ func Main(args []string) error {
 		Policy:      popts,
 		Dialer:      hostDialer(popts, *upstream, *guard, log),
 		Logger:      log,
+		// The server's policy, over the decisions stream it opens.
+		Decider: &StreamDecider{},
 	})
 	if err != nil {
 		return err

@@ -36,6 +36,13 @@ const (
 	// success reply line the control connection carries its raw bytes both
 	// ways (a half-close of either side is passed on).
 	opDial = "dial"
+	// opSetDecide turns asking the server's policy on or off for one
+	// link (Decide); attach carries the same flag.
+	opSetDecide = "set-decide"
+	// opDecisions opens the decisions stream (decisions.go): after a
+	// success reply line the gateway sends decision requests up the
+	// connection and the server answers them, multiplexed by id.
+	opDecisions = "decisions"
 )
 
 type request struct {
@@ -45,6 +52,10 @@ type request struct {
 	After  uint64             `json:"after,omitempty"`
 	Follow bool               `json:"follow,omitempty"`
 	Port   uint16             `json:"port,omitempty"`
+	// Decide (attach, set-decide): whether the gateway asks the server's
+	// policy about this sandbox's DNS queries and connections. An attach
+	// that does not say asks (fail closed).
+	Decide *bool `json:"decide,omitempty"`
 }
 
 type response struct {
