@@ -295,7 +295,9 @@ func TestNetworkDecider(t *testing.T) {
 			t.Fatal("after the gateway restart, a denied connection went through")
 		}
 		evs, err := eventsOf(e, sb.ID)
-		if err == nil && hasEvent(evs, func(ev api.NetworkEvent) bool { return strings.Contains(ev.Reason, "after the restart") && ev.Exe == curlExe }) {
+		if err == nil && hasEvent(evs, func(ev api.NetworkEvent) bool {
+			return strings.Contains(ev.Reason, "after the restart") && ev.Exe == curlExe
+		}) {
 			t.Logf("decided again %v after kill -9 of the gateway (curls of 3 s at most)", time.Since(t0).Round(time.Millisecond))
 			break
 		}

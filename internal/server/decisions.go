@@ -34,7 +34,9 @@ type ScopedDecider interface {
 // deciderRef is the server's Decider, swappable: the policy engine may be
 // built after the gateway started (s.decider.set(d), then
 // s.decisionScopeChanged()).
-type deciderRef struct{ p atomic.Pointer[actions.Decider] }
+type deciderRef struct {
+	p atomic.Pointer[actions.Decider]
+}
 
 func newDeciderRef(d actions.Decider) *deciderRef {
 	r := &deciderRef{}
