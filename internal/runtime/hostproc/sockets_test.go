@@ -61,22 +61,3 @@ func TestSocketOwner(t *testing.T) {
 		t.Fatalf("udp: %v", err)
 	}
 }
-
-func TestParseProcAddr(t *testing.T) {
-	for in, want := range map[string]string{
-		"020012C6:A1B2":                         "198.18.0.2:41394",
-		"0100007F:0050":                         "127.0.0.1:80",
-		"0000000000000000FFFF0000020012C6:0050": "198.18.0.2:80",
-		"00000000000000000000000001000000:0016": "[::1]:22",
-	} {
-		got, err := parseProcAddr(in)
-		if err != nil || got.String() != want {
-			t.Errorf("%s: %v %v, want %s", in, got, err, want)
-		}
-	}
-	for _, bad := range []string{"", "0100007F", "zz:0050", "0100:0050", "0100007F:10000"} {
-		if _, err := parseProcAddr(bad); err == nil {
-			t.Errorf("%q parsed", bad)
-		}
-	}
-}
