@@ -100,4 +100,8 @@ type NetworkEvent struct {
 	Path    string   `json:"path,omitempty"`
 	Status  int      `json:"status,omitempty"`
 	Secrets []string `json:"secrets,omitempty"`
+	// Exe is the executable that opened the connection, as the host saw
+	// it in the sandbox's socket table (native runtime, sandboxes with
+	// policy rules); never taken from anything the sandbox says.
+	Exe string `json:"exe,omitempty"`
 }

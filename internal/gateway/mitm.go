@@ -251,14 +251,14 @@ func (l *link) serveIntercepted(ctx context.Context, down, up net.Conn, host str
 		}
 		act := actions.Action{Kind: actions.HTTP, Time: start, Sandbox: l.id, Name: host, IP: dst.String(), Port: int(port),
 			Method: req.Method, Path: req.URL.Path}
-		if d := l.g.opts.Decider.Decide(ctx, act); !d.Allowed() {
+		if d, _ := l.decide(act, nil); !d.Allowed() {
 			return refuse(http.StatusForbidden, "denied by policy: "+d.Reason)
 		}
 		br := l.broker.Load() // the config of this request: SetBroker applies from the next one
 		plan := planRewrite(br, l.rules(l.policy.Load()), req, host)
 		for _, s := range plan.secrets {
 			act := actions.Action{Kind: actions.SecretUse, Time: time.Now(), Sandbox: l.id, Secret: s.name, Name: host}
-			if d := l.g.opts.Decider.Decide(ctx, act); !d.Allowed() {
+			if d, _ := l.decide(act, nil); !d.Allowed() {
 				ev.Secrets = []string{s.name}
 				return refuse(http.StatusForbidden, "use of secret "+s.name+" denied by policy: "+d.Reason)
 			}

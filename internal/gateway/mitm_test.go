@@ -37,15 +37,15 @@ const (
 	realTok = "tok-real-42"
 )
 
-// fakeDecider records every action and answers with deny (if set) for the
+// recordingDecider records every action and answers with deny (if set) for the
 // first action it matches.
-type fakeDecider struct {
+type recordingDecider struct {
 	mu   sync.Mutex
 	seen []actions.Action
 	deny func(actions.Action) string // "" allows
 }
 
-func (d *fakeDecider) Decide(_ context.Context, a actions.Action) actions.Decision {
+func (d *recordingDecider) Decide(_ context.Context, a actions.Action) actions.Decision {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.seen = append(d.seen, a)
@@ -57,13 +57,13 @@ func (d *fakeDecider) Decide(_ context.Context, a actions.Action) actions.Decisi
 	return actions.Decision{Verdict: actions.Allow}
 }
 
-func (d *fakeDecider) setDeny(f func(actions.Action) string) {
+func (d *recordingDecider) setDeny(f func(actions.Action) string) {
 	d.mu.Lock()
 	d.deny = f
 	d.mu.Unlock()
 }
 
-func (d *fakeDecider) actions(kind string) []actions.Action {
+func (d *recordingDecider) actions(kind string) []actions.Action {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	var out []actions.Action
@@ -75,7 +75,7 @@ func (d *fakeDecider) actions(kind string) []actions.Action {
 	return out
 }
 
-var _ actions.Decider = (*fakeDecider)(nil)
+var _ actions.Decider = (*recordingDecider)(nil)
 
 type brokerFixture struct {
 	g       *Gateway
@@ -83,7 +83,7 @@ type brokerFixture struct {
 	port    uint16 // the echo server on 127.0.0.2
 	sbCA    *gatewaytest.CA
 	upCA    *gatewaytest.CA
-	decider *fakeDecider
+	decider *recordingDecider
 }
 
 // newBrokerFixture: a gateway whose upstream roots are only upCA, a local
@@ -92,7 +92,7 @@ type brokerFixture struct {
 // there too), and sandbox sb1 attached with policy p.
 func newBrokerFixture(t *testing.T, p api.NetworkPolicy) *brokerFixture {
 	t.Helper()
-	f := &brokerFixture{decider: &fakeDecider{}}
+	f := &brokerFixture{decider: &recordingDecider{}}
 	var err error
 	if f.sbCA, err = gatewaytest.NewCA("sandbox sb1 CA"); err != nil {
 		t.Fatal(err)

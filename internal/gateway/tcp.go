@@ -82,7 +82,7 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 		return
 	}
 	l.mu.Lock()
-	full := len(l.conns) >= l.g.opts.Limits.MaxConns
+	full := len(l.conns)+int(l.held.Load()) >= l.g.opts.Limits.MaxConns
 	l.mu.Unlock()
 	if full {
 		refuse(api.VerdictLimit, fmt.Sprintf("more than %d open connections", l.g.opts.Limits.MaxConns))
@@ -135,6 +135,17 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 		abort(c)
 		return
 	}
+	// The temporal policy has the last word (decide.go), before the host
+	// dials anything.
+	d, exe := l.decideConnect(id, name, ev.Protocol, dst, port)
+	ev.Exe = exe
+	if !d.Allowed() {
+		ev.Verdict, ev.Reason = api.VerdictDeny, deniedBy(d)
+		l.events.add(ev)
+		abort(c)
+		return
+	}
+	reason = allowedBy(reason, d)
 	if br := l.interceptor(pol, name); br != nil && ev.Protocol == "tls" {
 		l.intercept(c, head, &ev, br, name, dst, port, reason) // credential brokering (mitm.go)
 		return

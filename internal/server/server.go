@@ -24,6 +24,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/audit"
 	"github.com/spacehq/space/internal/e2b"
 	"github.com/spacehq/space/internal/errdefs"
@@ -67,6 +68,10 @@ type Config struct {
 	// "localhost:7070"; empty: derived from the Host each request used
 	// (a loopback address becomes localhost).
 	PortDomain string
+	// Decider decides the actions the platform sees (the network
+	// gateway's DNS queries and connections among them); nil allows all.
+	// Tests set it; the server's policy engine is used when it is nil.
+	Decider actions.Decider
 }
 
 // Server is a running space server (store, manager, HTTP handler).
@@ -90,6 +95,9 @@ type Server struct {
 	e2b *e2b.Handler
 	// audit receives the server's audit events (internal/audit).
 	audit audit.Sink
+	// decider is the server's Decider (Config.Decider, else AllowAll);
+	// setDecider swaps it (decisions.go).
+	decider *deciderRef
 	// self is the in-process connection the /mcp handler's SDK clients
 	// use to reach this server's own handler (mcp.go).
 	self selfConn
@@ -214,7 +222,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		db.Close()
 		return nil, err
 	}
-	netw, err := startNetwork(nopts)
+	dec := newDeciderRef(cfg.Decider)
+	netw, err := startNetwork(nopts, dec)
 	if err != nil {
 		db.Close()
 		return nil, fmt.Errorf("starting the network gateway: %w", err)
@@ -230,6 +239,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		Network: netw, DefaultNetwork: nopts.Default, Tenants: tenants})
 	if r, ok := netw.(interface{ OnRestart(func()) }); ok {
 		r.OnRestart(mgr.NetworkRestarted)
+	}
+	if gn, ok := netw.(*gatewayNetwork); ok {
+		gn.serveDecisions(mgr)
 	}
 	if err := mgr.Reconcile(ctx); err != nil {
 		mgr.Close()
@@ -248,7 +260,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	tsvc := templatesvc.New(templatesvc.Config{Templates: tmpl, Runtimes: rts, Sandboxes: mgr, Logger: cfg.Logger,
 		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries, Owners: keys})
 	tenants.tsvc = tsvc
-	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, keys: keys, netw: netw, portSecret: portSecret, audit: audit.Nop{}}
+	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, keys: keys, netw: netw, portSecret: portSecret, audit: audit.Nop{}, decider: dec}
 	s.e2b = e2b.New(e2b.Config{
 		Manager:      mgr,
 		Templates:    tsvc,
@@ -260,6 +272,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		Logger:       cfg.Logger.With("api", "e2b"),
 	})
 	s.handler = s.routes()
+	// A gateway this server adopted may serve links under another
+	// server's Decider: say again which sandboxes this one applies to.
+	s.decisionScopeChanged()
 	return s, nil
 }
 

@@ -85,6 +85,20 @@ func (c *Client) Attach(ctx context.Context, id string, nic *os.File, p api.Netw
 	return err
 }
 
+// AttachDecide is Attach saying whether the gateway asks the server's
+// policy about the sandbox (Attach leaves it to the gateway, which asks).
+func (c *Client) AttachDecide(ctx context.Context, id string, nic *os.File, p api.NetworkPolicy, decide bool) error {
+	_, err := c.call(ctx, request{Op: opAttach, ID: id, Policy: &p, Decide: &decide}, nic)
+	return err
+}
+
+// SetDecide turns asking the server's policy on or off for an attached
+// sandbox (its rules changed).
+func (c *Client) SetDecide(ctx context.Context, id string, decide bool) error {
+	_, err := c.call(ctx, request{Op: opSetDecide, ID: id, Decide: &decide}, nil)
+	return err
+}
+
 func (c *Client) SetPolicy(ctx context.Context, id string, p api.NetworkPolicy) error {
 	_, err := c.call(ctx, request{Op: opSetPolicy, ID: id, Policy: &p}, nil)
 	return err

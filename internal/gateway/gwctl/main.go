@@ -80,6 +80,8 @@ func Main(args []string) error {
 		Dialer:        hostDialer(popts, *upstream, *guard, log),
 		Logger:        log,
 		UpstreamRoots: roots,
+		// The server's policy, over the decisions stream it opens.
+		Decider: &StreamDecider{},
 	})
 	if err != nil {
 		return err

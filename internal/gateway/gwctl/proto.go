@@ -42,6 +42,13 @@ const (
 	// 0700 directory, and only root connects). The gateway keeps it in
 	// memory only, for as long as the sandbox's link.
 	opBroker = "broker"
+	// opSetDecide turns asking the server's policy on or off for one
+	// link (Decide); attach carries the same flag.
+	opSetDecide = "set-decide"
+	// opDecisions opens the decisions stream (decisions.go): after a
+	// success reply line the gateway sends decision requests up the
+	// connection and the server answers them, multiplexed by id.
+	opDecisions = "decisions"
 )
 
 type request struct {
@@ -52,6 +59,10 @@ type request struct {
 	Follow bool                  `json:"follow,omitempty"`
 	Port   uint16                `json:"port,omitempty"`
 	Broker *gateway.BrokerConfig `json:"broker,omitempty"`
+	// Decide (attach, set-decide): whether the gateway asks the server's
+	// policy about this sandbox's DNS queries and connections. An attach
+	// that does not say asks (fail closed).
+	Decide *bool `json:"decide,omitempty"`
 }
 
 type response struct {

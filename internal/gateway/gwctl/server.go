@@ -67,10 +67,29 @@ func serveConn(ctx context.Context, c *net.UnixConn, g *gateway.Gateway) error {
 		if nic == nil || req.Policy == nil {
 			return fail(fmt.Errorf("%w: attach needs a descriptor and a policy", errdefs.ErrInvalidArgument))
 		}
-		if err := g.Attach(req.ID, nic, *req.Policy); err != nil {
+		o := gateway.LinkOptions{Decide: req.Decide == nil || *req.Decide}
+		if err := g.AttachWith(req.ID, nic, *req.Policy, o); err != nil {
 			return fail(err)
 		}
 		return reply(response{})
+	case opSetDecide:
+		if req.Decide == nil {
+			return fail(fmt.Errorf("%w: set-decide needs decide", errdefs.ErrInvalidArgument))
+		}
+		if err := g.SetDecide(req.ID, *req.Decide); err != nil {
+			return fail(err)
+		}
+		return reply(response{})
+	case opDecisions:
+		sd, ok := g.Decider().(*StreamDecider)
+		if !ok {
+			return fail(fmt.Errorf("%w: this gateway takes no decisions stream", errdefs.ErrInvalidArgument))
+		}
+		if err := reply(response{}); err != nil {
+			return err
+		}
+		sd.serve(ctx, c)
+		return nil
 	case opSetPolicy:
 		if req.Policy == nil {
 			return fail(fmt.Errorf("%w: set-policy needs a policy", errdefs.ErrInvalidArgument))
