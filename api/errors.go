@@ -12,6 +12,7 @@ const (
 	CodeNotFound         = "not_found"          // 404
 	CodeMethodNotAllowed = "method_not_allowed" // 405: the path exists, not with this method
 	CodeConflict         = "conflict"           // 409: wrong state, already exists
+	CodePolicyDenied     = "policy_denied"      // 403: a policy rule (or an approver) refused the action
 	CodeTooLarge         = "too_large"          // 413
 	CodeUnprocessable    = "unprocessable"      // 422: well-formed but semantically impossible
 	CodeNotSupported     = "not_supported"      // 422: the runtime lacks a capability
@@ -31,6 +32,7 @@ var errorStatus = []struct {
 	{CodeNotFound, http.StatusNotFound},
 	{CodeMethodNotAllowed, http.StatusMethodNotAllowed},
 	{CodeConflict, http.StatusConflict},
+	{CodePolicyDenied, http.StatusForbidden},
 	{CodeTooLarge, http.StatusRequestEntityTooLarge},
 	{CodeUnprocessable, http.StatusUnprocessableEntity},
 	{CodeNotSupported, http.StatusUnprocessableEntity},

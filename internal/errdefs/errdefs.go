@@ -19,6 +19,7 @@ var (
 	ErrUnauthorized    = errors.New("unauthorized")     // 401
 	ErrNotFound        = errors.New("not found")        // 404
 	ErrConflict        = errors.New("conflict")         // 409: wrong state, already exists
+	ErrPolicyDenied    = errors.New("denied by policy") // 403: a policy rule or an approver refused the action
 	ErrTooLarge        = errors.New("too large")        // 413
 	ErrUnprocessable   = errors.New("unprocessable")    // 422: well-formed but semantically impossible
 	ErrNotSupported    = errors.New("not supported")    // 422: runtime lacks a capability
@@ -38,6 +39,7 @@ var table = []mapping{
 	{ErrUnauthorized, api.CodeUnauthorized},
 	{ErrNotFound, api.CodeNotFound},
 	{ErrConflict, api.CodeConflict},
+	{ErrPolicyDenied, api.CodePolicyDenied},
 	{ErrTooLarge, api.CodeTooLarge},
 	{ErrNotSupported, api.CodeNotSupported},
 	{ErrUnprocessable, api.CodeUnprocessable},
