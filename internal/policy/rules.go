@@ -31,10 +31,10 @@ const (
 	// DefaultCostLimit bounds one rule's evaluation in CEL's cost units
 	// (roughly one per operation): a scan of a full 10k history fits, a
 	// nested scan of it does not. A rule over it denies.
-	DefaultCostLimit = 1_000_000
+	DefaultCostLimit = 300_000
 	// ruleTimeout is the wall-clock bound beside the cost limit, for what
 	// CEL's cost model undercounts (long string operations).
-	ruleTimeout = 200 * time.Millisecond
+	ruleTimeout = 500 * time.Millisecond
 )
 
 // Rule is one compiled rule.
