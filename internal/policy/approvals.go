@@ -192,7 +192,10 @@ func (e *Engine) Approvals(ctx context.Context, state string, keep func(api.Appr
 // on until ctx ends or fn fails. A follower that falls more than 256
 // changes behind is ended with ErrUnavailable (it re-lists and follows
 // again) rather than holding up the actions waiting on approvals.
-func (e *Engine) FollowApprovals(ctx context.Context, fn func(api.Approval) error) error {
+//
+// started (if not nil) runs once the follower is subscribed, so a caller
+// that lists the current approvals there misses no change in between.
+func (e *Engine) FollowApprovals(ctx context.Context, started func() error, fn func(api.Approval) error) error {
 	ch := make(chan api.Approval, 256)
 	e.amu.Lock()
 	e.subs[ch] = struct{}{}
@@ -202,6 +205,11 @@ func (e *Engine) FollowApprovals(ctx context.Context, fn func(api.Approval) erro
 		delete(e.subs, ch)
 		e.amu.Unlock()
 	}()
+	if started != nil {
+		if err := started(); err != nil {
+			return err
+		}
+	}
 	for {
 		select {
 		case <-ctx.Done():

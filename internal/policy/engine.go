@@ -314,30 +314,6 @@ func (e *Engine) Decide(ctx context.Context, a actions.Action) actions.Decision 
 	return d
 }
 
-// ErrDenied turns a deny decision into the error callers return (403
-// policy_denied with the reason); nil for an allow.
-func ErrDenied(a actions.Action, d actions.Decision) error {
-	if d.Allowed() {
-		return nil
-	}
-	what := a.Kind
-	switch {
-	case len(a.Argv) > 0:
-		what += " of " + trunc(a.Argv[0])
-	case a.Path != "":
-		what += " of " + trunc(a.Path)
-	case a.Verb != "":
-		what += " " + a.Verb
-	case a.Port != 0:
-		what += fmt.Sprintf(" %d", a.Port)
-	}
-	msg := fmt.Sprintf("%s refused by policy: %s", what, d.Reason)
-	if d.Approval != "" {
-		msg += " (approval " + d.Approval + ")"
-	}
-	return fmt.Errorf("%s: %w", msg, errdefs.ErrPolicyDenied)
-}
-
 // ToAPI converts an action to its wire form.
 func ToAPI(a actions.Action) api.PolicyAction {
 	return api.PolicyAction{Kind: a.Kind, Time: a.Time, Sandbox: a.Sandbox, Tenant: a.Tenant, Template: a.Template,

@@ -15,7 +15,7 @@ import (
 
 // The issue's three examples, as rules.
 const (
-	piiRule = `action.kind in ["dns", "connect", "http"] && seen("file.read", "/data/pii") && action.name != "api.internal"`
+	piiRule  = `action.kind in ["dns", "connect", "http"] && seen("file.read", "/data/pii") && action.name != "api.internal"`
 	postRule = `action.kind == "http" && action.method == "POST" && action.name == "api.example.com" &&
   count("http", duration("1m"), {"method": "POST", "name": "api.example.com"}) >= 20`
 	curlRule = `action.kind == "exec" && size(action.argv) > 0 && action.argv[0].matches("(^|/)(curl|wget)$")`
@@ -51,11 +51,11 @@ func TestPIIThenEgressOnlyToInternal(t *testing.T) {
 	rs := mustCompile(t, api.PolicyRule{Name: "pii-egress", Match: piiRule, Verdict: "deny", Reason: "after reading PII, egress only to api.internal"})
 	t0 := time.Unix(1_800_000_000, 0)
 	acts := []Act{
-		{Kind: "dns", Name: "pypi.org", Time: t0},                         // before: allowed
+		{Kind: "dns", Name: "pypi.org", Time: t0},                            // before: allowed
 		{Kind: "file.read", Path: "/data/piix/a", Time: t0.Add(time.Second)}, // not under /data/pii
 		{Kind: "connect", Name: "pypi.org", Port: 443, Time: t0.Add(2 * time.Second)},
 		{Kind: "file.read", Path: "/data/pii/users.csv", Time: t0.Add(3 * time.Second)},
-		{Kind: "connect", Name: "pypi.org", Port: 443, Time: t0.Add(4 * time.Second)},   // denied
+		{Kind: "connect", Name: "pypi.org", Port: 443, Time: t0.Add(4 * time.Second)},     // denied
 		{Kind: "connect", Name: "api.internal", Port: 443, Time: t0.Add(5 * time.Second)}, // allowed
 		{Kind: "dns", Name: "evil.example", Time: t0.Add(6 * time.Second)},                // denied
 	}

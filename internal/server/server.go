@@ -28,6 +28,7 @@ import (
 	"github.com/spacehq/space/internal/audit"
 	"github.com/spacehq/space/internal/e2b"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/policy"
 	"github.com/spacehq/space/internal/runtime"
 	_ "github.com/spacehq/space/internal/runtime/gvisor"  // registers "gvisor"
 	_ "github.com/spacehq/space/internal/runtime/microvm" // registers "microvm"
@@ -67,6 +68,9 @@ type Config struct {
 	// "localhost:7070"; empty: derived from the Host each request used
 	// (a loopback address becomes localhost).
 	PortDomain string
+	// ApprovalTimeout is how long an action a policy rule asks about waits
+	// for an answer before it is denied (default 5m).
+	ApprovalTimeout time.Duration
 }
 
 // Server is a running space server (store, manager, HTTP handler).
@@ -89,6 +93,12 @@ type Server struct {
 	e2b *e2b.Handler
 	// audit receives the server's audit events (internal/audit).
 	audit audit.Sink
+	// policy is the temporal policy engine, the Decider of every action
+	// (internal/policy; policy.go).
+	policy *policy.Engine
+	// checkBoundary refuses a network policy wider than the sandbox's
+	// tenant's boundary; nil allows (policy.go's proposals call it).
+	checkBoundary func(ctx context.Context, sandboxID string, p api.NetworkPolicy) error
 	// self is the in-process connection the /mcp handler's SDK clients
 	// use to reach this server's own handler (mcp.go).
 	self selfConn
@@ -218,8 +228,15 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if nc, ok := netw.(networkCounters); ok {
 		met.reg.MustRegister(&networkCollector{net: nc})
 	}
+	srv := new(Server)
+	eng, err := policy.New(ctx, policy.Config{DB: db.SQL(), ApprovalTimeout: cfg.ApprovalTimeout, Audit: auditVia{srv}, Logger: cfg.Logger})
+	if err != nil {
+		closeNetwork(netw, cfg.Logger)
+		db.Close()
+		return nil, fmt.Errorf("opening the policy engine: %w", err)
+	}
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: rts, Logger: cfg.Logger, Observer: met,
-		Network: netw, DefaultNetwork: nopts.Default})
+		Network: netw, DefaultNetwork: nopts.Default, Decider: eng, Audit: auditVia{srv}})
 	if r, ok := netw.(interface{ OnRestart(func()) }); ok {
 		r.OnRestart(mgr.NetworkRestarted)
 	}
@@ -239,7 +256,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	mgr.Run()
 	tsvc := templatesvc.New(templatesvc.Config{Templates: tmpl, Runtimes: rts, Sandboxes: mgr, Logger: cfg.Logger,
 		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries})
-	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, netw: netw, portSecret: portSecret, audit: audit.Nop{}}
+	s := srv
+	*s = Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, netw: netw, portSecret: portSecret, audit: audit.Nop{},
+		policy: eng}
 	s.e2b = e2b.New(e2b.Config{
 		Manager:      mgr,
 		Templates:    tsvc,
@@ -256,6 +275,10 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 
 // Handler is the server's HTTP handler.
 func (s *Server) Handler() http.Handler { return s.handler }
+
+// Decider is the server's policy engine, the actions.Decider of every
+// action it sees (the gateway's DNS queries and connections too).
+func (s *Server) Decider() *policy.Engine { return s.policy }
 
 // Manager exposes the sandbox manager (tests, benchmarks).
 func (s *Server) Manager() *sandbox.Manager { return s.mgr }
@@ -473,6 +496,13 @@ func (s *Server) routeTable() []route {
 		{pattern: "GET /v1/sandboxes/{id}/ports/{port}", handler: h(s.getPort)},
 		{pattern: "PUT /v1/sandboxes/{id}/ports/{port}", handler: h(s.putPort)},
 		{pattern: "GET /v1/sandboxes/{id}/ports/{port}/tcp", access: portToken, body: bodyStream, handler: h(s.portTCP)},
+		{pattern: "GET /v1/policy/rules", handler: h(s.listPolicyRules)},
+		{pattern: "GET /v1/policy/rules/{scope}", handler: h(s.getPolicyRules)},
+		{pattern: "PUT /v1/policy/rules/{scope}", handler: h(s.putPolicyRules)},
+		{pattern: "DELETE /v1/policy/rules/{scope}", handler: h(s.deletePolicyRules)},
+		{pattern: "GET /v1/approvals", handler: h(s.listApprovals)},
+		{pattern: "POST /v1/approvals/{id}/approve", handler: h(s.approveApproval)},
+		{pattern: "POST /v1/approvals/{id}/deny", handler: h(s.denyApproval)},
 		{pattern: "GET /v1/templates", handler: h(s.listTemplates)},
 		{pattern: "POST /v1/templates", body: bodyStream, handler: h(s.importTemplate)},
 		{pattern: "POST /v1/templates/base", handler: h(s.buildBase)},
