@@ -128,7 +128,8 @@ func TestPolicyOnANativeSandbox(t *testing.T) {
 
 	// Live update: the next action sees the new rules.
 	set(api.PolicyRule{Name: "after-pii-no-curl", Match: `action.kind == "exec" && seen("file.read", "/data/pii") && action.argv[0] == "curl"`, Verdict: "deny", Reason: "PII was read"},
-		api.PolicyRule{Name: "no-pause", Match: `action.kind == "lifecycle" && action.verb == "pause"`, Verdict: "deny", Reason: "stay awake"})
+		api.PolicyRule{Name: "no-pause", Match: `action.kind == "lifecycle" && action.verb == "pause"`, Verdict: "deny", Reason: "stay awake"},
+		api.PolicyRule{Name: "no-public-8080", Match: `action.kind == "port" && action.port == 8080`, Verdict: "deny", Reason: "8080 stays private"})
 	rc, err := e.client.ReadFile(ctx, sb.ID, "/data/secret/key")
 	if err != nil {
 		t.Fatalf("read after the rule went: %v", err)
@@ -149,6 +150,11 @@ func TestPolicyOnANativeSandbox(t *testing.T) {
 	policyDenied(t, err, "PII was read")
 	_, err = e.client.Lifecycle(ctx, sb.ID, api.OpPause)
 	policyDenied(t, err, "stay awake")
+	_, err = e.client.SetPortPublic(ctx, sb.ID, 8080, true)
+	policyDenied(t, err, "8080 stays private")
+	if _, err := e.client.SetPortPublic(ctx, sb.ID, 8081, true); err != nil {
+		t.Fatalf("another port: %v", err)
+	}
 
 	// The CLI shows the rule set and the answered approvals.
 	out, errOut, code := e.spaceCLI(t, "", "policy", "get", scope)
