@@ -211,6 +211,14 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		rts[name] = rt
 	}
 	met := newMetrics(db)
+	// The policy engine exists before the gateway so that the gateway's
+	// decisions (DNS, connections) can be asked of it too.
+	srv := new(Server)
+	eng, err := policy.New(ctx, policy.Config{DB: db.SQL(), ApprovalTimeout: cfg.ApprovalTimeout, Audit: auditVia{srv}, Logger: cfg.Logger})
+	if err != nil {
+		db.Close()
+		return nil, fmt.Errorf("opening the policy engine: %w", err)
+	}
 	nopts := cfg.Network
 	nopts.DataDir, nopts.Logger, nopts.AgentBinary = cfg.DataDir, cfg.Logger, agentBin
 	if err := nopts.check(); err != nil {
@@ -227,13 +235,6 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	if nc, ok := netw.(networkCounters); ok {
 		met.reg.MustRegister(&networkCollector{net: nc})
-	}
-	srv := new(Server)
-	eng, err := policy.New(ctx, policy.Config{DB: db.SQL(), ApprovalTimeout: cfg.ApprovalTimeout, Audit: auditVia{srv}, Logger: cfg.Logger})
-	if err != nil {
-		closeNetwork(netw, cfg.Logger)
-		db.Close()
-		return nil, fmt.Errorf("opening the policy engine: %w", err)
 	}
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: rts, Logger: cfg.Logger, Observer: met,
 		Network: netw, DefaultNetwork: nopts.Default, Decider: eng, Audit: auditVia{srv}})
