@@ -17,6 +17,7 @@ import (
 func TestErrorsMatchCodes(t *testing.T) {
 	want := map[string]error{
 		api.CodeInvalidArgument: ErrInvalidArgument, api.CodeUnauthorized: ErrUnauthorized,
+		api.CodePermissionDenied: ErrPermissionDenied, api.CodeQuotaExceeded: ErrQuotaExceeded,
 		api.CodeNotFound: ErrNotFound, api.CodeConflict: ErrConflict, api.CodePolicyDenied: ErrPolicyDenied, api.CodeTooLarge: ErrTooLarge,
 		api.CodeUnprocessable: ErrUnprocessable, api.CodeNotSupported: ErrNotSupported,
 		api.CodeUnavailable: ErrUnavailable, api.CodeTimeout: ErrTimeout,
@@ -57,7 +58,7 @@ func TestErrorsMatchCodes(t *testing.T) {
 			t.Errorf("status %d without a body: %#v", status, err)
 		}
 	}
-	for status, sentinel := range map[int]error{403: ErrUnauthorized, 502: ErrUnavailable, 422: ErrUnprocessable, 418: nil} {
+	for status, sentinel := range map[int]error{403: ErrPermissionDenied, 429: ErrQuotaExceeded, 502: ErrUnavailable, 422: ErrUnprocessable, 418: nil} {
 		err := decodeError(&http.Response{StatusCode: status, Body: io.NopCloser(strings.NewReader(""))})
 		if sentinel != nil && !errors.Is(err, sentinel) || sentinel == nil && errors.Unwrap(err) != nil {
 			t.Errorf("bare status %d: %v, want %v", status, err, sentinel)

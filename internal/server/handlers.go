@@ -160,7 +160,19 @@ func (s *Server) getOperation(w http.ResponseWriter, r *http.Request) {
 		}
 		wait = d
 	}
-	op, err := s.mgr.GetOperation(r.Context(), r.PathValue("id"), wait)
+	id := r.PathValue("id")
+	// Another tenant's operation is not found. The check comes first, so
+	// a wait never tells anything about it either; an operation whose
+	// sandbox is gone (a finished delete) is shown to whoever has its id.
+	if op, err := s.mgr.GetOperation(r.Context(), id, 0); err == nil {
+		if _, err := s.mgr.Visible(r.Context(), op.SandboxID); err != nil {
+			if _, gerr := s.mgr.Get(r.Context(), op.SandboxID); gerr == nil {
+				writeError(w, r, fmt.Errorf("operation %s not found: %w", id, errdefs.ErrNotFound))
+				return
+			}
+		}
+	}
+	op, err := s.mgr.GetOperation(r.Context(), id, wait)
 	if err != nil {
 		writeError(w, r, err)
 		return
