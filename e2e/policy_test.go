@@ -216,3 +216,72 @@ func TestPolicyProposal(t *testing.T) {
 		t.Fatalf("approving an allowed name again: %v", err)
 	}
 }
+
+// TestPolicyTenants: rule sets and approvals stay inside their tenant —
+// another tenant's scopes and approvals answer 404, server-wide rules need
+// admin, and the approval records the key that answered.
+func TestPolicyTenants(t *testing.T) {
+	e := setup(t)
+	ctx := ctxT(t, 5*time.Minute)
+	newClient := func(tenant, scopes string) (*sdk.Client, string) {
+		k, err := e.client.CreateKey(ctx, api.CreateKeyRequest{Name: "pol-" + tenant, Tenant: tenant, Scopes: strings.Split(scopes, ",")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, _ := sdk.New(e.url, k.Key)
+		return c, k.ID
+	}
+	ca, kaID := newClient("pol-a", "sandbox:write,exec:write,policy:write")
+	cb, _ := newClient("pol-b", "sandbox:write,exec:write,policy:write")
+	ro, _ := newClient("pol-a", "sandbox:read,policy:read")
+	sb, err := ca.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if op, err := e.client.DeleteSandbox(context.Background(), sb.ID, true); err == nil {
+			e.client.WaitOperation(context.Background(), op.ID)
+		}
+	})
+	scope := "sandbox:" + sb.ID
+	rules := api.PolicyRuleSet{Rules: []api.PolicyRule{{Name: "ask-all-execs", Match: `action.kind == "exec"`, Verdict: "ask"}}}
+	if _, err := ca.SetPolicyRuleSet(ctx, scope, rules); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ro.SetPolicyRuleSet(ctx, scope, rules); !errors.Is(err, sdk.ErrPermissionDenied) {
+		t.Fatalf("policy:read key setting rules: %v", err)
+	}
+	for _, sc := range []string{scope, "tenant:pol-a"} {
+		if _, err := cb.SetPolicyRuleSet(ctx, sc, rules); !errors.Is(err, sdk.ErrNotFound) {
+			t.Fatalf("other tenant setting %s: %v", sc, err)
+		}
+	}
+	if _, err := cb.PolicyRuleSet(ctx, scope); !errors.Is(err, sdk.ErrNotFound) {
+		t.Fatalf("other tenant reading %s: %v", scope, err)
+	}
+	if _, err := ca.SetPolicyRuleSet(ctx, "server", rules); !errors.Is(err, sdk.ErrPermissionDenied) {
+		t.Fatalf("non-admin setting server rules: %v", err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := ca.Exec(ctx, sb.ID, api.ExecRequest{Cmd: []string{"true"}})
+		done <- err
+	}()
+	ap := pendingApproval(t, e, sb.ID)
+	if ap.Tenant != "pol-a" {
+		t.Fatalf("approval tenant %q", ap.Tenant)
+	}
+	if list, err := cb.Approvals(ctx, sdk.ApprovalsOptions{}); err != nil || slices.ContainsFunc(list.Approvals, func(a api.Approval) bool { return a.ID == ap.ID }) {
+		t.Fatalf("other tenant lists %+v %v", list, err)
+	}
+	if _, err := cb.Approve(ctx, ap.ID, ""); !errors.Is(err, sdk.ErrNotFound) {
+		t.Fatalf("other tenant approving: %v", err)
+	}
+	got, err := ca.Approve(ctx, ap.ID, "")
+	if err != nil || got.AnsweredBy != kaID {
+		t.Fatalf("approve: %+v %v", got, err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("approved exec: %v", err)
+	}
+}

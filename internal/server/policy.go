@@ -50,7 +50,7 @@ func (s *Server) canScope(ctx context.Context, scope string) error {
 	switch kind {
 	case "server", "template":
 		if !p.Admin() {
-			return fmt.Errorf("rule sets of %s are administered with the admin scope: %w", kind, errdefs.ErrUnauthorized)
+			return fmt.Errorf("rule sets of %s scope are administered with the admin scope: %w", kind, errdefs.ErrPermissionDenied)
 		}
 	case "tenant":
 		if !p.Sees(name) {
