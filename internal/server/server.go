@@ -97,8 +97,9 @@ type Server struct {
 	// policy is the temporal policy engine, the Decider of every action
 	// (internal/policy; policy.go).
 	policy *policy.Engine
-	// checkBoundary refuses a network policy wider than the sandbox's
-	// tenant's boundary; nil allows (policy.go's proposals call it).
+	// checkBoundary is an extra check of a proposal's policy before
+	// SetNetwork (which itself refuses a policy outside the tenant's
+	// boundary); nil: none.
 	checkBoundary func(ctx context.Context, sandboxID string, p api.NetworkPolicy) error
 	// self is the in-process connection the /mcp handler's SDK clients
 	// use to reach this server's own handler (mcp.go).
