@@ -8,6 +8,7 @@ import (
 	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/gateway"
 	"github.com/spacehq/space/internal/gateway/gwctl"
+	"github.com/spacehq/space/internal/policy"
 	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/sandbox"
 )
@@ -90,4 +91,29 @@ func decideFor(dec *deciderRef, mgr *sandbox.Manager) gwctl.DecideFunc {
 		}
 		return dec.get().Decide(ctx, a), a.Exe
 	}
+}
+
+// policyDecider is the policy engine as the gateway's Decider: it applies
+// to a sandbox when a rule set of the server, its tenant, its template or
+// itself exists.
+type policyDecider struct {
+	eng *policy.Engine
+	srv *Server // its manager is set after the gateway starts
+}
+
+var _ ScopedDecider = policyDecider{}
+
+func (p policyDecider) Decide(ctx context.Context, a actions.Action) actions.Decision {
+	return p.eng.Decide(ctx, a)
+}
+
+func (p policyDecider) Applies(id string) bool {
+	if p.srv.mgr == nil {
+		return true // not known yet: ask (fail closed)
+	}
+	sb, err := p.srv.mgr.Get(context.Background(), id)
+	if err != nil {
+		return true
+	}
+	return p.eng.AppliesTo(sb.Tenant, sb.Template, id)
 }
