@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"slices"
 	"strings"
@@ -283,5 +284,69 @@ func TestPolicyTenants(t *testing.T) {
 	}
 	if err := <-done; err != nil {
 		t.Fatalf("approved exec: %v", err)
+	}
+}
+
+// TestPolicyGatesConnections: the policy engine, not a test fake, decides
+// a native sandbox's connections through the real gateway process: an
+// "ask" holds curl's connection until it is approved (with the executable
+// the host saw opening it), a "deny" resets it with the rule's reason in
+// the network events, and removing the rules lets it through unasked.
+func TestPolicyGatesConnections(t *testing.T) {
+	e := setup(t)
+	ctx := ctxT(t, 5*time.Minute)
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+	scope := "sandbox:" + sb.ID
+	t.Cleanup(func() { e.client.DeletePolicyRuleSet(context.Background(), scope) })
+	url := fmt.Sprintf("http://allowed.test:%d/", e.internet.httpPort)
+	curl := "curl -sS --max-time 60 " + url
+
+	if _, err := e.client.SetPolicyRuleSet(ctx, scope, api.PolicyRuleSet{Rules: []api.PolicyRule{{Name: "egress-ask",
+		Match: `action.kind == "connect" && action.name == "allowed.test"`, Verdict: "ask", Reason: "egress needs a human"}}}); err != nil {
+		t.Fatal(err)
+	}
+	type res struct {
+		out  string
+		code int
+	}
+	done := make(chan res, 1)
+	go func() { out, code := sh(t, e, sb.ID, curl); done <- res{out, code} }()
+	ap := pendingApproval(t, e, sb.ID)
+	if ap.Action.Kind != "connect" || ap.Action.Name != "allowed.test" || !strings.HasSuffix(ap.Action.Exe, "curl") {
+		t.Fatalf("approval %+v", ap.Action)
+	}
+	select {
+	case r := <-done:
+		t.Fatalf("curl finished before the approval: %+v", r)
+	case <-time.After(300 * time.Millisecond):
+	}
+	if _, err := e.client.Approve(ctx, ap.ID, "ok"); err != nil {
+		t.Fatal(err)
+	}
+	if r := <-done; r.code != 0 || !strings.Contains(r.out, "127.0.0.2:") {
+		t.Fatalf("curl after approval: %+v", r)
+	}
+
+	if _, err := e.client.SetPolicyRuleSet(ctx, scope, api.PolicyRuleSet{Rules: []api.PolicyRule{{Name: "egress-deny",
+		Match: `action.kind == "connect"`, Verdict: "deny", Reason: "no egress today"}}}); err != nil {
+		t.Fatal(err)
+	}
+	if out, code := sh(t, e, sb.ID, curl); code == 0 {
+		t.Fatalf("curl under a deny rule: %q", out)
+	}
+	found := false
+	for _, ev := range networkEvents(t, e, sb.ID) {
+		if ev.Verdict == api.VerdictDeny && strings.Contains(ev.Reason, "no egress today") {
+			found = true
+		}
+	}
+	if !found {
+		t.Errorf("no deny event with the rule's reason: %+v", networkEvents(t, e, sb.ID))
+	}
+	if err := e.client.DeletePolicyRuleSet(ctx, scope); err != nil {
+		t.Fatal(err)
+	}
+	if out, code := sh(t, e, sb.ID, curl); code != 0 {
+		t.Fatalf("curl without rules: %d %q", code, out)
 	}
 }
