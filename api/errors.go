@@ -13,6 +13,7 @@ const (
 	CodeNotFound         = "not_found"          // 404
 	CodeMethodNotAllowed = "method_not_allowed" // 405: the path exists, not with this method
 	CodeConflict         = "conflict"           // 409: wrong state, already exists
+	CodePolicyDenied     = "policy_denied"      // 403: a policy rule (or an approver) refused the action
 	CodeTooLarge         = "too_large"          // 413
 	CodeQuotaExceeded    = "quota_exceeded"     // 429: the tenant's quota is used up
 	CodeUnprocessable    = "unprocessable"      // 422: well-formed but semantically impossible
@@ -34,6 +35,7 @@ var errorStatus = []struct {
 	{CodeNotFound, http.StatusNotFound},
 	{CodeMethodNotAllowed, http.StatusMethodNotAllowed},
 	{CodeConflict, http.StatusConflict},
+	{CodePolicyDenied, http.StatusForbidden},
 	{CodeTooLarge, http.StatusRequestEntityTooLarge},
 	{CodeQuotaExceeded, http.StatusTooManyRequests},
 	{CodeUnprocessable, http.StatusUnprocessableEntity},

@@ -17,6 +17,7 @@ var (
 	ErrNotFound         = errdefs.ErrNotFound         // 404 not_found
 	ErrQuotaExceeded    = errdefs.ErrQuotaExceeded    // 429 quota_exceeded: the tenant's quota is used up
 	ErrConflict         = errdefs.ErrConflict         // 409 conflict: wrong state, already exists
+	ErrPolicyDenied     = errdefs.ErrPolicyDenied     // 403 policy_denied: a policy rule or an approver refused the action
 	ErrTooLarge         = errdefs.ErrTooLarge         // 413 too_large
 	ErrUnprocessable    = errdefs.ErrUnprocessable    // 422 unprocessable: well-formed but impossible
 	ErrNotSupported     = errdefs.ErrNotSupported     // 422 not_supported: the runtime lacks a capability

@@ -44,7 +44,7 @@ func newKeyCmd(a *app) *cobra.Command {
 				return printJSON(a.out, k)
 			}
 			fmt.Fprintln(a.out, k.Key)
-			fmt.Fprintf(os.Stderr, "space: key %s (%s) for tenant %s with %s — store it now, it is not shown again\n",
+			fmt.Fprintf(a.errOut, "space: key %s (%s) for tenant %s with %s — store it now, it is not shown again\n",
 				k.ID, k.Name, k.Tenant, strings.Join(k.Scopes, ","))
 			return nil
 		},

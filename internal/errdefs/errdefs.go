@@ -20,6 +20,7 @@ var (
 	ErrPermissionDenied = errors.New("permission denied") // 403: missing scope, policy denied
 	ErrNotFound         = errors.New("not found")         // 404
 	ErrConflict         = errors.New("conflict")          // 409: wrong state, already exists
+	ErrPolicyDenied     = errors.New("denied by policy")  // 403: a policy rule or an approver refused the action
 	ErrTooLarge         = errors.New("too large")         // 413
 	ErrQuotaExceeded    = errors.New("quota exceeded")    // 429
 	ErrUnprocessable    = errors.New("unprocessable")     // 422: well-formed but semantically impossible
@@ -42,6 +43,7 @@ var table = []mapping{
 	{ErrQuotaExceeded, api.CodeQuotaExceeded},
 	{ErrNotFound, api.CodeNotFound},
 	{ErrConflict, api.CodeConflict},
+	{ErrPolicyDenied, api.CodePolicyDenied},
 	{ErrTooLarge, api.CodeTooLarge},
 	{ErrNotSupported, api.CodeNotSupported},
 	{ErrUnprocessable, api.CodeUnprocessable},

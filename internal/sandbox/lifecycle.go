@@ -300,6 +300,7 @@ func (m *Manager) doDelete(ctx context.Context, p *phases, id string) error {
 	}
 	m.forgetSecrets(id)
 	m.forget(id)
+	m.forgetPolicy(id)
 	return nil
 }
 

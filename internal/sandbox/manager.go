@@ -280,6 +280,13 @@ func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api
 	if req.Template == "" {
 		req.Template = m.cfg.BaseTemplateRef
 	}
+	// A build's step runs on the build's own intermediate templates; the
+	// build checked its FROM.
+	if req.Labels[BuildLabel] != BuildLabelStep {
+		if err := m.cfg.Tenants.UseTemplate(ctx, req.Template); err != nil {
+			return api.Sandbox{}, api.Operation{}, err
+		}
+	}
 	now := time.Now().UTC()
 	sb := api.Sandbox{
 		ID: newID("sb"), Tenant: tenant, State: api.StateCreating, Runtime: rt.Name(), Isolation: caps.Isolation,

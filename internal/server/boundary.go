@@ -1,9 +1,15 @@
 package server
 
-import "github.com/spacehq/space/api"
+import (
+	"net/netip"
 
-// boundaryCheck reports the entries of p outside boundary.
-func boundaryCheck(p, boundary api.NetworkPolicy) error {
-	_, _ = p, boundary
-	return nil // replaced by netpolicy.Subset when it lands (this session)
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/netpolicy"
+)
+
+// boundaryCheck reports every entry of p outside boundary (400, naming
+// them), proved exactly by netpolicy.Subset under the server's opened
+// private ranges.
+func boundaryCheck(p, boundary api.NetworkPolicy, allowPrivate []netip.Prefix) error {
+	return netpolicy.SubsetError(netpolicy.Subset(p, boundary, netpolicy.Options{AllowPrivate: allowPrivate}))
 }

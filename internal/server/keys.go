@@ -2,8 +2,10 @@ package server
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -14,6 +16,7 @@ import (
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/sandbox"
+	"github.com/spacehq/space/internal/templatesvc"
 	"github.com/spacehq/space/internal/tenancy"
 )
 
@@ -90,23 +93,62 @@ func sandboxRoute(pattern string) bool {
 	return strings.HasPrefix(path, "/v1/sandboxes/{id}")
 }
 
-// tenantsOf adapts the key store to what the manager asks of tenants.
-type tenantsOf struct{ keys *tenancy.Store }
+// tenantsOf adapts the key store and the template service to what the
+// manager asks of tenants. tsvc is set once the service exists (it needs
+// the manager); until then (and in tests without one) templates are not
+// checked.
+type tenantsOf struct {
+	keys *tenancy.Store
+	tsvc *templatesvc.Service
+	// allowPrivate are the server's --egress-allow-private ranges: what a
+	// boundary's private CIDRs can open at all.
+	allowPrivate []netip.Prefix
+}
 
-func (t tenantsOf) Quotas(ctx context.Context, tenant string) (api.Quotas, error) {
+func (t *tenantsOf) UseTemplate(ctx context.Context, ref string) error {
+	if t.tsvc == nil {
+		return nil
+	}
+	// A template that does not exist yet (the base template, built on
+	// first use) is the create's problem, not a visibility one.
+	if err := t.tsvc.Visible(ctx, ref); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+		return err
+	} else if err != nil {
+		if _, gerr := t.tsvc.Get(principal.With(ctx, principal.System), ref); gerr == nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (t *tenantsOf) ClaimTag(ctx context.Context, tag string) error {
+	if t.tsvc == nil {
+		return nil
+	}
+	return t.tsvc.ClaimTag(ctx, tag)
+}
+
+func (t *tenantsOf) OwnTag(ctx context.Context, tag string) error {
+	if t.tsvc == nil {
+		return nil
+	}
+	return t.tsvc.OwnTag(ctx, tag)
+}
+
+func (t *tenantsOf) Quotas(ctx context.Context, tenant string) (api.Quotas, error) {
 	tn, err := t.keys.GetTenant(ctx, tenant)
 	return tn.Quotas, err
 }
 
-func (t tenantsOf) Bound(ctx context.Context, tenant string, p api.NetworkPolicy) error {
+func (t *tenantsOf) Bound(ctx context.Context, tenant string, p api.NetworkPolicy) error {
 	tn, err := t.keys.GetTenant(ctx, tenant)
 	if err != nil || tn.Boundary == nil {
 		return err
 	}
-	return boundaryCheck(p, *tn.Boundary)
+	return boundaryCheck(p, *tn.Boundary, t.allowPrivate)
 }
 
-var _ sandbox.Tenants = tenantsOf{}
+var _ sandbox.Tenants = (*tenantsOf)(nil)
 
 func (s *Server) createKey(w http.ResponseWriter, r *http.Request) {
 	var req api.CreateKeyRequest
@@ -242,7 +284,7 @@ func (s *Server) putTenant(w http.ResponseWriter, r *http.Request) {
 		for _, sb := range sbs {
 			if sb.Tenant == name || sb.Tenant == "" && name == principal.DefaultTenant {
 				if sb.Network != nil {
-					if err := boundaryCheck(*sb.Network, *t.Boundary); err != nil {
+					if err := boundaryCheck(*sb.Network, *t.Boundary, s.cfg.Network.AllowPrivate); err != nil {
 						outside = append(outside, sb.ID+" ("+err.Error()+")")
 					}
 				}

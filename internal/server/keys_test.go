@@ -2,10 +2,12 @@ package server
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/spacehq/space/api"
 )
@@ -197,5 +199,111 @@ func TestTenantQuotas(t *testing.T) {
 	ns.s.mgr.Wait(t.Context(), op.ID)
 	if code, b, _ := create(`{"limits":{"memory_mib":256}}`); code != http.StatusAccepted {
 		t.Errorf("create after a delete freed the quota: %d %s", code, b)
+	}
+}
+
+// TestTenantTemplates: a sandbox can be created only from a template its
+// tenant sees (shared or its own); another tenant's is not found.
+func TestTenantTemplates(t *testing.T) {
+	ns := newNetServer(t)
+	a := ns.newKey(t, "team-a", "sandbox:write", "templates:write")
+	b := ns.newKey(t, "team-b", "sandbox:write", "templates:write")
+	if code, body := ns.as(t, a.Key, "POST", "/v1/templates/tiny:latest/tags", `{"tag":"a-app:1"}`); code != http.StatusOK {
+		t.Fatalf("team-a tagging the shared template: %d %s", code, body)
+	}
+	if code, body := ns.as(t, b.Key, "POST", "/v1/sandboxes", `{"template":"a-app:1"}`); code != http.StatusNotFound {
+		t.Errorf("team-b creating from team-a's template: %d %s, want 404", code, body)
+	}
+	if code, body := ns.as(t, b.Key, "GET", "/v1/templates/a-app:1", ""); code != http.StatusNotFound {
+		t.Errorf("team-b reading team-a's template: %d %s, want 404", code, body)
+	}
+	if code, body := ns.as(t, a.Key, "POST", "/v1/sandboxes", `{"template":"a-app:1"}`); code != http.StatusAccepted {
+		t.Errorf("team-a creating from its template: %d %s", code, body)
+	}
+	if code, body := ns.as(t, b.Key, "POST", "/v1/sandboxes", `{"template":"tiny:latest"}`); code != http.StatusAccepted {
+		t.Errorf("team-b creating from the shared template: %d %s", code, body)
+	}
+	if code, body := ns.as(t, b.Key, "POST", "/v1/templates/gc", ""); code != http.StatusForbidden {
+		t.Errorf("team-b gc: %d %s, want 403 (admin only)", code, body)
+	}
+}
+
+// TestPortTokensExpireAndStayInTheirSandbox: a port token opens its own
+// sandbox's ports until it expires, never another sandbox's.
+func TestPortTokensExpireAndStayInTheirSandbox(t *testing.T) {
+	ns := newNetServer(t)
+	id1 := ns.create(t, `{}`)
+	id2 := ns.create(t, `{}`)
+	sb1, _ := ns.s.mgr.Get(t.Context(), id1)
+	sb2, _ := ns.s.mgr.Get(t.Context(), id2)
+	now := time.Now()
+	tok := ns.s.portTokenUntil(sb1, now.Add(time.Hour))
+	if !ns.s.validPortToken(sb1, tok, now) {
+		t.Fatal("a fresh token does not open its sandbox")
+	}
+	if ns.s.validPortToken(sb2, tok, now) {
+		t.Error("a token opens another sandbox")
+	}
+	if ns.s.validPortToken(sb1, tok, now.Add(time.Hour+time.Second)) {
+		t.Error("an expired token still opens its sandbox")
+	}
+	// Moving the expiry breaks the MAC.
+	forged := strings.Replace(tok, fmt.Sprint(now.Add(time.Hour).Unix()), fmt.Sprint(now.Add(100*time.Hour).Unix()), 1)
+	if forged == tok || ns.s.validPortToken(sb1, forged, now) {
+		t.Error("a token with a moved expiry is accepted")
+	}
+	var pi api.PortInfo
+	ns.call(t, "GET", "/v1/sandboxes/"+id1+"/ports/8000?ttl=5m", "", 200, &pi)
+	if d := time.Until(*pi.TokenExpiresAt); d < 4*time.Minute || d > 6*time.Minute {
+		t.Errorf("ttl=5m token expires in %s", d)
+	}
+	if code, body := ns.as(t, ns.s.apiKey, "GET", "/v1/sandboxes/"+id1+"/ports/8000?ttl=1000h", ""); code != 400 {
+		t.Errorf("ttl=1000h: %d %s", code, body)
+	}
+}
+
+// TestTenantBoundary: a create or a live update whose policy is not inside
+// the tenant's boundary is refused naming the entries outside; a boundary
+// an existing sandbox is outside of is refused naming the sandbox.
+func TestTenantBoundary(t *testing.T) {
+	ns := newNetServer(t)
+	k := ns.newKey(t, "team-n", "sandbox:write", "network:write")
+	ns.call(t, "PUT", "/v1/tenants/team-n", `{"boundary":{"allow_out":["*.example.com:443","pypi.org"]}}`, http.StatusOK, nil)
+
+	code, body := ns.as(t, k.Key, "POST", "/v1/sandboxes", `{"network":{"allow_out":["api.example.com:443","pypi.org"]}}`)
+	if code != http.StatusAccepted {
+		t.Fatalf("create inside the boundary: %d %s", code, body)
+	}
+	var res api.CreateSandboxResponse
+	json.Unmarshal([]byte(body), &res)
+	ns.s.mgr.Wait(t.Context(), res.Operation.ID)
+	for _, c := range []struct{ policy, names string }{
+		{`{"allow_out":["evil.com"]}`, "evil.com"},
+		{`{"internet":true}`, "internet"},
+		{`{"allow_out":["api.example.com:443","1.2.3.0/24"]}`, "1.2.3.0/24"},
+		{`{"allow_out":["api.example.com"]}`, "api.example.com"},
+	} {
+		code, body := ns.as(t, k.Key, "POST", "/v1/sandboxes", `{"network":`+c.policy+`}`)
+		if code != http.StatusBadRequest || !strings.Contains(body, c.names) || !strings.Contains(body, "boundary") {
+			t.Errorf("create with %s: %d %s", c.policy, code, body)
+		}
+		code, body = ns.as(t, k.Key, "PUT", "/v1/sandboxes/"+res.Sandbox.ID+"/network", c.policy)
+		if code != http.StatusBadRequest || !strings.Contains(body, c.names) {
+			t.Errorf("live update to %s: %d %s", c.policy, code, body)
+		}
+	}
+	// No policy: the server default (no egress) is inside any boundary.
+	if code, body := ns.as(t, k.Key, "POST", "/v1/sandboxes", `{}`); code != http.StatusAccepted {
+		t.Errorf("create without a policy: %d %s", code, body)
+	}
+	// Narrowing the boundary below a live sandbox's policy is refused.
+	code, body = ns.as(t, ns.s.apiKey, "PUT", "/v1/tenants/team-n", `{"boundary":{"allow_out":["pypi.org"]}}`)
+	if code != http.StatusConflict || !strings.Contains(body, res.Sandbox.ID) {
+		t.Errorf("narrowing the boundary under a sandbox: %d %s", code, body)
+	}
+	// Another tenant has no boundary.
+	o := ns.newKey(t, "team-free", "sandbox:write")
+	if code, body := ns.as(t, o.Key, "POST", "/v1/sandboxes", `{"network":{"internet":true}}`); code != http.StatusAccepted {
+		t.Errorf("team-free: %d %s", code, body)
 	}
 }

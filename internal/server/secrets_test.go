@@ -82,7 +82,7 @@ func TestSecretsAPIKeepsValuesOut(t *testing.T) {
 	fb := &sandbox.FakeBroker{}
 	keys := testKeyStore(t, db, "sk_test_key_1234567890")
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: map[string]runtime.Runtime{fakeruntime.Name: rt},
-		Logger: log, BaseTemplateRef: "tiny:latest", Network: sandbox.NewFakeNetwork(), Tenants: tenantsOf{keys}, Secrets: sec, Broker: fb})
+		Logger: log, BaseTemplateRef: "tiny:latest", Network: sandbox.NewFakeNetwork(), Tenants: &tenantsOf{keys: keys}, Secrets: sec, Broker: fb})
 	sink := &recordingSink{}
 	s := &Server{cfg: Config{Logger: log}, db: db, tmpl: tmpl, mgr: mgr, metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890",
 		keys: keys, audit: sink, secrets: sec, portSecret: []byte("0123456789abcdef0123456789abcdef")}

@@ -24,9 +24,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/audit"
 	"github.com/spacehq/space/internal/e2b"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/policy"
 	"github.com/spacehq/space/internal/runtime"
 	_ "github.com/spacehq/space/internal/runtime/gvisor"  // registers "gvisor"
 	_ "github.com/spacehq/space/internal/runtime/microvm" // registers "microvm"
@@ -72,6 +74,13 @@ type Config struct {
 	// brokered secrets (tests record what it is sent); nil: the gateway,
 	// if it can broker.
 	Broker sandbox.Broker
+	// Decider decides the actions the platform sees (the network
+	// gateway's DNS queries and connections among them); nil allows all.
+	// Tests set it; the server's policy engine is used when it is nil.
+	Decider actions.Decider
+	// ApprovalTimeout is how long an action a policy rule asks about waits
+	// for an answer before it is denied (default 5m).
+	ApprovalTimeout time.Duration
 }
 
 // Server is a running space server (store, manager, HTTP handler).
@@ -97,6 +106,16 @@ type Server struct {
 	audit audit.Sink
 	// secrets keeps secrets, grants and sandbox CAs (secrets.go).
 	secrets *secrets.Store
+	// decider is the server's Decider (Config.Decider, else AllowAll);
+	// setDecider swaps it (decisions.go).
+	decider *deciderRef
+	// policy is the temporal policy engine, the Decider of every action
+	// (internal/policy; policy.go).
+	policy *policy.Engine
+	// checkBoundary is an extra check of a proposal's policy before
+	// SetNetwork (which itself refuses a policy outside the tenant's
+	// boundary); nil: none.
+	checkBoundary func(ctx context.Context, sandboxID string, p api.NetworkPolicy) error
 	// self is the in-process connection the /mcp handler's SDK clients
 	// use to reach this server's own handler (mcp.go).
 	self selfConn
@@ -220,13 +239,27 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("opening the secrets store: %w", err)
 	}
 	met := newMetrics(db)
+	// The policy engine exists before the gateway so that the gateway's
+	// decisions (DNS, connections) can be asked of it too.
+	srv := new(Server)
+	eng, err := policy.New(ctx, policy.Config{DB: db.SQL(), ApprovalTimeout: cfg.ApprovalTimeout, Audit: auditVia{srv}, Logger: cfg.Logger})
+	if err != nil {
+		db.Close()
+		return nil, fmt.Errorf("opening the policy engine: %w", err)
+	}
 	nopts := cfg.Network
 	nopts.DataDir, nopts.Logger, nopts.AgentBinary = cfg.DataDir, cfg.Logger, agentBin
 	if err := nopts.check(); err != nil {
 		db.Close()
 		return nil, err
 	}
-	netw, err := startNetwork(nopts)
+	dec := newDeciderRef(cfg.Decider)
+	if cfg.Decider == nil {
+		// The gateway asks the policy engine (about sandboxes it has
+		// rules for).
+		dec.set(policyDecider{eng: eng, srv: srv})
+	}
+	netw, err := startNetwork(nopts, dec)
 	if err != nil {
 		db.Close()
 		return nil, fmt.Errorf("starting the network gateway: %w", err)
@@ -241,10 +274,14 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if b, ok := netw.(sandbox.Broker); ok && broker == nil {
 		broker = b
 	}
+	tenants := &tenantsOf{keys: keys, allowPrivate: nopts.AllowPrivate}
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: rts, Logger: cfg.Logger, Observer: met, Secrets: sec, Broker: broker,
-		Network: netw, DefaultNetwork: nopts.Default, Tenants: tenantsOf{keys}})
+		Network: netw, DefaultNetwork: nopts.Default, Tenants: tenants, Decider: eng, Audit: auditVia{srv}})
 	if r, ok := netw.(interface{ OnRestart(func()) }); ok {
 		r.OnRestart(mgr.NetworkRestarted)
+	}
+	if gn, ok := netw.(*gatewayNetwork); ok {
+		gn.serveDecisions(mgr)
 	}
 	if err := mgr.Reconcile(ctx); err != nil {
 		mgr.Close()
@@ -261,8 +298,11 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	mgr.Run()
 	tsvc := templatesvc.New(templatesvc.Config{Templates: tmpl, Runtimes: rts, Sandboxes: mgr, Logger: cfg.Logger,
-		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries})
-	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, keys: keys, netw: netw, portSecret: portSecret, audit: audit.Nop{}, secrets: sec}
+		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries, Owners: keys})
+	tenants.tsvc = tsvc
+	s := srv
+	*s = Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, keys: keys, netw: netw, portSecret: portSecret, audit: audit.Nop{},
+		policy: eng, decider: dec, secrets: sec}
 	s.e2b = e2b.New(e2b.Config{
 		Manager:      mgr,
 		Templates:    tsvc,
@@ -274,11 +314,18 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		Logger:       cfg.Logger.With("api", "e2b"),
 	})
 	s.handler = s.routes()
+	// A gateway this server adopted may serve links under another
+	// server's Decider: say again which sandboxes this one applies to.
+	s.decisionScopeChanged()
 	return s, nil
 }
 
 // Handler is the server's HTTP handler.
 func (s *Server) Handler() http.Handler { return s.handler }
+
+// Decider is the server's policy engine, the actions.Decider of every
+// action it sees (the gateway's DNS queries and connections too).
+func (s *Server) Decider() *policy.Engine { return s.policy }
 
 // Manager exposes the sandbox manager (tests, benchmarks).
 func (s *Server) Manager() *sandbox.Manager { return s.mgr }
@@ -495,12 +542,19 @@ func (s *Server) routeTable() []route {
 		{pattern: "PUT /v1/secrets/{name}", scope: "secrets:write", handler: h(s.setSecret)},
 		{pattern: "GET /v1/secrets/{name}", scope: "secrets:read", handler: h(s.getSecret)},
 		{pattern: "DELETE /v1/secrets/{name}", scope: "secrets:write", handler: h(s.deleteSecret)},
+		{pattern: "GET /v1/policy/rules", scope: "policy:read", handler: h(s.listPolicyRules)},
+		{pattern: "GET /v1/policy/rules/{scope}", scope: "policy:read", handler: h(s.getPolicyRules)},
+		{pattern: "PUT /v1/policy/rules/{scope}", scope: "policy:write", handler: h(s.putPolicyRules)},
+		{pattern: "DELETE /v1/policy/rules/{scope}", scope: "policy:write", handler: h(s.deletePolicyRules)},
+		{pattern: "GET /v1/approvals", scope: "policy:read", handler: h(s.listApprovals)},
+		{pattern: "POST /v1/approvals/{id}/approve", scope: "policy:write", handler: h(s.approveApproval)},
+		{pattern: "POST /v1/approvals/{id}/deny", scope: "policy:write", handler: h(s.denyApproval)},
 		{pattern: "GET /v1/templates", scope: "templates:read", handler: h(s.listTemplates)},
 		{pattern: "POST /v1/templates", scope: "templates:write", body: bodyStream, handler: h(s.importTemplate)},
 		{pattern: "POST /v1/templates/base", scope: "templates:write", handler: h(s.buildBase)},
 		{pattern: "POST /v1/templates/pull", scope: "templates:write", handler: h(s.pullTemplate)},
 		{pattern: "POST /v1/templates/build", scope: "templates:write", body: bodyStream, handler: h(s.buildTemplate)},
-		{pattern: "POST /v1/templates/gc", scope: "templates:write", handler: h(s.gcTemplates)},
+		{pattern: "POST /v1/templates/gc", scope: "admin", handler: h(s.gcTemplates)},
 		{pattern: "GET /v1/templates/{ref}", scope: "templates:read", handler: h(s.getTemplate)},
 		{pattern: "DELETE /v1/templates/{ref}", scope: "templates:write", handler: h(s.removeTemplate)},
 		{pattern: "POST /v1/templates/{ref}/tags", scope: "templates:write", handler: h(s.tagTemplate)},

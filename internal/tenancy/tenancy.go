@@ -47,6 +47,10 @@ CREATE TABLE tenancy_tenants (
 	quotas     TEXT NOT NULL,
 	boundary   TEXT,
 	updated_at INTEGER NOT NULL
+);`, `
+CREATE TABLE tenancy_template_tags (
+	tag    TEXT PRIMARY KEY,
+	tenant TEXT NOT NULL
 );`}
 
 // Store is the keys and tenants of one server. Safe for concurrent use.
@@ -469,4 +473,26 @@ func Admit(q api.Quotas, u api.Usage, add ...api.Limits) error {
 		return fmt.Errorf("the tenant's quota is used up: %s: %w", strings.Join(over, "; "), errdefs.ErrQuotaExceeded)
 	}
 	return nil
+}
+
+// TagOwner returns the tenant that owns template tag, "" if none does (a
+// shared tag: made by an admin, or before tenants existed).
+func (s *Store) TagOwner(ctx context.Context, tag string) (string, error) {
+	var t string
+	err := s.db.QueryRowContext(ctx, `SELECT tenant FROM tenancy_template_tags WHERE tag = ?`, tag).Scan(&t)
+	if errors.Is(err, sql.ErrNoRows) {
+		return "", nil
+	}
+	return t, err
+}
+
+// SetTagOwner records that tenant owns tag ("" makes it shared).
+func (s *Store) SetTagOwner(ctx context.Context, tag, tenant string) error {
+	if tenant == "" {
+		_, err := s.db.ExecContext(ctx, `DELETE FROM tenancy_template_tags WHERE tag = ?`, tag)
+		return err
+	}
+	_, err := s.db.ExecContext(ctx, `INSERT INTO tenancy_template_tags (tag, tenant) VALUES (?, ?)
+		ON CONFLICT(tag) DO UPDATE SET tenant = excluded.tenant`, tag, tenant)
+	return err
 }
