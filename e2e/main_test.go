@@ -70,6 +70,7 @@ func setup(t *testing.T) *env {
 				DNSUpstream:   fi.dns.Addr,
 				DialGuard:     "loopback",
 				GatewayBinary: testenv.GatewayBinary(t),
+				UpstreamCA:    fi.upCAFile,
 			}})
 		if err != nil {
 			sharedErr = err

@@ -1,13 +1,8 @@
 package e2e
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
-	"net"
-	"net/http"
-	"net/netip"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -17,9 +12,6 @@ import (
 	"github.com/spacehq/space/internal/gateway"
 	"github.com/spacehq/space/internal/gateway/gatewaytest"
 	"github.com/spacehq/space/internal/gateway/gwctl"
-	"github.com/spacehq/space/internal/server"
-	"github.com/spacehq/space/internal/testenv"
-	"github.com/spacehq/space/sdk"
 )
 
 // TestBrokerInterceptsFromSandbox: a real native sandbox curls a brokered
@@ -30,83 +22,14 @@ import (
 // no event carries a value. The config goes to the gateway over gwctl
 // directly (the server's secrets API wires it later).
 func TestBrokerInterceptsFromSandbox(t *testing.T) {
-	testenv.RequireRoot(t)
-	testenv.BaseRootfs(t)
+	e := setup(t)
 	ctx := ctxT(t, 5*time.Minute)
-	// Short: the agent's socket path lives under the data dir.
-	root, err := os.MkdirTemp("", "mitm-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(root)
-
-	upCA, err := gatewaytest.NewCA("test internet CA")
-	if err != nil {
-		t.Fatal(err)
-	}
+	upCA, port, data, c := e.internet.upCA, e.internet.brokerPort, e.data, e.client
 	sbCA, err := gatewaytest.NewCA("sandbox CA")
 	if err != nil {
 		t.Fatal(err)
 	}
-	cert, err := upCA.Issue("api.test", "plain.test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port, stop, err := gatewaytest.ServeEcho("127.0.0.2:0", cert)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer stop()
-	dns, stopDNS, err := gatewaytest.ServeDNS("127.0.0.1:0", map[string][]string{"api.test": {"127.0.0.2"}, "plain.test": {"127.0.0.2"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer stopDNS()
-	caFile := filepath.Join(root, "upstream-ca.pem")
-	if err := os.WriteFile(caFile, upCA.CertPEM, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	data := filepath.Join(root, "data")
-	s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: testenv.AgentBinary(t),
-		JailBinary: testenv.JailBinary(t), APIKeyOut: os.Stderr,
-		Network: server.NetworkOptions{
-			AllowPrivate:  []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")},
-			DNSUpstream:   dns.Addr,
-			DialGuard:     "loopback",
-			GatewayBinary: testenv.GatewayBinary(t),
-			UpstreamCA:    caFile,
-		}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	hs := &http.Server{Handler: s.Handler()}
-	go hs.Serve(l)
-	c, err := sdk.New("http://"+l.Addr().String(), s.APIKey())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		sbs, _ := c.ListSandboxes(context.Background(), sdk.ListOptions{})
-		for _, sb := range sbs {
-			if op, err := c.DeleteSandbox(context.Background(), sb.ID, true); err == nil {
-				c.WaitOperation(context.Background(), op.ID)
-			}
-		}
-		hs.Close()
-		s.Close()
-		if b, _ := os.ReadFile(filepath.Join(data, "network", "gateway.log")); strings.Contains(string(b), "DIAL GUARD VIOLATION") {
-			t.Errorf("the gateway tried to dial off this machine:\n%s", b)
-		}
-	}()
-
-	sb, err := c.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"api.test", "plain.test"}}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"api.test", "plain.test"}}})
 	for path, pem := range map[string][]byte{"/tmp/space-ca.pem": sbCA.CertPEM, "/tmp/internet-ca.pem": upCA.CertPEM} {
 		if _, err := c.WriteFile(ctx, sb.ID, path, strings.NewReader(string(pem)), 0o644); err != nil {
 			t.Fatal(err)

@@ -29,9 +29,16 @@ import (
 type fakeInternet struct {
 	dns               *gatewaytest.FakeDNS
 	httpPort, tlsPort int
-	udpHits           atomic.Int64
-	udp               int
-	stop              []func()
+	// An HTTPS echo server on 127.0.0.2 for "api.test" and "plain.test"
+	// (brokerPort), its certificate from upCA, a CA only the gateway
+	// trusts (the server's --egress-upstream-ca is upCAFile): the real
+	// hosts of credential brokering's tests.
+	upCA       *gatewaytest.CA
+	upCAFile   string
+	brokerPort int
+	udpHits    atomic.Int64
+	udp        int
+	stop       []func()
 }
 
 func startFakeInternet() (*fakeInternet, error) {
@@ -42,12 +49,41 @@ func startFakeInternet() (*fakeInternet, error) {
 		"rebind-local.test": {"127.0.0.1"},
 		"rebind-meta.test":  {"169.254.169.254"},
 		"rebind-lan.test":   {"10.9.8.7"},
+		"api.test":          {"127.0.0.2"},
+		"plain.test":        {"127.0.0.2"},
 	})
 	if err != nil {
 		return nil, err
 	}
 	fi.dns = d
 	fi.stop = append(fi.stop, stop)
+	if fi.upCA, err = gatewaytest.NewCA("test internet CA"); err != nil {
+		fi.close()
+		return nil, err
+	}
+	cert, err := fi.upCA.Issue("api.test", "plain.test")
+	if err != nil {
+		fi.close()
+		return nil, err
+	}
+	bport, bstop, err := gatewaytest.ServeEcho("127.0.0.2:0", cert)
+	if err != nil {
+		fi.close()
+		return nil, err
+	}
+	fi.brokerPort = int(bport)
+	fi.stop = append(fi.stop, bstop)
+	dir, err := os.MkdirTemp("", "space-e2e-internet-")
+	if err != nil {
+		fi.close()
+		return nil, err
+	}
+	fi.stop = append(fi.stop, func() { os.RemoveAll(dir) })
+	fi.upCAFile = filepath.Join(dir, "upstream-ca.pem")
+	if err := os.WriteFile(fi.upCAFile, fi.upCA.CertPEM, 0o600); err != nil {
+		fi.close()
+		return nil, err
+	}
 	for _, tlsOn := range []bool{false, true} {
 		port, stop, err := gatewaytest.ServeHTTPPair(tlsOn)
 		if err != nil {
