@@ -76,7 +76,7 @@ type Log struct {
 	ch     chan item
 	done   chan struct{}
 
-	dropped atomic.Int64 // events Record gave up on
+	dropped  atomic.Int64 // events Record gave up on
 	lastWarn atomic.Int64
 
 	// Owned by the writer goroutine.
@@ -443,11 +443,11 @@ func (l *Log) run() {
 // batch's flush and checkpoint requests.
 func (l *Log) write(batch []item, sign bool) {
 	save := struct {
-		seq, lastCP       uint64
-		head              string
-		lastCPTime        time.Time
-		unsigned          int
-		reported          int64
+		seq, lastCP uint64
+		head        string
+		lastCPTime  time.Time
+		unsigned    int
+		reported    int64
 	}{l.seq, l.lastCP, l.head, l.lastCPTime, l.unsigned, l.reportedDropped}
 	var recs []Record
 	if d := l.dropped.Load(); d > l.reportedDropped {
