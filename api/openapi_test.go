@@ -109,6 +109,7 @@ func TestOpenAPISchemasMatchTypes(t *testing.T) {
 		"TagRequest": TagRequest{}, "PullRequest": PullRequest{}, "GCResult": GCResult{}, "BuildEvent": BuildEvent{},
 		"NetworkPolicy": NetworkPolicy{}, "HeaderRule": HeaderRule{}, "NetworkInfo": NetworkInfo{},
 		"NetworkStats": NetworkStats{}, "NetworkEvent": NetworkEvent{}, "SandboxStats": SandboxStats{},
+		"AuditRecord": AuditRecord{}, "AuditRecordList": AuditRecordList{}, "AuditKey": AuditKey{}, "AuditKeyList": AuditKeyList{},
 	}
 	for name, v := range types {
 		s, ok := d.Components.Schemas[name]

@@ -158,7 +158,7 @@ func (m *Manager) auditCommandExit(ctx context.Context, id, tenant, cmdID string
 // Callers are the server's and the E2B API's files handlers, which reach
 // the agent directly.
 func (m *Manager) AuditFiles(ctx context.Context, id, action, path, to string, err error) {
-	if m.auditOff() {
+	if m == nil || m.auditOff() {
 		return
 	}
 	res := "ok"

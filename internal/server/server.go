@@ -67,6 +67,8 @@ type Config struct {
 	// "localhost:7070"; empty: derived from the Host each request used
 	// (a loopback address becomes localhost).
 	PortDomain string
+	// Audit configures the tamper-evident audit log (retention, checkpoints).
+	Audit AuditOptions
 }
 
 // Server is a running space server (store, manager, HTTP handler).
@@ -87,8 +89,10 @@ type Server struct {
 	proxyRP    *httputil.ReverseProxy
 	// e2b serves the E2B-compatible API under /e2b (internal/e2b).
 	e2b *e2b.Handler
-	// audit receives the server's audit events (internal/audit).
-	audit audit.Sink
+	// audit receives the server's audit events (internal/audit);
+	// auditLog is the same log, for the routes that read it.
+	audit    audit.Sink
+	auditLog *audit.Log
 	// self is the in-process connection the /mcp handler's SDK clients
 	// use to reach this server's own handler (mcp.go).
 	self selfConn
@@ -218,14 +222,21 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if nc, ok := netw.(networkCounters); ok {
 		met.reg.MustRegister(&networkCollector{net: nc})
 	}
+	alog, err := openAudit(ctx, cfg)
+	if err != nil {
+		closeNetwork(netw, cfg.Logger)
+		db.Close()
+		return nil, fmt.Errorf("opening the audit log: %w", err)
+	}
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: rts, Logger: cfg.Logger, Observer: met,
-		Network: netw, DefaultNetwork: nopts.Default})
+		Network: netw, DefaultNetwork: nopts.Default, Audit: alog})
 	if r, ok := netw.(interface{ OnRestart(func()) }); ok {
 		r.OnRestart(mgr.NetworkRestarted)
 	}
 	if err := mgr.Reconcile(ctx); err != nil {
 		mgr.Close()
 		closeNetwork(netw, cfg.Logger)
+		alog.Close()
 		db.Close()
 		return nil, fmt.Errorf("reconciling: %w", err)
 	}
@@ -239,7 +250,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	mgr.Run()
 	tsvc := templatesvc.New(templatesvc.Config{Templates: tmpl, Runtimes: rts, Sandboxes: mgr, Logger: cfg.Logger,
 		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries})
-	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, netw: netw, portSecret: portSecret, audit: audit.Nop{}}
+	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, netw: netw, portSecret: portSecret, audit: alog, auditLog: alog}
 	s.e2b = e2b.New(e2b.Config{
 		Manager:      mgr,
 		Templates:    tsvc,
@@ -269,6 +280,8 @@ func (s *Server) Close() error {
 	s.e2b.Close()
 	s.mgr.Close()
 	closeNetwork(s.netw, s.cfg.Logger)
+	// After everything that records: Close commits and signs the tail.
+	s.auditLog.Close()
 	// Runtimes may hold host resources of their own (native: spare disks).
 	for name, rt := range s.runtimes {
 		if c, ok := rt.(io.Closer); ok {
@@ -483,6 +496,9 @@ func (s *Server) routeTable() []route {
 		{pattern: "DELETE /v1/templates/{ref}", handler: h(s.removeTemplate)},
 		{pattern: "POST /v1/templates/{ref}/tags", handler: h(s.tagTemplate)},
 		{pattern: "GET /v1/templates/{ref}/export", handler: h(s.exportTemplate)},
+		{pattern: "GET /v1/audit", handler: h(s.listAudit)},
+		{pattern: "GET /v1/audit/export", handler: h(s.exportAudit)},
+		{pattern: "GET /v1/audit/key", handler: h(s.auditKey)},
 	}
 	for _, m := range proxyMethods {
 		rs = append(rs, route{pattern: m + " /v1/sandboxes/{id}/ports/{port}/{path...}", access: portToken, body: bodyStream, handler: h(s.proxyPath)})
@@ -503,7 +519,7 @@ func (s *Server) mux() (*http.ServeMux, map[string]bodyKind) {
 	mux := http.NewServeMux()
 	bodies := map[string]bodyKind{}
 	for _, rt := range s.routeTable() {
-		h := rt.handler
+		h := noteRequest(rt.handler)
 		if rt.access == apiKey {
 			h = s.authed(h.ServeHTTP)
 		}
@@ -528,10 +544,20 @@ func (s *Server) routes() http.Handler {
 			s.proxyHost(sw, r, id, port)
 			return
 		}
+		// Every API call is one audit record, when it ends (public
+		// routes, /healthz, /metrics, /openapi.yaml, are not API calls).
+		r, ra := withRequestAudit(r)
+		auditKind := ""
+		defer func() {
+			if !publicPath(r.URL.Path) {
+				s.auditRequest(r, ra, sw.code, auditKind)
+			}
+		}()
 		// The E2B-compatible API authenticates and answers in its own
 		// shapes; its bodies are bounded by each of its handlers.
 		// (E2B's SDK puts its signed file URLs at the root /files.)
 		if strings.HasPrefix(r.URL.Path, e2b.Prefix+"/") || r.URL.Path == e2b.SignedFilesPath {
+			auditKind = "e2b"
 			guardBody(sw, r, bodyStream)
 			s.e2b.ServeHTTP(sw, r)
 			return
