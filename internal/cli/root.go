@@ -164,6 +164,7 @@ func newRootCmd(a *app) *cobra.Command {
 		newKillCmd(a),
 		newStatsCmd(a),
 		newMCPCmd(a),
+		newAuditCmd(a),
 	)
 	for _, verb := range []string{"pause", "resume", "stop", "start", "wake", "suspend", "restore"} {
 		root.AddCommand(newLifecycleCmd(a, verb))
