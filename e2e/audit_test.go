@@ -1,0 +1,203 @@
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/sdk"
+)
+
+// TestAuditTrail: what a caller and a sandbox do lands in the audit log —
+// the API calls, the lifecycle operation, the command's start and exit,
+// the file written, the connection the gateway refused — and an export of
+// it verifies offline, while a tampered export fails naming the record.
+func TestAuditTrail(t *testing.T) {
+	e := setup(t)
+	ctx := ctxT(t, 5*time.Minute)
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+	if out, code := sh(t, e, sb.ID, "echo audited"); code != 0 || !strings.Contains(out, "audited") {
+		t.Fatalf("exec: %d %q", code, out)
+	}
+	if _, err := e.client.WriteFile(ctx, sb.ID, "/tmp/audit.txt", strings.NewReader("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, code := sh(t, e, sb.ID, fmt.Sprintf("curl -sS --max-time 10 http://allowed.test:%d/", e.internet.httpPort)); code != 0 {
+		t.Fatalf("an allowed name failed: %q", out)
+	}
+	if out, code := sh(t, e, sb.ID, fmt.Sprintf("curl -sS --max-time 10 http://other.test:%d/", e.internet.httpPort)); code == 0 {
+		t.Fatalf("a denied name went through: %q", out)
+	}
+
+	want := map[string]func(api.AuditRecord) bool{
+		"api exec": func(r api.AuditRecord) bool {
+			return r.Kind == "api" && r.Action == "POST /v1/sandboxes/{id}/exec" && r.Target == sb.ID && r.Result == "200" && r.Tenant == "default"
+		},
+		"lifecycle create": func(r api.AuditRecord) bool {
+			return r.Kind == "lifecycle" && r.Action == "create" && r.Result == "succeeded"
+		},
+		"command start": func(r api.AuditRecord) bool {
+			return r.Kind == "command" && r.Action == "start" && strings.Contains(string(r.Detail), `"echo audited"`)
+		},
+		"command exit": func(r api.AuditRecord) bool { return r.Kind == "command" && r.Action == "exit" && r.Result == "0" },
+		"files write": func(r api.AuditRecord) bool {
+			return r.Kind == "files" && r.Action == "write" && r.Target == "/tmp/audit.txt" && r.Result == "ok"
+		},
+		"network deny": func(r api.AuditRecord) bool {
+			return r.Kind == "network" && strings.HasPrefix(r.Result, "deny") && strings.Contains(r.Target, "other.test")
+		},
+		"network allow": func(r api.AuditRecord) bool {
+			return r.Kind == "network" && r.Action == "http" && r.Result == "allow" && strings.Contains(r.Target, "allowed.test 127.0.0.2:")
+		},
+	}
+	var recs []api.AuditRecord
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		var err error
+		recs, err = e.client.AuditRecords(ctx, sdk.AuditFilter{Sandbox: sb.ID, Limit: 10000})
+		if err != nil {
+			t.Fatal(err)
+		}
+		missing := []string{}
+		for name, ok := range want {
+			found := false
+			for _, r := range recs {
+				if r.Sandbox != sb.ID {
+					t.Fatalf("sandbox filter let through %+v", r)
+				}
+				found = found || ok(r)
+			}
+			if !found {
+				missing = append(missing, name)
+			}
+		}
+		if len(missing) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			b, _ := json.MarshalIndent(recs, "", " ")
+			t.Fatalf("audit log lacks %v:\n%s", missing, b)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	// Bad queries are 400s naming the parameter.
+	if _, err := e.client.AuditRecords(ctx, sdk.AuditFilter{Kind: "bogus"}); err == nil || !strings.Contains(err.Error(), "kind must be one of") {
+		t.Fatalf("bad kind: %v", err)
+	}
+
+	// Export, verify offline with the server's key, tamper, verify again.
+	dir := t.TempDir()
+	file := filepath.Join(dir, "a.jsonl")
+	if _, stderr, code := e.spaceCLI(t, "", "audit", "export", "-o", file); code != 0 {
+		t.Fatalf("export: %d %s", code, stderr)
+	}
+	keyOut, stderr, code := e.spaceCLI(t, "", "audit", "key")
+	if code != 0 {
+		t.Fatalf("audit key: %d %s", code, stderr)
+	}
+	key := strings.Fields(keyOut)[2]
+	out, stderr, code := e.spaceCLI(t, "", "audit", "verify", file, "--key", key)
+	if code != 0 || !strings.HasPrefix(out, "ok: ") {
+		t.Fatalf("verify of a fresh export: %d %s %s", code, out, stderr)
+	}
+	if out, _, code := e.spaceCLI(t, "", "audit", "verify", file, "--server"); code != 0 {
+		t.Fatalf("verify --server: %d %s", code, out)
+	}
+	b, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	// Make the denied connection look allowed.
+	idx := -1
+	for i, l := range lines {
+		var r api.AuditRecord
+		json.Unmarshal([]byte(l), &r)
+		if r.Sandbox == sb.ID && r.Kind == "network" && strings.HasPrefix(r.Result, "deny") {
+			idx = i
+			lines[i] = strings.Replace(l, `"result":"deny`, `"result":"allow`, 1)
+			break
+		}
+	}
+	if idx < 0 {
+		t.Fatal("the export lacks the denied connection")
+	}
+	var victim api.AuditRecord
+	json.Unmarshal([]byte(lines[idx]), &victim)
+	os.WriteFile(file, []byte(strings.Join(lines, "\n")+"\n"), 0o600)
+	out, _, code = e.spaceCLI(t, "", "audit", "verify", file, "--key", key)
+	wantLine := fmt.Sprintf("line %d (seq %d): changed", idx+1, victim.Seq)
+	if code != 1 || !strings.Contains(out, wantLine) {
+		t.Fatalf("verify of a tampered export: code %d, want a line %q in:\n%s", code, wantLine, out)
+	}
+
+	// OCSF: one event per record, classes by kind.
+	ocsf, stderr, code := e.spaceCLI(t, "", "audit", "export", "--format", "ocsf", "--since", "1h")
+	if code != 0 {
+		t.Fatalf("ocsf export: %d %s", code, stderr)
+	}
+	classes := map[float64]bool{}
+	for _, l := range strings.Split(strings.TrimSpace(ocsf), "\n") {
+		var ev map[string]any
+		if err := json.Unmarshal([]byte(l), &ev); err != nil {
+			t.Fatalf("ocsf line %q: %v", l, err)
+		}
+		classes[ev["class_uid"].(float64)] = true
+	}
+	for _, c := range []float64{6003, 1007, 1001, 4001} {
+		if !classes[c] {
+			t.Errorf("no OCSF class %v in the export", c)
+		}
+	}
+}
+
+// TestAuditRecordsPerSandbox counts what a typical create + exec + delete
+// adds to the log (reported in docs/security-model-audit.md).
+func TestAuditRecordsPerSandbox(t *testing.T) {
+	e := setup(t)
+	ctx := ctxT(t, 5*time.Minute)
+	last := func() uint64 {
+		var max uint64
+		e.client.FollowAudit(ctxT(t, 300*time.Millisecond), sdk.AuditFilter{}, func(r api.AuditRecord) error {
+			max = r.Seq
+			return nil
+		})
+		return max
+	}
+	start := last()
+	sb, err := e.client.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh(t, e, sb.ID, "true")
+	op, err := e.client.DeleteSandbox(ctx, sb.ID, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.client.WaitOperation(ctx, op.ID); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(500 * time.Millisecond)
+	recs, err := e.client.AuditRecords(ctx, sdk.AuditFilter{After: start, Limit: 10000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kinds := map[string]int{}
+	n := 0
+	for _, r := range recs {
+		if r.Kind == "checkpoint" || r.Action == "GET /v1/audit" {
+			continue
+		}
+		kinds[r.Kind]++
+		n++
+	}
+	t.Logf("create + exec + delete: %d records %v", n, kinds)
+	if kinds["lifecycle"] != 2 || kinds["command"] != 2 || kinds["api"] < 4 {
+		t.Fatalf("unexpected records: %v", kinds)
+	}
+}
