@@ -188,6 +188,7 @@ func TestAuditRecordsPerSandbox(t *testing.T) {
 		t.Fatal(err)
 	}
 	kinds := map[string]int{}
+	var apis []string
 	n := 0
 	for _, r := range recs {
 		if r.Kind == "checkpoint" || r.Action == "GET /v1/audit" {
@@ -195,8 +196,11 @@ func TestAuditRecordsPerSandbox(t *testing.T) {
 		}
 		kinds[r.Kind]++
 		n++
+		if r.Kind == "api" {
+			apis = append(apis, r.Action+" "+r.Result)
+		}
 	}
-	t.Logf("create + exec + delete: %d records %v", n, kinds)
+	t.Logf("create + exec + delete: %d records %v; api: %q", n, kinds, apis)
 	if kinds["lifecycle"] != 2 || kinds["command"] != 2 || kinds["api"] < 4 {
 		t.Fatalf("unexpected records: %v", kinds)
 	}

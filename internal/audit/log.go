@@ -554,17 +554,24 @@ func (l *Log) insert(recs []Record) error {
 		return err
 	}
 	defer tx.Rollback()
-	st, err := tx.PrepareContext(ctx, `INSERT INTO audit_records (seq, time, kind, sandbox, tenant, line) VALUES (?, ?, ?, ?, ?, ?)`)
-	if err != nil {
-		return err
-	}
-	defer st.Close()
-	for _, r := range recs {
-		line, err := json.Marshal(r)
-		if err != nil {
-			return err
+	// Many rows per statement: database/sql's per-call overhead is most of
+	// the cost of one small row.
+	const rowsPerStmt = 128
+	args := make([]any, 0, 6*rowsPerStmt)
+	for len(recs) > 0 {
+		chunk := recs[:min(len(recs), rowsPerStmt)]
+		recs = recs[len(chunk):]
+		args = args[:0]
+		for _, r := range chunk {
+			line, err := json.Marshal(r)
+			if err != nil {
+				return err
+			}
+			args = append(args, int64(r.Seq), r.Time.UnixNano(), r.Kind, r.Sandbox, r.Tenant, string(line))
 		}
-		if _, err := st.ExecContext(ctx, int64(r.Seq), r.Time.UnixNano(), r.Kind, r.Sandbox, r.Tenant, string(line)); err != nil {
+		q := `INSERT INTO audit_records (seq, time, kind, sandbox, tenant, line) VALUES (?, ?, ?, ?, ?, ?)` +
+			strings.Repeat(`, (?, ?, ?, ?, ?, ?)`, len(chunk)-1)
+		if _, err := tx.ExecContext(ctx, q, args...); err != nil {
 			return err
 		}
 	}
