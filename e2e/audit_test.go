@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/testenv"
 	"github.com/spacehq/space/sdk"
 )
 
@@ -204,4 +206,117 @@ func TestAuditRecordsPerSandbox(t *testing.T) {
 	if kinds["lifecycle"] != 2 || kinds["command"] != 2 || kinds["api"] < 4 {
 		t.Fatalf("unexpected records: %v", kinds)
 	}
+}
+
+// TestAuditNetworkAcrossRestart: the server is killed (-9) while a sandbox
+// keeps connecting; the restarted server follows the gateway's link again
+// from where the log left off, so every verdict is recorded exactly once
+// (link_seq runs 1, 2, 3… with no gap and no repeat), and the chain, which
+// the new server continued, still verifies.
+func TestAuditNetworkAcrossRestart(t *testing.T) {
+	testenv.RequireRoot(t)
+	testenv.BaseRootfs(t)
+	fi, err := startFakeInternet()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fi.close()
+	bin := buildSpace(t)
+	root, err := os.MkdirTemp("", "ar-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if t.Failed() {
+			b, _ := os.ReadFile(filepath.Join(root, "server.log"))
+			t.Logf("server log:\n%s", b)
+		}
+		os.RemoveAll(root)
+	}()
+	data := filepath.Join(root, "data")
+	addr := freePort(t)
+	flags := []string{"--egress-allow-private", "127.0.0.0/8", "--dns-upstream", fi.dns.Addr, "--egress-dial-guard", "loopback", "--audit-checkpoint-interval", "1s"}
+	ctx := ctxT(t, 5*time.Minute)
+	p := startServer(t, bin, data, addr, flags...)
+	defer func() { p.kill9() }()
+	c := p.client(t)
+	sb, err := c.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if op, err := p.client(t).DeleteSandbox(context.Background(), sb.ID, true); err == nil {
+			p.client(t).WaitOperation(context.Background(), op.ID)
+		}
+	}()
+	loop := fmt.Sprintf("nohup sh -c 'for i in $(seq 60); do curl -s -o /dev/null --max-time 5 http://allowed.test:%d/; curl -s -o /dev/null --max-time 5 http://other.test:%d/; sleep 0.1; done' >/dev/null 2>&1 &", fi.httpPort, fi.httpPort)
+	if _, err := c.Exec(ctx, sb.ID, api.ExecRequest{Cmd: []string{"sh", "-c", loop}}); err != nil {
+		t.Fatal(err)
+	}
+	netRecs := func(c *sdk.Client) []api.AuditRecord {
+		recs, err := c.AuditRecords(ctx, sdk.AuditFilter{Sandbox: sb.ID, Kind: "network", Limit: 10000})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return recs
+	}
+	for deadline := time.Now().Add(time.Minute); len(netRecs(c)) < 5; time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no network records")
+		}
+	}
+	p.kill9()
+	time.Sleep(2 * time.Second) // the sandbox keeps connecting meanwhile
+	p = startServer(t, bin, data, addr, flags...)
+	c = p.client(t)
+	// The loop ends after 60 rounds; wait until the log has caught up
+	// with the gateway's own count of events.
+	var recs []api.AuditRecord
+	var prev uint64
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(time.Second) {
+		var last uint64
+		if err := c.NetworkEvents(ctx, sb.ID, 0, false, func(ev api.NetworkEvent) error { last = ev.Seq; return nil }); err != nil {
+			t.Fatal(err)
+		}
+		recs = netRecs(c)
+		// The loop is over once the gateway's count stands still.
+		if n := len(recs); n > 0 && last == prev && linkSeq(t, recs[n-1]) == last {
+			break
+		}
+		prev = last
+		if time.Now().After(deadline) {
+			t.Fatalf("the log did not catch up: %d records, gateway at %d", len(recs), last)
+		}
+	}
+	t.Logf("%d network verdicts recorded across the restart", len(recs))
+	for i, r := range recs {
+		if got := linkSeq(t, r); got != uint64(i+1) {
+			t.Fatalf("record %d has link_seq %d, want %d (a verdict lost or recorded twice across the restart)", i, got, i+1)
+		}
+	}
+	file := filepath.Join(root, "a.jsonl")
+	f, err := os.Create(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.ExportAudit(ctx, "", "jsonl", f); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	key, _ := os.ReadFile(filepath.Join(data, "api-key"))
+	out, stderr, code := (&env{url: "http://" + addr, key: strings.TrimSpace(string(key))}).spaceCLI(t, "", "audit", "verify", file, "--server")
+	if code != 0 {
+		t.Fatalf("verify across a kill -9: %d %s %s", code, out, stderr)
+	}
+}
+
+func linkSeq(t *testing.T, r api.AuditRecord) uint64 {
+	t.Helper()
+	var d struct {
+		LinkSeq uint64 `json:"link_seq"`
+	}
+	if err := json.Unmarshal(r.Detail, &d); err != nil {
+		t.Fatal(err)
+	}
+	return d.LinkSeq
 }
