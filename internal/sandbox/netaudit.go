@@ -74,6 +74,18 @@ func (m *Manager) followAttached(ctx context.Context, attached map[string]bool) 
 	if m.auditOff() {
 		return
 	}
+	// Forget the ended followers of links the gateway no longer serves.
+	m.netAuditMu.Lock()
+	for id, f := range m.netFollowers {
+		select {
+		case <-f.done:
+			if !attached[id] {
+				delete(m.netFollowers, id)
+			}
+		default:
+		}
+	}
+	m.netAuditMu.Unlock()
 	for id := range attached {
 		// An operation attaching this sandbox right now starts its own
 		// follower; leave it to it.
