@@ -9,10 +9,13 @@ import "net/http"
 const (
 	CodeInvalidArgument  = "invalid_argument"   // 400: the request is malformed
 	CodeUnauthorized     = "unauthorized"       // 401: missing or wrong API key or attach token
+	CodePermissionDenied = "permission_denied"  // 403: the key lacks the scope, or a policy denied the action
 	CodeNotFound         = "not_found"          // 404
 	CodeMethodNotAllowed = "method_not_allowed" // 405: the path exists, not with this method
 	CodeConflict         = "conflict"           // 409: wrong state, already exists
+	CodePolicyDenied     = "policy_denied"      // 403: a policy rule (or an approver) refused the action
 	CodeTooLarge         = "too_large"          // 413
+	CodeQuotaExceeded    = "quota_exceeded"     // 429: the tenant's quota is used up
 	CodeUnprocessable    = "unprocessable"      // 422: well-formed but semantically impossible
 	CodeNotSupported     = "not_supported"      // 422: the runtime lacks a capability
 	CodeUnavailable      = "unavailable"        // 503: transient (agent not reachable)
@@ -28,10 +31,13 @@ var errorStatus = []struct {
 }{
 	{CodeInvalidArgument, http.StatusBadRequest},
 	{CodeUnauthorized, http.StatusUnauthorized},
+	{CodePermissionDenied, http.StatusForbidden},
 	{CodeNotFound, http.StatusNotFound},
 	{CodeMethodNotAllowed, http.StatusMethodNotAllowed},
 	{CodeConflict, http.StatusConflict},
+	{CodePolicyDenied, http.StatusForbidden},
 	{CodeTooLarge, http.StatusRequestEntityTooLarge},
+	{CodeQuotaExceeded, http.StatusTooManyRequests},
 	{CodeUnprocessable, http.StatusUnprocessableEntity},
 	{CodeNotSupported, http.StatusUnprocessableEntity},
 	{CodeUnavailable, http.StatusServiceUnavailable},
@@ -61,11 +67,9 @@ func HTTPStatus(code string) int {
 
 // CodeForStatus is the error code of a non-2xx status whose body carried no
 // code (a proxy in between, a crashed handler): the first code with that
-// status, with 403 read as unauthorized and 502 as unavailable.
+// status, with 502 read as unavailable.
 func CodeForStatus(status int) string {
 	switch status {
-	case http.StatusForbidden:
-		status = http.StatusUnauthorized
 	case http.StatusBadGateway:
 		status = http.StatusServiceUnavailable
 	}

@@ -81,7 +81,7 @@ const (
 type NetworkEvent struct {
 	Seq        uint64    `json:"seq"`
 	Time       time.Time `json:"time"`
-	Protocol   string    `json:"protocol"` // "dns", "tcp", "tls", "http", "udp", "icmp", "other", "ingress", "policy"
+	Protocol   string    `json:"protocol"` // "dns", "tcp", "tls", "http", "https", "udp", "icmp", "other", "ingress", "policy"
 	Name       string    `json:"name,omitempty"`
 	IP         string    `json:"ip,omitempty"`
 	Port       int       `json:"port,omitempty"`
@@ -92,4 +92,16 @@ type NetworkEvent struct {
 	DurationMS float64   `json:"duration_ms,omitempty"`
 	// Answers are the addresses a DNS answer carried (after filtering).
 	Answers []string `json:"answers,omitempty"`
+	// Method, Path (without the query), Status and Secrets describe one
+	// request on an intercepted connection (protocol "https"): Secrets are
+	// the names of the brokered secrets the gateway put into it, never
+	// their values.
+	Method  string   `json:"method,omitempty"`
+	Path    string   `json:"path,omitempty"`
+	Status  int      `json:"status,omitempty"`
+	Secrets []string `json:"secrets,omitempty"`
+	// Exe is the executable that opened the connection, as the host saw
+	// it in the sandbox's socket table (native runtime, sandboxes with
+	// policy rules); never taken from anything the sandbox says.
+	Exe string `json:"exe,omitempty"`
 }

@@ -109,6 +109,8 @@ func TestOpenAPISchemasMatchTypes(t *testing.T) {
 		"TagRequest": TagRequest{}, "PullRequest": PullRequest{}, "GCResult": GCResult{}, "BuildEvent": BuildEvent{},
 		"NetworkPolicy": NetworkPolicy{}, "HeaderRule": HeaderRule{}, "NetworkInfo": NetworkInfo{},
 		"NetworkStats": NetworkStats{}, "NetworkEvent": NetworkEvent{}, "SandboxStats": SandboxStats{},
+		"APIKey": APIKey{}, "CreateKeyRequest": CreateKeyRequest{}, "CreatedKey": CreatedKey{}, "KeyList": KeyList{},
+		"Quotas": Quotas{}, "Usage": Usage{}, "Tenant": Tenant{}, "TenantList": TenantList{},
 		"AuditRecord": AuditRecord{}, "AuditRecordList": AuditRecordList{}, "AuditKey": AuditKey{}, "AuditKeyList": AuditKeyList{},
 	}
 	for name, v := range types {

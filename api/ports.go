@@ -1,5 +1,7 @@
 package api
 
+import "time"
+
 // PortInfo is GET /v1/sandboxes/{id}/ports/{port}: how to reach a service
 // listening on that port inside the sandbox, through the server.
 type PortInfo struct {
@@ -14,6 +16,9 @@ type PortInfo struct {
 	// a cookie for that host), or use the API key. Not needed when Public.
 	Token  string `json:"token"`
 	Public bool   `json:"public"`
+	// TokenExpiresAt is when Token stops working (GET …?ttl=, default
+	// 24h); ask again for a fresh one.
+	TokenExpiresAt *time.Time `json:"token_expires_at,omitempty"`
 }
 
 // PortSettings is the body of PUT /v1/sandboxes/{id}/ports/{port}.

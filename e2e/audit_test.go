@@ -38,17 +38,17 @@ func TestAuditTrail(t *testing.T) {
 
 	want := map[string]func(api.AuditRecord) bool{
 		"api exec": func(r api.AuditRecord) bool {
-			return r.Kind == "api" && r.Action == "POST /v1/sandboxes/{id}/exec" && r.Target == sb.ID && r.Result == "200" && r.Tenant == "default"
+			return r.Kind == "api" && r.Action == "POST /v1/sandboxes/{id}/exec" && r.Target == sb.ID && r.Result == "200" && r.Tenant == "default" && r.KeyID != ""
 		},
 		"lifecycle create": func(r api.AuditRecord) bool {
-			return r.Kind == "lifecycle" && r.Action == "create" && r.Result == "succeeded"
+			return r.Kind == "lifecycle" && r.Action == "create" && r.Result == "succeeded" && r.KeyID != ""
 		},
 		"command start": func(r api.AuditRecord) bool {
-			return r.Kind == "command" && r.Action == "start" && strings.Contains(string(r.Detail), `"echo audited"`)
+			return r.Kind == "command" && r.Action == "start" && strings.Contains(string(r.Detail), `"echo audited"`) && r.KeyID != ""
 		},
 		"command exit": func(r api.AuditRecord) bool { return r.Kind == "command" && r.Action == "exit" && r.Result == "0" },
 		"files write": func(r api.AuditRecord) bool {
-			return r.Kind == "files" && r.Action == "write" && r.Target == "/tmp/audit.txt" && r.Result == "ok"
+			return r.Kind == "files" && r.Action == "write" && r.Target == "/tmp/audit.txt" && r.Result == "ok" && r.KeyID != ""
 		},
 		"network deny": func(r api.AuditRecord) bool {
 			return r.Kind == "network" && strings.HasPrefix(r.Result, "deny") && strings.Contains(r.Target, "other.test")

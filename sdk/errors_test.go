@@ -17,7 +17,8 @@ import (
 func TestErrorsMatchCodes(t *testing.T) {
 	want := map[string]error{
 		api.CodeInvalidArgument: ErrInvalidArgument, api.CodeUnauthorized: ErrUnauthorized,
-		api.CodeNotFound: ErrNotFound, api.CodeConflict: ErrConflict, api.CodeTooLarge: ErrTooLarge,
+		api.CodePermissionDenied: ErrPermissionDenied, api.CodeQuotaExceeded: ErrQuotaExceeded,
+		api.CodeNotFound: ErrNotFound, api.CodeConflict: ErrConflict, api.CodePolicyDenied: ErrPolicyDenied, api.CodeTooLarge: ErrTooLarge,
 		api.CodeUnprocessable: ErrUnprocessable, api.CodeNotSupported: ErrNotSupported,
 		api.CodeUnavailable: ErrUnavailable, api.CodeTimeout: ErrTimeout,
 		api.CodeMethodNotAllowed: nil, api.CodeInternal: nil,
@@ -46,13 +47,18 @@ func TestErrorsMatchCodes(t *testing.T) {
 				t.Errorf("code %s also matches the sentinel of %s", code, other)
 			}
 		}
-		// Without a JSON body, the status alone still gives a code.
+		// Without a JSON body, the status alone still gives a code (a bare
+		// 403 reads as unauthorized, as an auth proxy's refusal would: a
+		// policy denial always carries its code).
+		if code == api.CodePolicyDenied {
+			continue
+		}
 		err = decodeError(&http.Response{StatusCode: status, Body: io.NopCloser(strings.NewReader("<html>bad gateway</html>"))})
 		if !errors.As(err, &ae) || api.HTTPStatus(ae.Code) != status {
 			t.Errorf("status %d without a body: %#v", status, err)
 		}
 	}
-	for status, sentinel := range map[int]error{403: ErrUnauthorized, 502: ErrUnavailable, 422: ErrUnprocessable, 418: nil} {
+	for status, sentinel := range map[int]error{403: ErrPermissionDenied, 429: ErrQuotaExceeded, 502: ErrUnavailable, 422: ErrUnprocessable, 418: nil} {
 		err := decodeError(&http.Response{StatusCode: status, Body: io.NopCloser(strings.NewReader(""))})
 		if sentinel != nil && !errors.Is(err, sentinel) || sentinel == nil && errors.Unwrap(err) != nil {
 			t.Errorf("bare status %d: %v, want %v", status, err, sentinel)

@@ -8,7 +8,9 @@ package cli
 //   - `space server` runs the server (internal/server);
 //   - `space template build-base --local` builds the cached base root
 //     filesystem with debootstrap (internal/template), without a server —
-//     what scripts/setup.sh does on a fresh machine.
+//     what scripts/setup.sh does on a fresh machine;
+//   - `space policy test` evaluates a rule set offline (internal/policy),
+//     with no server at all.
 //
 // TestClientCommandsUseOnlySDK keeps it that way.
 
@@ -18,12 +20,14 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/policy"
 	"github.com/spacehq/space/internal/server"
 	"github.com/spacehq/space/internal/template"
 	"github.com/spacehq/space/sdk"
@@ -57,6 +61,7 @@ type serverNetFlags struct {
 	defaultInternet bool
 	dialGuard       string
 	bandwidth       string
+	upstreamCA      string
 }
 
 func (f *serverNetFlags) register(cmd *cobra.Command) {
@@ -69,6 +74,9 @@ func (f *serverNetFlags) register(cmd *cobra.Command) {
 	// Tests: the gateway refuses (and logs as a violation) any dial off this machine.
 	fl.StringVar(&f.dialGuard, "egress-dial-guard", "", `"loopback": the gateway refuses and reports every dial off this machine (tests)`)
 	_ = fl.MarkHidden("egress-dial-guard")
+	// Tests: a local HTTPS server with its own CA stands in for a brokered host.
+	fl.StringVar(&f.upstreamCA, "egress-upstream-ca", "", "PEM file of extra roots the gateway trusts for the real hosts of intercepted connections (tests)")
+	_ = fl.MarkHidden("egress-upstream-ca")
 }
 
 // options checks the flags and builds the server's NetworkOptions; the
@@ -84,7 +92,7 @@ func (f *serverNetFlags) options() (server.NetworkOptions, error) {
 			return server.NetworkOptions{}, usagef("--egress-bandwidth: %v", err)
 		}
 	}
-	o := server.NetworkOptions{DNSUpstream: f.dnsUpstream, DialGuard: f.dialGuard, BandwidthMiB: bw,
+	o := server.NetworkOptions{DNSUpstream: f.dnsUpstream, DialGuard: f.dialGuard, BandwidthMiB: bw, UpstreamCA: f.upstreamCA,
 		Default: api.NetworkPolicy{Internet: f.defaultInternet, AllowOut: f.defaultAllowOut}}
 	for _, s := range f.allowPrivate {
 		p, err := netip.ParsePrefix(s)
@@ -131,10 +139,38 @@ func newServerCmd(a *app) *cobra.Command {
 	cmd.Flags().StringVar(&cfg.CacheDir, "cache", cacheDefault, "cache directory for templates and kernels (env SPACE_CACHE)")
 	cmd.Flags().Int64Var(&cfg.MaxTemplateBytes, "max-template-bytes", 8<<30, "limit on one template import or build step (unpacked bytes, and each compressed OCI layer)")
 	cmd.Flags().BoolVar(&cfg.AllowPrivateRegistries, "allow-private-registries", false, "let template pulls reach loopback, private and link-local registry addresses")
+	cmd.Flags().DurationVar(&cfg.ApprovalTimeout, "approval-timeout", policy.DefaultApprovalTimeout, "how long an action a policy rule asks about waits for an answer before it is denied")
 	cmd.Flags().DurationVar(&cfg.Audit.RetainAge, "audit-retain-age", 0, "drop audit records older than this (e.g. 2160h; cut at a signed checkpoint; default keep)")
 	cmd.Flags().Int64Var(&cfg.Audit.RetainRecords, "audit-retain-records", 0, "keep about this many audit records, at least (cut at a signed checkpoint; default keep all)")
 	cmd.Flags().IntVar(&cfg.Audit.CheckpointEvery, "audit-checkpoint-every", 1000, "sign an audit checkpoint after this many records")
 	cmd.Flags().DurationVar(&cfg.Audit.CheckpointInterval, "audit-checkpoint-interval", time.Minute, "sign an audit checkpoint after this long when there are new records")
 	nf.register(cmd)
 	return cmd
+}
+
+// policyTest is `space policy test`: rs over the history file's actions
+// (JSON Lines), then the action file's action if one is given.
+func policyTest(rs api.PolicyRuleSet, historyFile, actionFile string) ([]api.PolicyTestResult, error) {
+	f, err := os.Open(historyFile)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	hist, err := policy.ReadActions(f, 1_000_000)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", historyFile, err)
+	}
+	var extra *api.PolicyAction
+	if actionFile != "" {
+		b, err := os.ReadFile(actionFile)
+		if err != nil {
+			return nil, err
+		}
+		acts, err := policy.ReadActions(strings.NewReader(strings.ReplaceAll(string(b), "\n", " ")), 1)
+		if err != nil || len(acts) != 1 {
+			return nil, fmt.Errorf("%s: want one action (a JSON object): %v", actionFile, err)
+		}
+		extra = &acts[0]
+	}
+	return policy.Test(rs, hist, extra)
 }

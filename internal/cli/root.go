@@ -164,6 +164,10 @@ func newRootCmd(a *app) *cobra.Command {
 		newKillCmd(a),
 		newStatsCmd(a),
 		newMCPCmd(a),
+		newPolicyCmd(a),
+		newApprovalsCmd(a),
+		newApproveCmd(a),
+		newDenyCmd(a),
 		newAuditCmd(a),
 	)
 	for _, verb := range []string{"pause", "resume", "stop", "start", "wake", "suspend", "restore"} {

@@ -32,6 +32,7 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/sandbox"
 )
 
@@ -52,8 +53,8 @@ type Config struct {
 	Manager *sandbox.Manager
 	// Templates lists and removes templates (snapshots are templates).
 	Templates Templates
-	// APIKeyValid reports whether key is an API key of this server.
-	APIKeyValid func(key string) bool
+	// Authenticate returns the principal of an API key of this server.
+	Authenticate func(key string) (principal.Principal, error)
 	// Secret keys the sandboxes' envd access tokens.
 	Secret []byte
 	// PortToken is a sandbox's port access token (E2B's traffic token).
@@ -142,12 +143,55 @@ func (h *Handler) authAPI(next http.HandlerFunc) http.HandlerFunc {
 		if key == "" {
 			key, _ = strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
 		}
-		if key == "" || !h.cfg.APIKeyValid(key) {
-			h.writeAPIError(w, r, fmt.Errorf("missing or wrong API key (X-API-KEY header, E2B_API_KEY in the SDK): %w", errdefs.ErrUnauthorized))
+		if key == "" {
+			h.writeAPIError(w, r, fmt.Errorf("missing API key (X-API-KEY header, E2B_API_KEY in the SDK): %w", errdefs.ErrUnauthorized))
+			return
+		}
+		p, err := h.cfg.Authenticate(key)
+		if err != nil {
+			h.writeAPIError(w, r, err)
+			return
+		}
+		ctx := principal.With(r.Context(), p)
+		r = r.WithContext(ctx)
+		// Another tenant's sandbox is not found, as one that does not
+		// exist; then the key needs the scope of what it asks.
+		if id := r.PathValue("id"); id != "" && strings.Contains(r.Pattern, "/sandboxes/{id}") {
+			if _, err := h.cfg.Manager.Visible(ctx, id); err != nil {
+				h.writeAPIError(w, r, err)
+				return
+			}
+		}
+		if scope := controlScope(r); !p.Can(scope) {
+			h.writeAPIError(w, r, fmt.Errorf("this API key (%s) lacks the %s scope: %w", p.KeyName, scope, errdefs.ErrPermissionDenied))
 			return
 		}
 		next(w, r)
 	}
+}
+
+// controlScope is the scope a control-plane call needs.
+func controlScope(r *http.Request) string {
+	switch {
+	case strings.HasSuffix(r.Pattern, "/network"):
+		return principal.ScopeNetworkWrite
+	case strings.Contains(r.Pattern, "snapshots") || strings.Contains(r.Pattern, "/templates/"):
+		if r.Method == http.MethodGet {
+			return principal.ScopeTemplatesRead
+		}
+		return principal.ScopeTemplatesWrite
+	case r.Method == http.MethodGet:
+		return principal.ScopeSandboxRead
+	}
+	return principal.ScopeSandboxWrite
+}
+
+// tenantOf is sb's tenant ("" before tenants: the default one).
+func tenantOf(sb api.Sandbox) string {
+	if sb.Tenant == "" {
+		return principal.DefaultTenant
+	}
+	return sb.Tenant
 }
 
 // envdToken is sandbox sb's envd access token: an HMAC of its id and
@@ -207,8 +251,13 @@ func (h *Handler) authEnvd(signedOK bool, next http.HandlerFunc) http.HandlerFun
 			ok = subtle.ConstantTimeCompare([]byte(tok), []byte(h.envdToken(sb))) == 1
 		}
 		if !ok {
+			// An API key opens envd for its own tenant's sandboxes, with
+			// the scopes of what envd does (commands, files).
 			if key := r.Header.Get("X-API-KEY"); key != "" {
-				ok = h.cfg.APIKeyValid(key)
+				if p, err := h.cfg.Authenticate(key); err == nil && p.Sees(tenantOf(sb)) && p.Can(principal.ScopeExecWrite) && p.Can(principal.ScopeFilesWrite) {
+					ok = true
+					r = r.WithContext(principal.With(r.Context(), p))
+				}
 			}
 		}
 		if !ok && signedOK && r.URL.Query().Get("signature") != "" {

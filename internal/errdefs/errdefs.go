@@ -15,15 +15,18 @@ import (
 )
 
 var (
-	ErrInvalidArgument = errors.New("invalid argument") // 400
-	ErrUnauthorized    = errors.New("unauthorized")     // 401
-	ErrNotFound        = errors.New("not found")        // 404
-	ErrConflict        = errors.New("conflict")         // 409: wrong state, already exists
-	ErrTooLarge        = errors.New("too large")        // 413
-	ErrUnprocessable   = errors.New("unprocessable")    // 422: well-formed but semantically impossible
-	ErrNotSupported    = errors.New("not supported")    // 422: runtime lacks a capability
-	ErrUnavailable     = errors.New("unavailable")      // 503: transient (agent not reachable)
-	ErrTimeout         = errors.New("timeout")          // 504
+	ErrInvalidArgument  = errors.New("invalid argument")  // 400
+	ErrUnauthorized     = errors.New("unauthorized")      // 401
+	ErrPermissionDenied = errors.New("permission denied") // 403: missing scope, policy denied
+	ErrNotFound         = errors.New("not found")         // 404
+	ErrConflict         = errors.New("conflict")          // 409: wrong state, already exists
+	ErrPolicyDenied     = errors.New("denied by policy")  // 403: a policy rule or an approver refused the action
+	ErrTooLarge         = errors.New("too large")         // 413
+	ErrQuotaExceeded    = errors.New("quota exceeded")    // 429
+	ErrUnprocessable    = errors.New("unprocessable")     // 422: well-formed but semantically impossible
+	ErrNotSupported     = errors.New("not supported")     // 422: runtime lacks a capability
+	ErrUnavailable      = errors.New("unavailable")       // 503: transient (agent not reachable)
+	ErrTimeout          = errors.New("timeout")           // 504
 )
 
 type mapping struct {
@@ -36,8 +39,11 @@ type mapping struct {
 var table = []mapping{
 	{ErrInvalidArgument, api.CodeInvalidArgument},
 	{ErrUnauthorized, api.CodeUnauthorized},
+	{ErrPermissionDenied, api.CodePermissionDenied},
+	{ErrQuotaExceeded, api.CodeQuotaExceeded},
 	{ErrNotFound, api.CodeNotFound},
 	{ErrConflict, api.CodeConflict},
+	{ErrPolicyDenied, api.CodePolicyDenied},
 	{ErrTooLarge, api.CodeTooLarge},
 	{ErrNotSupported, api.CodeNotSupported},
 	{ErrUnprocessable, api.CodeUnprocessable},

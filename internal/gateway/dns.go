@@ -194,6 +194,20 @@ func (l *link) answer(query []byte, maxSize int) []byte {
 		l.events.add(ev)
 		return reply(h, qs, dnsmessage.RCodeRefused, nil, maxSize)
 	}
+	// The temporal policy has the last word (decide.go); its deny looks
+	// like the network policy's.
+	d, limited := l.decideDNS(name)
+	if limited {
+		ev.Verdict, ev.Reason = api.VerdictLimit, "too many dns queries waiting for a policy decision"
+		l.events.add(ev)
+		return reply(h, qs, dnsmessage.RCodeRefused, nil, maxSize)
+	}
+	if !d.Allowed() {
+		ev.Verdict, ev.Reason = api.VerdictDeny, deniedBy(d)
+		l.events.add(ev)
+		return reply(h, qs, dnsmessage.RCodeNameError, nil, maxSize)
+	}
+	rule = allowedBy(rule, d)
 	if q.Type != dnsmessage.TypeA {
 		// The link is IPv4 only; nothing but addresses ever leaves here
 		// (a TXT or NULL answer is a channel).

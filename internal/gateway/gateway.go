@@ -22,6 +22,7 @@ package gateway
 
 import (
 	"context"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -88,6 +89,10 @@ type Options struct {
 	// requests against the temporal policy (it may hold an action while an
 	// approval is pending); nil allows all.
 	Decider actions.Decider
+	// UpstreamRoots verify the real hosts' certificates on intercepted
+	// connections (credential brokering); nil: the system roots. Tests
+	// and the hidden --egress-upstream-ca add their own CA.
+	UpstreamRoots *x509.CertPool
 }
 
 // Gateway serves the links of many sandboxes.
@@ -131,13 +136,19 @@ func New(opts Options) (*Gateway, error) {
 
 // Attach starts serving one sandbox's NIC. The gateway takes its own
 // duplicate of nic; the caller keeps (and closes) nic. Attaching an id that
-// is attached replaces the old link (and ends its connections).
+// is attached replaces the old link (and ends its connections). The link
+// asks Options.Decider (LinkOptions.Decide); AttachWith can say otherwise.
 func (g *Gateway) Attach(id string, nic *os.File, p api.NetworkPolicy) error {
+	return g.AttachWith(id, nic, p, LinkOptions{Decide: true})
+}
+
+// AttachWith is Attach with the link's options.
+func (g *Gateway) AttachWith(id string, nic *os.File, p api.NetworkPolicy, o LinkOptions) error {
 	pol, err := netpolicy.Compile(p, g.opts.Policy)
 	if err != nil {
 		return err
 	}
-	l, err := newLink(g, id, nic, pol)
+	l, err := newLink(g, id, nic, pol, o)
 	if err != nil {
 		return err
 	}
@@ -165,6 +176,9 @@ func (g *Gateway) SetPolicy(id string, p api.NetworkPolicy) error {
 	l.setPolicy(pol)
 	return nil
 }
+
+// Decider is Options.Decider (AllowAll when none was given).
+func (g *Gateway) Decider() actions.Decider { return g.opts.Decider }
 
 // Detach stops serving id. Idempotent.
 func (g *Gateway) Detach(id string) {

@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"net/netip"
@@ -42,6 +43,10 @@ type link struct {
 	events *eventRing
 
 	policy atomic.Pointer[netpolicy.Policy]
+	// broker is the credential-brokering config (nil: nothing is
+	// intercepted); ruleCache the policy's header rules (mitm.go).
+	broker    atomic.Pointer[broker]
+	ruleCache atomic.Pointer[ruleCache]
 
 	bindings *bindings
 	dns      *dnsGuard
@@ -59,9 +64,17 @@ type link struct {
 	bytesOut   atomic.Int64
 	bytesIn    atomic.Int64
 	queries    atomic.Int64
+
+	// The temporal policy (decide.go): whether to ask, what waits for an
+	// answer, and ctx, which ends every wait when the link goes.
+	decideOn atomic.Bool
+	held     atomic.Int32 // connections waiting for a decision
+	heldDNS  atomic.Int32 // DNS queries waiting for a decision
+	ctx      context.Context
+	cancel   context.CancelFunc
 }
 
-func newLink(g *Gateway, id string, nic *os.File, pol *netpolicy.Policy) (_ *link, err error) {
+func newLink(g *Gateway, id string, nic *os.File, pol *netpolicy.Policy, o LinkOptions) (_ *link, err error) {
 	// Our own descriptor: the caller closes nic when Attach returns.
 	fd, err := unix.FcntlInt(nic.Fd(), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
@@ -103,6 +116,13 @@ func newLink(g *Gateway, id string, nic *os.File, pol *netpolicy.Policy) (_ *lin
 		dropEvents: rate.NewLimiter(20, 40),
 	}
 	l.policy.Store(pol)
+	l.decideOn.Store(o.Decide)
+	l.ctx, l.cancel = context.WithCancel(context.Background())
+	defer func() {
+		if err != nil {
+			l.cancel()
+		}
+	}()
 	if b := lim.BandwidthBytesPerSecond; b > 0 {
 		burst := int(min(b, 1<<20))
 		l.bwOut = rate.NewLimiter(rate.Limit(b), burst)
@@ -195,6 +215,7 @@ func (l *link) close() {
 		return
 	}
 	l.closed = true
+	l.cancel()
 	conns := l.conns
 	l.conns = map[*relay]struct{}{}
 	ingress := l.ingress

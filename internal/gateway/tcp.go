@@ -82,7 +82,7 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 		return
 	}
 	l.mu.Lock()
-	full := len(l.conns) >= l.g.opts.Limits.MaxConns
+	full := len(l.conns)+int(l.held.Load()) >= l.g.opts.Limits.MaxConns
 	l.mu.Unlock()
 	if full {
 		refuse(api.VerdictLimit, fmt.Sprintf("more than %d open connections", l.g.opts.Limits.MaxConns))
@@ -123,12 +123,31 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 	name, head, reason, ok := "", []byte(nil), v.Reason, true
 	if !byAddr {
 		name, head, ev.Protocol, reason, ok = l.proveName(c, pol, dst, port, opaque)
+	} else if n, h, isTLS := l.sniffByAddr(c, dst); isTLS {
+		name, head, ev.Protocol = n, h, "tls"
+	} else {
+		head = h
 	}
 	ev.Name = name
 	if !ok {
 		ev.Verdict, ev.Reason = api.VerdictDeny, reason
 		l.events.add(ev)
 		abort(c)
+		return
+	}
+	// The temporal policy has the last word (decide.go), before the host
+	// dials anything.
+	d, exe := l.decideConnect(id, name, ev.Protocol, dst, port)
+	ev.Exe = exe
+	if !d.Allowed() {
+		ev.Verdict, ev.Reason = api.VerdictDeny, deniedBy(d)
+		l.events.add(ev)
+		abort(c)
+		return
+	}
+	reason = allowedBy(reason, d)
+	if br := l.interceptor(pol, name); br != nil && ev.Protocol == "tls" {
+		l.intercept(c, head, &ev, br, name, dst, port, reason) // credential brokering (mitm.go)
 		return
 	}
 	l.relay(c, head, &ev, name, dst, port, reason)
@@ -326,6 +345,7 @@ type relay struct {
 	port      uint16
 	once      sync.Once
 	closedWhy string
+	onAbort   func() // an intercepted connection's pending decisions end
 }
 
 func (l *link) relay(c net.Conn, head []byte, ev *api.NetworkEvent, name string, dst netip.Addr, port uint16, rule string) {
@@ -396,6 +416,9 @@ func (l *link) relay(c net.Conn, head []byte, ev *api.NetworkEvent, name string,
 func (r *relay) abort(why string) {
 	r.once.Do(func() {
 		r.closedWhy = why
+		if r.onAbort != nil {
+			r.onAbort()
+		}
 		if why != "" {
 			abort(r.in)
 		} else {

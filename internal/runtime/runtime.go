@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"sort"
@@ -141,6 +142,20 @@ type NICProvider interface {
 	// instance runs; calling it again (for a restarted gateway) returns a
 	// new descriptor of the same link.
 	NIC(ctx context.Context) (*os.File, error)
+}
+
+// SocketOwner is implemented by instances whose host can see, without
+// trusting anything inside the sandbox, which executable holds one of its
+// sockets (native: the host reads the sandbox's socket table and its
+// processes' descriptors under /proc). Runtimes where only the sandbox's
+// own kernel knows (gvisor, microvm) do not implement it: the field stays
+// empty rather than be filled from anything the sandbox says.
+type SocketOwner interface {
+	// SocketOwner returns the executable (as its path reads in the
+	// sandbox's filesystem) of a process of the sandbox that holds the
+	// socket of protocol proto ("tcp") from local to remote, both as the
+	// sandbox sees them; an error wrapping errdefs.ErrNotFound if none.
+	SocketOwner(proto string, local, remote netip.AddrPort) (string, error)
 }
 
 // Pauser is implemented by instances that can stay resident without CPU.

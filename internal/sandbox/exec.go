@@ -14,6 +14,7 @@ import (
 	"github.com/coder/websocket"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/agentproto"
 	"github.com/spacehq/space/internal/errdefs"
@@ -99,8 +100,6 @@ func (m *Manager) Exec(ctx context.Context, id string, req api.ExecRequest) (api
 		return api.ExecResult{}, err
 	}
 	defer release()
-	m.obs.Exec("sync")
-	oomBefore := m.oomKills(ctx, id)
 	workdir, user := req.Workdir, req.User
 	if workdir == "" {
 		workdir = sb.Workdir
@@ -108,6 +107,11 @@ func (m *Manager) Exec(ctx context.Context, id string, req api.ExecRequest) (api
 	if user == "" {
 		user = sb.User
 	}
+	if err := m.decide(ctx, sb, actions.Action{Kind: actions.Exec, Argv: req.Cmd, User: user, Cwd: workdir}); err != nil {
+		return api.ExecResult{}, err
+	}
+	m.obs.Exec("sync")
+	oomBefore := m.oomKills(ctx, id)
 	m.auditCommandStart(ctx, sb, "exec", "exec", req.Cmd, user, workdir, nil)
 	res, err := c.Exec(ctx, agentproto.ExecRequest{
 		Cmd: req.Cmd, Env: mergeEnv(sb.Env, req.Env), Workdir: workdir, User: user,
@@ -197,6 +201,10 @@ func (m *Manager) CreateCommand(ctx context.Context, id string, req api.CreateCo
 func (m *Manager) startCommand(ctx context.Context, c *agentclient.Client, sb api.Sandbox, rec *store.CommandRecord) error {
 	if rec.State != api.CommandCreated {
 		return nil
+	}
+	// The process has not started: the policy decides before it does.
+	if err := m.decide(ctx, sb, actions.Action{Kind: actions.Exec, Argv: rec.Spec.Cmd, User: rec.Spec.User, Cwd: rec.Spec.Workdir}); err != nil {
+		return err
 	}
 	m.obs.Exec("session")
 	info, err := c.StartProc(ctx, agentproto.ProcStart{

@@ -11,6 +11,7 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/tenancy"
 )
 
 // Fork limits and the label that ties a child to its parent.
@@ -45,12 +46,40 @@ func (m *Manager) Fork(ctx context.Context, id string, req api.ForkRequest) (api
 	if sb.State != api.StateRunning {
 		return api.Operation{}, fmt.Errorf("sandbox %s is %s; only a running sandbox can be forked (wake it first): %w", id, sb.State, errdefs.ErrConflict)
 	}
+	if sb.Network != nil {
+		// The boundary may have narrowed since the parent's policy was set.
+		if err := m.bound(ctx, tenantOfSandbox(sb), *sb.Network); err != nil {
+			return api.Operation{}, err
+		}
+	}
 	op := newOperation(api.OpFork, id)
 	now := time.Now().UTC()
 	var kids []*entry
+	// The children count against the parent's tenant's quotas, all or
+	// none. Checked before any child record exists; the lock covers the
+	// inserts below.
+	q, err := m.cfg.Tenants.Quotas(ctx, tenantOfSandbox(sb))
+	if err != nil {
+		return api.Operation{}, err
+	}
+	if q != (api.Quotas{}) {
+		m.admitMu.Lock()
+		defer m.admitMu.Unlock()
+		u, err := m.Usage(ctx, tenantOfSandbox(sb))
+		if err != nil {
+			return api.Operation{}, err
+		}
+		add := make([]api.Limits, req.Count)
+		for i := range add {
+			add[i] = sb.Limits
+		}
+		if err := tenancy.Admit(q, u, add...); err != nil {
+			return api.Operation{}, err
+		}
+	}
 	for range req.Count {
 		child := api.Sandbox{
-			ID: newID("sb"), State: api.StateCreating, Runtime: sb.Runtime, Isolation: sb.Isolation,
+			ID: newID("sb"), Tenant: sb.Tenant, State: api.StateCreating, Runtime: sb.Runtime, Isolation: sb.Isolation,
 			Template: sb.Template, TemplateDigest: sb.TemplateDigest, Limits: sb.Limits,
 			Env: maps.Clone(sb.Env), Workdir: sb.Workdir, User: sb.User, Labels: maps.Clone(sb.Labels),
 			TTLSeconds: sb.TTLSeconds, OnExpiry: sb.OnExpiry, AllPortsPublic: sb.AllPortsPublic, Idle: sb.Idle, CreatedAt: now, UpdatedAt: now, LastActiveAt: now,

@@ -300,6 +300,7 @@ func (m *Manager) doDelete(ctx context.Context, p *phases, id string) error {
 		return err
 	}
 	m.forget(id)
+	m.forgetPolicy(id)
 	return nil
 }
 

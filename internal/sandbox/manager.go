@@ -26,6 +26,7 @@ import (
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/audit"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/store"
 	"github.com/spacehq/space/internal/template"
@@ -66,6 +67,8 @@ type Config struct {
 	// Audit receives the manager's audit events (lifecycle operations,
 	// command starts and exits, files changes); nil discards them.
 	Audit audit.Sink
+	// Tenants gives tenants' quotas and network boundaries; nil: none.
+	Tenants Tenants
 	// Decider decides the actions the manager sees (exec starts, files
 	// calls, lifecycle verbs) against the temporal policy; nil allows all.
 	Decider actions.Decider
@@ -93,6 +96,9 @@ type Manager struct {
 
 	netKick chan struct{} // NetworkRestarted → reconcile the links now
 
+	// admitMu makes a tenant's quota check and the insert it admits one
+	// step (tenants.go).
+	admitMu sync.Mutex
 	// Audit state (audit.go, netaudit.go): who asked for each running
 	// operation, and the follower recording each link's network verdicts.
 	opCallers    sync.Map // operation id → opCaller
@@ -130,6 +136,9 @@ func New(cfg Config) *Manager {
 	}
 	if cfg.Audit == nil {
 		cfg.Audit = audit.Nop{}
+	}
+	if cfg.Tenants == nil {
+		cfg.Tenants = noTenants{}
 	}
 	if cfg.Decider == nil {
 		cfg.Decider = actions.AllowAll{}
@@ -255,6 +264,12 @@ func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api
 		p := ClonePolicy(*req.Network)
 		req.Network = &p
 	}
+	tenant := tenantOf(ctx)
+	if req.Network != nil {
+		if err := m.bound(ctx, tenant, *req.Network); err != nil {
+			return api.Sandbox{}, api.Operation{}, err
+		}
+	}
 	rt, caps, err := m.pickRuntime(ctx, req.Runtime)
 	if err != nil {
 		return api.Sandbox{}, api.Operation{}, err
@@ -265,9 +280,16 @@ func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api
 	if req.Template == "" {
 		req.Template = m.cfg.BaseTemplateRef
 	}
+	// A build's step runs on the build's own intermediate templates; the
+	// build checked its FROM.
+	if req.Labels[BuildLabel] != BuildLabelStep {
+		if err := m.cfg.Tenants.UseTemplate(ctx, req.Template); err != nil {
+			return api.Sandbox{}, api.Operation{}, err
+		}
+	}
 	now := time.Now().UTC()
 	sb := api.Sandbox{
-		ID: newID("sb"), State: api.StateCreating, Runtime: rt.Name(), Isolation: caps.Isolation,
+		ID: newID("sb"), Tenant: tenant, State: api.StateCreating, Runtime: rt.Name(), Isolation: caps.Isolation,
 		Template: req.Template, Limits: lim, Env: req.Env, Workdir: req.Workdir, User: req.User, Labels: req.Labels,
 		TTLSeconds: req.TTLSeconds, OnExpiry: req.OnExpiry, AllPortsPublic: req.AllPortsPublic, Idle: req.Idle, Network: req.Network, CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
 	}
@@ -277,7 +299,7 @@ func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api
 	}
 	op := newOperation(api.OpCreate, sb.ID)
 	sb.OperationID = op.ID
-	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
+	if err := m.admitAndPut(ctx, tenant, func() error { return m.cfg.DB.PutSandbox(ctx, sb) }, sb.Limits); err != nil {
 		return api.Sandbox{}, api.Operation{}, err
 	}
 	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
@@ -419,7 +441,21 @@ func (m *Manager) List(ctx context.Context, state string, labels map[string]stri
 			return nil, invalid("unknown state %q", truncate(state, 32))
 		}
 	}
-	return m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{State: state, Labels: labels})
+	sbs, err := m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{State: state, Labels: labels})
+	if err != nil {
+		return nil, err
+	}
+	// A caller sees its own tenant's sandboxes (admin: all).
+	if p, ok := principal.From(ctx); ok && !p.Admin() {
+		mine := sbs[:0]
+		for _, sb := range sbs {
+			if p.Sees(tenantOfSandbox(sb)) {
+				mine = append(mine, sb)
+			}
+		}
+		sbs = mine
+	}
+	return sbs, nil
 }
 
 // GetOperation returns an operation, waiting up to wait for it to finish.
@@ -541,6 +577,11 @@ func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
 	if sb.Network == nil {
 		p := ClonePolicy(m.cfg.DefaultNetwork)
 		sb.Network = &p
+	}
+	// A policy from the template or the server default is held to the
+	// tenant's boundary like a requested one.
+	if err := m.bound(ctx, tenantOfSandbox(sb), *sb.Network); err != nil {
+		return fail(err)
 	}
 	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
 		return fail(err)

@@ -235,6 +235,9 @@ func (m *Manager) SetNetwork(ctx context.Context, id string, p api.NetworkPolicy
 	if sb.State == api.StateDeleting {
 		return api.Sandbox{}, wrongState(id, sb.State, "change the network policy of")
 	}
+	if err := m.bound(ctx, tenantOfSandbox(sb), p); err != nil {
+		return api.Sandbox{}, err
+	}
 	p = ClonePolicy(p)
 	sb.Network = &p
 	sb.UpdatedAt = time.Now().UTC()
@@ -317,3 +320,7 @@ func (m *Manager) NetworkRestarted() {
 	default:
 	}
 }
+
+// ValidatePolicy checks p as a sandbox's policy would be checked (tenant
+// boundaries are policies too).
+func ValidatePolicy(p api.NetworkPolicy) error { return validatePolicy(p) }

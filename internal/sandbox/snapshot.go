@@ -32,6 +32,9 @@ func (m *Manager) Snapshot(ctx context.Context, id, tag string) (_ api.Template,
 	if _, err := template.ParseTag(tag); err != nil {
 		return api.Template{}, err
 	}
+	if err := m.cfg.Tenants.ClaimTag(ctx, tag); err != nil {
+		return api.Template{}, err
+	}
 	if sb.State != api.StateRunning {
 		return api.Template{}, wrongState(id, sb.State, "snapshot")
 	}
@@ -91,13 +94,17 @@ func (m *Manager) Snapshot(ctx context.Context, id, tag string) (_ api.Template,
 	if err != nil {
 		return api.Template{}, fmt.Errorf("the sandbox's template: %w", err)
 	}
-	return m.cfg.Templates.Derive(ctx, sb.TemplateDigest, template.DeriveOptions{
+	t, err := m.cfg.Templates.Derive(ctx, sb.TemplateDigest, template.DeriveOptions{
 		Config: parent.Config, Source: SnapshotSource + id, Tags: []string{tag},
 		Layer: api.TemplateLayer{CreatedBy: "snapshot of sandbox " + id},
 		Apply: func(ctx context.Context, t *template.Tree) error {
 			return t.ApplyUpperDir(ctx, template.Upper{Dir: ch.Dir, OpaqueXattr: ch.OpaqueXattr, IDBase: ch.IDBase})
 		},
 	})
+	if err != nil {
+		return api.Template{}, err
+	}
+	return t, m.cfg.Tenants.OwnTag(ctx, tag)
 }
 
 // SnapshotOf is the sandbox a template was snapshotted from, if it was.

@@ -52,7 +52,7 @@ func rawRequest(t *testing.T, addr, head, body string, wait time.Duration) (*htt
 // TestBodyAnnouncedTooLarge: a JSON body announced larger than the limit is
 // answered 413 from the header at once, not waited for.
 func TestBodyAnnouncedTooLarge(t *testing.T) {
-	s := &Server{metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890"}
+	s := withKeys(t, &Server{metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890"})
 	addr := serveTest(t, s)
 	for _, path := range []string{"/v1/sandboxes", "/v1/sandboxes/sb-aaaaaaaaaaaaaaaa/stop", "/v1/sandboxes/sb-aaaaaaaaaaaaaaaa/fork"} {
 		head := "POST " + path + " HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + s.apiKey +
@@ -70,7 +70,7 @@ func TestBodyAnnouncedTooLarge(t *testing.T) {
 func TestStalledBodyIsCut(t *testing.T) {
 	defer func(d time.Duration) { bodyTimeout = d }(bodyTimeout)
 	bodyTimeout = 300 * time.Millisecond
-	s := &Server{metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890"}
+	s := withKeys(t, &Server{metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890"})
 	addr := serveTest(t, s)
 	head := "POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + s.apiKey +
 		"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"

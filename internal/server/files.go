@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/sandbox"
@@ -44,6 +45,10 @@ func (s *Server) fileOp(w http.ResponseWriter, r *http.Request, fn func(c *agent
 	}
 	as, err := asUser(r.URL.Query().Get("user"))
 	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if err := s.decide(r, actions.Action{Kind: fileKind(r.Method), Path: p}); err != nil {
 		writeError(w, r, err)
 		return
 	}
@@ -255,6 +260,10 @@ func (s *Server) mkdir(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
+	if err := s.decide(r, actions.Action{Kind: actions.FileWrite, Path: req.Path}); err != nil {
+		writeError(w, r, err)
+		return
+	}
 	s.agentOp(w, r, func(c *agentclient.Client) error {
 		fi, err := c.Mkdir(r.Context(), req.Path, mode, as)
 		s.mgr.AuditFiles(r.Context(), r.PathValue("id"), "mkdir", req.Path, "", err)
@@ -282,6 +291,13 @@ func (s *Server) rename(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		writeError(w, r, err)
 		return
+	}
+	// A rename deletes its source and writes its target.
+	for _, a := range []actions.Action{{Kind: actions.FileDelete, Path: req.From}, {Kind: actions.FileWrite, Path: req.To}} {
+		if err := s.decide(r, a); err != nil {
+			writeError(w, r, err)
+			return
+		}
 	}
 	s.agentOp(w, r, func(c *agentclient.Client) error {
 		err := c.Rename(r.Context(), req.From, req.To, as)
@@ -311,6 +327,10 @@ func (s *Server) watchDir(w http.ResponseWriter, r *http.Request) {
 	}
 	req := api.WatchRequest{Path: q.Get("path"), Recursive: rec, User: q.Get("user")}
 	if err := checkPath(req.Path); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if err := s.decide(r, actions.Action{Kind: actions.FileRead, Path: req.Path}); err != nil {
 		writeError(w, r, err)
 		return
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/coder/websocket"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/errdefs"
 )
 
@@ -81,6 +82,10 @@ func (s *Server) deleteSandbox(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
+	if err := s.decide(r, actions.Action{Kind: actions.Lifecycle, Verb: api.OpDelete}); err != nil {
+		writeError(w, r, err)
+		return
+	}
 	op, err := s.mgr.Lifecycle(r.Context(), r.PathValue("id"), api.OpDelete, force)
 	if err != nil {
 		writeError(w, r, err)
@@ -101,6 +106,10 @@ func (s *Server) lifecycle(verb string) http.HandlerFunc {
 				return
 			}
 		}
+		if err := s.decide(r, actions.Action{Kind: actions.Lifecycle, Verb: verb}); err != nil {
+			writeError(w, r, err)
+			return
+		}
 		op, err := s.mgr.Lifecycle(r.Context(), r.PathValue("id"), verb, false)
 		if err != nil {
 			writeError(w, r, err)
@@ -117,6 +126,10 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 			writeError(w, r, err)
 			return
 		}
+	}
+	if err := s.decide(r, actions.Action{Kind: actions.Lifecycle, Verb: api.OpFork}); err != nil {
+		writeError(w, r, err)
+		return
 	}
 	// The manager validates the count (1..api.MaxForkCount, 0 = 1).
 	op, err := s.mgr.Fork(r.Context(), r.PathValue("id"), req)
@@ -147,7 +160,19 @@ func (s *Server) getOperation(w http.ResponseWriter, r *http.Request) {
 		}
 		wait = d
 	}
-	op, err := s.mgr.GetOperation(r.Context(), r.PathValue("id"), wait)
+	id := r.PathValue("id")
+	// Another tenant's operation is not found. The check comes first, so
+	// a wait never tells anything about it either; an operation whose
+	// sandbox is gone (a finished delete) is shown to whoever has its id.
+	if op, err := s.mgr.GetOperation(r.Context(), id, 0); err == nil {
+		if _, err := s.mgr.Visible(r.Context(), op.SandboxID); err != nil {
+			if _, gerr := s.mgr.Get(r.Context(), op.SandboxID); gerr == nil {
+				writeError(w, r, fmt.Errorf("operation %s not found: %w", id, errdefs.ErrNotFound))
+				return
+			}
+		}
+	}
+	op, err := s.mgr.GetOperation(r.Context(), id, wait)
 	if err != nil {
 		writeError(w, r, err)
 		return

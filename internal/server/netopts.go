@@ -46,6 +46,10 @@ type NetworkOptions struct {
 	// DialGuard "loopback" makes the gateway refuse, and log as a
 	// violation, every dial off this machine (tests: nothing may leave it).
 	DialGuard string
+	// UpstreamCA is a PEM file of extra roots the gateway trusts for the
+	// real hosts of intercepted (credential-brokered) connections, on top
+	// of the system roots (tests: local HTTPS servers with their own CA).
+	UpstreamCA string
 	// GatewayBinary overrides discovery of space-gateway (else
 	// $SPACE_GATEWAY_BIN, next to space, next to space-agent).
 	GatewayBinary string
@@ -124,7 +128,11 @@ func DefaultDNSUpstream(resolvConf string) (string, error) {
 // user), it returns nil with a warning: sandboxes then get no network link
 // at all (the security default: nothing escapes), and their policies are
 // stored but show attached=false.
-func startNetwork(opts NetworkOptions) (sandbox.Network, error) {
+//
+// dec is the server's Decider: the gateway asks it about the DNS queries
+// and connections of the sandboxes it applies to (decisions.go), once
+// serveDecisions has started the stream.
+func startNetwork(opts NetworkOptions, dec *deciderRef) (sandbox.Network, error) {
 	log := opts.logger()
 	if opts.Disabled {
 		return nil, nil
@@ -141,12 +149,12 @@ func startNetwork(opts NetworkOptions) (sandbox.Network, error) {
 		log.Warn("not root: the network gateway cannot be started as its own user; sandboxes get no network link")
 		return nil, nil
 	}
-	set := gwctl.Settings{DNSUpstream: opts.DNSUpstream, DialGuard: opts.DialGuard, BandwidthMiB: opts.BandwidthMiB}
+	set := gwctl.Settings{DNSUpstream: opts.DNSUpstream, DialGuard: opts.DialGuard, BandwidthMiB: opts.BandwidthMiB, UpstreamCA: opts.UpstreamCA}
 	for _, p := range opts.AllowPrivate {
 		set.AllowPrivate = append(set.AllowPrivate, p.String())
 	}
 	set.Protect = hostAddresses()
-	n := &gatewayNetwork{}
+	n := &gatewayNetwork{dec: dec, log: log}
 	sup := &gwctl.Supervisor{Binary: bin, Dir: filepath.Join(opts.DataDir, "network"), Settings: set,
 		Logger: log.With("component", "gateway"), OnRestart: func() {
 			if f := n.onRestart.Load(); f != nil {
@@ -169,6 +177,44 @@ type gatewayNetwork struct {
 	// onRestart is what to do when the supervisor replaced a dead gateway
 	// (the manager, once it exists, re-attaches every link).
 	onRestart atomic.Pointer[func()]
+	// dec answers the gateway's questions on the decisions stream, which
+	// stopDecisions ends.
+	dec           *deciderRef
+	log           *slog.Logger
+	stopDecisions context.CancelFunc
+	decisionsDone chan struct{}
+}
+
+// Attach attaches with whether the server's Decider applies to the
+// sandbox: if not, the gateway never asks about it.
+func (n *gatewayNetwork) Attach(ctx context.Context, id string, nic *os.File, p api.NetworkPolicy) error {
+	return n.Client.AttachDecide(ctx, id, nic, p, n.dec.applies(id))
+}
+
+// refreshScope re-tells the gateway, for every link, whether the Decider
+// applies (after a rule change).
+func (n *gatewayNetwork) refreshScope(ctx context.Context) {
+	ids, err := n.Attached(ctx)
+	if err != nil {
+		n.log.Warn("telling the gateway which sandboxes have rules: listing its links", "err", err)
+		return
+	}
+	for _, id := range ids {
+		if err := n.SetDecide(ctx, id, n.dec.applies(id)); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+			n.log.Warn("telling the gateway whether a sandbox has rules", "sandbox", id, "err", err)
+		}
+	}
+}
+
+// serveDecisions keeps the gateway's decisions stream open, answering with
+// the server's Decider, until Close (re-opened after a gateway restart).
+func (n *gatewayNetwork) serveDecisions(mgr *sandbox.Manager) {
+	ctx, cancel := context.WithCancel(context.Background())
+	n.stopDecisions, n.decisionsDone = cancel, make(chan struct{})
+	go func() {
+		defer close(n.decisionsDone)
+		n.Client.RunDecisions(ctx, decideFor(n.dec, mgr), n.log.With("component", "decisions"))
+	}()
 }
 
 // OnRestart sets what runs after a dead gateway was replaced.
@@ -178,6 +224,10 @@ func (n *gatewayNetwork) OnRestart(f func()) { n.onRestart.Store(&f) }
 // sandbox (the next server adopts it: a restart cuts no sandbox off); with
 // nothing to serve it is stopped.
 func (n *gatewayNetwork) Close() error {
+	if n.stopDecisions != nil {
+		n.stopDecisions()
+		<-n.decisionsDone
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	ids, err := n.Attached(ctx)

@@ -16,11 +16,13 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/audit"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/fakeruntime"
 	"github.com/spacehq/space/internal/sandbox"
 	"github.com/spacehq/space/internal/store"
 	"github.com/spacehq/space/internal/template"
+	"github.com/spacehq/space/internal/templatesvc"
 	"github.com/spacehq/space/internal/testenv"
 )
 
@@ -54,10 +56,14 @@ func newNetServer(t *testing.T) *netServer {
 	}
 	rt := fakeruntime.New(runtime.Config{DataDir: filepath.Join(dir, "fake"), AgentBinary: testenv.AgentBinary(t)})
 	netw := sandbox.NewFakeNetwork()
+	keys := testKeyStore(t, db, "sk_test_key_1234567890")
+	tenants := &tenantsOf{keys: keys}
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: map[string]runtime.Runtime{fakeruntime.Name: rt},
-		Logger: log, BaseTemplateRef: "tiny:latest", Network: netw})
+		Logger: log, BaseTemplateRef: "tiny:latest", Network: netw, Tenants: tenants})
+	tenants.tsvc = templatesvc.New(templatesvc.Config{Templates: tmpl, Sandboxes: mgr, Logger: log, Owners: keys})
 	s := &Server{cfg: Config{Logger: log}, db: db, tmpl: tmpl, mgr: mgr, metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890",
-		portSecret: []byte("0123456789abcdef0123456789abcdef")}
+		keys: keys, tmplsvc: tenants.tsvc, audit: audit.Nop{}, portSecret: []byte("0123456789abcdef0123456789abcdef")}
+	withKeys(t, s)
 	s.handler = s.routes()
 	ns := &netServer{s: s, netw: netw, done: make(chan string, 16)}
 	hs := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

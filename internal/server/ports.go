@@ -27,7 +27,9 @@ import (
 	"github.com/coder/websocket"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/sandbox"
 )
 
@@ -105,19 +107,71 @@ func parsePort(v string) (int, error) {
 
 // portInfo describes how to reach port of sb, in the URLs of the server
 // as r reached it.
-func (s *Server) portInfo(r *http.Request, sb api.Sandbox, port int) api.PortInfo {
+func (s *Server) portInfo(r *http.Request, sb api.Sandbox, port int, ttl time.Duration) api.PortInfo {
+	exp := time.Now().Add(ttl).Truncate(time.Second).UTC()
 	scheme := "http"
 	if r.TLS != nil {
 		scheme = "https"
 	}
 	domain := s.portDomain(r)
 	return api.PortInfo{
-		Port:    port,
-		URL:     fmt.Sprintf("%s://%d-%s.%s/", scheme, port, sb.ID, domain),
-		PathURL: fmt.Sprintf("%s://%s/v1/sandboxes/%s/ports/%d/", scheme, r.Host, sb.ID, port),
-		Token:   s.portToken(sb),
-		Public:  sb.AllPortsPublic || slices.Contains(sb.PublicPorts, port),
+		Port:           port,
+		URL:            fmt.Sprintf("%s://%d-%s.%s/", scheme, port, sb.ID, domain),
+		PathURL:        fmt.Sprintf("%s://%s/v1/sandboxes/%s/ports/%d/", scheme, r.Host, sb.ID, port),
+		Token:          s.portTokenUntil(sb, exp),
+		Public:         sb.AllPortsPublic || slices.Contains(sb.PublicPorts, port),
+		TokenExpiresAt: &exp,
 	}
+}
+
+// Port tokens handed out by the native API expire; ttl bounds.
+const (
+	defaultPortTokenTTL = 24 * time.Hour
+	maxPortTokenTTL     = 30 * 24 * time.Hour
+)
+
+// portTokenTTL reads the ttl query parameter of a port info request.
+func portTokenTTL(r *http.Request) (time.Duration, error) {
+	v := r.URL.Query().Get("ttl")
+	if v == "" {
+		return defaultPortTokenTTL, nil
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d < time.Minute || d > maxPortTokenTTL {
+		return 0, fmt.Errorf("ttl must be a duration between 1m and %s, got %q: %w", maxPortTokenTTL, truncateQuery(v), errdefs.ErrInvalidArgument)
+	}
+	return d, nil
+}
+
+// portTokenUntil is an access token to sb's ports that expires at exp:
+// "spt2.<unix exp>.<HMAC of sandbox id, creation time and exp>". Like the
+// sandbox-lifetime token (portToken, E2B's traffic token) it opens one
+// sandbox only, and nothing once the sandbox is deleted.
+func (s *Server) portTokenUntil(sb api.Sandbox, exp time.Time) string {
+	if len(s.portSecret) == 0 {
+		return ""
+	}
+	m := hmac.New(sha256.New, s.portSecret)
+	fmt.Fprintf(m, "space port token v2\x00%s\x00%d\x00%d", sb.ID, sb.CreatedAt.UnixNano(), exp.Unix())
+	return fmt.Sprintf("spt2.%d.%s", exp.Unix(), base64.RawURLEncoding.EncodeToString(m.Sum(nil)))
+}
+
+// validPortToken reports whether v opens sb's ports at now.
+func (s *Server) validPortToken(sb api.Sandbox, v string, now time.Time) bool {
+	if v == "" || len(s.portSecret) == 0 {
+		return false
+	}
+	if rest, ok := strings.CutPrefix(v, "spt2."); ok {
+		expS, _, ok := strings.Cut(rest, ".")
+		exp, err := strconv.ParseInt(expS, 10, 64)
+		if !ok || err != nil || now.Unix() >= exp {
+			return false
+		}
+		want := s.portTokenUntil(sb, time.Unix(exp, 0))
+		return subtle.ConstantTimeCompare([]byte(v), []byte(want)) == 1
+	}
+	want := s.portToken(sb)
+	return subtle.ConstantTimeCompare([]byte(v), []byte(want)) == 1
 }
 
 // portDomain is the domain of host-routed port URLs as r reached the
@@ -148,12 +202,17 @@ func (s *Server) getPort(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
+	ttl, err := portTokenTTL(r)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
 	sb, err := s.mgr.Get(r.Context(), r.PathValue("id"))
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, s.portInfo(r, sb, port))
+	writeJSON(w, http.StatusOK, s.portInfo(r, sb, port, ttl))
 }
 
 func (s *Server) putPort(w http.ResponseWriter, r *http.Request) {
@@ -167,12 +226,16 @@ func (s *Server) putPort(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
+	if err := s.decide(r, actions.Action{Kind: actions.Port, Port: port}); err != nil {
+		writeError(w, r, err)
+		return
+	}
 	sb, err := s.mgr.SetPortPublic(r.Context(), r.PathValue("id"), port, ps.Public)
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, s.portInfo(r, sb, port))
+	writeJSON(w, http.StatusOK, s.portInfo(r, sb, port, defaultPortTokenTTL))
 }
 
 // hostRoute reports whether host (a Host header) names a sandbox port:
@@ -211,17 +274,18 @@ func (s *Server) authorizePort(r *http.Request, id string, port int, tcp bool) (
 	if err != nil {
 		return sb, "", false, err
 	}
-	token = s.portToken(sb)
-	matches := func(v string) bool {
-		return token != "" && v != "" && subtle.ConstantTimeCompare([]byte(v), []byte(token)) == 1
-	}
+	matches := func(v string) bool { return s.validPortToken(sb, v, time.Now()) }
 	ok := sb.AllPortsPublic || slices.Contains(sb.PublicPorts, port)
 	// API key: only an Authorization that is the key is consumed; the
 	// service's own Authorization passes through.
-	if bearer, has := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer "); has &&
-		subtle.ConstantTimeCompare([]byte(bearer), []byte(s.apiKey)) == 1 {
-		ok = true
-		r.Header.Del("Authorization")
+	// The key must see the sandbox's tenant and may read its ports.
+	if bearer, has := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer "); has {
+		if p, err := s.keys.Authenticate(bearer); err == nil {
+			if p.Sees(sb.Tenant) && p.Can(principal.ScopeNetworkRead) {
+				ok = true
+			}
+			r.Header.Del("Authorization")
+		}
 	}
 	// E2B's SDK users send the traffic token in e2b-traffic-access-token.
 	for _, hdr := range []string{api.PortTokenHeader, "E2b-Traffic-Access-Token"} {
@@ -233,7 +297,7 @@ func (s *Server) authorizePort(r *http.Request, id string, port int, tcp bool) (
 	q := r.URL.Query()
 	if v := q.Get(api.PortTokenQuery); v != "" || q.Has(api.PortTokenQuery) {
 		if matches(v) {
-			ok, fromQuery = true, !tcp
+			ok, fromQuery, token = true, !tcp, v
 		}
 		q.Del(api.PortTokenQuery)
 		r.URL.RawQuery = q.Encode()

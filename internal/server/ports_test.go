@@ -90,7 +90,7 @@ func TestPortProxy(t *testing.T) {
 	var pi api.PortInfo
 	ns.call(t, "GET", base, "", 200, &pi)
 	_, srvPort, _ := net.SplitHostPort(strings.TrimPrefix(ns.url, "http://"))
-	if pi.Port != 8000 || pi.Public || !strings.HasPrefix(pi.Token, "spt_") ||
+	if pi.Port != 8000 || pi.Public || !strings.HasPrefix(pi.Token, "spt2.") || pi.TokenExpiresAt == nil ||
 		pi.URL != "http://8000-"+id+".localhost:"+srvPort+"/" || pi.PathURL != ns.url+base+"/" {
 		t.Fatalf("port info %+v", pi)
 	}

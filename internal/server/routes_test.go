@@ -27,7 +27,7 @@ func TestOpenAPIMatchesRoutes(t *testing.T) {
 	if err := yaml.Unmarshal(api.OpenAPI, &doc); err != nil {
 		t.Fatal(err)
 	}
-	s := &Server{metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890"}
+	s := withKeys(t, &Server{metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890"})
 	table := map[string]route{}
 	for _, rt := range s.routeTable() {
 		if _, dup := table[rt.pattern]; dup {

@@ -6,7 +6,6 @@ package server
 import (
 	"context"
 	"crypto/rand"
-	"crypto/subtle"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -25,9 +24,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/audit"
 	"github.com/spacehq/space/internal/e2b"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/policy"
 	"github.com/spacehq/space/internal/runtime"
 	_ "github.com/spacehq/space/internal/runtime/gvisor"  // registers "gvisor"
 	_ "github.com/spacehq/space/internal/runtime/microvm" // registers "microvm"
@@ -36,6 +37,7 @@ import (
 	"github.com/spacehq/space/internal/store"
 	"github.com/spacehq/space/internal/template"
 	"github.com/spacehq/space/internal/templatesvc"
+	"github.com/spacehq/space/internal/tenancy"
 )
 
 // Config configures a server.
@@ -67,6 +69,13 @@ type Config struct {
 	// "localhost:7070"; empty: derived from the Host each request used
 	// (a loopback address becomes localhost).
 	PortDomain string
+	// Decider decides the actions the platform sees (the network
+	// gateway's DNS queries and connections among them); nil allows all.
+	// Tests set it; the server's policy engine is used when it is nil.
+	Decider actions.Decider
+	// ApprovalTimeout is how long an action a policy rule asks about waits
+	// for an answer before it is denied (default 5m).
+	ApprovalTimeout time.Duration
 	// Audit configures the tamper-evident audit log (retention, checkpoints).
 	Audit AuditOptions
 }
@@ -80,7 +89,8 @@ type Server struct {
 	mgr      *sandbox.Manager
 	tmplsvc  *templatesvc.Service
 	metrics  *metrics
-	apiKey   string
+	apiKey   string // the api-key file's key (the first admin key)
+	keys     *tenancy.Store
 	handler  http.Handler
 	netw     sandbox.Network // nil: no gateway, sandboxes have no network
 	// portSecret keys the sandboxes' port access tokens (ports.go).
@@ -93,6 +103,16 @@ type Server struct {
 	// auditLog is the same log, for the routes that read it.
 	audit    audit.Sink
 	auditLog *audit.Log
+	// decider is the server's Decider (Config.Decider, else AllowAll);
+	// setDecider swaps it (decisions.go).
+	decider *deciderRef
+	// policy is the temporal policy engine, the Decider of every action
+	// (internal/policy; policy.go).
+	policy *policy.Engine
+	// checkBoundary is an extra check of a proposal's policy before
+	// SetNetwork (which itself refuses a policy outside the tenant's
+	// boundary); nil: none.
+	checkBoundary func(ctx context.Context, sandboxID string, p api.NetworkPolicy) error
 	// self is the in-process connection the /mcp handler's SDK clients
 	// use to reach this server's own handler (mcp.go).
 	self selfConn
@@ -171,10 +191,6 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		return nil, err
 	}
 	jailBin := findJail(cfg)
-	key, err := loadOrCreateAPIKey(cfg.DataDir, cfg.APIKeyOut)
-	if err != nil {
-		return nil, err
-	}
 	portSecret, err := loadOrCreatePortSecret(cfg.DataDir)
 	if err != nil {
 		return nil, fmt.Errorf("port token key: %w", err)
@@ -186,6 +202,16 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	for _, p := range []string{dbPath, dbPath + "-wal", dbPath + "-shm"} {
 		os.Chmod(p, 0o600)
+	}
+	keys, err := tenancy.Open(ctx, db.SQL())
+	if err != nil {
+		db.Close()
+		return nil, err
+	}
+	key, err := firstKey(ctx, keys, cfg.DataDir, cfg.APIKeyOut)
+	if err != nil {
+		db.Close()
+		return nil, err
 	}
 	tmpl, err := template.Open(db.SQL(), filepath.Join(cfg.DataDir, "templates"), cfg.CacheDir, cfg.Logger)
 	if err != nil {
@@ -205,14 +231,36 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		rts[name] = rt
 	}
 	met := newMetrics(db)
+	alog, err := openAudit(ctx, cfg)
+	if err != nil {
+		db.Close()
+		return nil, fmt.Errorf("opening the audit log: %w", err)
+	}
+	// The policy engine exists before the gateway so that the gateway's
+	// decisions (DNS, connections) can be asked of it too.
+	srv := new(Server)
+	eng, err := policy.New(ctx, policy.Config{DB: db.SQL(), ApprovalTimeout: cfg.ApprovalTimeout, Audit: auditVia{srv}, Logger: cfg.Logger})
+	if err != nil {
+		alog.Close()
+		db.Close()
+		return nil, fmt.Errorf("opening the policy engine: %w", err)
+	}
 	nopts := cfg.Network
 	nopts.DataDir, nopts.Logger, nopts.AgentBinary = cfg.DataDir, cfg.Logger, agentBin
 	if err := nopts.check(); err != nil {
+		alog.Close()
 		db.Close()
 		return nil, err
 	}
-	netw, err := startNetwork(nopts)
+	dec := newDeciderRef(cfg.Decider)
+	if cfg.Decider == nil {
+		// The gateway asks the policy engine (about sandboxes it has
+		// rules for).
+		dec.set(policyDecider{eng: eng, srv: srv})
+	}
+	netw, err := startNetwork(nopts, dec)
 	if err != nil {
+		alog.Close()
 		db.Close()
 		return nil, fmt.Errorf("starting the network gateway: %w", err)
 	}
@@ -222,16 +270,16 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if nc, ok := netw.(networkCounters); ok {
 		met.reg.MustRegister(&networkCollector{net: nc})
 	}
-	alog, err := openAudit(ctx, cfg)
-	if err != nil {
-		closeNetwork(netw, cfg.Logger)
-		db.Close()
-		return nil, fmt.Errorf("opening the audit log: %w", err)
-	}
+	tenants := &tenantsOf{keys: keys, allowPrivate: nopts.AllowPrivate}
+	// The manager records into the log itself (not through auditVia): it
+	// resumes its network followers from the log's cursor.
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: rts, Logger: cfg.Logger, Observer: met,
-		Network: netw, DefaultNetwork: nopts.Default, Audit: alog})
+		Network: netw, DefaultNetwork: nopts.Default, Tenants: tenants, Decider: eng, Audit: alog})
 	if r, ok := netw.(interface{ OnRestart(func()) }); ok {
 		r.OnRestart(mgr.NetworkRestarted)
+	}
+	if gn, ok := netw.(*gatewayNetwork); ok {
+		gn.serveDecisions(mgr)
 	}
 	if err := mgr.Reconcile(ctx); err != nil {
 		mgr.Close()
@@ -249,12 +297,15 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	mgr.Run()
 	tsvc := templatesvc.New(templatesvc.Config{Templates: tmpl, Runtimes: rts, Sandboxes: mgr, Logger: cfg.Logger,
-		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries})
-	s := &Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, netw: netw, portSecret: portSecret, audit: alog, auditLog: alog}
+		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries, Owners: keys})
+	tenants.tsvc = tsvc
+	s := srv
+	*s = Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, keys: keys, netw: netw, portSecret: portSecret, audit: alog, auditLog: alog,
+		policy: eng, decider: dec}
 	s.e2b = e2b.New(e2b.Config{
 		Manager:      mgr,
 		Templates:    tsvc,
-		APIKeyValid:  func(k string) bool { return subtle.ConstantTimeCompare([]byte(k), []byte(key)) == 1 },
+		Authenticate: keys.Authenticate,
 		Secret:       portSecret,
 		PortToken:    s.portToken,
 		Domain:       s.portDomain,
@@ -262,11 +313,18 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		Logger:       cfg.Logger.With("api", "e2b"),
 	})
 	s.handler = s.routes()
+	// A gateway this server adopted may serve links under another
+	// server's Decider: say again which sandboxes this one applies to.
+	s.decisionScopeChanged()
 	return s, nil
 }
 
 // Handler is the server's HTTP handler.
 func (s *Server) Handler() http.Handler { return s.handler }
+
+// Decider is the server's policy engine, the actions.Decider of every
+// action it sees (the gateway's DNS queries and connections too).
+func (s *Server) Decider() *policy.Engine { return s.policy }
 
 // Manager exposes the sandbox manager (tests, benchmarks).
 func (s *Server) Manager() *sandbox.Manager { return s.mgr }
@@ -372,17 +430,6 @@ func loadOrCreateAPIKey(dir string, notice *os.File) (string, error) {
 	return k, nil
 }
 
-func (s *Server) authed(h http.HandlerFunc) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
-		tok, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-		if !ok || subtle.ConstantTimeCompare([]byte(tok), []byte(s.apiKey)) != 1 {
-			writeError(w, r, fmt.Errorf("missing or wrong API key (Authorization: Bearer <key>): %w", errdefs.ErrUnauthorized))
-			return
-		}
-		h(w, r)
-	}
-}
-
 type statusWriter struct {
 	http.ResponseWriter
 	code int
@@ -430,6 +477,9 @@ const (
 type route struct {
 	pattern string // "METHOD /path" as the mux and the OpenAPI file write it
 	access  access
+	// scope is what an API-key route's key must hold (principal.Scope…);
+	// "" = any valid key.
+	scope   string
 	body    bodyKind
 	handler http.Handler
 	// fallback routes answer requests no documented route matches with a
@@ -456,49 +506,62 @@ func (s *Server) routeTable() []route {
 		{pattern: "GET /metrics", access: public, handler: promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{})},
 		{pattern: "POST /mcp", body: bodyStream, handler: s.mcpHandler()},
 		{pattern: "GET /v1/info", handler: h(s.info)},
-		{pattern: "POST /v1/sandboxes", handler: h(s.createSandbox)},
-		{pattern: "GET /v1/sandboxes", handler: h(s.listSandboxes)},
-		{pattern: "GET /v1/sandboxes/{id}", handler: h(s.getSandbox)},
-		{pattern: "DELETE /v1/sandboxes/{id}", handler: h(s.deleteSandbox)},
-		{pattern: "POST /v1/sandboxes/{id}/{verb}", handler: h(s.unknownVerb), fallback: true},
-		{pattern: "GET /v1/operations/{id}", handler: h(s.getOperation)},
-		{pattern: "POST /v1/sandboxes/{id}/exec", handler: h(s.exec)},
-		{pattern: "POST /v1/sandboxes/{id}/commands", handler: h(s.createCommand)},
-		{pattern: "GET /v1/sandboxes/{id}/commands", handler: h(s.listCommands)},
-		{pattern: "GET /v1/sandboxes/{id}/commands/{cid}", handler: h(s.getCommand)},
-		{pattern: "POST /v1/sandboxes/{id}/commands/{cid}/signal", handler: h(s.signalCommand)},
-		{pattern: "POST /v1/sandboxes/{id}/commands/{cid}/token", handler: h(s.refreshToken)},
+		{pattern: "POST /v1/sandboxes", scope: "sandbox:write", handler: h(s.createSandbox)},
+		{pattern: "GET /v1/sandboxes", scope: "sandbox:read", handler: h(s.listSandboxes)},
+		{pattern: "GET /v1/sandboxes/{id}", scope: "sandbox:read", handler: h(s.getSandbox)},
+		{pattern: "DELETE /v1/sandboxes/{id}", scope: "sandbox:write", handler: h(s.deleteSandbox)},
+		{pattern: "POST /v1/sandboxes/{id}/{verb}", scope: "sandbox:write", handler: h(s.unknownVerb), fallback: true},
+		{pattern: "GET /v1/operations/{id}", scope: "sandbox:read", handler: h(s.getOperation)},
+		{pattern: "POST /v1/sandboxes/{id}/exec", scope: "exec:write", handler: h(s.exec)},
+		{pattern: "POST /v1/sandboxes/{id}/commands", scope: "exec:write", handler: h(s.createCommand)},
+		{pattern: "GET /v1/sandboxes/{id}/commands", scope: "exec:read", handler: h(s.listCommands)},
+		{pattern: "GET /v1/sandboxes/{id}/commands/{cid}", scope: "exec:read", handler: h(s.getCommand)},
+		{pattern: "POST /v1/sandboxes/{id}/commands/{cid}/signal", scope: "exec:write", handler: h(s.signalCommand)},
+		{pattern: "POST /v1/sandboxes/{id}/commands/{cid}/token", scope: "exec:write", handler: h(s.refreshToken)},
 		{pattern: "GET /v1/sandboxes/{id}/commands/{cid}/attach", access: attachToken, handler: h(s.attach)},
-		{pattern: "GET /v1/sandboxes/{id}/files", handler: h(s.readFile)},
-		{pattern: "PUT /v1/sandboxes/{id}/files", body: bodyStream, handler: h(s.writeFile)},
-		{pattern: "DELETE /v1/sandboxes/{id}/files", handler: h(s.removeFile)},
-		{pattern: "GET /v1/sandboxes/{id}/files/stat", handler: h(s.statFile)},
-		{pattern: "GET /v1/sandboxes/{id}/files/list", handler: h(s.listFiles)},
-		{pattern: "POST /v1/sandboxes/{id}/files/mkdir", handler: h(s.mkdir)},
-		{pattern: "POST /v1/sandboxes/{id}/files/rename", handler: h(s.rename)},
-		{pattern: "GET /v1/sandboxes/{id}/files/tar", handler: h(s.tarGet)},
-		{pattern: "PUT /v1/sandboxes/{id}/files/tar", body: bodyStream, handler: h(s.tarPut)},
-		{pattern: "GET /v1/sandboxes/{id}/files/watch", handler: h(s.watchDir)},
-		{pattern: "GET /v1/sandboxes/{id}/stats", handler: h(s.sandboxStats)},
-		{pattern: "GET /v1/sandboxes/{id}/network", handler: h(s.getNetwork)},
-		{pattern: "PUT /v1/sandboxes/{id}/network", handler: h(s.putNetwork)},
-		{pattern: "GET /v1/sandboxes/{id}/network/events", handler: h(s.networkEvents)},
-		{pattern: "GET /v1/sandboxes/{id}/ports/{port}", handler: h(s.getPort)},
-		{pattern: "PUT /v1/sandboxes/{id}/ports/{port}", handler: h(s.putPort)},
+		{pattern: "GET /v1/sandboxes/{id}/files", scope: "files:read", handler: h(s.readFile)},
+		{pattern: "PUT /v1/sandboxes/{id}/files", scope: "files:write", body: bodyStream, handler: h(s.writeFile)},
+		{pattern: "DELETE /v1/sandboxes/{id}/files", scope: "files:write", handler: h(s.removeFile)},
+		{pattern: "GET /v1/sandboxes/{id}/files/stat", scope: "files:read", handler: h(s.statFile)},
+		{pattern: "GET /v1/sandboxes/{id}/files/list", scope: "files:read", handler: h(s.listFiles)},
+		{pattern: "POST /v1/sandboxes/{id}/files/mkdir", scope: "files:write", handler: h(s.mkdir)},
+		{pattern: "POST /v1/sandboxes/{id}/files/rename", scope: "files:write", handler: h(s.rename)},
+		{pattern: "GET /v1/sandboxes/{id}/files/tar", scope: "files:read", handler: h(s.tarGet)},
+		{pattern: "PUT /v1/sandboxes/{id}/files/tar", scope: "files:write", body: bodyStream, handler: h(s.tarPut)},
+		{pattern: "GET /v1/sandboxes/{id}/files/watch", scope: "files:read", handler: h(s.watchDir)},
+		{pattern: "GET /v1/sandboxes/{id}/stats", scope: "sandbox:read", handler: h(s.sandboxStats)},
+		{pattern: "GET /v1/sandboxes/{id}/network", scope: "network:read", handler: h(s.getNetwork)},
+		{pattern: "PUT /v1/sandboxes/{id}/network", scope: "network:write", handler: h(s.putNetwork)},
+		{pattern: "GET /v1/sandboxes/{id}/network/events", scope: "network:read", handler: h(s.networkEvents)},
+		{pattern: "GET /v1/sandboxes/{id}/ports/{port}", scope: "network:read", handler: h(s.getPort)},
+		{pattern: "PUT /v1/sandboxes/{id}/ports/{port}", scope: "network:write", handler: h(s.putPort)},
 		{pattern: "GET /v1/sandboxes/{id}/ports/{port}/tcp", access: portToken, body: bodyStream, handler: h(s.portTCP)},
-		{pattern: "GET /v1/templates", handler: h(s.listTemplates)},
-		{pattern: "POST /v1/templates", body: bodyStream, handler: h(s.importTemplate)},
-		{pattern: "POST /v1/templates/base", handler: h(s.buildBase)},
-		{pattern: "POST /v1/templates/pull", handler: h(s.pullTemplate)},
-		{pattern: "POST /v1/templates/build", body: bodyStream, handler: h(s.buildTemplate)},
-		{pattern: "POST /v1/templates/gc", handler: h(s.gcTemplates)},
-		{pattern: "GET /v1/templates/{ref}", handler: h(s.getTemplate)},
-		{pattern: "DELETE /v1/templates/{ref}", handler: h(s.removeTemplate)},
-		{pattern: "POST /v1/templates/{ref}/tags", handler: h(s.tagTemplate)},
-		{pattern: "GET /v1/templates/{ref}/export", handler: h(s.exportTemplate)},
-		{pattern: "GET /v1/audit", handler: h(s.listAudit)},
-		{pattern: "GET /v1/audit/export", handler: h(s.exportAudit)},
-		{pattern: "GET /v1/audit/key", handler: h(s.auditKey)},
+		{pattern: "GET /v1/policy/rules", scope: "policy:read", handler: h(s.listPolicyRules)},
+		{pattern: "GET /v1/policy/rules/{scope}", scope: "policy:read", handler: h(s.getPolicyRules)},
+		{pattern: "PUT /v1/policy/rules/{scope}", scope: "policy:write", handler: h(s.putPolicyRules)},
+		{pattern: "DELETE /v1/policy/rules/{scope}", scope: "policy:write", handler: h(s.deletePolicyRules)},
+		{pattern: "GET /v1/approvals", scope: "policy:read", handler: h(s.listApprovals)},
+		{pattern: "POST /v1/approvals/{id}/approve", scope: "policy:write", handler: h(s.approveApproval)},
+		{pattern: "POST /v1/approvals/{id}/deny", scope: "policy:write", handler: h(s.denyApproval)},
+		{pattern: "GET /v1/templates", scope: "templates:read", handler: h(s.listTemplates)},
+		{pattern: "POST /v1/templates", scope: "templates:write", body: bodyStream, handler: h(s.importTemplate)},
+		{pattern: "POST /v1/templates/base", scope: "templates:write", handler: h(s.buildBase)},
+		{pattern: "POST /v1/templates/pull", scope: "templates:write", handler: h(s.pullTemplate)},
+		{pattern: "POST /v1/templates/build", scope: "templates:write", body: bodyStream, handler: h(s.buildTemplate)},
+		{pattern: "POST /v1/templates/gc", scope: "admin", handler: h(s.gcTemplates)},
+		{pattern: "GET /v1/templates/{ref}", scope: "templates:read", handler: h(s.getTemplate)},
+		{pattern: "DELETE /v1/templates/{ref}", scope: "templates:write", handler: h(s.removeTemplate)},
+		{pattern: "POST /v1/templates/{ref}/tags", scope: "templates:write", handler: h(s.tagTemplate)},
+		{pattern: "GET /v1/templates/{ref}/export", scope: "templates:read", handler: h(s.exportTemplate)},
+		{pattern: "POST /v1/keys", scope: "admin", handler: h(s.createKey)},
+		{pattern: "GET /v1/keys", scope: "admin", handler: h(s.listKeys)},
+		{pattern: "DELETE /v1/keys/{keyid}", scope: "admin", handler: h(s.revokeKey)},
+		{pattern: "GET /v1/tenants", scope: "admin", handler: h(s.listTenants)},
+		{pattern: "GET /v1/tenants/{name}", handler: h(s.getTenant)},
+		{pattern: "PUT /v1/tenants/{name}", scope: "admin", handler: h(s.putTenant)},
+		{pattern: "GET /v1/audit", scope: "audit:read", handler: h(s.listAudit)},
+		{pattern: "GET /v1/audit/export", scope: "audit:read", handler: h(s.exportAudit)},
+		{pattern: "GET /v1/audit/key", scope: "audit:read", handler: h(s.auditKey)},
 	}
 	for _, m := range proxyMethods {
 		rs = append(rs, route{pattern: m + " /v1/sandboxes/{id}/ports/{port}/{path...}", access: portToken, body: bodyStream, handler: h(s.proxyPath)})
@@ -508,7 +571,7 @@ func (s *Server) routeTable() []route {
 		if verb == api.OpFork {
 			hv = s.fork
 		}
-		rs = append(rs, route{pattern: "POST /v1/sandboxes/{id}/" + verb, handler: hv})
+		rs = append(rs, route{pattern: "POST /v1/sandboxes/{id}/" + verb, scope: "sandbox:write", handler: hv})
 	}
 	return rs
 }
@@ -521,7 +584,7 @@ func (s *Server) mux() (*http.ServeMux, map[string]bodyKind) {
 	for _, rt := range s.routeTable() {
 		h := noteRequest(rt.handler)
 		if rt.access == apiKey {
-			h = s.authed(h.ServeHTTP)
+			h = s.authed(rt.scope, h)
 		}
 		mux.Handle(rt.pattern, h)
 		bodies[rt.pattern] = rt.body

@@ -46,6 +46,7 @@ func templateServer(t *testing.T) (*Server, string) {
 	t.Cleanup(func() { tmpl.Close() })
 	s := &Server{cfg: Config{Logger: slog.Default(), MaxTemplateBytes: 1 << 20, AllowPrivateRegistries: true}, db: db, tmpl: tmpl,
 		metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890"}
+	withKeys(t, s)
 	s.tmplsvc = templatesvc.New(templatesvc.Config{Templates: tmpl, Logger: s.cfg.Logger, MaxBytes: s.cfg.MaxTemplateBytes,
 		AllowPrivateRegistries: s.cfg.AllowPrivateRegistries})
 	return s, filepath.Join(dir, "templates", "tmp")

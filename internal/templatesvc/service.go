@@ -22,6 +22,7 @@ import (
 	"github.com/spacehq/space/internal/build"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/netpolicy"
+	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/template"
 )
@@ -46,6 +47,9 @@ type Config struct {
 	// AllowPrivateRegistries lets pulls reach loopback, private and
 	// link-local addresses.
 	AllowPrivateRegistries bool
+	// Owners records which tenant owns each tag (tenants.go); nil: every
+	// template is visible to every caller.
+	Owners Owners
 }
 
 // Service does the template work of one server.
@@ -64,17 +68,25 @@ func New(cfg Config) *Service {
 
 // List returns every template.
 func (s *Service) List(ctx context.Context) ([]api.Template, error) {
-	return s.cfg.Templates.List(ctx)
+	ts, err := s.cfg.Templates.List(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return s.filterVisible(ctx, ts)
 }
 
 // Get returns the template ref names (a tag or a digest).
 func (s *Service) Get(ctx context.Context, ref string) (api.Template, error) {
-	return s.cfg.Templates.Get(ctx, ref)
+	t, err := s.cfg.Templates.Get(ctx, ref)
+	if err != nil {
+		return api.Template{}, err
+	}
+	return s.checkVisible(ctx, ref, t)
 }
 
 // Inspect is Get plus the sandboxes created from the template.
 func (s *Service) Inspect(ctx context.Context, ref string) (api.Template, error) {
-	t, err := s.cfg.Templates.Get(ctx, ref)
+	t, err := s.Get(ctx, ref)
 	if err != nil {
 		return api.Template{}, err
 	}
@@ -110,7 +122,8 @@ func (s *Service) Users(ctx context.Context) (map[string][]string, error) {
 
 // inUse is Users as the set the store's Remove and GC take.
 func (s *Service) inUse(ctx context.Context) (map[string]bool, error) {
-	users, err := s.Users(ctx)
+	// Every tenant's sandboxes keep their templates alive, whoever asks.
+	users, err := s.Users(principal.With(ctx, principal.System))
 	if err != nil {
 		return nil, err
 	}
@@ -123,11 +136,41 @@ func (s *Service) inUse(ctx context.Context) (map[string]bool, error) {
 
 // Remove untags a tag or forgets a digest (see template.Store.Remove).
 func (s *Service) Remove(ctx context.Context, ref string, force bool) error {
+	t, err := s.Get(ctx, ref)
+	if err != nil {
+		return err
+	}
+	// A tenant removes its own tags, and forgets a digest only when every
+	// tag of it is its own: never a shared template, never another's.
+	if p, limited := caller(ctx); limited && s.cfg.Owners != nil {
+		tags := t.Tags
+		if !strings.HasPrefix(ref, "sha256:") {
+			tag, _ := template.ParseTag(ref)
+			tags = []string{tag}
+		} else if full, err := s.cfg.Templates.Get(ctx, ref); err == nil && len(full.Tags) != len(t.Tags) {
+			return fmt.Errorf("template %s has tags of other tenants: %w", ref, errdefs.ErrPermissionDenied)
+		}
+		for _, tag := range tags {
+			if owner, err := s.cfg.Owners.TagOwner(ctx, tag); err != nil {
+				return err
+			} else if owner != p.Tenant {
+				return fmt.Errorf("template tag %s is shared; only an admin key may remove it: %w", tag, errdefs.ErrPermissionDenied)
+			}
+		}
+	}
 	inUse, err := s.inUse(ctx)
 	if err != nil {
 		return err
 	}
-	return s.cfg.Templates.Remove(ctx, ref, force, inUse)
+	if err := s.cfg.Templates.Remove(ctx, ref, force, inUse); err != nil {
+		return err
+	}
+	if s.cfg.Owners != nil && !strings.HasPrefix(ref, "sha256:") {
+		if tag, err := template.ParseTag(ref); err == nil {
+			return s.cfg.Owners.SetTagOwner(ctx, tag, "")
+		}
+	}
+	return nil
 }
 
 // Tag points tag at ref, moving it if it points elsewhere, and returns the
@@ -136,10 +179,19 @@ func (s *Service) Tag(ctx context.Context, ref, tag string) (api.Template, error
 	if tag == "" {
 		return api.Template{}, fmt.Errorf("tag is empty; want name:tag: %w", errdefs.ErrInvalidArgument)
 	}
+	if _, err := s.Get(ctx, ref); err != nil {
+		return api.Template{}, err
+	}
+	if _, err := s.claimTags(ctx, []string{tag}); err != nil {
+		return api.Template{}, err
+	}
 	if err := s.cfg.Templates.Tag(ctx, ref, tag); err != nil {
 		return api.Template{}, err
 	}
-	return s.cfg.Templates.Get(ctx, tag)
+	if err := s.ownTags(ctx, []string{tag}); err != nil {
+		return api.Template{}, err
+	}
+	return s.Get(ctx, tag)
 }
 
 // GC removes every template nothing keeps alive, and what the runtimes
@@ -154,6 +206,9 @@ func (s *Service) GC(ctx context.Context) (api.GCResult, error) {
 
 // Export writes the template archive of ref to w.
 func (s *Service) Export(ctx context.Context, ref string, w io.Writer) error {
+	if _, err := s.Get(ctx, ref); err != nil {
+		return err
+	}
 	return s.cfg.Templates.Export(ctx, ref, w)
 }
 
@@ -210,11 +265,12 @@ func (s *Service) Import(ctx context.Context, format string, r io.Reader, tags [
 	if format == "" {
 		format = FormatTar
 	}
+	tags, err := s.claimTags(ctx, tags)
+	if err != nil {
+		return api.Template{}, err
+	}
 	opts := template.ImportOptions{Tags: tags, MaxBytes: s.cfg.MaxBytes}
-	var (
-		t   api.Template
-		err error
-	)
+	var t api.Template
 	switch format {
 	case FormatTar:
 		opts.Source = "tar"
@@ -231,6 +287,9 @@ func (s *Service) Import(ctx context.Context, format string, r io.Reader, tags [
 	if err != nil {
 		return api.Template{}, err
 	}
+	if err := s.ownTags(ctx, tags); err != nil {
+		return api.Template{}, err
+	}
 	s.Prepare(ctx, t)
 	return t, nil
 }
@@ -240,9 +299,16 @@ func (s *Service) Pull(ctx context.Context, req api.PullRequest) (api.Template, 
 	if strings.TrimSpace(req.Image) == "" {
 		return api.Template{}, fmt.Errorf("image is empty; want a reference like registry:5000/app:1: %w", errdefs.ErrInvalidArgument)
 	}
-	t, err := s.cfg.Templates.ImportOCI(ctx, template.OCISource{Image: req.Image, Insecure: req.Insecure, AllowPrivate: s.cfg.AllowPrivateRegistries},
-		template.ImportOptions{Tags: req.Tags, MaxBytes: s.cfg.MaxBytes})
+	tags, err := s.claimTags(ctx, req.Tags)
 	if err != nil {
+		return api.Template{}, err
+	}
+	t, err := s.cfg.Templates.ImportOCI(ctx, template.OCISource{Image: req.Image, Insecure: req.Insecure, AllowPrivate: s.cfg.AllowPrivateRegistries},
+		template.ImportOptions{Tags: tags, MaxBytes: s.cfg.MaxBytes})
+	if err != nil {
+		return api.Template{}, err
+	}
+	if err := s.ownTags(ctx, tags); err != nil {
 		return api.Template{}, err
 	}
 	s.Prepare(ctx, t)
@@ -322,6 +388,9 @@ func (s *Service) OpenBuild(ctx context.Context, req BuildRequest, r io.Reader) 
 	if err := req.Check(); err != nil {
 		return nil, err
 	}
+	if req.Tags, err = s.claimTags(ctx, req.Tags); err != nil {
+		return nil, err
+	}
 	req.File = path.Clean(req.file())
 	// The context lives under the template store's tmp/, emptied when the
 	// store opens: a crash mid-build leaves nothing for long.
@@ -344,6 +413,15 @@ func (s *Service) OpenBuild(ctx context.Context, req BuildRequest, r io.Reader) 
 	bf, err := readBuildFile(dir, req.File)
 	if err != nil {
 		return nil, err
+	}
+	// FROM another tenant's template is FROM a template that is not there.
+	if len(bf.Instructions) > 0 && bf.Instructions[0].Cmd == "FROM" && len(bf.Instructions[0].Args) > 0 {
+		from := bf.Instructions[0].Args[0]
+		if _, err := s.cfg.Templates.Get(ctx, from); err == nil {
+			if err := s.Visible(ctx, from); err != nil {
+				return nil, err
+			}
+		}
 	}
 	if err := os.RemoveAll(filepath.Join(dir, BuildFileDir)); err != nil {
 		return nil, err
@@ -384,6 +462,9 @@ func (b *Build) Run(ctx context.Context, send func(api.BuildEvent) error) (api.T
 		if status >= 500 && !errors.Is(err, errdefs.ErrUnavailable) && !errors.Is(err, errdefs.ErrTimeout) && ctx.Err() == nil {
 			s.log.Error("template build failed", "err", err)
 		}
+		return api.Template{}, err
+	}
+	if err := s.ownTags(ctx, b.req.Tags); err != nil {
 		return api.Template{}, err
 	}
 	s.Prepare(bctx, t)

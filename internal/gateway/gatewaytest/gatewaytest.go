@@ -65,6 +65,13 @@ func (d *GuardDialer) Dialed(substr string) bool {
 	return false
 }
 
+// Dials are the dials made so far ("network address").
+func (d *GuardDialer) Dials() []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return append([]string(nil), d.dials...)
+}
+
 // FakeDNS answers A queries from a fixed map on loopback and records every
 // name it was asked.
 type FakeDNS struct {

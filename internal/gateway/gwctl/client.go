@@ -13,6 +13,7 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/gateway"
 	"github.com/spacehq/space/internal/sandbox"
 )
 
@@ -84,8 +85,31 @@ func (c *Client) Attach(ctx context.Context, id string, nic *os.File, p api.Netw
 	return err
 }
 
+// AttachDecide is Attach saying whether the gateway asks the server's
+// policy about the sandbox (Attach leaves it to the gateway, which asks).
+func (c *Client) AttachDecide(ctx context.Context, id string, nic *os.File, p api.NetworkPolicy, decide bool) error {
+	_, err := c.call(ctx, request{Op: opAttach, ID: id, Policy: &p, Decide: &decide}, nic)
+	return err
+}
+
+// SetDecide turns asking the server's policy on or off for an attached
+// sandbox (its rules changed).
+func (c *Client) SetDecide(ctx context.Context, id string, decide bool) error {
+	_, err := c.call(ctx, request{Op: opSetDecide, ID: id, Decide: &decide}, nil)
+	return err
+}
+
 func (c *Client) SetPolicy(ctx context.Context, id string, p api.NetworkPolicy) error {
 	_, err := c.call(ctx, request{Op: opSetPolicy, ID: id, Policy: &p}, nil)
+	return err
+}
+
+// SetBroker replaces the credential-brokering config of the attached
+// sandbox id (gateway.SetBroker): its CA and granted secrets, values
+// included. An id with no link is errdefs.ErrNotFound; push it again after
+// every attach.
+func (c *Client) SetBroker(ctx context.Context, id string, b gateway.BrokerConfig) error {
+	_, err := c.call(ctx, request{Op: opBroker, ID: id, Broker: &b}, nil)
 	return err
 }
 

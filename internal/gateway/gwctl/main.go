@@ -2,6 +2,7 @@ package gwctl
 
 import (
 	"context"
+	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
@@ -34,11 +35,18 @@ func Main(args []string) error {
 	bandwidthMiB := fs.Int64("bandwidth-mib", 0, "MiB/s one sandbox may move in each direction (0: no cap)")
 	runAs := fs.Int("user", -1, "uid (and gid) to switch to when started as root, before anything else")
 	guard := fs.String("dial-guard", "", `"loopback": refuse and report every dial off this machine (tests)`)
+	upstreamCA := fs.String("upstream-ca", "", "PEM file of extra roots for the real hosts of intercepted connections (tests)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	popts, err := parseOptions(*allowPrivate, *protect)
+	if err != nil {
+		return err
+	}
+	// Read while the filesystem is still open (and before leaving root:
+	// the file may be anywhere root can read).
+	roots, err := upstreamRoots(*upstreamCA)
 	if err != nil {
 		return err
 	}
@@ -66,11 +74,14 @@ func Main(args []string) error {
 	lim := gateway.DefaultLimits
 	lim.BandwidthBytesPerSecond = *bandwidthMiB << 20
 	g, err := gateway.New(gateway.Options{
-		Limits:      lim,
-		DNSUpstream: *upstream,
-		Policy:      popts,
-		Dialer:      hostDialer(popts, *upstream, *guard, log),
-		Logger:      log,
+		Limits:        lim,
+		DNSUpstream:   *upstream,
+		Policy:        popts,
+		Dialer:        hostDialer(popts, *upstream, *guard, log),
+		Logger:        log,
+		UpstreamRoots: roots,
+		// The server's policy, over the decisions stream it opens.
+		Decider: &StreamDecider{},
 	})
 	if err != nil {
 		return err
@@ -82,6 +93,27 @@ func Main(args []string) error {
 	err = Serve(ctx, ln, g, log)
 	g.Close()
 	return err
+}
+
+// upstreamRoots loads the system roots, plus the CA certificates in file if
+// one is named. Loaded here, not lazily: once confined the gateway can open
+// no file, and crypto/x509 would find no roots at the first handshake.
+func upstreamRoots(file string) (*x509.CertPool, error) {
+	pool, err := x509.SystemCertPool()
+	if err != nil || pool == nil {
+		pool = x509.NewCertPool()
+	}
+	if file == "" {
+		return pool, nil
+	}
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return nil, fmt.Errorf("--upstream-ca: %w", err)
+	}
+	if !pool.AppendCertsFromPEM(b) {
+		return nil, fmt.Errorf("--upstream-ca %s: no PEM certificate", file)
+	}
+	return pool, nil
 }
 
 func parseOptions(allowPrivate, protect string) (netpolicy.Options, error) {
@@ -138,11 +170,17 @@ var gatewaySyscalls = []uint32{
 	unix.SYS_RESTART_SYSCALL, unix.SYS_EXIT, unix.SYS_EXIT_GROUP,
 }
 
-// confineSelf: no new privileges, no filesystem at all (Landlock, on every
+// confineSelf: no new privileges, not dumpable, no filesystem at all (Landlock, on every
 // thread), a seccomp allowlist of its own (every thread).
 func confineSelf() error {
 	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
 		return fmt.Errorf("no_new_privs: %w", err)
+	}
+	// Brokered secrets and sandbox CA keys live in this process's memory:
+	// no core dump, no ptrace or /proc/PID/mem by its own uid. (Leaving
+	// root already did this; a gateway started as its user has not.)
+	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
+		return fmt.Errorf("dumpable: %w", err)
 	}
 	if err := landlock.V5.BestEffort().RestrictPaths(); err != nil {
 		return fmt.Errorf("landlock: %w", err)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/gateway"
 )
 
 // maxRequest bounds one request (a policy of 2×1024 entries and its rules
@@ -36,15 +37,32 @@ const (
 	// success reply line the control connection carries its raw bytes both
 	// ways (a half-close of either side is passed on).
 	opDial = "dial"
+	// opBroker replaces a sandbox's credential-brokering config (its CA and
+	// granted secrets, values included: this socket is host-only, in a
+	// 0700 directory, and only root connects). The gateway keeps it in
+	// memory only, for as long as the sandbox's link.
+	opBroker = "broker"
+	// opSetDecide turns asking the server's policy on or off for one
+	// link (Decide); attach carries the same flag.
+	opSetDecide = "set-decide"
+	// opDecisions opens the decisions stream (decisions.go): after a
+	// success reply line the gateway sends decision requests up the
+	// connection and the server answers them, multiplexed by id.
+	opDecisions = "decisions"
 )
 
 type request struct {
-	Op     string             `json:"op"`
-	ID     string             `json:"id,omitempty"`
-	Policy *api.NetworkPolicy `json:"policy,omitempty"`
-	After  uint64             `json:"after,omitempty"`
-	Follow bool               `json:"follow,omitempty"`
-	Port   uint16             `json:"port,omitempty"`
+	Op     string                `json:"op"`
+	ID     string                `json:"id,omitempty"`
+	Policy *api.NetworkPolicy    `json:"policy,omitempty"`
+	After  uint64                `json:"after,omitempty"`
+	Follow bool                  `json:"follow,omitempty"`
+	Port   uint16                `json:"port,omitempty"`
+	Broker *gateway.BrokerConfig `json:"broker,omitempty"`
+	// Decide (attach, set-decide): whether the gateway asks the server's
+	// policy about this sandbox's DNS queries and connections. An attach
+	// that does not say asks (fail closed).
+	Decide *bool `json:"decide,omitempty"`
 }
 
 type response struct {

@@ -67,15 +67,42 @@ func serveConn(ctx context.Context, c *net.UnixConn, g *gateway.Gateway) error {
 		if nic == nil || req.Policy == nil {
 			return fail(fmt.Errorf("%w: attach needs a descriptor and a policy", errdefs.ErrInvalidArgument))
 		}
-		if err := g.Attach(req.ID, nic, *req.Policy); err != nil {
+		o := gateway.LinkOptions{Decide: req.Decide == nil || *req.Decide}
+		if err := g.AttachWith(req.ID, nic, *req.Policy, o); err != nil {
 			return fail(err)
 		}
 		return reply(response{})
+	case opSetDecide:
+		if req.Decide == nil {
+			return fail(fmt.Errorf("%w: set-decide needs decide", errdefs.ErrInvalidArgument))
+		}
+		if err := g.SetDecide(req.ID, *req.Decide); err != nil {
+			return fail(err)
+		}
+		return reply(response{})
+	case opDecisions:
+		sd, ok := g.Decider().(*StreamDecider)
+		if !ok {
+			return fail(fmt.Errorf("%w: this gateway takes no decisions stream", errdefs.ErrInvalidArgument))
+		}
+		if err := reply(response{}); err != nil {
+			return err
+		}
+		sd.serve(ctx, c)
+		return nil
 	case opSetPolicy:
 		if req.Policy == nil {
 			return fail(fmt.Errorf("%w: set-policy needs a policy", errdefs.ErrInvalidArgument))
 		}
 		if err := g.SetPolicy(req.ID, *req.Policy); err != nil {
+			return fail(err)
+		}
+		return reply(response{})
+	case opBroker:
+		if req.Broker == nil {
+			return fail(fmt.Errorf("%w: broker needs a config", errdefs.ErrInvalidArgument))
+		}
+		if err := g.SetBroker(req.ID, *req.Broker); err != nil {
 			return fail(err)
 		}
 		return reply(response{})
@@ -102,7 +129,9 @@ func serveConn(ctx context.Context, c *net.UnixConn, g *gateway.Gateway) error {
 	case opAttached:
 		return reply(response{IDs: g.Attached()})
 	case opProbe:
-		return reply(response{Probe: probeConfinement()})
+		p := probeConfinement()
+		p["broker"] = "ok" // this gateway intercepts TLS for brokered secrets
+		return reply(response{Probe: p})
 	case opCounters:
 		return reply(response{Counters: g.Counters(), IDs: g.Attached()})
 	case opEvents:

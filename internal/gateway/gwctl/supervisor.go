@@ -35,6 +35,9 @@ type Settings struct {
 	// BandwidthMiB caps what one sandbox moves in each direction (MiB/s;
 	// 0: no cap).
 	BandwidthMiB int64
+	// UpstreamCA is a PEM file of extra roots the gateway trusts for the
+	// real hosts of intercepted connections (tests' local HTTPS servers).
+	UpstreamCA string
 }
 
 func (s Settings) args() []string {
@@ -47,6 +50,9 @@ func (s Settings) args() []string {
 	}
 	if s.BandwidthMiB > 0 {
 		a = append(a, "--bandwidth-mib", fmt.Sprint(s.BandwidthMiB))
+	}
+	if s.UpstreamCA != "" {
+		a = append(a, "--upstream-ca", s.UpstreamCA)
 	}
 	if s.DialGuard != "" {
 		a = append(a, "--dial-guard", s.DialGuard)

@@ -1,0 +1,117 @@
+package sandbox
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/principal"
+	"github.com/spacehq/space/internal/store"
+	"github.com/spacehq/space/internal/tenancy"
+)
+
+// Tenants is what the manager asks about a tenant before a sandbox of it
+// is created or its network policy widened.
+type Tenants interface {
+	// Quotas returns the tenant's quotas (zero fields: unlimited).
+	Quotas(ctx context.Context, tenant string) (api.Quotas, error)
+	// Bound checks p against the tenant's network boundary; the error
+	// (invalid argument) names every entry of p outside it.
+	Bound(ctx context.Context, tenant string, p api.NetworkPolicy) error
+	// UseTemplate checks that the caller in ctx may create a sandbox from
+	// template ref (ErrNotFound if it may not see it).
+	UseTemplate(ctx context.Context, ref string) error
+	// ClaimTag checks that the caller in ctx may point template tag at a
+	// new template; OwnTag records it as the tag's owner after.
+	ClaimTag(ctx context.Context, tag string) error
+	OwnTag(ctx context.Context, tag string) error
+}
+
+// noTenants has no quotas and no boundaries.
+type noTenants struct{}
+
+func (noTenants) Quotas(context.Context, string) (api.Quotas, error)     { return api.Quotas{}, nil }
+func (noTenants) Bound(context.Context, string, api.NetworkPolicy) error { return nil }
+func (noTenants) UseTemplate(context.Context, string) error              { return nil }
+func (noTenants) ClaimTag(context.Context, string) error                 { return nil }
+func (noTenants) OwnTag(context.Context, string) error                   { return nil }
+
+var _ Tenants = noTenants{}
+
+// tenantOf is the tenant a request acts for: its principal's, else the
+// default (the server's own work).
+func tenantOf(ctx context.Context) string {
+	if p, ok := principal.From(ctx); ok && p.Tenant != "" {
+		return p.Tenant
+	}
+	return principal.DefaultTenant
+}
+
+// tenantOfSandbox is the tenant of sb; records from before tenants belong
+// to the default one.
+func tenantOfSandbox(sb api.Sandbox) string {
+	if sb.Tenant == "" {
+		return principal.DefaultTenant
+	}
+	return sb.Tenant
+}
+
+// Usage sums what the sandboxes of tenant hold now.
+func (m *Manager) Usage(ctx context.Context, tenant string) (api.Usage, error) {
+	sbs, err := m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{})
+	if err != nil {
+		return api.Usage{}, err
+	}
+	var mine []api.Sandbox
+	for _, sb := range sbs {
+		if tenantOfSandbox(sb) == tenant {
+			mine = append(mine, sb)
+		}
+	}
+	return tenancy.UsageOf(mine), nil
+}
+
+// admitAndPut stores new sandbox records if their tenant's quotas allow
+// them. One lock across check and insert: two concurrent creates cannot
+// both take the last unit of a quota.
+func (m *Manager) admitAndPut(ctx context.Context, tenant string, put func() error, add ...api.Limits) error {
+	q, err := m.cfg.Tenants.Quotas(ctx, tenant)
+	if err != nil {
+		return err
+	}
+	if q == (api.Quotas{}) {
+		return put()
+	}
+	m.admitMu.Lock()
+	defer m.admitMu.Unlock()
+	u, err := m.Usage(ctx, tenant)
+	if err != nil {
+		return err
+	}
+	if err := tenancy.Admit(q, u, add...); err != nil {
+		return err
+	}
+	return put()
+}
+
+// bound checks p against tenant's boundary.
+func (m *Manager) bound(ctx context.Context, tenant string, p api.NetworkPolicy) error {
+	if err := m.cfg.Tenants.Bound(ctx, tenant, p); err != nil {
+		return fmt.Errorf("network policy outside tenant %s's boundary: %w", tenant, err)
+	}
+	return nil
+}
+
+// Visible returns sandbox id if the caller in ctx may see it; another
+// tenant's sandbox is not found, exactly like one that does not exist.
+func (m *Manager) Visible(ctx context.Context, id string) (api.Sandbox, error) {
+	sb, err := m.Get(ctx, id)
+	if err != nil {
+		return api.Sandbox{}, err
+	}
+	if p, ok := principal.From(ctx); ok && !p.Sees(tenantOfSandbox(sb)) {
+		return api.Sandbox{}, fmt.Errorf("sandbox %s not found: %w", id, errdefs.ErrNotFound)
+	}
+	return sb, nil
+}
