@@ -320,3 +320,45 @@ func linkSeq(t *testing.T, r api.AuditRecord) uint64 {
 	}
 	return d.LinkSeq
 }
+
+// TestAuditTenantView: a key of another tenant with audit:read sees only
+// its tenant's records (its own API calls), never the default tenant's;
+// a key without audit:read is refused.
+func TestAuditTenantView(t *testing.T) {
+	e := setup(t)
+	ctx := ctxT(t, 2*time.Minute)
+	reader, err := e.client.CreateKey(ctx, api.CreateKeyRequest{Name: "auditor", Tenant: "audit-team", Scopes: []string{"audit:read", "sandbox:read"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := e.client.CreateKey(ctx, api.CreateKeyRequest{Name: "no-audit", Tenant: "audit-team", Scopes: []string{"sandbox:read"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc, _ := sdk.New(e.url, reader.Key)
+	oc, _ := sdk.New(e.url, other.Key)
+	if _, err := rc.ListSandboxes(ctx, sdk.ListOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := oc.AuditRecords(ctx, sdk.AuditFilter{}); err == nil || !strings.Contains(err.Error(), "audit:read") {
+		t.Fatalf("a key without audit:read listed the log: %v", err)
+	}
+	var recs []api.AuditRecord
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		recs, err = rc.AuditRecords(ctx, sdk.AuditFilter{Kind: "api", Limit: 10000})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(recs) > 0 || time.Now().After(deadline) {
+			break
+		}
+	}
+	if len(recs) == 0 {
+		t.Fatal("the tenant sees none of its own records")
+	}
+	for _, r := range recs {
+		if r.Tenant != "audit-team" || r.KeyID != reader.ID && r.KeyID != other.ID {
+			t.Fatalf("tenant audit-team sees %+v", r)
+		}
+	}
+}
