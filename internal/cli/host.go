@@ -22,6 +22,7 @@ import (
 	"os/signal"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -118,6 +119,9 @@ func newServerCmd(a *app) *cobra.Command {
 			if cfg.DataDir == "" || cfg.CacheDir == "" || cfg.Listen == "" {
 				return usagef("--data, --cache and --listen must not be empty")
 			}
+			if cfg.Audit.RetainAge < 0 || cfg.Audit.RetainRecords < 0 || cfg.Audit.CheckpointEvery < 1 || cfg.Audit.CheckpointInterval < time.Second {
+				return usagef("--audit-retain-age and --audit-retain-records must not be negative, --audit-checkpoint-every at least 1, --audit-checkpoint-interval at least 1s")
+			}
 			var err error
 			if cfg.Network, err = nf.options(); err != nil {
 				return err
@@ -136,6 +140,10 @@ func newServerCmd(a *app) *cobra.Command {
 	cmd.Flags().Int64Var(&cfg.MaxTemplateBytes, "max-template-bytes", 8<<30, "limit on one template import or build step (unpacked bytes, and each compressed OCI layer)")
 	cmd.Flags().BoolVar(&cfg.AllowPrivateRegistries, "allow-private-registries", false, "let template pulls reach loopback, private and link-local registry addresses")
 	cmd.Flags().DurationVar(&cfg.ApprovalTimeout, "approval-timeout", policy.DefaultApprovalTimeout, "how long an action a policy rule asks about waits for an answer before it is denied")
+	cmd.Flags().DurationVar(&cfg.Audit.RetainAge, "audit-retain-age", 0, "drop audit records older than this (e.g. 2160h; cut at a signed checkpoint; default keep)")
+	cmd.Flags().Int64Var(&cfg.Audit.RetainRecords, "audit-retain-records", 0, "keep about this many audit records, at least (cut at a signed checkpoint; default keep all)")
+	cmd.Flags().IntVar(&cfg.Audit.CheckpointEvery, "audit-checkpoint-every", 1000, "sign an audit checkpoint after this many records")
+	cmd.Flags().DurationVar(&cfg.Audit.CheckpointInterval, "audit-checkpoint-interval", time.Minute, "sign an audit checkpoint after this long when there are new records")
 	nf.register(cmd)
 	return cmd
 }

@@ -168,6 +168,7 @@ func newRootCmd(a *app) *cobra.Command {
 		newApprovalsCmd(a),
 		newApproveCmd(a),
 		newDenyCmd(a),
+		newAuditCmd(a),
 	)
 	for _, verb := range []string{"pause", "resume", "stop", "start", "wake", "suspend", "restore"} {
 		root.AddCommand(newLifecycleCmd(a, verb))

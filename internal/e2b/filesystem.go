@@ -19,6 +19,7 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/sandbox"
 )
 
 // The envd filesystem service (filesystem.Filesystem, Connect) and envd's
@@ -109,6 +110,7 @@ func (h *Handler) filesystemRoutes() {
 
 // fsCall is one filesystem call: its sandbox, E2B user and agent.
 type fsCall struct {
+	m       *sandbox.Manager // audits changes
 	sb      api.Sandbox
 	user    string
 	c       *agentclient.Client
@@ -127,7 +129,7 @@ func (h *Handler) openFS(ctx context.Context) (*fsCall, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &fsCall{sb: cl.sb, user: user, c: c, release: release}, nil
+	return &fsCall{m: h.cfg.Manager, sb: cl.sb, user: user, c: c, release: release}, nil
 }
 
 func (f *fsCall) close() { f.release() }
@@ -146,15 +148,21 @@ func (f *fsCall) list(ctx context.Context, p string) ([]api.FileInfo, error) {
 }
 
 func (f *fsCall) mkdir(ctx context.Context, p string) (api.FileInfo, error) {
-	return f.c.Mkdir(ctx, p, 0o755, f.as())
+	fi, err := f.c.Mkdir(ctx, p, 0o755, f.as())
+	f.m.AuditFiles(ctx, f.sb.ID, "mkdir", p, "", err)
+	return fi, err
 }
 
 func (f *fsCall) rename(ctx context.Context, from, to string) error {
-	return f.c.Rename(ctx, from, to, f.as())
+	err := f.c.Rename(ctx, from, to, f.as())
+	f.m.AuditFiles(ctx, f.sb.ID, "rename", from, to, err)
+	return err
 }
 
 func (f *fsCall) removeAll(ctx context.Context, p string) error {
-	return f.c.Remove(ctx, p, true, f.as())
+	err := f.c.Remove(ctx, p, true, f.as())
+	f.m.AuditFiles(ctx, f.sb.ID, "remove", p, "", err)
+	return err
 }
 
 func (f *fsCall) readFile(ctx context.Context, p string) (io.ReadCloser, error) {
@@ -163,6 +171,7 @@ func (f *fsCall) readFile(ctx context.Context, p string) (io.ReadCloser, error) 
 
 func (f *fsCall) writeFile(ctx context.Context, p string, r io.Reader) error {
 	_, err := f.c.WriteFile(ctx, p, 0, r, f.as())
+	f.m.AuditFiles(ctx, f.sb.ID, "write", p, "", err)
 	return err
 }
 

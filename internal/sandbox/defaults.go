@@ -281,6 +281,9 @@ func (m *Manager) commandEnded(rec *store.CommandRecord, exit api.ExitStatus) {
 	if err := m.cfg.DB.PutCommand(ctx, *rec); err != nil {
 		m.log.Warn("recording the start command's end", "sandbox", rec.SandboxID, "command", rec.ID, "err", err)
 	}
+	if rec.StartedAt != nil {
+		m.auditCommandExit(ctx, rec.SandboxID, "", rec.ID, exit)
+	}
 }
 
 // startWatch follows a start command through an attach of its own: it keeps

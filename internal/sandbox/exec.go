@@ -112,16 +112,19 @@ func (m *Manager) Exec(ctx context.Context, id string, req api.ExecRequest) (api
 	}
 	m.obs.Exec("sync")
 	oomBefore := m.oomKills(ctx, id)
+	m.auditCommandStart(ctx, sb, "exec", "exec", req.Cmd, user, workdir, nil)
 	res, err := c.Exec(ctx, agentproto.ExecRequest{
 		Cmd: req.Cmd, Env: mergeEnv(sb.Env, req.Env), Workdir: workdir, User: user,
 		Stdin: []byte(req.Stdin), TimeoutSeconds: req.TimeoutSeconds, MaxOutputBytes: req.MaxOutputBytes,
 	})
 	if err != nil {
+		m.auditCommandExit(ctx, id, sb.Tenant, "exec", api.ExitStatus{ExitCode: -1, Reason: "failed: " + err.Error()})
 		return res, err
 	}
 	if killedBySIGKILL(res.Signal, res.ExitCode) && oomBefore >= 0 && m.oomKills(ctx, id) > oomBefore {
 		res.OOMKilled = true
 	}
+	m.auditExecExit(ctx, sb, res)
 	return res, nil
 }
 
@@ -208,6 +211,7 @@ func (m *Manager) startCommand(ctx context.Context, c *agentclient.Client, sb ap
 		ID: rec.ID, Cmd: rec.Spec.Cmd, Env: mergeEnv(sb.Env, rec.Spec.Env), Workdir: rec.Spec.Workdir,
 		User: rec.Spec.User, TTY: rec.Spec.TTY, Rows: rec.Spec.Rows, Cols: rec.Spec.Cols,
 	})
+	m.auditCommandStart(ctx, sb, rec.ID, commandHow(rec), rec.Spec.Cmd, rec.Spec.User, rec.Spec.Workdir, err)
 	if err != nil {
 		return err
 	}
@@ -257,6 +261,7 @@ func (m *Manager) refreshCommand(ctx context.Context, rec *store.CommandRecord) 
 	rec.State = api.CommandExited
 	rec.Exit = info.Exit
 	m.cfg.DB.PutCommand(ctx, *rec)
+	m.auditCommandExit(ctx, rec.SandboxID, "", rec.ID, *info.Exit)
 }
 
 // ListCommands lists a sandbox's command sessions.
@@ -367,6 +372,10 @@ func (a *Attachment) Exited(ctx context.Context, st api.ExitStatus) api.ExitStat
 		st.OOMKilled = true
 		st.Reason = "killed by the kernel OOM killer: the sandbox hit its memory limit"
 	}
+	// One exit record however many attachments see the exit.
+	if cur, err := a.m.cfg.DB.GetCommand(ctx, a.rec.SandboxID, a.rec.ID); err != nil || cur.State != api.CommandExited {
+		a.m.auditCommandExit(ctx, a.rec.SandboxID, "", a.rec.ID, st)
+	}
 	a.rec.State = api.CommandExited
 	a.rec.Exit = &st
 	a.m.cfg.DB.PutCommand(ctx, a.rec)
@@ -393,6 +402,9 @@ func (m *Manager) markCommandsExited(id, reason string) {
 		r.State = api.CommandExited
 		r.Exit = &api.ExitStatus{ExitCode: 137, Signal: "KILL", Reason: reason}
 		m.cfg.DB.PutCommand(ctx, r)
+		if r.StartedAt != nil {
+			m.auditCommandExit(ctx, id, "", r.ID, *r.Exit)
+		}
 	}
 }
 

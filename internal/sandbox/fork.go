@@ -122,6 +122,7 @@ func (m *Manager) Fork(ctx context.Context, id string, req api.ForkRequest) (api
 		return api.Operation{}, err
 	}
 	children := op.Children
+	m.noteCaller(ctx, op.ID, sb.Tenant)
 	m.start(op, func(ctx context.Context, p *phases) error {
 		defer func() {
 			for _, ce := range kids {

@@ -103,6 +103,7 @@ func (m *Manager) lifecycle(ctx context.Context, id, verb string, force bool, gu
 	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
 		return op, err
 	}
+	m.noteCaller(ctx, op.ID, sb.Tenant)
 	m.start(op, fn)
 	return op, nil
 }

@@ -106,6 +106,12 @@ type Manager struct {
 	// admitMu makes a tenant's quota check and the insert it admits one
 	// step (tenants.go).
 	admitMu sync.Mutex
+	// Audit state (audit.go, netaudit.go): who asked for each running
+	// operation, and the follower recording each link's network verdicts.
+	opCallers    sync.Map // operation id → opCaller
+	netAuditMu   sync.Mutex
+	netFollowers map[string]*netFollower
+	netWG        sync.WaitGroup
 }
 
 // closeGrace is how long Close lets running operations finish.
@@ -161,6 +167,7 @@ func New(cfg Config) *Manager {
 func (m *Manager) Close() {
 	m.cancel()
 	m.wg.Wait()
+	m.stopNetAudit()
 	done := make(chan struct{})
 	go func() { m.opWG.Wait(); close(done) }()
 	select {
@@ -310,6 +317,7 @@ func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api
 	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
 		return api.Sandbox{}, api.Operation{}, err
 	}
+	m.noteCaller(ctx, op.ID, sb.Tenant)
 	m.start(op, func(ctx context.Context, p *phases) error { return m.doCreate(ctx, p, sb.ID) })
 	return sb, op, nil
 }
@@ -379,6 +387,7 @@ func (m *Manager) runOp(ctx context.Context, op *api.Operation, fn func(ctx cont
 	}
 	m.putOp(*op)
 	m.obs.OperationDone(op.Kind, op.State, time.Since(t0))
+	m.auditOp(ctx, *op, err)
 	return err
 }
 

@@ -106,6 +106,7 @@ func (m *Manager) attachNIC(ctx context.Context, inst runtime.Instance, pol api.
 	if err := m.cfg.Network.Attach(ctx, inst.ID(), nic, pol); err != nil {
 		return fmt.Errorf("attaching the sandbox to the network gateway: %w", err)
 	}
+	m.followNetwork(inst.ID(), 0)
 	return m.brokerAtAttach(ctx, inst.ID(), pol)
 }
 
@@ -148,6 +149,7 @@ func (m *Manager) reconcileNetwork(ctx context.Context) {
 	for _, id := range ids {
 		attached[id] = true
 	}
+	m.followAttached(ctx, attached)
 	sbs, err := m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{})
 	if err != nil {
 		m.log.Warn("reconciling network links: listing sandboxes", "err", err)

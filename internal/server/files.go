@@ -169,6 +169,7 @@ func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {
 	}
 	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
 		fi, err := c.WriteFile(r.Context(), p, mode, body, as)
+		s.mgr.AuditFiles(r.Context(), r.PathValue("id"), "write", p, "", err)
 		if err != nil {
 			return body.check(err)
 		}
@@ -184,7 +185,9 @@ func (s *Server) tarPut(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
-		if err := c.TarPut(r.Context(), p, body, as); err != nil {
+		err := c.TarPut(r.Context(), p, body, as)
+		s.mgr.AuditFiles(r.Context(), r.PathValue("id"), "tar_put", p, "", err)
+		if err != nil {
 			return body.check(err)
 		}
 		w.WriteHeader(http.StatusNoContent)
@@ -199,7 +202,9 @@ func (s *Server) removeFile(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
-		if err := c.Remove(r.Context(), p, rec, as); err != nil {
+		err := c.Remove(r.Context(), p, rec, as)
+		s.mgr.AuditFiles(r.Context(), r.PathValue("id"), "remove", p, "", err)
+		if err != nil {
 			return err
 		}
 		w.WriteHeader(http.StatusNoContent)
@@ -261,6 +266,7 @@ func (s *Server) mkdir(w http.ResponseWriter, r *http.Request) {
 	}
 	s.agentOp(w, r, func(c *agentclient.Client) error {
 		fi, err := c.Mkdir(r.Context(), req.Path, mode, as)
+		s.mgr.AuditFiles(r.Context(), r.PathValue("id"), "mkdir", req.Path, "", err)
 		if err != nil {
 			return err
 		}
@@ -294,7 +300,9 @@ func (s *Server) rename(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	s.agentOp(w, r, func(c *agentclient.Client) error {
-		if err := c.Rename(r.Context(), req.From, req.To, as); err != nil {
+		err := c.Rename(r.Context(), req.From, req.To, as)
+		s.mgr.AuditFiles(r.Context(), r.PathValue("id"), "rename", req.From, req.To, err)
+		if err != nil {
 			return err
 		}
 		w.WriteHeader(http.StatusNoContent)

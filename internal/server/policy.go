@@ -22,16 +22,6 @@ import (
 // approvalsWriteTimeout bounds one line of a followed approvals stream.
 const approvalsWriteTimeout = 30 * time.Second
 
-// auditVia forwards to the server's audit sink, which exists only after
-// the policy engine and the manager that record into it were made.
-type auditVia struct{ s *Server }
-
-func (a auditVia) Record(ctx context.Context, e audit.Event) {
-	if a.s != nil && a.s.audit != nil {
-		a.s.audit.Record(ctx, e)
-	}
-}
-
 // caller is the request's principal; a request without one (no keys yet)
 // is the server's own.
 func caller(ctx context.Context) principal.Principal {

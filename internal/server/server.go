@@ -81,6 +81,8 @@ type Config struct {
 	// ApprovalTimeout is how long an action a policy rule asks about waits
 	// for an answer before it is denied (default 5m).
 	ApprovalTimeout time.Duration
+	// Audit configures the tamper-evident audit log (retention, checkpoints).
+	Audit AuditOptions
 }
 
 // Server is a running space server (store, manager, HTTP handler).
@@ -102,8 +104,10 @@ type Server struct {
 	proxyRP    *httputil.ReverseProxy
 	// e2b serves the E2B-compatible API under /e2b (internal/e2b).
 	e2b *e2b.Handler
-	// audit receives the server's audit events (internal/audit).
-	audit audit.Sink
+	// audit receives the server's audit events (internal/audit);
+	// auditLog is the same log, for the routes that read it.
+	audit    audit.Sink
+	auditLog *audit.Log
 	// secrets keeps secrets, grants and sandbox CAs (secrets.go).
 	secrets *secrets.Store
 	// decider is the server's Decider (Config.Decider, else AllowAll);
@@ -239,17 +243,24 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("opening the secrets store: %w", err)
 	}
 	met := newMetrics(db)
+	alog, err := openAudit(ctx, cfg)
+	if err != nil {
+		db.Close()
+		return nil, fmt.Errorf("opening the audit log: %w", err)
+	}
 	// The policy engine exists before the gateway so that the gateway's
 	// decisions (DNS, connections) can be asked of it too.
 	srv := new(Server)
-	eng, err := policy.New(ctx, policy.Config{DB: db.SQL(), ApprovalTimeout: cfg.ApprovalTimeout, Audit: auditVia{srv}, Logger: cfg.Logger})
+	eng, err := policy.New(ctx, policy.Config{DB: db.SQL(), ApprovalTimeout: cfg.ApprovalTimeout, Audit: alog, Logger: cfg.Logger})
 	if err != nil {
+		alog.Close()
 		db.Close()
 		return nil, fmt.Errorf("opening the policy engine: %w", err)
 	}
 	nopts := cfg.Network
 	nopts.DataDir, nopts.Logger, nopts.AgentBinary = cfg.DataDir, cfg.Logger, agentBin
 	if err := nopts.check(); err != nil {
+		alog.Close()
 		db.Close()
 		return nil, err
 	}
@@ -261,6 +272,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	netw, err := startNetwork(nopts, dec)
 	if err != nil {
+		alog.Close()
 		db.Close()
 		return nil, fmt.Errorf("starting the network gateway: %w", err)
 	}
@@ -275,8 +287,10 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		broker = b
 	}
 	tenants := &tenantsOf{keys: keys, allowPrivate: nopts.AllowPrivate}
+	// The manager records into the log itself: it resumes its network
+	// followers from the log's cursor.
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: rts, Logger: cfg.Logger, Observer: met, Secrets: sec, Broker: broker,
-		Network: netw, DefaultNetwork: nopts.Default, Tenants: tenants, Decider: eng, Audit: auditVia{srv}})
+		Network: netw, DefaultNetwork: nopts.Default, Tenants: tenants, Decider: eng, Audit: alog})
 	if r, ok := netw.(interface{ OnRestart(func()) }); ok {
 		r.OnRestart(mgr.NetworkRestarted)
 	}
@@ -286,6 +300,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if err := mgr.Reconcile(ctx); err != nil {
 		mgr.Close()
 		closeNetwork(netw, cfg.Logger)
+		alog.Close()
 		db.Close()
 		return nil, fmt.Errorf("reconciling: %w", err)
 	}
@@ -301,7 +316,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries, Owners: keys})
 	tenants.tsvc = tsvc
 	s := srv
-	*s = Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, keys: keys, netw: netw, portSecret: portSecret, audit: audit.Nop{},
+	*s = Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, keys: keys, netw: netw, portSecret: portSecret, audit: alog, auditLog: alog,
 		policy: eng, decider: dec, secrets: sec}
 	s.e2b = e2b.New(e2b.Config{
 		Manager:      mgr,
@@ -339,6 +354,8 @@ func (s *Server) Close() error {
 	s.e2b.Close()
 	s.mgr.Close()
 	closeNetwork(s.netw, s.cfg.Logger)
+	// After everything that records: Close commits and signs the tail.
+	s.auditLog.Close()
 	// Runtimes may hold host resources of their own (native: spare disks).
 	for name, rt := range s.runtimes {
 		if c, ok := rt.(io.Closer); ok {
@@ -565,6 +582,9 @@ func (s *Server) routeTable() []route {
 		{pattern: "GET /v1/tenants", scope: "admin", handler: h(s.listTenants)},
 		{pattern: "GET /v1/tenants/{name}", handler: h(s.getTenant)},
 		{pattern: "PUT /v1/tenants/{name}", scope: "admin", handler: h(s.putTenant)},
+		{pattern: "GET /v1/audit", scope: "audit:read", handler: h(s.listAudit)},
+		{pattern: "GET /v1/audit/export", scope: "audit:read", handler: h(s.exportAudit)},
+		{pattern: "GET /v1/audit/key", scope: "audit:read", handler: h(s.auditKey)},
 	}
 	for _, m := range proxyMethods {
 		rs = append(rs, route{pattern: m + " /v1/sandboxes/{id}/ports/{port}/{path...}", access: portToken, body: bodyStream, handler: h(s.proxyPath)})
@@ -585,7 +605,7 @@ func (s *Server) mux() (*http.ServeMux, map[string]bodyKind) {
 	mux := http.NewServeMux()
 	bodies := map[string]bodyKind{}
 	for _, rt := range s.routeTable() {
-		h := rt.handler
+		h := noteRequest(rt.handler)
 		if rt.access == apiKey {
 			h = s.authed(rt.scope, h)
 		}
@@ -610,10 +630,20 @@ func (s *Server) routes() http.Handler {
 			s.proxyHost(sw, r, id, port)
 			return
 		}
+		// Every API call is one audit record, when it ends (public
+		// routes, /healthz, /metrics, /openapi.yaml, are not API calls).
+		r, ra := withRequestAudit(r)
+		auditKind := ""
+		defer func() {
+			if !publicPath(r.URL.Path) {
+				s.auditRequest(r, ra, sw.code, auditKind)
+			}
+		}()
 		// The E2B-compatible API authenticates and answers in its own
 		// shapes; its bodies are bounded by each of its handlers.
 		// (E2B's SDK puts its signed file URLs at the root /files.)
 		if strings.HasPrefix(r.URL.Path, e2b.Prefix+"/") || r.URL.Path == e2b.SignedFilesPath {
+			auditKind = "e2b"
 			guardBody(sw, r, bodyStream)
 			s.e2b.ServeHTTP(sw, r)
 			return

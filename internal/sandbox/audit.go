@@ -1,0 +1,195 @@
+package sandbox
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/audit"
+	"github.com/spacehq/space/internal/principal"
+	"github.com/spacehq/space/internal/store"
+)
+
+// What the manager records in the audit log (Config.Audit):
+//
+//   - the end of every lifecycle operation (kind lifecycle, action = the
+//     operation's kind, target = its id, result = its state), by whoever
+//     asked for it (noteCaller keeps the request's principal until the
+//     operation, which runs in the background, ends);
+//   - every command start (argv capped, user, cwd; never env) and exit
+//     (exit code or signal), of sync execs, sessions and start commands;
+//   - every files API change (AuditFiles: write, tar_put, remove, mkdir,
+//     rename), attempted or done;
+//   - every network verdict of the gateway (netaudit.go).
+
+// Bounds on the argv an audit record carries: it is not secret, but it is
+// the caller's and may be huge.
+const (
+	auditLookupTimeout = 5 * time.Second
+	auditMaxArgs       = 64
+	auditMaxArg        = 1024
+	auditMaxArgvLen    = 8192
+)
+
+// opCaller is who asked for an operation, kept from the request until the
+// operation ends.
+type opCaller struct {
+	p      principal.Principal
+	tenant string // the sandbox's tenant
+}
+
+// noteCaller remembers ctx's principal (and the sandbox's tenant) for
+// operation opID's audit record.
+func (m *Manager) noteCaller(ctx context.Context, opID, tenant string) {
+	if m.auditOff() {
+		return
+	}
+	p, _ := principal.From(ctx)
+	m.opCallers.Store(opID, opCaller{p: p, tenant: tenant})
+}
+
+func (m *Manager) auditOff() bool {
+	_, nop := m.cfg.Audit.(audit.Nop)
+	return nop
+}
+
+// auditOp records the end of op (err: how it failed).
+func (m *Manager) auditOp(ctx context.Context, op api.Operation, err error) {
+	if m.auditOff() {
+		return
+	}
+	ev := audit.Event{Kind: audit.KindLifecycle, Action: op.Kind, Sandbox: op.SandboxID, Target: op.ID, Result: op.State}
+	if c, ok := m.opCallers.LoadAndDelete(op.ID); ok {
+		oc := c.(opCaller)
+		ev.KeyID, ev.Tenant = oc.p.KeyID, oc.tenant
+	} else if p, ok := principal.From(ctx); ok {
+		ev.KeyID = p.KeyID
+	}
+	if ev.Tenant == "" {
+		ev.Tenant = m.tenantOf(op.SandboxID)
+	}
+	d := map[string]any{"operation": op.ID}
+	if op.FinishedAt != nil {
+		d["duration_ms"] = op.FinishedAt.Sub(op.CreatedAt).Milliseconds()
+	}
+	if err != nil {
+		d["error"] = truncate(err.Error(), 1024)
+		if op.Error != nil {
+			d["code"] = op.Error.Code
+		}
+	}
+	ev.Detail = d
+	m.cfg.Audit.Record(ctx, ev)
+}
+
+// tenantOf is the tenant of sandbox id ("" when unknown: the log makes it
+// the caller's or the default).
+func (m *Manager) tenantOf(id string) string {
+	ctx, cancel := context.WithTimeout(context.Background(), auditLookupTimeout)
+	defer cancel()
+	if sb, err := m.cfg.DB.GetSandbox(ctx, id); err == nil {
+		return sb.Tenant
+	}
+	return ""
+}
+
+// cappedArgv is argv bounded for a record, and whether it was cut.
+func cappedArgv(argv []string) ([]string, bool) {
+	out := make([]string, 0, min(len(argv), auditMaxArgs))
+	total, cut := 0, false
+	for i, a := range argv {
+		if i == auditMaxArgs || total >= auditMaxArgvLen {
+			cut = true
+			break
+		}
+		if len(a) > auditMaxArg {
+			a, cut = a[:auditMaxArg], true
+		}
+		total += len(a)
+		out = append(out, a)
+	}
+	return out, cut
+}
+
+// auditCommandStart records that command cmdID of sb started (err nil) or
+// failed to.
+func (m *Manager) auditCommandStart(ctx context.Context, sb api.Sandbox, cmdID, how string, argv []string, user, cwd string, err error) {
+	if m.auditOff() {
+		return
+	}
+	a, cut := cappedArgv(argv)
+	d := map[string]any{"argv": a, "user": user, "cwd": cwd, "how": how}
+	if cut {
+		d["argv_truncated"] = true
+	}
+	res := "started"
+	if err != nil {
+		res = "failed"
+		d["error"] = truncate(err.Error(), 1024)
+	}
+	m.cfg.Audit.Record(ctx, audit.Event{Kind: audit.KindCommand, Action: "start", Sandbox: sb.ID, Target: cmdID, Result: res, Tenant: sb.Tenant, Detail: d})
+}
+
+// auditCommandExit records how command cmdID of sandbox id ended.
+func (m *Manager) auditCommandExit(ctx context.Context, id, tenant, cmdID string, st api.ExitStatus) {
+	if m.auditOff() {
+		return
+	}
+	if tenant == "" {
+		tenant = m.tenantOf(id)
+	}
+	d := map[string]any{"exit_code": st.ExitCode}
+	if st.Signal != "" {
+		d["signal"] = st.Signal
+	}
+	if st.OOMKilled {
+		d["oom_killed"] = true
+	}
+	if st.Reason != "" {
+		d["reason"] = truncate(st.Reason, 256)
+	}
+	m.cfg.Audit.Record(ctx, audit.Event{Kind: audit.KindCommand, Action: "exit", Sandbox: id, Target: cmdID, Result: strconv.Itoa(st.ExitCode), Tenant: tenant, Detail: d})
+}
+
+// AuditFiles records a files API change of sandbox id: action is write,
+// tar_put, remove, mkdir or rename (to: the new path), err how it failed.
+// Callers are the server's and the E2B API's files handlers, which reach
+// the agent directly.
+func (m *Manager) AuditFiles(ctx context.Context, id, action, path, to string, err error) {
+	if m == nil || m.auditOff() {
+		return
+	}
+	res := "ok"
+	d := map[string]any{}
+	if err != nil {
+		res = "failed"
+		d["error"] = truncate(err.Error(), 1024)
+	}
+	if to != "" {
+		d["to"] = truncate(to, 4096)
+	}
+	ev := audit.Event{Kind: audit.KindFiles, Action: action, Sandbox: id, Target: truncate(path, 4096), Result: res, Tenant: m.tenantOf(id)}
+	if len(d) > 0 {
+		ev.Detail = d
+	}
+	m.cfg.Audit.Record(ctx, ev)
+}
+
+// commandHow says what kind of command rec is, for its start record.
+func commandHow(rec *store.CommandRecord) string {
+	if strings.HasPrefix(rec.ID, StartCommandIDPrefix) {
+		return "start_command"
+	}
+	return "session"
+}
+
+// auditExecExit records how a synchronous exec ended.
+func (m *Manager) auditExecExit(ctx context.Context, sb api.Sandbox, res api.ExecResult) {
+	st := api.ExitStatus{ExitCode: res.ExitCode, Signal: res.Signal, OOMKilled: res.OOMKilled}
+	if res.TimedOut {
+		st.Reason = "timed out"
+	}
+	m.auditCommandExit(ctx, sb.ID, sb.Tenant, "exec", st)
+}
