@@ -64,8 +64,8 @@ func main() {
 	case vminit.Role:
 		args = vminit.Main()
 	case confine.Role:
-		args = args[1:]
-		if err := confine.Self(args); err != nil {
+		var err error
+		if args, err = confine.Self(args[1:]); err != nil {
 			fail("confine", err)
 		}
 	case hostfs.HoldArg:

@@ -79,6 +79,13 @@ func runAs(id *identity, fn func() error) error {
 			done <- fmt.Errorf("restoring the agent's credentials: %w: %w", err, errdefs.ErrUnavailable)
 			return
 		}
+		// The switches made the kernel reset the process's dumpable flag
+		// to fs.suid_dumpable; make it non-dumpable again (harden.go).
+		if hardened.Load() {
+			if err := setNonDumpable(); err != nil && res == nil {
+				res = err
+			}
+		}
 		runtime.UnlockOSThread()
 		done <- res
 	}()

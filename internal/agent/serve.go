@@ -251,9 +251,9 @@ func (a *Agent) Close() error {
 }
 
 // serveMain is the agent's command line: see package doc and Main.
-func serveMain(args []string) error {
+func serveMain(args []string, envFD string) error {
 	fs := flag.NewFlagSet("space-agent", flag.ContinueOnError)
-	fd := fs.Int("fd", -1, "listening socket file descriptor (default $SPACE_AGENT_FD)")
+	fd := fs.Int("fd", -1, "listening socket file descriptor (default $"+EnvAgentFD+")")
 	sock := fs.String("socket", "", "listen on this unix socket instead of an inherited fd")
 	serial := fs.String("serial", "", "serve one session at a time over this character device (virtio-serial port)")
 	root := fs.String("root", "/", "directory FILE operations are confined to")
@@ -267,18 +267,15 @@ func serveMain(args []string) error {
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 	if *fd < 0 && *sock == "" && *serial == "" {
-		v := os.Getenv("SPACE_AGENT_FD")
-		if v == "" {
-			return errors.New("no listener: pass --fd, --socket or --serial, or set SPACE_AGENT_FD")
+		if envFD == "" {
+			return errors.New("no listener: pass --fd, --socket or --serial, or set " + EnvAgentFD)
 		}
-		n, err := strconv.Atoi(v)
+		n, err := strconv.Atoi(envFD)
 		if err != nil || n < 0 {
-			return fmt.Errorf("SPACE_AGENT_FD=%q is not a file descriptor", v)
+			return fmt.Errorf("%s=%q is not a file descriptor", EnvAgentFD, envFD)
 		}
 		*fd = n
 	}
-	// The descriptor must not leak into the processes the agent starts.
-	os.Unsetenv("SPACE_AGENT_FD")
 
 	if os.Getpid() == 1 {
 		// As PID 1 the kernel drops signals without a handler, but the Go

@@ -29,8 +29,9 @@ func TestProbeCheckpoint(t *testing.T) {
 }
 
 // TestCheckpointFailureKeepsRunning forces runsc checkpoint to fail — a
-// process in the sandbox binds a unix socket in /run/space, which is a
-// host directory, and gVisor cannot save a bound host socket — and checks
+// process in the sandbox binds a unix socket in its root, a host directory
+// served by the gofer, which --host-uds=create makes a host socket, and
+// gVisor cannot save a bound host socket — and checks
 // that suspend and fork then fail with runsc's message while the sandbox
 // keeps running and its agent listens again; fork leaves no child. Once the
 // socket is gone, a suspend succeeds and leaves no host process.
@@ -41,11 +42,11 @@ func TestCheckpointFailureKeepsRunning(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	if _, err := sb.Client.StartProc(ctx, agentproto.ProcStart{ID: "binder", Cmd: []string{"python3", "-c",
-		"import socket,time; s=socket.socket(socket.AF_UNIX); s.bind('/run/space/held.sock'); s.listen(); time.sleep(3600)"}}); err != nil {
+		"import socket,time; s=socket.socket(socket.AF_UNIX); s.bind('/root/held.sock'); s.listen(); time.sleep(3600)"}}); err != nil {
 		t.Fatal(err)
 	}
 	for i := 0; ; i++ {
-		if sb.Exec(t, "test", "-S", "/run/space/held.sock").ExitCode == 0 {
+		if sb.Exec(t, "test", "-S", "/root/held.sock").ExitCode == 0 {
 			break
 		}
 		if i > 100 {
@@ -123,7 +124,7 @@ func TestCheckpointFailureKeepsRunning(t *testing.T) {
 	if err := sb.Client.ForgetProc(ctx, "binder"); err != nil {
 		t.Fatal(err)
 	}
-	sb.MustSh(t, "rm -f /run/space/held.sock")
+	sb.MustSh(t, "rm -f /root/held.sock")
 	quiesce()
 	if err := sb.Inst.(runtime.Suspender).Suspend(ctx); err != nil {
 		t.Fatalf("Suspend: %v", err)

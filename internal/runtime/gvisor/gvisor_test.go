@@ -259,15 +259,30 @@ func TestSweepAfterRestart(t *testing.T) {
 	}
 }
 
-// TestDialRefusesPlantedSocket: the agent's socket lives in a directory the
-// sandbox can write. Whatever the sandbox puts in its place — a symlink to
-// a host socket — the host must not dial through it.
+// TestDialRefusesPlantedSocket: the agent's socket lives in a host
+// directory of the sandbox. No sandbox process can reach it (the agent
+// covers it in its mount namespace, confine.HideChannel; the conformance
+// suite's channel probe checks every other way in), and whatever else came
+// to plant something in its place — a symlink to a host socket — the host
+// still must not dial through it.
 func TestDialRefusesPlantedSocket(t *testing.T) {
 	h := harness(t)
-	sb := runtimetest.Start(t, h, nil, runtimetest.DefaultLimits)
+	dataDir := shortTempDir(t)
+	rt, err := runtime.New(gvisor.Name, runtime.Config{DataDir: dataDir, AgentBinary: testenv.AgentBinary(t), Logger: testLogger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeWithTest(t, rt)
+	sb := runtimetest.Start(t, h, rt, runtimetest.DefaultLimits)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	// A host socket the sandbox would like the server to talk to.
+	// Sandbox root sees an empty, read-only directory.
+	for _, cmd := range []string{"test -e /run/space/agent.sock", "mv /run/space/agent.sock /run/space/moved.sock", "ln -s /tmp /run/space/agent.sock", "test -e /run/space/space-agent"} {
+		if res := sb.Sh(t, cmd); res.ExitCode == 0 {
+			t.Errorf("%q succeeded inside the sandbox", cmd)
+		}
+	}
+	// A host socket the host must never be made to talk to.
 	hostDir := shortTempDir(t)
 	hostSock := filepath.Join(hostDir, "host.sock")
 	ln, err := net.Listen("unix", hostSock)
@@ -282,18 +297,33 @@ func TestDialRefusesPlantedSocket(t *testing.T) {
 			c.Close()
 		}
 	}()
-	sb.MustSh(t, "mv /run/space/agent.sock /run/space/moved.sock && ln -s "+hostSock+" /run/space/agent.sock")
+	agentDir := filepath.Join(dataDir, "sandboxes", sb.Spec.ID, "agent")
+	sock, moved := filepath.Join(agentDir, "agent.sock"), filepath.Join(agentDir, "moved.sock")
+	if err := os.Rename(sock, moved); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(hostSock, sock); err != nil {
+		t.Fatal(err)
+	}
 	if c, err := sb.Inst.DialAgent(ctx); err == nil {
 		c.Close()
-		t.Fatal("DialAgent followed a symlink the sandbox planted")
+		t.Fatal("DialAgent followed a planted symlink")
 	}
 	select {
 	case <-accepted:
 		t.Fatal("the host socket behind the planted symlink was dialled")
 	case <-time.After(200 * time.Millisecond):
 	}
-	// The existing connection still works and puts things back.
-	sb.MustSh(t, "rm /run/space/agent.sock && mv /run/space/moved.sock /run/space/agent.sock")
+	// The existing connection still works; put things back.
+	if got := sb.MustSh(t, "echo alive"); got != "alive\n" {
+		t.Fatalf("exec: %q", got)
+	}
+	if err := os.Remove(sock); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(moved, sock); err != nil {
+		t.Fatal(err)
+	}
 	c, err := sb.Inst.DialAgent(ctx)
 	if err != nil {
 		t.Fatalf("DialAgent after restoring the socket: %v", err)

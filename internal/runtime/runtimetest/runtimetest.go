@@ -3,7 +3,8 @@
 // the runtime interfaces and the agent through internal/agentclient, so the
 // same suite holds every backend to the same guarantees: lifecycle, exec,
 // PTY sessions, file confinement, limits, isolation probes, pause, and
-// crash cleanup; suspend/restore and fork where a runtime implements them.
+// crash cleanup, the agent's channel out of reach of sandbox root;
+// suspend/restore and fork where a runtime implements them.
 package runtimetest
 
 import (
@@ -60,6 +61,7 @@ func Run(t *testing.T, h Harness) {
 	t.Run("files", func(t *testing.T) { testFiles(t, h) })
 	t.Run("limits", func(t *testing.T) { testLimits(t, h) })
 	t.Run("isolation", func(t *testing.T) { testIsolation(t, h) })
+	t.Run("channel", func(t *testing.T) { testChannel(t, h) })
 	t.Run("pause", func(t *testing.T) { testPause(t, h) })
 	t.Run("crash", func(t *testing.T) { testCrash(t, h) })
 	// Optional: skipped where the runtime does not implement them.

@@ -55,6 +55,13 @@ func outer(agentArgs []string) int {
 	if limit, _ := strconv.ParseUint(os.Getenv(EnvMemoryLimit), 10, 64); limit > 0 {
 		guard = newMemoryGuard(limit, os.Getenv(EnvOOMDir))
 	}
+	// The agent's pid namespace cannot see this process; it is opaque all
+	// the same (non-dumpable, its SPACE_GINIT_* settings scrubbed), as the
+	// agent is.
+	if err := confine.Opaque(); err != nil {
+		fmt.Fprintln(os.Stderr, "space-agent: gvisor init:", err)
+		return 125
+	}
 	cmd := exec.Command("/proc/self/exe", append([]string{confine.Role}, agentArgs...)...)
 	cmd.Args[0] = os.Args[0]
 	cmd.Env = withoutGuard(os.Environ())

@@ -47,6 +47,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/runtime/confine"
 )
 
 // Role is the first argument that makes space-agent a microvm guest's
@@ -102,9 +104,10 @@ func Main() []string {
 		os.Exit(125)
 	}
 	cfg, err := configFromEnv()
-	// None of these are for the agent's children.
-	for _, k := range []string{EnvHostname, EnvMemoryMiB, EnvPids} {
-		os.Unsetenv(k)
+	// None of these are for the agent or its children, and this process
+	// is as opaque to the guest's other processes as the agent is.
+	if oerr := confine.Opaque(); oerr != nil && err == nil {
+		err = oerr
 	}
 	if os.Getenv("PATH") == "" {
 		os.Setenv("PATH", defaultPath)

@@ -34,9 +34,6 @@ const (
 	FDRoot  = 10
 )
 
-// EnvAgentFD is read by the agent: the fd of its listening socket.
-const EnvAgentFD = "SPACE_AGENT_FD"
-
 // LayerFDs is the number of descriptors sent with the config, placed at
 // FDLower, FDUpper, FDWork, FDRoot.
 const LayerFDs = 4

@@ -7,6 +7,7 @@ import (
 	"os"
 	goruntime "runtime"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -149,15 +150,17 @@ func build(entered time.Time) error {
 	fmt.Fprintf(os.Stderr, "nsinit: sandbox ready: landlock ABI %d, seccomp allowlist of %d syscalls (exec+Go start %v, config wait %v, setup %v)\n",
 		abi, len(confine.Allowed), entered.Sub(time.Unix(0, cfg.SpawnedUnixNano)).Round(time.Microsecond),
 		configured.Sub(entered).Round(time.Microsecond), time.Since(configured).Round(time.Microsecond))
-	// The agent marks its listener close-on-exec and drops EnvAgentFD
-	// from its environment: neither reaches the processes it runs.
+	// The listener is named on the command line, not in the environment:
+	// the agent's environment has nothing of the runtime's in it (it is
+	// PID 1, and its /proc entries are the first a sandbox process looks
+	// at). The agent marks the listener close-on-exec.
 	env := []string{
-		fmt.Sprintf("%s=%d", EnvAgentFD, FDAgentListener),
 		"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
 		"HOME=/root",
 		"LANG=C.UTF-8",
 	}
-	err = unix.Exec(fmt.Sprintf("/proc/self/fd/%d", exe), os.Args[:1], env)
+	argv := []string{os.Args[0], "--fd", strconv.Itoa(FDAgentListener)}
+	err = unix.Exec(fmt.Sprintf("/proc/self/fd/%d", exe), argv, env)
 	return fmt.Errorf("exec agent: %w", err)
 }
 
