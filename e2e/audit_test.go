@@ -159,7 +159,7 @@ func TestAuditTrail(t *testing.T) {
 }
 
 // TestAuditRecordsPerSandbox counts what a typical create + exec + delete
-// adds to the log (reported in docs/security-model-audit.md).
+// adds to the log (reported in docs/security-model.md).
 func TestAuditRecordsPerSandbox(t *testing.T) {
 	e := setup(t)
 	ctx := ctxT(t, 5*time.Minute)
