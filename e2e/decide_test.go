@@ -3,8 +3,6 @@ package e2e
 import (
 	"context"
 	"fmt"
-	"net"
-	"net/netip"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -17,8 +15,6 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/server"
-	"github.com/spacehq/space/internal/testenv"
-	"github.com/spacehq/space/sdk"
 )
 
 // e2eDecider is the server's Decider in these tests: rule decides (it may
@@ -65,63 +61,6 @@ func (d *e2eDecider) lastConnect(port int) (actions.Action, bool) {
 	return actions.Action{}, false
 }
 
-// decidingServer is an in-process server of its own (data dir, gateway
-// process, fake internet) whose Decider is dec.
-func decidingServer(t *testing.T, dec actions.Decider) (*env, func()) {
-	t.Helper()
-	testenv.RequireRoot(t)
-	testenv.BaseRootfs(t)
-	fi, err := startFakeInternet()
-	if err != nil {
-		t.Fatal(err)
-	}
-	data, err := os.MkdirTemp("", "space-e2e-decide-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: testenv.AgentBinary(t),
-		JailBinary: testenv.JailBinary(t), APIKeyOut: os.Stderr, Decider: dec,
-		Network: server.NetworkOptions{
-			AllowPrivate:  []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")},
-			DNSUpstream:   fi.dns.Addr,
-			DialGuard:     "loopback",
-			GatewayBinary: testenv.GatewayBinary(t),
-		}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	hs := s.HTTPServer()
-	go hs.Serve(l)
-	c, err := sdk.New("http://"+l.Addr().String(), s.APIKey())
-	if err != nil {
-		t.Fatal(err)
-	}
-	e := &env{url: "http://" + l.Addr().String(), key: s.APIKey(), data: data, srv: s, client: c, internet: fi}
-	return e, func() {
-		ctx := context.Background()
-		sbs, _ := c.ListSandboxes(ctx, sdk.ListOptions{})
-		for _, sb := range sbs {
-			if op, err := c.DeleteSandbox(ctx, sb.ID, true); err == nil {
-				c.WaitOperation(ctx, op.ID)
-			}
-		}
-		hs.Close()
-		s.Close()
-		if err := gatewayClean(data); err != nil {
-			t.Error(err)
-		}
-		fi.close()
-		if leaks := hostLeaks(data); len(leaks) > 0 {
-			t.Errorf("host resources leaked: %v", leaks)
-		}
-		os.RemoveAll(data)
-	}
-}
-
 func allow(context.Context, actions.Action) actions.Decision {
 	return actions.Decision{Verdict: actions.Allow}
 }
@@ -136,8 +75,8 @@ func allow(context.Context, actions.Action) actions.Decision {
 // stream is back and decides again.
 func TestNetworkDecider(t *testing.T) {
 	dec := &e2eDecider{rule: allow, asked: make(chan actions.Action, 1000)}
-	e, done := decidingServer(t, dec)
-	defer done()
+	e := setup(t)
+	defer e.srv.SetDecider(dec)()
 	fi := e.internet
 	hp := fi.httpPort
 	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test", "other.test"}}})

@@ -117,3 +117,17 @@ func (p policyDecider) Applies(id string) bool {
 	}
 	return p.eng.AppliesTo(sb.Tenant, sb.Template, id)
 }
+
+// SetDecider makes d the Decider of the gateway's questions (DNS queries
+// and connections) in place of the policy engine, until restore is called.
+// For tests that drive the gateway's decisions with a Decider of their own
+// on a shared server; execs and files calls keep the policy engine.
+func (s *Server) SetDecider(d actions.Decider) (restore func()) {
+	old := s.decider.get()
+	s.decider.set(d)
+	s.decisionScopeChanged()
+	return func() {
+		s.decider.set(old)
+		s.decisionScopeChanged()
+	}
+}
