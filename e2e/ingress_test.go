@@ -132,7 +132,7 @@ func TestIngress(t *testing.T) {
 	if code, body = get(e.url+"/", hostRouted, nil); code != 200 || !strings.Contains(body, "marker-file.txt") {
 		t.Fatalf("public: %d %s", code, body)
 	}
-	if out, errOut, c := e.spaceCLI(t, "", "port", id, "8000", "--private"); c != 0 || !strings.Contains(out, "space_token=spt_") {
+	if out, errOut, c := e.spaceCLI(t, "", "port", id, "8000", "--private"); c != 0 || !strings.Contains(out, "space_token=spt2.") {
 		t.Fatalf("space port --private: %d %s %s", c, out, errOut)
 	}
 	if code, _ = get(pathURL, "", nil); code != http.StatusUnauthorized {
