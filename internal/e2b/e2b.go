@@ -186,14 +186,6 @@ func controlScope(r *http.Request) string {
 	return principal.ScopeSandboxWrite
 }
 
-// tenantOf is sb's tenant ("" before tenants: the default one).
-func tenantOf(sb api.Sandbox) string {
-	if sb.Tenant == "" {
-		return principal.DefaultTenant
-	}
-	return sb.Tenant
-}
-
 // envdToken is sandbox sb's envd access token: an HMAC of its id and
 // creation time under the server's secret, so nothing is stored and a
 // deleted sandbox's token opens nothing.
@@ -254,7 +246,7 @@ func (h *Handler) authEnvd(signedOK bool, next http.HandlerFunc) http.HandlerFun
 			// An API key opens envd for its own tenant's sandboxes, with
 			// the scopes of what envd does (commands, files).
 			if key := r.Header.Get("X-API-KEY"); key != "" {
-				if p, err := h.cfg.Authenticate(key); err == nil && p.Sees(tenantOf(sb)) && p.Can(principal.ScopeExecWrite) && p.Can(principal.ScopeFilesWrite) {
+				if p, err := h.cfg.Authenticate(key); err == nil && p.Sees(sb.Tenant) && p.Can(principal.ScopeExecWrite) && p.Can(principal.ScopeFilesWrite) {
 					ok = true
 					r = r.WithContext(principal.With(r.Context(), p))
 				}

@@ -11,7 +11,6 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
-	"github.com/spacehq/space/internal/tenancy"
 )
 
 // Fork limits and the label that ties a child to its parent.
@@ -48,7 +47,7 @@ func (m *Manager) Fork(ctx context.Context, id string, req api.ForkRequest) (api
 	}
 	if sb.Network != nil {
 		// The boundary may have narrowed since the parent's policy was set.
-		if err := m.bound(ctx, tenantOfSandbox(sb), *sb.Network); err != nil {
+		if err := m.bound(ctx, TenantOf(sb), *sb.Network); err != nil {
 			return api.Operation{}, err
 		}
 	}
@@ -58,25 +57,15 @@ func (m *Manager) Fork(ctx context.Context, id string, req api.ForkRequest) (api
 	// The children count against the parent's tenant's quotas, all or
 	// none. Checked before any child record exists; the lock covers the
 	// inserts below.
-	q, err := m.cfg.Tenants.Quotas(ctx, tenantOfSandbox(sb))
+	add := make([]api.Limits, req.Count)
+	for i := range add {
+		add[i] = sb.Limits
+	}
+	release, err := m.admit(ctx, TenantOf(sb), add...)
 	if err != nil {
 		return api.Operation{}, err
 	}
-	if q != (api.Quotas{}) {
-		m.admitMu.Lock()
-		defer m.admitMu.Unlock()
-		u, err := m.Usage(ctx, tenantOfSandbox(sb))
-		if err != nil {
-			return api.Operation{}, err
-		}
-		add := make([]api.Limits, req.Count)
-		for i := range add {
-			add[i] = sb.Limits
-		}
-		if err := tenancy.Admit(q, u, add...); err != nil {
-			return api.Operation{}, err
-		}
-	}
+	defer release()
 	for range req.Count {
 		child := api.Sandbox{
 			ID: newID("sb"), Tenant: sb.Tenant, State: api.StateCreating, Runtime: sb.Runtime, Isolation: sb.Isolation,

@@ -461,7 +461,7 @@ func (m *Manager) List(ctx context.Context, state string, labels map[string]stri
 	if p, ok := principal.From(ctx); ok && !p.Admin() {
 		mine := sbs[:0]
 		for _, sb := range sbs {
-			if p.Sees(tenantOfSandbox(sb)) {
+			if p.Sees(sb.Tenant) {
 				mine = append(mine, sb)
 			}
 		}
@@ -592,7 +592,7 @@ func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
 	}
 	// A policy from the template or the server default is held to the
 	// tenant's boundary like a requested one.
-	if err := m.bound(ctx, tenantOfSandbox(sb), *sb.Network); err != nil {
+	if err := m.bound(ctx, TenantOf(sb), *sb.Network); err != nil {
 		return fail(err)
 	}
 	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {

@@ -238,7 +238,7 @@ func (m *Manager) SetNetwork(ctx context.Context, id string, p api.NetworkPolicy
 	if sb.State == api.StateDeleting {
 		return api.Sandbox{}, wrongState(id, sb.State, "change the network policy of")
 	}
-	if err := m.bound(ctx, tenantOfSandbox(sb), p); err != nil {
+	if err := m.bound(ctx, TenantOf(sb), p); err != nil {
 		return api.Sandbox{}, err
 	}
 	p = ClonePolicy(p)

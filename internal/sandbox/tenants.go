@@ -48,9 +48,9 @@ func tenantOf(ctx context.Context) string {
 	return principal.DefaultTenant
 }
 
-// tenantOfSandbox is the tenant of sb; records from before tenants belong
-// to the default one.
-func tenantOfSandbox(sb api.Sandbox) string {
+// TenantOf is the tenant of sb; records from before tenants belong to the
+// default one.
+func TenantOf(sb api.Sandbox) string {
 	if sb.Tenant == "" {
 		return principal.DefaultTenant
 	}
@@ -65,33 +65,46 @@ func (m *Manager) Usage(ctx context.Context, tenant string) (api.Usage, error) {
 	}
 	var mine []api.Sandbox
 	for _, sb := range sbs {
-		if tenantOfSandbox(sb) == tenant {
+		if TenantOf(sb) == tenant {
 			mine = append(mine, sb)
 		}
 	}
 	return tenancy.UsageOf(mine), nil
 }
 
-// admitAndPut stores new sandbox records if their tenant's quotas allow
-// them. One lock across check and insert: two concurrent creates cannot
-// both take the last unit of a quota.
-func (m *Manager) admitAndPut(ctx context.Context, tenant string, put func() error, add ...api.Limits) error {
+// admit checks that tenant's quotas allow sandboxes with limits add and
+// returns holding the quota lock: release it once the records it admitted
+// are stored. One lock across check and insert, so two concurrent creates
+// cannot both take the last unit of a quota. A tenant without quotas
+// takes no lock.
+func (m *Manager) admit(ctx context.Context, tenant string, add ...api.Limits) (release func(), err error) {
 	q, err := m.cfg.Tenants.Quotas(ctx, tenant)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if q == (api.Quotas{}) {
-		return put()
+		return func() {}, nil
 	}
 	m.admitMu.Lock()
-	defer m.admitMu.Unlock()
 	u, err := m.Usage(ctx, tenant)
+	if err == nil {
+		err = tenancy.Admit(q, u, add...)
+	}
+	if err != nil {
+		m.admitMu.Unlock()
+		return nil, err
+	}
+	return m.admitMu.Unlock, nil
+}
+
+// admitAndPut stores new sandbox records if their tenant's quotas allow
+// them (admit).
+func (m *Manager) admitAndPut(ctx context.Context, tenant string, put func() error, add ...api.Limits) error {
+	release, err := m.admit(ctx, tenant, add...)
 	if err != nil {
 		return err
 	}
-	if err := tenancy.Admit(q, u, add...); err != nil {
-		return err
-	}
+	defer release()
 	return put()
 }
 
@@ -110,7 +123,7 @@ func (m *Manager) Visible(ctx context.Context, id string) (api.Sandbox, error) {
 	if err != nil {
 		return api.Sandbox{}, err
 	}
-	if p, ok := principal.From(ctx); ok && !p.Sees(tenantOfSandbox(sb)) {
+	if p, ok := principal.From(ctx); ok && !p.Sees(sb.Tenant) {
 		return api.Sandbox{}, fmt.Errorf("sandbox %s not found: %w", id, errdefs.ErrNotFound)
 	}
 	return sb, nil

@@ -282,7 +282,7 @@ func (s *Server) putTenant(w http.ResponseWriter, r *http.Request) {
 		}
 		var outside []string
 		for _, sb := range sbs {
-			if sb.Tenant == name || sb.Tenant == "" && name == principal.DefaultTenant {
+			if sandbox.TenantOf(sb) == name {
 				if sb.Network != nil {
 					if err := boundaryCheck(*sb.Network, *t.Boundary, s.cfg.Network.AllowPrivate); err != nil {
 						outside = append(outside, sb.ID+" ("+err.Error()+")")
