@@ -20,6 +20,7 @@ import (
 	_ "modernc.org/sqlite" // registers the "sqlite" driver (OpenDB)
 
 	"github.com/spacehq/space/internal/principal"
+	"github.com/spacehq/space/internal/store"
 )
 
 // Defaults of Options.
@@ -209,35 +210,7 @@ func Open(ctx context.Context, o Options) (*Log, error) {
 }
 
 func (l *Log) migrate(ctx context.Context) error {
-	tx, err := l.db.BeginTx(ctx, nil)
-	if err != nil {
-		return err
-	}
-	defer tx.Rollback()
-	if _, err := tx.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS audit_schema (version INTEGER NOT NULL)`); err != nil {
-		return err
-	}
-	var v int
-	err = tx.QueryRowContext(ctx, `SELECT version FROM audit_schema`).Scan(&v)
-	if errors.Is(err, sql.ErrNoRows) {
-		if _, err := tx.ExecContext(ctx, `INSERT INTO audit_schema (version) VALUES (0)`); err != nil {
-			return err
-		}
-	} else if err != nil {
-		return err
-	}
-	if v > len(schema) {
-		return fmt.Errorf("audit schema version %d is newer than this build's %d", v, len(schema))
-	}
-	for ; v < len(schema); v++ {
-		if _, err := tx.ExecContext(ctx, schema[v]); err != nil {
-			return fmt.Errorf("migration %d: %w", v+1, err)
-		}
-	}
-	if _, err := tx.ExecContext(ctx, `UPDATE audit_schema SET version = ?`, v); err != nil {
-		return err
-	}
-	return tx.Commit()
+	return store.MigrateTables(ctx, l.db, "audit", schema)
 }
 
 // load reads the head of the chain and its last checkpoint. The head

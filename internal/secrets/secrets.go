@@ -30,6 +30,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/netpolicy"
+	"github.com/spacehq/space/internal/store"
 )
 
 // Bounds.
@@ -195,35 +196,7 @@ func LoadKey(path string) ([]byte, error) {
 }
 
 func (s *Store) migrate(ctx context.Context) error {
-	tx, err := s.db.BeginTx(ctx, nil)
-	if err != nil {
-		return err
-	}
-	defer tx.Rollback()
-	if _, err := tx.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS secrets_schema (version INTEGER NOT NULL)`); err != nil {
-		return err
-	}
-	var v int
-	err = tx.QueryRowContext(ctx, `SELECT version FROM secrets_schema`).Scan(&v)
-	if errors.Is(err, sql.ErrNoRows) {
-		if _, err := tx.ExecContext(ctx, `INSERT INTO secrets_schema (version) VALUES (0)`); err != nil {
-			return err
-		}
-	} else if err != nil {
-		return err
-	}
-	if v > len(schema) {
-		return fmt.Errorf("secrets schema version %d is newer than this build's %d: %w", v, len(schema), errdefs.ErrUnprocessable)
-	}
-	for ; v < len(schema); v++ {
-		if _, err := tx.ExecContext(ctx, schema[v]); err != nil {
-			return fmt.Errorf("migration %d: %w", v+1, err)
-		}
-	}
-	if _, err := tx.ExecContext(ctx, `UPDATE secrets_schema SET version = ?`, v); err != nil {
-		return err
-	}
-	return tx.Commit()
+	return store.MigrateTables(ctx, s.db, "secrets", schema)
 }
 
 func invalid(format string, a ...any) error {

@@ -19,6 +19,7 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/store"
 )
 
 // Store holds templates on disk and their metadata in SQLite.
@@ -161,35 +162,7 @@ func (s *Store) Close() error {
 func (s *Store) Dir() string { return s.dir }
 
 func (s *Store) migrate(ctx context.Context) error {
-	tx, err := s.db.BeginTx(ctx, nil)
-	if err != nil {
-		return err
-	}
-	defer tx.Rollback()
-	if _, err := tx.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS template_schema (version INTEGER NOT NULL)`); err != nil {
-		return err
-	}
-	var v int
-	err = tx.QueryRowContext(ctx, `SELECT version FROM template_schema`).Scan(&v)
-	if errors.Is(err, sql.ErrNoRows) {
-		if _, err := tx.ExecContext(ctx, `INSERT INTO template_schema (version) VALUES (0)`); err != nil {
-			return err
-		}
-	} else if err != nil {
-		return err
-	}
-	if v > len(templateSchema) {
-		return fmt.Errorf("template schema version %d is newer than this build's %d: %w", v, len(templateSchema), errdefs.ErrUnprocessable)
-	}
-	for ; v < len(templateSchema); v++ {
-		if _, err := tx.ExecContext(ctx, templateSchema[v]); err != nil {
-			return fmt.Errorf("migration %d: %w", v+1, err)
-		}
-	}
-	if _, err := tx.ExecContext(ctx, `UPDATE template_schema SET version = ?`, v); err != nil {
-		return err
-	}
-	return tx.Commit()
+	return store.MigrateTables(ctx, s.db, "template", templateSchema)
 }
 
 // collectGarbage removes tmp/ leftovers and content directories without a

@@ -26,6 +26,7 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/principal"
+	"github.com/spacehq/space/internal/store"
 )
 
 // schema is the tenancy_ tables; its version lives in tenancy_schema
@@ -75,35 +76,7 @@ func Open(ctx context.Context, db *sql.DB) (*Store, error) {
 }
 
 func (s *Store) migrate(ctx context.Context) error {
-	tx, err := s.db.BeginTx(ctx, nil)
-	if err != nil {
-		return err
-	}
-	defer tx.Rollback()
-	if _, err := tx.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS tenancy_schema (version INTEGER NOT NULL)`); err != nil {
-		return err
-	}
-	var v int
-	err = tx.QueryRowContext(ctx, `SELECT version FROM tenancy_schema`).Scan(&v)
-	if errors.Is(err, sql.ErrNoRows) {
-		if _, err := tx.ExecContext(ctx, `INSERT INTO tenancy_schema (version) VALUES (0)`); err != nil {
-			return err
-		}
-	} else if err != nil {
-		return err
-	}
-	if v > len(schema) {
-		return fmt.Errorf("tenancy schema version %d is newer than this build's %d: %w", v, len(schema), errdefs.ErrUnprocessable)
-	}
-	for ; v < len(schema); v++ {
-		if _, err := tx.ExecContext(ctx, schema[v]); err != nil {
-			return fmt.Errorf("migration %d: %w", v+1, err)
-		}
-	}
-	if _, err := tx.ExecContext(ctx, `UPDATE tenancy_schema SET version = ?`, v); err != nil {
-		return err
-	}
-	return tx.Commit()
+	return store.MigrateTables(ctx, s.db, "tenancy", schema)
 }
 
 func (s *Store) load(ctx context.Context) error {
