@@ -140,3 +140,35 @@ func TestAttachSlowReaderGetsTail(t *testing.T) {
 		t.Fatalf("received %d of %d bytes, dropped %+v", s.stdout.Len(), total, s.dropped)
 	}
 }
+
+// TestHoldForAttach: a process started for an attach that comes a moment
+// later loses nothing to that moment, however fast it writes; if the attach
+// never comes, the hold ends after the stall like a stalled attach's.
+func TestHoldForAttach(t *testing.T) {
+	const stall = 700 * time.Millisecond
+	e := newEnv(t, agent.Config{RingBytes: 64 << 10, AttachStall: stall})
+	ctx := ctxT(t)
+	const total = 8 << 20
+	if _, err := e.c.StartProc(ctx, agentproto.ProcStart{ID: "held", Cmd: []string{"head", "-c", "8388608", "/dev/zero"}, HoldForAttach: true}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond) // far more than 64 KiB of output's worth
+	c, err := e.c.Attach(ctx, "held", 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var s session
+	s.readAll(t, ctx, c)
+	if len(s.dropped) != 0 || s.stdout.Len() != total {
+		t.Fatalf("received %d of %d bytes, dropped %+v", s.stdout.Len(), total, s.dropped)
+	}
+
+	if _, err := e.c.StartProc(ctx, agentproto.ProcStart{ID: "orphan", Cmd: []string{"head", "-c", "8388608", "/dev/zero"}, HoldForAttach: true}); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	waitExited(t, e, "orphan")
+	if took := time.Since(start); took < stall/2 {
+		t.Fatalf("an unattached held process finished in %v: the hold did not hold", took)
+	}
+}

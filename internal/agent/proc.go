@@ -67,6 +67,7 @@ type proc struct {
 	freed   chan struct{}        // closed and replaced when a cursor advances or leaves while a pump waits
 	held    int                  // pumps waiting for room now
 	holds   int                  // waits begun so far
+	pending *cursor              // holds the output for the first attach (ProcStart.HoldForAttach) until it comes
 }
 
 // cursor is the read position of one live attach. While it makes progress
@@ -115,7 +116,7 @@ func (p *proc) kill() {
 }
 
 // startProc starts l with pipes or a PTY and begins buffering its output.
-func (a *Agent) startProc(id string, l *launch, tty bool, rows, cols uint16) (*proc, error) {
+func (a *Agent) startProc(id string, l *launch, tty, hold bool, rows, cols uint16) (*proc, error) {
 	p := &proc{
 		id: id, cmd: l.argv, tty: tty, rp: a.reaper,
 		out:      [2]*ring{newRing(a.cfg.RingBytes), newRing(a.cfg.RingBytes)},
@@ -125,6 +126,10 @@ func (a *Agent) startProc(id string, l *launch, tty bool, rows, cols uint16) (*p
 		stall:    a.cfg.AttachStall,
 		cursors:  map[*cursor]struct{}{},
 		freed:    make(chan struct{}),
+	}
+	if hold {
+		p.pending = &cursor{}
+		p.cursors[p.pending] = struct{}{}
 	}
 	sys := &syscall.SysProcAttr{Setsid: true, Credential: l.cred}
 	var files []uintptr
@@ -422,7 +427,7 @@ func (a *Agent) handleStartProc(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fmt.Errorf("the agent already tracks %d processes; forget exited ones first: %w", len(a.procs), errdefs.ErrConflict))
 		return
 	}
-	p, err := a.startProc(req.ID, l, req.TTY, req.Rows, req.Cols)
+	p, err := a.startProc(req.ID, l, req.TTY, req.HoldForAttach, req.Rows, req.Cols)
 	if err == nil {
 		a.procs[req.ID] = p
 	}
@@ -560,6 +565,13 @@ func (p *proc) streamTo(ctx context.Context, c *websocket.Conn, offs [2]int64) e
 	cur := &cursor{off: offs}
 	p.mu.Lock()
 	p.cursors[cur] = struct{}{}
+	if p.pending != nil {
+		// The attach the start held the output for is here (or another
+		// one, which takes over the hold from its own offsets).
+		delete(p.cursors, p.pending)
+		p.pending = nil
+		p.wakePumps()
+	}
 	p.mu.Unlock()
 	defer func() {
 		p.mu.Lock()

@@ -98,6 +98,11 @@ type ProcStart struct {
 	TTY     bool     `json:"tty,omitempty"`
 	Rows    uint16   `json:"rows,omitempty"`
 	Cols    uint16   `json:"cols,omitempty"`
+	// HoldForAttach keeps the output from the process's first byte for
+	// the attach the caller makes next: until it arrives (or for the
+	// agent's attach stall at most) the process waits on a full replay
+	// buffer instead of overwriting output nobody has read yet.
+	HoldForAttach bool `json:"hold_for_attach,omitempty"`
 }
 
 // ProcInfo describes a process the agent started.

@@ -224,7 +224,7 @@ func (m *Manager) runStepCommand(ctx context.Context, id string, s build.Step, o
 	}
 	procID := newID("cmd")
 	oomBefore := m.oomKills(ctx, id)
-	if _, err := c.StartProc(ctx, agentproto.ProcStart{ID: procID, Cmd: s.Cmd, Env: mergeEnv(nil, env), Workdir: workdir, User: user}); err != nil {
+	if _, err := c.StartProc(ctx, agentproto.ProcStart{ID: procID, Cmd: s.Cmd, Env: mergeEnv(nil, env), Workdir: workdir, User: user, HoldForAttach: true}); err != nil {
 		return -1, fmt.Errorf("build step: starting %q: %w", s.Cmd[0], err)
 	}
 	conn, err := c.Attach(ctx, procID, 0, 0)

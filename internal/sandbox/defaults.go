@@ -169,7 +169,7 @@ func (m *Manager) startFromTemplate(ctx context.Context, p *phases, c *agentclie
 		if err := m.cfg.DB.PutCommand(ctx, rec); err != nil {
 			return err
 		}
-		if err := m.startCommand(ctx, c, sb, &rec); err != nil {
+		if err := m.startCommand(ctx, c, sb, &rec, false); err != nil {
 			m.commandEnded(&rec, api.ExitStatus{ExitCode: -1, Reason: "could not start: " + err.Error()})
 			return fmt.Errorf("template start command %s: %w", quoteArgv(plan.cmd), err)
 		}

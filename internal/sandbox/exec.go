@@ -184,7 +184,7 @@ func (m *Manager) CreateCommand(ctx context.Context, id string, req api.CreateCo
 		if err != nil {
 			return api.Command{}, err
 		}
-		err = m.startCommand(ctx, c, sb, &rec)
+		err = m.startCommand(ctx, c, sb, &rec, false)
 		release()
 		if err != nil {
 			return api.Command{}, err
@@ -197,8 +197,10 @@ func (m *Manager) CreateCommand(ctx context.Context, id string, req api.CreateCo
 }
 
 // startCommand starts the recorded process through c, the agent of the
-// running sandbox sb, if it has not started yet.
-func (m *Manager) startCommand(ctx context.Context, c *agentclient.Client, sb api.Sandbox, rec *store.CommandRecord) error {
+// running sandbox sb, if it has not started yet. attaching says the caller
+// attaches next: the agent then keeps the output from the first byte for
+// it, so a fast producer cannot overwrite output before the attach exists.
+func (m *Manager) startCommand(ctx context.Context, c *agentclient.Client, sb api.Sandbox, rec *store.CommandRecord, attaching bool) error {
 	if rec.State != api.CommandCreated {
 		return nil
 	}
@@ -210,6 +212,7 @@ func (m *Manager) startCommand(ctx context.Context, c *agentclient.Client, sb ap
 	info, err := c.StartProc(ctx, agentproto.ProcStart{
 		ID: rec.ID, Cmd: rec.Spec.Cmd, Env: mergeEnv(sb.Env, rec.Spec.Env), Workdir: rec.Spec.Workdir,
 		User: rec.Spec.User, TTY: rec.Spec.TTY, Rows: rec.Spec.Rows, Cols: rec.Spec.Cols,
+		HoldForAttach: attaching,
 	})
 	m.auditCommandStart(ctx, sb, rec.ID, commandHow(rec), rec.Spec.Cmd, rec.Spec.User, rec.Spec.Workdir, err)
 	if err != nil {
@@ -351,7 +354,7 @@ func (m *Manager) Attach(ctx context.Context, rec store.CommandRecord, stdoutOff
 	if err != nil {
 		return nil, err
 	}
-	if err := m.startCommand(ctx, c, sb, &rec); err != nil {
+	if err := m.startCommand(ctx, c, sb, &rec, true); err != nil {
 		release()
 		return nil, err
 	}
