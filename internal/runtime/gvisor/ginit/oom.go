@@ -50,6 +50,11 @@ const (
 	// victimWait bounds the wait for a killed process to release its
 	// memory before the guard looks again.
 	victimWait = 500 * time.Millisecond
+	// settleWait bounds the wait for a big victim's memory to show as
+	// released (settle); settleSlack is the least growth settle takes for
+	// more allocation (gVisor's allocation unit).
+	settleWait  = 2 * time.Second
+	settleSlack = 2 << 20
 )
 
 // pollInterval is how long the guard may sleep with used bytes in use.
@@ -154,8 +159,15 @@ func (g *memoryGuard) run() {
 				// at once, and the host's Stats must already show it.
 				g.kills++
 				g.report()
+				// Whether the victim's release alone brings the sandbox
+				// back under the limit: read before the kill.
+				vp, _ := readProcStat(pid)
+				enough := vp.rssPgs*uint64(os.Getpagesize()) >= used-g.limit
 				if killProcess(pid, start) {
 					waitGone(pid, start, victimWait)
+					if enough {
+						g.settle(used, settleWait)
+					}
 					continue
 				}
 				g.kills--
@@ -166,10 +178,32 @@ func (g *memoryGuard) run() {
 	}
 }
 
+// settle waits, after a kill at used bytes of a victim big enough to bring
+// the sandbox under the limit, until the accounting shows its memory
+// released (or d passes). On a loaded host the release lags the exit by
+// far more than a tick, and looking again too early kills a second,
+// innocent process (the next command's shell) for memory the first still
+// seems to hold. Growth of more than settleSlack above the lowest reading
+// since the kill is the sandbox still allocating: the guard looks at once.
+func (g *memoryGuard) settle(used uint64, d time.Duration) {
+	slack := max(settleSlack, g.limit/32)
+	deadline := time.Now().Add(d)
+	low := used
+	for time.Now().Before(deadline) {
+		now, err := memoryUsed()
+		if err != nil || now < g.limit || now > low+slack {
+			return
+		}
+		low = min(low, now)
+		time.Sleep(pollMin)
+	}
+}
+
 // memoryUsed is the sentry's accounting of the sandbox's memory (anonymous,
-// page cache, tmpfs, its own), the number /proc/meminfo reports as
-// MemTotal − MemFree. The sentry reports MemTotal as the limit and clamps
-// MemFree at 0, so "used ≥ limit" is also how an overrun reads.
+// page cache, tmpfs, its own). MemTotal − MemFree says it only up to the
+// limit: the sentry reports MemTotal as the limit and clamps MemFree at 0.
+// AnonPages + Cached is the same sum without the clamp, so an overrun reads
+// as how far over it is (what settle and the victim's sufficiency need).
 func memoryUsed() (uint64, error) {
 	data, err := os.ReadFile("/proc/meminfo")
 	if err != nil {
@@ -180,16 +214,28 @@ func memoryUsed() (uint64, error) {
 	if !ok1 || !ok2 {
 		return 0, errors.New("/proc/meminfo without MemTotal/MemFree")
 	}
-	if free > total {
-		return 0, nil
+	used := uint64(0)
+	if free <= total {
+		used = total - free
 	}
-	return (total - free) * 1024, nil
+	anon, ok1 := meminfoKB(data, "AnonPages:")
+	cached, ok2 := meminfoKB(data, "Cached:")
+	if ok1 && ok2 {
+		used = max(used, anon+cached)
+	}
+	return used * 1024, nil
 }
 
+// meminfoKB reads the value of the line starting with key ("Cached:" must
+// not match "SwapCached:").
 func meminfoKB(data []byte, key string) (uint64, bool) {
-	i := bytes.Index(data, []byte(key))
-	if i < 0 {
-		return 0, false
+	i := 0
+	if !bytes.HasPrefix(data, []byte(key)) {
+		i = bytes.Index(data, []byte("\n"+key))
+		if i < 0 {
+			return 0, false
+		}
+		i++
 	}
 	f := bytes.Fields(data[i+len(key):])
 	if len(f) == 0 {

@@ -11,9 +11,12 @@ import (
 )
 
 func TestMeminfoAndStat(t *testing.T) {
-	data := []byte("MemTotal:         131072 kB\nMemFree:           65536 kB\nMemAvailable:      65536 kB\n")
+	data := []byte("MemTotal:         131072 kB\nMemFree:           65536 kB\nMemAvailable:      65536 kB\nSwapCached:  7 kB\nCached:  9 kB\n")
 	if v, ok := meminfoKB(data, "MemTotal:"); !ok || v != 131072 {
 		t.Fatalf("MemTotal %d %v", v, ok)
+	}
+	if v, ok := meminfoKB(data, "Cached:"); !ok || v != 9 {
+		t.Fatalf("Cached %d %v (SwapCached must not match)", v, ok)
 	}
 	if _, ok := meminfoKB(data, "Nope:"); ok {
 		t.Fatal("missing key found")
