@@ -157,7 +157,11 @@ var runscFlags = []string{"--platform=systrap", "--network=none", "--overlay2=no
 	"--directfs=false", "--gofer-network-namespace=new", "--oci-seccomp"}
 
 func (b *gvBench) raw(ctx context.Context, args ...string) ([]byte, error) {
-	full := append([]string{"--root", b.rawRoot}, runscFlags...)
+	return b.rawFlags(ctx, runscFlags, args...)
+}
+
+func (b *gvBench) rawFlags(ctx context.Context, flags []string, args ...string) ([]byte, error) {
+	full := append([]string{"--root", b.rawRoot}, flags...)
 	cmd := exec.CommandContext(ctx, b.runsc, append(full, args...)...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	// Files, not pipes: a detached sandbox inherits them and would keep

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
@@ -37,6 +38,7 @@ var mvLimits = api.Limits{CPUs: 1, MemoryMiB: 256, Pids: 256, DiskMiB: 256}
 const mvDigest = "sha256:bench-microvm-base"
 
 func TestMicroVMBench(t *testing.T) {
+	phases := &phaseLog{}
 	requireBench(t)
 	testenv.RequireRoot(t)
 	rootfs := testenv.BaseRootfs(t)
@@ -48,7 +50,7 @@ func TestMicroVMBench(t *testing.T) {
 	}
 	defer os.RemoveAll(dir)
 	rtI, err := runtime.New(microvm.Name, runtime.Config{DataDir: filepath.Join(dir, "rt"), AgentBinary: agent, JailBinary: testenv.JailBinary(t),
-		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: benchLogLevel()}))})
+		Logger: slog.New(phases.wrap(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: benchLogLevel()})))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -127,10 +129,20 @@ func TestMicroVMBench(t *testing.T) {
 		return time.Since(t0), inst, c, nil
 	}
 
-	// Boot: raw vs cold vs warm, interleaved.
+	// Boot: raw vs cold vs warm, interleaved. The first create of the
+	// kind boots cold and leaves the snapshot.
+	d, inst, c, err := create(newSpecID("mvw"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("first create of the kind (cold boot + taking the warm snapshot): %v", d.Round(time.Millisecond))
+	c.Close()
+	inst.Destroy(ctx)
 	var raw, cold, warm samples
-	rt.SetWarmTemplates(false)
+	var idle []runtime.Instance
+	phases.reset() // the probe's restore
 	for i := 0; i < n; i++ {
+		rt.SetWarmTemplates(false)
 		r, err := rawBoot(fmt.Sprintf("raw%d", i))
 		if err != nil {
 			t.Fatalf("raw boot: %v", err)
@@ -146,19 +158,9 @@ func TestMicroVMBench(t *testing.T) {
 		c.Close()
 		inst.Destroy(ctx)
 		cold = append(cold, d)
-	}
-	rt.SetWarmTemplates(true)
-	// The first create of the kind boots cold and leaves the snapshot.
-	d, inst, c, err := create(newSpecID("mvw"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("first create of the kind (cold boot + taking the warm snapshot): %v", d.Round(time.Millisecond))
-	c.Close()
-	inst.Destroy(ctx)
-	var idle []runtime.Instance
-	for i := 0; i < n; i++ {
-		d, inst, c, err := create(newSpecID("mvw"))
+
+		rt.SetWarmTemplates(true)
+		d, inst, c, err = create(newSpecID("mvw"))
 		if err != nil {
 			t.Fatalf("warm create: %v", err)
 		}
@@ -170,7 +172,11 @@ func TestMicroVMBench(t *testing.T) {
 	printSamples("raw QEMU boot→agent health", raw)
 	printSamples("space create cold (jailed)", cold)
 	printSamples("space create warm (default)", warm)
-	fmt.Printf("  cold/raw %s, cold/warm %s (target warm ≥ 15× faster than cold)\n", ratio(cold, raw), ratio(cold, warm))
+	for _, ph := range []string{"launch", "load", "reseed"} {
+		printSamples("  warm phase "+ph, phases.get("guest restored", ph))
+	}
+	fmt.Printf("  cold/raw %s, cold/warm %s, p99 %.2f× (target warm ≥ 5× faster than cold)\n", ratio(cold, raw), ratio(cold, warm),
+		float64(cold.pct(0.99))/float64(max(warm.pct(0.99), 1)))
 
 	// Host memory of idle VMs (the warm ones, idle 5 s).
 	time.Sleep(5 * time.Second)
@@ -301,4 +307,60 @@ func rawSaveRestore(ctx context.Context, boot func(string) (rawRun, error), sub 
 	restore = time.Since(t0)
 	c2.Close()
 	return save, restore, nil
+}
+
+// phaseLog keeps the durations the runtime logs at debug level (its phase
+// timings, e.g. "guest restored" launch/load/reseed) whatever the level
+// printed.
+type phaseLog struct {
+	mu sync.Mutex
+	d  map[string]samples // "msg/attr"
+}
+
+func (p *phaseLog) get(msg, attr string) samples {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.d[msg+"/"+attr]
+}
+
+func (p *phaseLog) reset() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.d = nil
+}
+
+func (p *phaseLog) wrap(h slog.Handler) slog.Handler { return &phaseHandler{Handler: h, p: p} }
+
+type phaseHandler struct {
+	slog.Handler
+	p *phaseLog
+}
+
+func (h *phaseHandler) Enabled(context.Context, slog.Level) bool { return true }
+
+func (h *phaseHandler) Handle(ctx context.Context, r slog.Record) error {
+	r.Attrs(func(a slog.Attr) bool {
+		if a.Value.Kind() == slog.KindDuration {
+			h.p.mu.Lock()
+			if h.p.d == nil {
+				h.p.d = map[string]samples{}
+			}
+			k := r.Message + "/" + a.Key
+			h.p.d[k] = append(h.p.d[k], a.Value.Duration())
+			h.p.mu.Unlock()
+		}
+		return true
+	})
+	if !h.Handler.Enabled(ctx, r.Level) {
+		return nil
+	}
+	return h.Handler.Handle(ctx, r)
+}
+
+func (h *phaseHandler) WithAttrs(as []slog.Attr) slog.Handler {
+	return &phaseHandler{Handler: h.Handler.WithAttrs(as), p: h.p}
+}
+
+func (h *phaseHandler) WithGroup(name string) slog.Handler {
+	return &phaseHandler{Handler: h.Handler.WithGroup(name), p: h.p}
 }

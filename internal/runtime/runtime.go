@@ -124,6 +124,14 @@ type Instance interface {
 	Exited() <-chan struct{}
 }
 
+// OOMCounter is implemented by instances that can count their OOM kills
+// more cheaply than a whole Stats (gvisor: Stats asks the sentry through a
+// runsc process, the kill count is two host files). The manager reads the
+// count around every exec.
+type OOMCounter interface {
+	OOMKills(ctx context.Context) (int64, error)
+}
+
 // ExitReasoner is implemented by instances that can say why their init
 // ended on its own (a guest kernel panic, a hung guest killed by the
 // runtime's watchdog), with the evidence (a console tail). The manager puts

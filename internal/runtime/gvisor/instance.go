@@ -52,6 +52,7 @@ var (
 	_ runtime.Pauser         = (*instance)(nil)
 	_ runtime.ChangeExporter = (*instance)(nil)
 	_ runtime.NICProvider    = (*instance)(nil)
+	_ runtime.OOMCounter     = (*instance)(nil)
 )
 
 func (i *instance) diskImage() string { return filepath.Join(i.dir, "disk.img") }
@@ -111,6 +112,12 @@ func (i *instance) DialAgent(ctx context.Context) (net.Conn, error) {
 	if !i.Alive() {
 		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrUnavailable)
 	}
+	return i.dialSocket(ctx)
+}
+
+// dialSocket connects to the agent's socket (DialAgent without the
+// liveness check, for callers holding mu).
+func (i *instance) dialSocket(ctx context.Context) (net.Conn, error) {
 	fd, err := unix.Open(i.sockPath(), unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("dial agent of %s: %w: %w", i.spec.ID, err, errdefs.ErrUnavailable)
@@ -184,19 +191,64 @@ func (i *instance) Start(ctx context.Context) (err error) {
 }
 
 // waitSocket waits until the agent has bound its socket (it listens right
-// after), the sandbox dies, or ctx ends.
+// after), the sandbox dies, or ctx ends. An inotify watch on the agent's
+// directory wakes it as the socket appears; the periodic Lstat stays as the
+// check that counts (events are only a hint: the directory is the
+// sandbox's, which can make any events it likes) and as the fallback if
+// inotify is unavailable.
 func (i *instance) waitSocket(ctx context.Context, exited <-chan struct{}) error {
+	ino := -1
+	if fd, err := unix.InotifyInit1(unix.IN_CLOEXEC | unix.IN_NONBLOCK); err == nil {
+		if _, err := unix.InotifyAddWatch(fd, i.agentDir(), unix.IN_CREATE|unix.IN_MOVED_TO|unix.IN_ONLYDIR|unix.IN_DONT_FOLLOW); err == nil {
+			ino = fd
+		} else {
+			unix.Close(fd)
+		}
+	}
+	if ino >= 0 {
+		defer unix.Close(ino)
+	}
+	buf := make([]byte, 4096)
 	delay := 500 * time.Microsecond
 	for {
 		var st unix.Stat_t
 		if err := unix.Lstat(i.sockPath(), &st); err == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK {
-			return nil
+			// The agent binds, then listens: until it listens a connect
+			// is refused. Start promises a socket that can be dialled.
+			c, err := i.dialSocket(ctx)
+			if err == nil {
+				c.Close()
+				return nil
+			}
+			if !errors.Is(err, unix.ECONNREFUSED) {
+				return err
+			}
+			time.Sleep(200 * time.Microsecond)
+			continue
 		}
 		select {
 		case <-exited:
 			return fmt.Errorf("sandbox %s exited before its agent listened", i.spec.ID)
 		case <-ctx.Done():
 			return fmt.Errorf("sandbox %s: agent did not listen: %w", i.spec.ID, errors.Join(ctx.Err(), errdefs.ErrTimeout))
+		default:
+		}
+		if ino >= 0 {
+			// Wait for an event in the directory for at most 10 ms, then
+			// look again (and at exited and ctx).
+			fds := []unix.PollFd{{Fd: int32(ino), Events: unix.POLLIN}}
+			if n, _ := unix.Poll(fds, 10); n > 0 {
+				for {
+					if n, err := unix.Read(ino, buf); n <= 0 || err != nil {
+						break
+					}
+				}
+			}
+			continue
+		}
+		select {
+		case <-exited:
+		case <-ctx.Done():
 		case <-time.After(delay):
 		}
 		delay = min(2*delay, 20*time.Millisecond)
@@ -341,6 +393,20 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	// overlay's upper on its ext4 disk, mounted at rwDir while it runs.
 	s.DiskUsedBytes, err = hostfs.DiskUsed(i.rwDir())
 	return s, err
+}
+
+// OOMKills implements runtime.OOMCounter: the host cgroup's kills and the
+// memory guard's, without asking the sentry (no runsc process), so the
+// manager's count around an exec costs two file reads.
+func (i *instance) OOMKills(ctx context.Context) (int64, error) {
+	if !i.Alive() {
+		return 0, nil
+	}
+	n, err := sandboxCgroup(i.spec.ID).OOMKills()
+	if err != nil {
+		return 0, err
+	}
+	return n + guardKills(i.agentDir()), nil
 }
 
 // sentryCounts is the number of tasks in the sandbox and its memory usage

@@ -12,6 +12,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -30,6 +32,25 @@ type runsc struct {
 	bin   string
 	root  string // --root: this runtime's state directory
 	flags []string
+	// calls counts invocations by subcommand: tests hold the runtime to
+	// one runsc process per start (TestOneRunscPerCreate).
+	calls sync.Map // string → *atomic.Int64
+}
+
+// count records one invocation of sub.
+func (r *runsc) count(sub string) {
+	v, _ := r.calls.LoadOrStore(sub, new(atomic.Int64))
+	v.(*atomic.Int64).Add(1)
+}
+
+// callCounts is how many times each subcommand ran so far.
+func (r *runsc) callCounts() map[string]int64 {
+	out := map[string]int64{}
+	r.calls.Range(func(k, v any) bool {
+		out[k.(string)] = v.(*atomic.Int64).Load()
+		return true
+	})
+	return out
 }
 
 // RunscVersion is the gVisor module version the setup script pins. The
@@ -142,6 +163,7 @@ func (r *runsc) run(ctx context.Context, timeout time.Duration, sub string, args
 	if timeout <= 0 {
 		timeout = runscTimeout
 	}
+	r.count(sub)
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	// Files, not pipes: Wait would otherwise also wait for any process

@@ -272,6 +272,13 @@ func testLimits(t *testing.T, h Harness) {
 		if after.OOMKills <= before.OOMKills {
 			t.Fatalf("OOMKills %d → %d, want an increment", before.OOMKills, after.OOMKills)
 		}
+		// A runtime's cheap count (runtime.OOMCounter, which the manager
+		// reads around every exec) says what Stats says.
+		if oc, ok := sb.Inst.(runtime.OOMCounter); ok {
+			if n, err := oc.OOMKills(ctx); err != nil || n != after.OOMKills {
+				t.Fatalf("OOMKills() = %d, %v; Stats says %d", n, err, after.OOMKills)
+			}
+		}
 		if after.MemoryBytes > limits.MemoryMiB<<20 {
 			t.Fatalf("memory usage %d above the limit", after.MemoryBytes)
 		}
