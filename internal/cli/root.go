@@ -1,8 +1,10 @@
 // Package cli implements the `space` command line: thin cobra commands that
 // parse and validate flags, then call the Go SDK (package sdk). No HTTP is
-// spoken here directly. The host-side commands (`space server`, `space
-// template build-base --local`) are in host.go, the only file that uses
-// this module's internal packages.
+// spoken here directly, and no package of the server is linked: the
+// host-side commands (`space server`, `space template build-base --local`,
+// `space policy test`, `space mcp`) run through Host, which only the
+// space-server binary fills (package hostcli); the space binary hands them
+// to it (host.go).
 //
 // Execute is the whole program behind a function, so tests and the
 // integration suite run it in-process with their own streams.
@@ -64,6 +66,12 @@ type app struct {
 	json   bool
 
 	client *sdk.Client
+
+	// host runs the host-side commands; nil hands them to space-server,
+	// which only Main (mayExec) does, with the same args.
+	host    *Host
+	mayExec bool
+	args    []string
 }
 
 // Client returns the SDK client for the configured server, built once.
@@ -84,9 +92,14 @@ func (a *app) Client() (*sdk.Client, error) {
 }
 
 // Execute runs the space CLI with args (without the program name) and
-// returns the process exit code.
+// returns the process exit code. The host-side commands fail (see Host and
+// ExecuteHost).
 func Execute(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
-	a := &app{ctx: ctx, in: stdin, out: stdout, errOut: stderr}
+	return execute(ctx, nil, false, args, stdin, stdout, stderr)
+}
+
+func execute(ctx context.Context, h *Host, mayExec bool, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	a := &app{ctx: ctx, in: stdin, out: stdout, errOut: stderr, host: h, mayExec: mayExec, args: args}
 	root := newRootCmd(a)
 	root.SetArgs(args)
 	root.SetIn(stdin)
@@ -169,6 +182,7 @@ func newRootCmd(a *app) *cobra.Command {
 		newApproveCmd(a),
 		newDenyCmd(a),
 		newAuditCmd(a),
+		newServerCmd(a),
 	)
 	for _, verb := range []string{"pause", "resume", "stop", "start", "wake", "suspend", "restore"} {
 		root.AddCommand(newLifecycleCmd(a, verb))
@@ -179,8 +193,8 @@ func newRootCmd(a *app) *cobra.Command {
 	return root
 }
 
-// extraCommands are added to the root command by other files (host.go:
-// the server command).
+// extraCommands are added to the root command by other files (keys.go,
+// secret.go).
 var extraCommands []func(*app) *cobra.Command
 
 // stdinFile returns the real terminal-capable stdin when there is one.
