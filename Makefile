@@ -8,7 +8,7 @@ setup:
 	./scripts/setup.sh
 
 build:
-	go build -trimpath -ldflags='-s -w' -o bin/space ./cmd/space
+	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space ./cmd/space
 	go build -trimpath -o bin/space-server ./cmd/space-server
 	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-agent ./cmd/space-agent
 	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-jail ./cmd/space-jail

@@ -28,7 +28,7 @@ fi
 export PATH=$PATH:/usr/local/go/bin
 echo "setup: building bin/space, bin/space-server, bin/space-agent, bin/space-jail and bin/space-gateway"
 mkdir -p bin
-go build -trimpath -ldflags='-s -w' -o bin/space ./cmd/space
+CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space ./cmd/space
 go build -trimpath -o bin/space-server ./cmd/space-server
 CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-agent ./cmd/space-agent
 CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-jail ./cmd/space-jail

@@ -218,3 +218,57 @@ func TestHostCommandsHandedToServerBinary(t *testing.T) {
 		t.Fatalf("in-process server: %d %q", code, e.String())
 	}
 }
+
+// TestTopLevelTable keeps the lazily built command table in step with the
+// commands: every name and alias of every top-level command builds that
+// command, and the table names nothing else.
+func TestTopLevelTable(t *testing.T) {
+	a := &app{ctx: t.Context(), out: &bytes.Buffer{}, errOut: &bytes.Buffer{}}
+	extra := map[string]bool{}
+	for _, add := range extraCommands {
+		extra[add(a).Name()] = true
+	}
+	seen := map[string]bool{}
+	for _, c := range newRootCmd(a).Commands() {
+		if extra[c.Name()] {
+			continue
+		}
+		for _, n := range append([]string{c.Name()}, c.Aliases...) {
+			seen[n] = true
+			b := topLevel[n]
+			if b == nil {
+				t.Errorf("command %q (name %q) is missing from topLevel", c.Name(), n)
+				continue
+			}
+			if got := b(a).Name(); got != c.Name() {
+				t.Errorf("topLevel[%q] builds %q, want %q", n, got, c.Name())
+			}
+		}
+	}
+	for n := range topLevel {
+		if !seen[n] {
+			t.Errorf("topLevel names %q, which no command answers to", n)
+		}
+	}
+	if len(seen) < 30 {
+		t.Fatalf("only %d command names", len(seen))
+	}
+}
+
+func TestCommandName(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"exec", "sb-1", "--", "true"}, "exec"},
+		{[]string{"--url", "http://x", "--api-key", "k", "--json", "ls"}, "ls"},
+		{[]string{"--url=http://x", "run", "--", "true"}, "run"},
+		{[]string{"--help"}, ""},
+		{[]string{"--", "exec"}, ""},
+		{nil, ""},
+	} {
+		if got := commandName(c.args); got != c.want {
+			t.Errorf("commandName(%q) = %q, want %q", c.args, got, c.want)
+		}
+	}
+}
