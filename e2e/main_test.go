@@ -151,13 +151,16 @@ func (e *env) spaceCLI(t *testing.T, stdin string, args ...string) (stdout, stde
 	return o.String(), s.String(), code
 }
 
-// buildSpace builds the space binary for tests that need a separate process.
+// buildSpace builds the space binary for tests that need a separate
+// process, with space-server beside it (which `space server` becomes).
 func buildSpace(t *testing.T) string {
 	t.Helper()
-	out := filepath.Join(t.TempDir(), "space")
-	cmd := exec.Command("go", "build", "-o", out, "github.com/spacehq/space/cmd/space")
-	if b, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("building space: %v\n%s", err, b)
+	dir := t.TempDir()
+	for _, b := range []string{"space", "space-server"} {
+		cmd := exec.Command("go", "build", "-o", filepath.Join(dir, b), "github.com/spacehq/space/cmd/"+b)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("building %s: %v\n%s", b, err, out)
+		}
 	}
-	return out
+	return filepath.Join(dir, "space")
 }

@@ -58,12 +58,15 @@ func TestNodeSuites(t *testing.T) {
 }
 
 // spaceBinary is the space CLI for tests that run it as a separate process:
-// bin/space next to $SPACE_AGENT_BIN when make test built it, else a fresh build.
+// bin/space (with bin/space-server) next to $SPACE_AGENT_BIN when make test
+// built them, else a fresh build.
 func spaceBinary(t *testing.T) string {
 	t.Helper()
 	if a := os.Getenv("SPACE_AGENT_BIN"); a != "" {
 		p := filepath.Join(filepath.Dir(a), "space")
-		if _, err := os.Stat(p); err == nil {
+		_, err := os.Stat(p)
+		_, serr := os.Stat(filepath.Join(filepath.Dir(a), "space-server"))
+		if err == nil && serr == nil {
 			return p
 		}
 	}

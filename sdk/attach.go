@@ -85,6 +85,10 @@ type Session struct {
 
 	reattachTimeout time.Duration
 
+	// stream is an ExecStream's response body while its frames are read
+	// (conn is nil until a re-attach replaces it).
+	stream io.ReadCloser
+
 	// until, when hasUntil, ends Wait once both streams are delivered up
 	// to these offsets (ReadOutput: the output so far, not followed).
 	until    [2]int64
@@ -209,8 +213,11 @@ func (s *Session) Offsets() (stdout, stderr int64) {
 // send writes one frame on the current connection.
 func (s *Session) send(frame []byte) error {
 	s.mu.Lock()
-	conn, closed := s.conn, s.closed
+	conn, closed, stream := s.conn, s.closed, s.stream
 	s.mu.Unlock()
+	if conn == nil && stream != nil && !closed {
+		return errNoStdin
+	}
 	if closed || conn == nil {
 		return ErrSessionClosed
 	}
@@ -241,6 +248,12 @@ func (s *Session) Signal(sig string) error {
 	if sig == "" {
 		return fmt.Errorf("signal: empty: %w", errdefs.ErrInvalidArgument)
 	}
+	s.mu.Lock()
+	streaming := s.conn == nil && s.stream != nil
+	s.mu.Unlock()
+	if streaming { // an ExecStream's frames only come from the server
+		return s.client.SignalCommand(s.ctx, s.sandboxID, s.cmdID, sig)
+	}
 	return s.sendJSON(api.FrameSignal, api.SignalRequest{Signal: sig})
 }
 
@@ -248,9 +261,12 @@ func (s *Session) Signal(sig string) error {
 // server; its output stays buffered for a later Attach.
 func (s *Session) Close() error {
 	s.mu.Lock()
-	conn := s.conn
+	conn, stream := s.conn, s.stream
 	s.closed = true
 	s.mu.Unlock()
+	if stream != nil {
+		stream.Close()
+	}
 	if conn == nil {
 		return nil
 	}
@@ -307,6 +323,16 @@ func (s *Session) reachedUntil() bool {
 
 func (s *Session) wait() (api.ExitStatus, error) {
 	var st api.ExitStatus
+	s.mu.Lock()
+	streaming := s.stream != nil
+	s.mu.Unlock()
+	if streaming {
+		var done bool
+		var err error
+		if st, done, err = s.waitStream(); done {
+			return st, err
+		}
+	}
 	progressed := true // the first connection may be replaced at least once
 	for {
 		s.mu.Lock()

@@ -1,4 +1,7 @@
-// Command space is the space CLI and, as `space server`, the API server.
+// Command space is the space CLI: a client of the API server over the SDK.
+// The host-side commands, `space server` first, are handed to the
+// space-server binary installed beside it (internal/cli, host.go), so this
+// binary initialises no server package when it starts.
 package main
 
 import (
@@ -9,7 +12,8 @@ import (
 )
 
 func main() {
-	// Signals are handled per command: the server shuts down gracefully,
-	// run and exec forward them to the process in the sandbox.
-	os.Exit(cli.Execute(context.Background(), os.Args[1:], os.Stdin, os.Stdout, os.Stderr))
+	// Signals are handled per command: run and exec forward them to the
+	// process in the sandbox; the server (in space-server) shuts down
+	// gracefully.
+	os.Exit(cli.Main(context.Background()))
 }

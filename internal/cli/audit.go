@@ -12,14 +12,14 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/spacehq/space/api"
-	"github.com/spacehq/space/internal/audit"
+	"github.com/spacehq/space/internal/audit/chain"
 	"github.com/spacehq/space/sdk"
 )
 
 // `space audit`: list, follow and export the server's tamper-evident audit
-// log, and verify an export offline (internal/audit.Verify: a pure
+// log, and verify an export offline (internal/audit/chain.Verify: a pure
 // function over the file, no server needed unless --server fetches the
-// key).
+// key, and no storage linked).
 
 func newAuditCmd(a *app) *cobra.Command {
 	cmd := &cobra.Command{Use: "audit", Short: "List, export and verify the tamper-evident audit log"}
@@ -134,9 +134,9 @@ func newAuditVerifyCmd(a *app) *cobra.Command {
 			"when there is any. --chain-only skips signatures (it detects damage, not forgery).",
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			o := audit.VerifyOptions{ChainOnly: chainOnly, AllowUnsignedTail: allowTail}
+			o := chain.VerifyOptions{ChainOnly: chainOnly, AllowUnsignedTail: allowTail}
 			for _, k := range keys {
-				pk, err := audit.ParsePublicKey(k)
+				pk, err := chain.ParsePublicKey(k)
 				if err != nil {
 					return usagef("--key: %v", err)
 				}
@@ -161,7 +161,7 @@ func newAuditVerifyCmd(a *app) *cobra.Command {
 				defer f.Close()
 				in = f
 			}
-			rep, err := audit.Verify(in, o)
+			rep, err := chain.Verify(in, o)
 			if err != nil {
 				return err
 			}
@@ -205,7 +205,7 @@ func (a *app) serverAuditKeys(ctx context.Context) ([]ed25519.PublicKey, error) 
 	}
 	var out []ed25519.PublicKey
 	for _, k := range ks {
-		pk, err := audit.ParsePublicKey(k.PublicKey)
+		pk, err := chain.ParsePublicKey(k.PublicKey)
 		if err != nil {
 			return nil, fmt.Errorf("server key %s: %w", k.ID, err)
 		}

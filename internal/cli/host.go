@@ -1,49 +1,144 @@
 package cli
 
-// Host-side commands. Every other file of this package is a client of a
-// server through the SDK (and the types of package api) only; the two
-// actions here run this machine's own packages instead, because they are
-// what a host administrator does on the host itself:
-//
-//   - `space server` runs the server (internal/server);
-//   - `space template build-base --local` builds the cached base root
-//     filesystem with debootstrap (internal/template), without a server —
-//     what scripts/setup.sh does on a fresh machine;
-//   - `space policy test` evaluates a rule set offline (internal/policy),
-//     with no server at all.
-//
-// TestClientCommandsUseOnlySDK keeps it that way.
+// The host-side half of the CLI. The space binary is a client: it links
+// the SDK and package api, so it starts in well under a millisecond of Go
+// initialisation. What needs this machine's own packages — the server,
+// the local base build, offline policy evaluation and the MCP stdio server
+// (its JSON-schema and protocol packages) — is behind Host, which only the
+// space-server binary fills (package hostcli). The space binary hands those
+// commands to space-server installed beside it with execve, so the process
+// keeps its pid, signals and streams: `space server` is still the one
+// command that runs the server.
 
 import (
+	"context"
+	"errors"
 	"fmt"
-	"log/slog"
-	"net/netip"
+	"io"
 	"os"
-	"os/signal"
-	"strings"
+	"path/filepath"
 	"syscall"
-	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/spacehq/space/api"
-	"github.com/spacehq/space/internal/policy"
-	"github.com/spacehq/space/internal/server"
-	"github.com/spacehq/space/internal/template"
 	"github.com/spacehq/space/sdk"
 )
 
-func init() { extraCommands = append(extraCommands, newServerCmd) }
+// ServerBinaryName is the binary the space client hands host-side commands
+// to, looked up beside the running executable ($SPACE_SERVER_BIN wins).
+const ServerBinaryName = "space-server"
+
+// Env is what a host-side command gets of the invocation.
+type Env struct {
+	Ctx context.Context
+	In  io.Reader
+	Out io.Writer
+	Err io.Writer
+}
+
+// Host is the host-side half of the CLI. A nil field is a command this
+// binary does not link: it is handed to space-server.
+type Host struct {
+	// Server builds `space server` (its flags and the server run).
+	Server func(Env) *cobra.Command
+	// BuildBaseLocal builds the cached base root filesystem in cacheDir
+	// without a server (`space template build-base --local`) and returns
+	// its path.
+	BuildBaseLocal func(ctx context.Context, cacheDir string, progress func(sdk.BuildProgress)) (string, error)
+	// PolicyTest evaluates rs over the history file's actions, then the
+	// action file's action if one is given (`space policy test`).
+	PolicyTest func(rs api.PolicyRuleSet, historyFile, actionFile string) ([]api.PolicyTestResult, error)
+	// MCP serves space's tools over stdio through c until in ends
+	// (`space mcp`).
+	MCP func(ctx context.Context, c *sdk.Client, in io.Reader, out io.Writer) error
+}
+
+// UsageError marks err as a mistake in the command line (exit status 2),
+// for host-side commands.
+func UsageError(err error) error { return &usageError{err} }
+
+// ParseMiB parses "512m", "1g", "1.5g", "2GiB" or "1024" (MiB) into MiB.
+func ParseMiB(s string) (int64, error) { return parseMiB(s) }
+
+// DefaultCacheDir is $SPACE_CACHE or /var/cache/space.
+func DefaultCacheDir() string { return defaultCacheDir() }
+
+// Main is the space binary: Execute over os.Args with the host-side
+// commands handed to space-server.
+func Main(ctx context.Context) int {
+	return execute(ctx, nil, true, os.Args[1:], os.Stdin, os.Stdout, os.Stderr)
+}
+
+// ExecuteHost is Execute with the host-side commands run in this process
+// by h (the space-server binary, and tests of those commands).
+func ExecuteHost(ctx context.Context, h *Host, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	return execute(ctx, h, false, args, stdin, stdout, stderr)
+}
+
+// errNoHost is a host-side command asked of a process that neither links
+// it nor may replace itself (Execute called as a library).
+var errNoHost = errors.New("this command runs in " + ServerBinaryName + ", which this program does not link")
+
+// handOff replaces this process with space-server running the same command
+// line. Only Main may: a library caller (tests) gets errNoHost instead of
+// losing its process.
+func (a *app) handOff() error {
+	if !a.mayExec {
+		return errNoHost
+	}
+	bin, err := serverBinary()
+	if err != nil {
+		return err
+	}
+	err = syscall.Exec(bin, append([]string{bin}, a.args...), os.Environ())
+	return fmt.Errorf("running %s: %w", bin, err)
+}
+
+// serverBinary is $SPACE_SERVER_BIN, else space-server beside this
+// executable (symlinks resolved, so a link to bin/space finds its sibling).
+func serverBinary() (string, error) {
+	if p := os.Getenv("SPACE_SERVER_BIN"); p != "" {
+		return p, nil
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return "", err
+	}
+	if r, err := filepath.EvalSymlinks(self); err == nil {
+		self = r
+	}
+	p := filepath.Join(filepath.Dir(self), ServerBinaryName)
+	if _, err := os.Stat(p); err != nil {
+		return "", fmt.Errorf("this command runs in %s, installed beside %s (make build), or set SPACE_SERVER_BIN: %w", ServerBinaryName, self, err)
+	}
+	return p, nil
+}
+
+// newServerCmd is `space server`: the host's own, or one that hands the
+// whole command line (flags and --help included) to space-server.
+func newServerCmd(a *app) *cobra.Command {
+	if a.host != nil && a.host.Server != nil {
+		return a.host.Server(Env{Ctx: a.ctx, In: a.in, Out: a.out, Err: a.errOut})
+	}
+	return &cobra.Command{
+		Use:                "server",
+		Short:              "Run the space API server and node services",
+		DisableFlagParsing: true,
+		RunE:               func(*cobra.Command, []string) error { return a.handOff() },
+	}
+}
 
 // buildBaseLocal builds only the cached base root filesystem in cacheDir,
 // with the same progress display as a build through a server.
 func (a *app) buildBaseLocal(cacheDir string) error {
+	if a.host == nil || a.host.BuildBaseLocal == nil {
+		return a.handOff()
+	}
 	var rootfs string
 	_, err := a.buildBase(func(progress func(sdk.BuildProgress)) (*api.Template, error) {
 		var err error
-		rootfs, err = template.BuildBase(a.ctx, cacheDir, func(p template.Progress) {
-			progress(sdk.BuildProgress{Phase: p.Phase, Done: int64(p.Done), Total: int64(p.Total), Message: p.Message})
-		})
+		rootfs, err = a.host.BuildBaseLocal(a.ctx, cacheDir, progress)
 		return nil, err
 	})
 	if err != nil {
@@ -51,126 +146,4 @@ func (a *app) buildBaseLocal(cacheDir string) error {
 	}
 	fmt.Fprintln(a.out, "base root filesystem ready:", rootfs)
 	return nil
-}
-
-// serverNetFlags are `space server`'s network gateway flags.
-type serverNetFlags struct {
-	allowPrivate    []string
-	dnsUpstream     string
-	defaultAllowOut []string
-	defaultInternet bool
-	dialGuard       string
-	bandwidth       string
-	upstreamCA      string
-}
-
-func (f *serverNetFlags) register(cmd *cobra.Command) {
-	fl := cmd.Flags()
-	fl.StringSliceVar(&f.allowPrivate, "egress-allow-private", nil, "CIDR[,CIDR]: loopback, private or link-local ranges sandboxes may reach when their policy allows them (none by default)")
-	fl.StringVar(&f.dnsUpstream, "dns-upstream", "", "HOST:PORT of the resolver the gateway asks for allowed names (default: the first nameserver of /etc/resolv.conf, port 53)")
-	fl.StringArrayVar(&f.defaultAllowOut, "default-allow-out", nil, "allow-out entry of the default policy, for sandboxes whose request and template set none (repeatable)")
-	fl.BoolVar(&f.defaultInternet, "default-internet", false, "the default policy allows every public destination")
-	fl.StringVar(&f.bandwidth, "egress-bandwidth", "", "cap on what one sandbox moves in each direction through the gateway, per second (e.g. 10m, 1g; default no cap)")
-	// Tests: the gateway refuses (and logs as a violation) any dial off this machine.
-	fl.StringVar(&f.dialGuard, "egress-dial-guard", "", `"loopback": the gateway refuses and reports every dial off this machine (tests)`)
-	_ = fl.MarkHidden("egress-dial-guard")
-	// Tests: a local HTTPS server with its own CA stands in for a brokered host.
-	fl.StringVar(&f.upstreamCA, "egress-upstream-ca", "", "PEM file of extra roots the gateway trusts for the real hosts of intercepted connections (tests)")
-	_ = fl.MarkHidden("egress-upstream-ca")
-}
-
-// options checks the flags and builds the server's NetworkOptions; the
-// server validates the default policy itself.
-func (f *serverNetFlags) options() (server.NetworkOptions, error) {
-	if f.dialGuard != "" && f.dialGuard != "loopback" {
-		return server.NetworkOptions{}, usagef("--egress-dial-guard %q: only \"loopback\"", f.dialGuard)
-	}
-	var bw int64
-	if f.bandwidth != "" {
-		var err error
-		if bw, err = parseMiB(f.bandwidth); err != nil {
-			return server.NetworkOptions{}, usagef("--egress-bandwidth: %v", err)
-		}
-	}
-	o := server.NetworkOptions{DNSUpstream: f.dnsUpstream, DialGuard: f.dialGuard, BandwidthMiB: bw, UpstreamCA: f.upstreamCA,
-		Default: api.NetworkPolicy{Internet: f.defaultInternet, AllowOut: f.defaultAllowOut}}
-	for _, s := range f.allowPrivate {
-		p, err := netip.ParsePrefix(s)
-		if err != nil {
-			a, aerr := netip.ParseAddr(s)
-			if aerr != nil {
-				return o, usagef("--egress-allow-private %q: want a CIDR such as 10.0.0.0/8 or an IP", s)
-			}
-			p = netip.PrefixFrom(a, a.BitLen())
-		}
-		o.AllowPrivate = append(o.AllowPrivate, p.Masked())
-	}
-	return o, nil
-}
-
-func newServerCmd(a *app) *cobra.Command {
-	cfg := server.Config{}
-	var nf serverNetFlags
-	cmd := &cobra.Command{
-		Use:   "server",
-		Short: "Run the space API server and node services",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if cfg.DataDir == "" || cfg.CacheDir == "" || cfg.Listen == "" {
-				return usagef("--data, --cache and --listen must not be empty")
-			}
-			if cfg.Audit.RetainAge < 0 || cfg.Audit.RetainRecords < 0 || cfg.Audit.CheckpointEvery < 1 || cfg.Audit.CheckpointInterval < time.Second {
-				return usagef("--audit-retain-age and --audit-retain-records must not be negative, --audit-checkpoint-every at least 1, --audit-checkpoint-interval at least 1s")
-			}
-			var err error
-			if cfg.Network, err = nf.options(); err != nil {
-				return err
-			}
-			cfg.Logger = slog.New(slog.NewTextHandler(a.errOut, nil))
-			ctx, stop := signal.NotifyContext(a.ctx, os.Interrupt, syscall.SIGTERM)
-			defer stop()
-			return server.Run(ctx, cfg)
-		},
-	}
-	cacheDefault := defaultCacheDir()
-	cmd.Flags().StringVar(&cfg.DataDir, "data", DataDir(), "data directory (env SPACE_DATA)")
-	cmd.Flags().StringVar(&cfg.Listen, "listen", "127.0.0.1:7070", "listen address host:port or unix:/path")
-	cmd.Flags().StringVar(&cfg.PortDomain, "port-domain", "", `domain of host-routed sandbox port URLs, http://<port>-<id>.<domain>/ (e.g. "sandbox.example.com" with a wildcard DNS record; default: the host clients reach the server by, "localhost:<port>" for loopback)`)
-	cmd.Flags().StringVar(&cfg.CacheDir, "cache", cacheDefault, "cache directory for templates and kernels (env SPACE_CACHE)")
-	cmd.Flags().Int64Var(&cfg.MaxTemplateBytes, "max-template-bytes", 8<<30, "limit on one template import or build step (unpacked bytes, and each compressed OCI layer)")
-	cmd.Flags().BoolVar(&cfg.AllowPrivateRegistries, "allow-private-registries", false, "let template pulls reach loopback, private and link-local registry addresses")
-	cmd.Flags().DurationVar(&cfg.ApprovalTimeout, "approval-timeout", policy.DefaultApprovalTimeout, "how long an action a policy rule asks about waits for an answer before it is denied")
-	cmd.Flags().DurationVar(&cfg.Audit.RetainAge, "audit-retain-age", 0, "drop audit records older than this (e.g. 2160h; cut at a signed checkpoint; default keep)")
-	cmd.Flags().Int64Var(&cfg.Audit.RetainRecords, "audit-retain-records", 0, "keep about this many audit records, at least (cut at a signed checkpoint; default keep all)")
-	cmd.Flags().IntVar(&cfg.Audit.CheckpointEvery, "audit-checkpoint-every", 1000, "sign an audit checkpoint after this many records")
-	cmd.Flags().DurationVar(&cfg.Audit.CheckpointInterval, "audit-checkpoint-interval", time.Minute, "sign an audit checkpoint after this long when there are new records")
-	nf.register(cmd)
-	return cmd
-}
-
-// policyTest is `space policy test`: rs over the history file's actions
-// (JSON Lines), then the action file's action if one is given.
-func policyTest(rs api.PolicyRuleSet, historyFile, actionFile string) ([]api.PolicyTestResult, error) {
-	f, err := os.Open(historyFile)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	hist, err := policy.ReadActions(f, 1_000_000)
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", historyFile, err)
-	}
-	var extra *api.PolicyAction
-	if actionFile != "" {
-		b, err := os.ReadFile(actionFile)
-		if err != nil {
-			return nil, err
-		}
-		acts, err := policy.ReadActions(strings.NewReader(strings.ReplaceAll(string(b), "\n", " ")), 1)
-		if err != nil || len(acts) != 1 {
-			return nil, fmt.Errorf("%s: want one action (a JSON object): %v", actionFile, err)
-		}
-		extra = &acts[0]
-	}
-	return policy.Test(rs, hist, extra)
 }

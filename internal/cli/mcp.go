@@ -1,13 +1,7 @@
 package cli
 
 import (
-	"errors"
-	"io"
-
-	"github.com/modelcontextprotocol/go-sdk/mcp"
 	"github.com/spf13/cobra"
-
-	"github.com/spacehq/space/internal/mcpserver"
 )
 
 func newMCPCmd(a *app) *cobra.Command {
@@ -21,21 +15,17 @@ func newMCPCmd(a *app) *cobra.Command {
 			"serves the same tools over HTTP at /mcp. See docs/mcp.md.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			// The MCP protocol and JSON-schema packages are linked only
+			// into space-server (host.go): a long-lived stdio server does
+			// not need the client's start-up.
+			if a.host == nil || a.host.MCP == nil {
+				return a.handOff()
+			}
 			c, err := a.Client()
 			if err != nil {
 				return err
 			}
-			srv := mcpserver.New(c, mcpserver.Options{})
-			err = srv.Run(a.ctx, &mcp.IOTransport{Reader: io.NopCloser(a.in), Writer: nopWriteCloser{a.out}})
-			// The client closing stdin is how a stdio session ends.
-			if errors.Is(err, io.EOF) || errors.Is(err, mcp.ErrConnectionClosed) || a.ctx.Err() != nil {
-				return nil
-			}
-			return err
+			return a.host.MCP(a.ctx, c, a.in, a.out)
 		},
 	}
 }
-
-type nopWriteCloser struct{ io.Writer }
-
-func (nopWriteCloser) Close() error { return nil }

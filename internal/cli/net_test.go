@@ -2,7 +2,6 @@ package cli
 
 import (
 	"encoding/json"
-	"net/netip"
 	"reflect"
 	"strings"
 	"testing"
@@ -88,29 +87,5 @@ func TestNetCommands(t *testing.T) {
 	var ev api.NetworkEvent
 	if code != 0 || len(lines) != 2 || json.Unmarshal([]byte(lines[1]), &ev) != nil || ev.Port != 443 {
 		t.Fatalf("log --json: %d %q", code, out)
-	}
-}
-
-func TestServerNetworkFlags(t *testing.T) {
-	f := serverNetFlags{allowPrivate: []string{"10.1.2.3/8", "192.168.1.5"}, dnsUpstream: "9.9.9.9:53",
-		defaultAllowOut: []string{"pypi.org"}, defaultInternet: true}
-	o, err := f.options()
-	if err != nil {
-		t.Fatal(err)
-	}
-	wantPrefixes := []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("192.168.1.5/32")}
-	if !reflect.DeepEqual(o.AllowPrivate, wantPrefixes) || o.DNSUpstream != "9.9.9.9:53" ||
-		!o.Default.Internet || !reflect.DeepEqual(o.Default.AllowOut, []string{"pypi.org"}) {
-		t.Fatalf("options %+v", o)
-	}
-	f.allowPrivate = []string{"not-a-cidr"}
-	if _, err := f.options(); err == nil {
-		t.Fatal("a bad CIDR was accepted")
-	}
-	cmd := newServerCmd(&app{})
-	for _, name := range []string{"egress-allow-private", "dns-upstream", "default-allow-out", "default-internet"} {
-		if cmd.Flags().Lookup(name) == nil {
-			t.Errorf("space server has no --%s", name)
-		}
 	}
 }

@@ -137,11 +137,14 @@ func newPolicyTestCmd(a *app) *cobra.Command {
 			if history == "" {
 				return usagef("--history is required")
 			}
+			if a.host == nil || a.host.PolicyTest == nil {
+				return a.handOff() // the policy engine is host-side (host.go)
+			}
 			rs, err := readRuleSet(args[0])
 			if err != nil {
 				return err
 			}
-			res, err := policyTest(rs, history, action)
+			res, err := a.host.PolicyTest(rs, history, action)
 			if err != nil {
 				return err
 			}

@@ -1,8 +1,10 @@
 // Package cli implements the `space` command line: thin cobra commands that
 // parse and validate flags, then call the Go SDK (package sdk). No HTTP is
-// spoken here directly. The host-side commands (`space server`, `space
-// template build-base --local`) are in host.go, the only file that uses
-// this module's internal packages.
+// spoken here directly, and no package of the server is linked: the
+// host-side commands (`space server`, `space template build-base --local`,
+// `space policy test`, `space mcp`) run through Host, which only the
+// space-server binary fills (package hostcli); the space binary hands them
+// to it (host.go).
 //
 // Execute is the whole program behind a function, so tests and the
 // integration suite run it in-process with their own streams.
@@ -64,6 +66,12 @@ type app struct {
 	json   bool
 
 	client *sdk.Client
+
+	// host runs the host-side commands; nil hands them to space-server,
+	// which only Main (mayExec) does, with the same args.
+	host    *Host
+	mayExec bool
+	args    []string
 }
 
 // Client returns the SDK client for the configured server, built once.
@@ -84,9 +92,14 @@ func (a *app) Client() (*sdk.Client, error) {
 }
 
 // Execute runs the space CLI with args (without the program name) and
-// returns the process exit code.
+// returns the process exit code. The host-side commands fail (see Host and
+// ExecuteHost).
 func Execute(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
-	a := &app{ctx: ctx, in: stdin, out: stdout, errOut: stderr}
+	return execute(ctx, nil, false, args, stdin, stdout, stderr)
+}
+
+func execute(ctx context.Context, h *Host, mayExec bool, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	a := &app{ctx: ctx, in: stdin, out: stdout, errOut: stderr, host: h, mayExec: mayExec, args: args}
 	root := newRootCmd(a)
 	root.SetArgs(args)
 	root.SetIn(stdin)
@@ -142,36 +155,14 @@ func newRootCmd(a *app) *cobra.Command {
 	pf.StringVar(&a.apiKey, "api-key", "", "API key (env SPACE_API_KEY; default: the key file $SPACE_DATA/api-key)")
 	pf.BoolVar(&a.json, "json", false, "print API objects as JSON instead of tables")
 
-	root.AddCommand(
-		newRunCmd(a),
-		newExecCmd(a),
-		newSandboxCmd(a),
-		newCreateCmd(a), // alias of `space sandbox create`
-		newLsCmd(a),
-		newInspectCmd(a),
-		newRmCmd(a),
-		newForkCmd(a),
-		newCpCmd(a),
-		newOpCmd(a),
-		newTemplateCmd(a),
-		newInfoCmd(a),
-		newNetCmd(a),
-		newPortCmd(a),
-		newPortForwardCmd(a),
-		newPsCmd(a),
-		newLogsCmd(a),
-		newAttachCmd(a),
-		newKillCmd(a),
-		newStatsCmd(a),
-		newMCPCmd(a),
-		newPolicyCmd(a),
-		newApprovalsCmd(a),
-		newApproveCmd(a),
-		newDenyCmd(a),
-		newAuditCmd(a),
-	)
-	for _, verb := range []string{"pause", "resume", "stop", "start", "wake", "suspend", "restore"} {
-		root.AddCommand(newLifecycleCmd(a, verb))
+	if b := topLevel[commandName(a.args)]; b != nil {
+		// The one command this invocation runs: building every command's
+		// flags and subcommands costs about half a millisecond a call.
+		root.AddCommand(b(a))
+	} else {
+		for _, b := range topLevelOrder {
+			root.AddCommand(b(a))
+		}
 	}
 	for _, add := range extraCommands {
 		root.AddCommand(add(a))
@@ -179,9 +170,66 @@ func newRootCmd(a *app) *cobra.Command {
 	return root
 }
 
-// extraCommands are added to the root command by other files (host.go:
-// the server command).
+// extraCommands are added to the root command by other files (keys.go,
+// secret.go); they are always built.
 var extraCommands []func(*app) *cobra.Command
+
+// topLevelOrder builds every top-level command besides extraCommands, for
+// help, completion and names this table does not know.
+var topLevelOrder = func() []func(*app) *cobra.Command {
+	cmds := []func(*app) *cobra.Command{
+		newRunCmd, newExecCmd, newSandboxCmd,
+		newCreateCmd, // alias of `space sandbox create`
+		newLsCmd, newInspectCmd, newRmCmd, newForkCmd, newCpCmd, newOpCmd, newTemplateCmd, newInfoCmd, newNetCmd,
+		newPortCmd, newPortForwardCmd, newPsCmd, newLogsCmd, newAttachCmd, newKillCmd, newStatsCmd, newMCPCmd,
+		newPolicyCmd, newApprovalsCmd, newApproveCmd, newDenyCmd, newAuditCmd, newServerCmd,
+	}
+	for _, verb := range lifecycleVerbs {
+		cmds = append(cmds, func(a *app) *cobra.Command { return newLifecycleCmd(a, verb) })
+	}
+	return cmds
+}()
+
+var lifecycleVerbs = []string{"pause", "resume", "stop", "start", "wake", "suspend", "restore"}
+
+// topLevel maps every name (and alias) of a command in topLevelOrder to
+// its constructor; TestTopLevelTable keeps it in step with the commands'
+// own names.
+var topLevel = func() map[string]func(*app) *cobra.Command {
+	m := map[string]func(*app) *cobra.Command{
+		"run": newRunCmd, "exec": newExecCmd, "sandbox": newSandboxCmd, "sandboxes": newSandboxCmd, "sb": newSandboxCmd,
+		"create": newCreateCmd, "ls": newLsCmd, "list": newLsCmd, "inspect": newInspectCmd, "rm": newRmCmd, "delete": newRmCmd,
+		"fork": newForkCmd, "cp": newCpCmd, "op": newOpCmd, "operation": newOpCmd,
+		"template": newTemplateCmd, "templates": newTemplateCmd, "tpl": newTemplateCmd, "info": newInfoCmd,
+		"net": newNetCmd, "network": newNetCmd, "port": newPortCmd, "port-forward": newPortForwardCmd, "ps": newPsCmd,
+		"logs": newLogsCmd, "attach": newAttachCmd, "kill": newKillCmd, "stats": newStatsCmd, "mcp": newMCPCmd,
+		"policy": newPolicyCmd, "approvals": newApprovalsCmd, "approve": newApproveCmd, "deny": newDenyCmd,
+		"audit": newAuditCmd, "server": newServerCmd,
+	}
+	for _, verb := range lifecycleVerbs {
+		m[verb] = func(a *app) *cobra.Command { return newLifecycleCmd(a, verb) }
+	}
+	return m
+}()
+
+// commandName is the first argument that is not a root flag (or a root
+// flag's value): the top-level command cobra will run. "" when there is
+// none or "--" comes first.
+func commandName(args []string) string {
+	for i := 0; i < len(args); i++ {
+		arg := args[i]
+		switch {
+		case arg == "--":
+			return ""
+		case arg == "--url" || arg == "--api-key":
+			i++ // its value
+		case strings.HasPrefix(arg, "-"):
+		default:
+			return arg
+		}
+	}
+	return ""
+}
 
 // stdinFile returns the real terminal-capable stdin when there is one.
 func (a *app) stdinFile() (*os.File, bool) {

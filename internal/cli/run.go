@@ -223,26 +223,43 @@ func (a *app) attachProcess(c *sdk.Client, id string, req api.ExecRequest, p pro
 		restore = undo
 		defer restore()
 	}
-	cmdObj, err := c.CreateCommand(a.ctx, id, api.CreateCommandRequest{ExecRequest: req})
-	if err != nil {
-		return &runFailedError{err}
-	}
 	stderr := a.errOut
 	if req.TTY {
 		// In raw mode "\n" does not return the carriage; notes from the
 		// SDK go through a translator so they stay readable.
 		stderr = crlfWriter{a.errOut}
 	}
-	sess, err := c.Attach(a.ctx, cmdObj, sdk.AttachOptions{Stdout: a.out, Stderr: stderr})
-	if err != nil {
-		return &runFailedError{err}
+	opts := sdk.AttachOptions{Stdout: a.out, Stderr: stderr}
+	streamed := !req.TTY && !p.interactive
+	var sess *sdk.Session
+	var err error
+	if streamed {
+		// Nothing to send but signals: one request that starts the
+		// command and streams its output (no WebSocket).
+		sess, err = c.ExecStream(a.ctx, id, req, opts)
+		if errors.Is(err, sdk.ErrNotFound) {
+			streamed = false // a server without the route; the attach path says what is missing
+		} else if err != nil {
+			return &runFailedError{err}
+		}
+	}
+	if !streamed {
+		cmdObj, err := c.CreateCommand(a.ctx, id, api.CreateCommandRequest{ExecRequest: req})
+		if err != nil {
+			return &runFailedError{err}
+		}
+		if sess, err = c.Attach(a.ctx, cmdObj, opts); err != nil {
+			return &runFailedError{err}
+		}
 	}
 	defer sess.Close()
 
 	stopSignals := a.forwardSignals(sess, req.TTY)
 	defer stopSignals()
 
-	if p.interactive || req.TTY {
+	switch {
+	case streamed: // the server closed stdin
+	case p.interactive || req.TTY:
 		go func() {
 			// io.Copy ends on local EOF; EOF is then passed on. A failed
 			// write means the session ended; nothing more to do.
@@ -250,7 +267,7 @@ func (a *app) attachProcess(c *sdk.Client, id string, req api.ExecRequest, p pro
 				_ = sess.Stdin.Close()
 			}
 		}()
-	} else {
+	default:
 		_ = sess.Stdin.Close()
 	}
 	st, err := sess.Wait()

@@ -529,6 +529,7 @@ func (s *Server) routeTable() []route {
 		{pattern: "POST /v1/sandboxes/{id}/{verb}", scope: "sandbox:write", handler: h(s.unknownVerb), fallback: true},
 		{pattern: "GET /v1/operations/{id}", scope: "sandbox:read", handler: h(s.getOperation)},
 		{pattern: "POST /v1/sandboxes/{id}/exec", scope: "exec:write", handler: h(s.exec)},
+		{pattern: "POST /v1/sandboxes/{id}/exec/stream", scope: "exec:write", handler: h(s.execStream)},
 		{pattern: "POST /v1/sandboxes/{id}/commands", scope: "exec:write", handler: h(s.createCommand)},
 		{pattern: "GET /v1/sandboxes/{id}/commands", scope: "exec:read", handler: h(s.listCommands)},
 		{pattern: "GET /v1/sandboxes/{id}/commands/{cid}", scope: "exec:read", handler: h(s.getCommand)},

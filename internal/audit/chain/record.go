@@ -1,4 +1,9 @@
-package audit
+// Package chain is the audit log's hash chain as pure functions: the canonical
+// form and hash of a record, the checkpoint message and keys, and Verify over
+// an export. It imports no storage, so the space CLI verifies an export
+// offline without linking the log (and its SQLite driver); package audit
+// re-exports every name.
+package chain
 
 import (
 	"bytes"

@@ -1,0 +1,33 @@
+package hostcli
+
+import (
+	"net/netip"
+	"reflect"
+	"testing"
+
+	"github.com/spacehq/space/internal/cli"
+)
+
+func TestServerNetworkFlags(t *testing.T) {
+	f := serverNetFlags{allowPrivate: []string{"10.1.2.3/8", "192.168.1.5"}, dnsUpstream: "9.9.9.9:53",
+		defaultAllowOut: []string{"pypi.org"}, defaultInternet: true}
+	o, err := f.options()
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantPrefixes := []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("192.168.1.5/32")}
+	if !reflect.DeepEqual(o.AllowPrivate, wantPrefixes) || o.DNSUpstream != "9.9.9.9:53" ||
+		!o.Default.Internet || !reflect.DeepEqual(o.Default.AllowOut, []string{"pypi.org"}) {
+		t.Fatalf("options %+v", o)
+	}
+	f.allowPrivate = []string{"not-a-cidr"}
+	if _, err := f.options(); err == nil {
+		t.Fatal("a bad CIDR was accepted")
+	}
+	cmd := newServerCmd(cli.Env{})
+	for _, name := range []string{"egress-allow-private", "dns-upstream", "default-allow-out", "default-internet"} {
+		if cmd.Flags().Lookup(name) == nil {
+			t.Errorf("space server has no --%s", name)
+		}
+	}
+}
