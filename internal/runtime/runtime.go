@@ -124,6 +124,15 @@ type Instance interface {
 	Exited() <-chan struct{}
 }
 
+// OOMCounter is implemented by instances that can read their count of OOM
+// kills (Stats.OOMKills) on its own, without a whole Stats sample: the
+// manager reads it around every synchronous exec to tell an OOM kill from
+// any other SIGKILL, so it must be cheap (a counter file, no process, no
+// round trip into the sandbox).
+type OOMCounter interface {
+	OOMKills() (int64, error)
+}
+
 // ExitReasoner is implemented by instances that can say why their init
 // ended on its own (a guest kernel panic, a hung guest killed by the
 // runtime's watchdog), with the evidence (a console tail). The manager puts

@@ -18,6 +18,7 @@ import (
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/agentproto"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/store"
 )
 
@@ -74,6 +75,16 @@ func (m *Manager) oomKills(ctx context.Context, id string) int64 {
 	e.cmu.RUnlock()
 	if inst == nil {
 		return -1
+	}
+	// The counter alone where the runtime can read it cheaply: this runs
+	// around every exec, and a whole sample may start a process (gvisor)
+	// or ask the guest (microvm).
+	if oc, ok := inst.(runtime.OOMCounter); ok {
+		n, err := oc.OOMKills()
+		if err != nil {
+			return -1
+		}
+		return n
 	}
 	st, err := inst.Stats(ctx)
 	if err != nil {

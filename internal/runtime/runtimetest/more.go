@@ -272,6 +272,17 @@ func testLimits(t *testing.T, h Harness) {
 		if after.OOMKills <= before.OOMKills {
 			t.Fatalf("OOMKills %d → %d, want an increment", before.OOMKills, after.OOMKills)
 		}
+		// The counter alone, where the instance offers it (the manager
+		// reads it around every exec), is the one Stats reports.
+		if oc, ok := sb.Inst.(runtime.OOMCounter); ok {
+			n, err := oc.OOMKills()
+			if err != nil {
+				t.Fatalf("OOMKills: %v", err)
+			}
+			if n != after.OOMKills {
+				t.Fatalf("OOMKills() = %d, Stats().OOMKills = %d", n, after.OOMKills)
+			}
+		}
 		if after.MemoryBytes > limits.MemoryMiB<<20 {
 			t.Fatalf("memory usage %d above the limit", after.MemoryBytes)
 		}
