@@ -118,15 +118,39 @@ func TestRecordCacheStaleFillDropped(t *testing.T) {
 	if ok {
 		t.Fatal("empty cache hit")
 	}
-	c.put("x", []byte(`new`)) // a write lands while the read is in SQLite
-	c.fill("x", []byte(`old`), gen)
-	if b, _, _ := c.get("x"); string(b) != "new" {
-		t.Fatalf("cache holds %q, want the write's record", b)
+	c.put("x", &api.Sandbox{ID: "x", State: "new"}) // a write lands while the read is in SQLite
+	c.fill("x", api.Sandbox{ID: "x", State: "old"}, gen)
+	if sb, _, _ := c.get("x"); sb.State != "new" {
+		t.Fatalf("cache holds %q, want the write's record", sb.State)
 	}
 	c.put("x", nil)
 	_, gen, _ = c.get("x")
-	c.fill("x", []byte(`read`), gen)
-	if b, _, ok := c.get("x"); !ok || string(b) != "read" {
-		t.Fatalf("an undisturbed fill was dropped: %q %v", b, ok)
+	c.fill("x", api.Sandbox{ID: "x", State: "read"}, gen)
+	if sb, _, ok := c.get("x"); !ok || sb.State != "read" {
+		t.Fatalf("an undisturbed fill was dropped: %+v %v", sb, ok)
+	}
+}
+
+// deepCopy shares nothing a caller could change with the original, and
+// equals it.
+func TestDeepCopySharesNothing(t *testing.T) {
+	orig := sandbox("sb1", 0, api.StateRunning, map[string]string{"a": "1"})
+	orig.PublicPorts = []int{80}
+	want := sandbox("sb1", 0, api.StateRunning, map[string]string{"a": "1"})
+	want.PublicPorts = []int{80}
+	cp := deepCopy(orig)
+	if !reflect.DeepEqual(cp, orig) {
+		t.Fatalf("copy differs:\n%+v\n%+v", cp, orig)
+	}
+	cp.Env["A"] = "x"
+	cp.Labels["a"] = "x"
+	cp.PublicPorts[0] = 1
+	cp.Idle.AfterSeconds = 1
+	*cp.ExpiresAt = t0
+	cp.Network.AllowOut[0] = "x"
+	cp.Network.Rules[0].SetHeaders["X-Key"] = "x"
+	cp.Network.Rules[0].Domain = "x"
+	if !reflect.DeepEqual(orig, want) {
+		t.Fatalf("a change to the copy reached the original:\n%+v", orig)
 	}
 }

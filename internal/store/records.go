@@ -74,31 +74,37 @@ ON CONFLICT (id) DO UPDATE SET state = excluded.state, runtime = excluded.runtim
 		}
 		return nil
 	}, func(err error) {
-		if err != nil {
-			data = nil // rolled back, or a commit whose outcome is unknown
+		var rec *api.Sandbox
+		if err == nil { // else rolled back, or a commit whose outcome is unknown
+			// What a read from SQLite would return: the decoded JSON.
+			rec = new(api.Sandbox)
+			if json.Unmarshal(data, rec) != nil {
+				rec = nil
+			}
 		}
-		d.sandboxes.put(s.ID, data)
+		d.sandboxes.put(s.ID, rec)
 	})
 }
 
 // GetSandbox returns the sandbox with the given id, or an error wrapping
 // errdefs.ErrNotFound.
 func (d *DB) GetSandbox(ctx context.Context, id string) (api.Sandbox, error) {
-	data, gen, ok := d.sandboxes.get(id)
-	if !ok {
-		err := d.db.QueryRowContext(ctx, `SELECT data FROM sandboxes WHERE id = ?`, id).Scan(&data)
-		if isNoRows(err) {
-			return api.Sandbox{}, notFound("sandbox", id)
-		}
-		if err != nil {
-			return api.Sandbox{}, fmt.Errorf("get sandbox %q: %w", id, err)
-		}
-		d.sandboxes.fill(id, data, gen)
+	s, gen, ok := d.sandboxes.get(id)
+	if ok {
+		return s, nil
 	}
-	var s api.Sandbox
+	var data []byte
+	err := d.db.QueryRowContext(ctx, `SELECT data FROM sandboxes WHERE id = ?`, id).Scan(&data)
+	if isNoRows(err) {
+		return api.Sandbox{}, notFound("sandbox", id)
+	}
+	if err != nil {
+		return api.Sandbox{}, fmt.Errorf("get sandbox %q: %w", id, err)
+	}
 	if err := json.Unmarshal(data, &s); err != nil {
 		return api.Sandbox{}, fmt.Errorf("decode sandbox %q: %w", id, err)
 	}
+	d.sandboxes.fill(id, s, gen)
 	return s, nil
 }
 
