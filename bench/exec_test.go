@@ -89,34 +89,44 @@ func TestExecBench(t *testing.T) {
 		}
 		return time.Duration(res.DurationMS * float64(time.Millisecond))
 	}
-	// One round of each layer on tg, timed into its samples.
-	round := func(tg *target) {
-		t0 := time.Now()
-		res, err := c.Exec(ctx, tg.id, req)
-		d := time.Since(t0)
-		tg.inner = append(tg.inner, check(tg.name+" api exec", res, err))
-		tg.api = append(tg.api, d)
-
-		t0 = time.Now()
-		mres, err := mgr.Exec(ctx, tg.id, req)
-		tg.manager = append(tg.manager, time.Since(t0))
-		check(tg.name+" manager exec", &mres, err)
-
-		ac, release, err := mgr.Agent(ctx, tg.id)
-		if err != nil {
-			t.Fatal(err)
+	// One round of each layer on tg, timed into its samples; the order
+	// rotates with i, so no layer always runs first (on cold threads).
+	round := func(tg *target, i int) {
+		layers := []func(){
+			func() {
+				t0 := time.Now()
+				res, err := c.Exec(ctx, tg.id, req)
+				d := time.Since(t0)
+				tg.inner = append(tg.inner, check(tg.name+" api exec", res, err))
+				tg.api = append(tg.api, d)
+			},
+			func() {
+				t0 := time.Now()
+				res, err := mgr.Exec(ctx, tg.id, req)
+				tg.manager = append(tg.manager, time.Since(t0))
+				check(tg.name+" manager exec", &res, err)
+			},
+			func() {
+				ac, release, err := mgr.Agent(ctx, tg.id)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t0 := time.Now()
+				res, err := ac.Exec(ctx, agentproto.ExecRequest{Cmd: req.Cmd})
+				tg.agent = append(tg.agent, time.Since(t0))
+				release()
+				check(tg.name+" agent client exec", &res, err)
+			},
 		}
-		t0 = time.Now()
-		ares, err := ac.Exec(ctx, agentproto.ExecRequest{Cmd: req.Cmd})
-		tg.agent = append(tg.agent, time.Since(t0))
-		release()
-		check(tg.name+" agent client exec", &ares, err)
+		for k := range layers {
+			layers[(i+k)%len(layers)]()
+		}
 	}
 	// Warm-up: first calls dial, fill caches and page the binaries in.
 	for i := 0; i < 20; i++ {
 		bareTrue()
 		for _, tg := range targets {
-			round(tg)
+			round(tg, i)
 		}
 	}
 	for _, tg := range targets {
@@ -141,7 +151,7 @@ func TestExecBench(t *testing.T) {
 		}
 		bare = append(bare, time.Since(t0))
 		for _, tg := range targets {
-			round(tg)
+			round(tg, i)
 		}
 	}
 	line := func(name string, s samples) {
