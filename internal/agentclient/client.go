@@ -54,8 +54,8 @@ const (
 type Client struct {
 	sess    *yamux.Session
 	hc      *http.Client // response headers bounded by timeout
-	execHC  *http.Client // no header timeout: exec answers when the process ends
 	timeout time.Duration
+	execs   execPool // kept streams of the synchronous exec (exec.go)
 }
 
 // New starts a yamux client session over conn (which the Client owns).
@@ -101,14 +101,13 @@ func newClient(conn net.Conn, timeout time.Duration) (*Client, error) {
 	}
 	noRedirect := func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 	c.hc = &http.Client{Transport: newTransport(c.timeout), CheckRedirect: noRedirect}
-	c.execHC = &http.Client{Transport: newTransport(0), CheckRedirect: noRedirect}
 	return c, nil
 }
 
 // Close ends the session and every call on it.
 func (c *Client) Close() error {
+	c.closeExecStreams()
 	c.hc.CloseIdleConnections()
-	c.execHC.CloseIdleConnections()
 	return c.sess.Close()
 }
 
@@ -121,7 +120,6 @@ type call struct {
 	query        url.Values
 	body         io.Reader
 	contentType  string
-	exec         bool          // use the exec client
 	deadline     time.Duration // whole-call bound; 0 = c.timeout
 }
 
@@ -175,11 +173,7 @@ func (c *Client) roundTrip(ctx context.Context, cl call, bounded bool) (*http.Re
 	if cl.contentType != "" {
 		req.Header.Set("Content-Type", cl.contentType)
 	}
-	hc := c.hc
-	if cl.exec {
-		hc = c.execHC
-	}
-	resp, err := hc.Do(req)
+	resp, err := c.hc.Do(req)
 	if err != nil {
 		err = transportError(cctx, cl, err)
 		cc.done()
@@ -322,24 +316,6 @@ func (c *Client) Health(ctx context.Context) (agentproto.Health, error) {
 	var h agentproto.Health
 	err := c.doJSON(ctx, call{method: http.MethodGet, path: agentproto.PathHealth}, nil, &h, agentproto.MaxJSONBody)
 	return h, err
-}
-
-// Exec runs a process to completion. The call is bounded by the request's
-// own timeout plus a grace period; without a timeout only ctx bounds it.
-func (c *Client) Exec(ctx context.Context, req agentproto.ExecRequest) (api.ExecResult, error) {
-	var res api.ExecResult
-	maxOut := req.MaxOutputBytes
-	if maxOut <= 0 || maxOut > agentproto.MaxSyncOut {
-		maxOut = max(agentproto.DefaultSyncOut, min(maxOut, agentproto.MaxSyncOut))
-	}
-	// Two streams of output, each at most 6 bytes of JSON per byte ("\u0000").
-	limit := int64(agentproto.MaxJSONBody) + 12*maxOut
-	cl := call{method: http.MethodPost, path: agentproto.PathExec, exec: true, deadline: 365 * 24 * time.Hour}
-	if req.TimeoutSeconds > 0 && req.TimeoutSeconds < 365*24*3600 {
-		cl.deadline = time.Duration(req.TimeoutSeconds*float64(time.Second)) + execGrace
-	}
-	err := c.doJSON(ctx, cl, req, &res, limit)
-	return res, err
 }
 
 // StartProc starts a long-lived process whose output the agent buffers.

@@ -124,12 +124,13 @@ type Instance interface {
 	Exited() <-chan struct{}
 }
 
-// OOMCounter is implemented by instances that can count their OOM kills
-// more cheaply than a whole Stats (gvisor: Stats asks the sentry through a
-// runsc process, the kill count is two host files). The manager reads the
-// count around every exec.
+// OOMCounter is implemented by instances that can read their count of OOM
+// kills (Stats.OOMKills) on its own, without a whole Stats sample: the
+// manager reads it around every synchronous exec to tell an OOM kill from
+// any other SIGKILL, so it must be cheap (a counter file, no process, no
+// round trip into the sandbox).
 type OOMCounter interface {
-	OOMKills(ctx context.Context) (int64, error)
+	OOMKills() (int64, error)
 }
 
 // ExitReasoner is implemented by instances that can say why their init

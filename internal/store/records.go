@@ -55,7 +55,7 @@ func (d *DB) PutSandbox(ctx context.Context, s api.Sandbox) error {
 	if err != nil {
 		return fmt.Errorf("encode sandbox %q labels: %w", s.ID, err)
 	}
-	return d.write(ctx, func(tx *sql.Tx) error {
+	return d.writeThen(ctx, func(tx *sql.Tx) error {
 		_, err := tx.ExecContext(ctx, `
 INSERT INTO sandboxes (id, state, runtime, created_at, labels, data) VALUES (?, ?, ?, ?, ?, ?)
 ON CONFLICT (id) DO UPDATE SET state = excluded.state, runtime = excluded.runtime,
@@ -73,13 +73,27 @@ ON CONFLICT (id) DO UPDATE SET state = excluded.state, runtime = excluded.runtim
 			}
 		}
 		return nil
+	}, func(err error) {
+		var rec *api.Sandbox
+		if err == nil { // else rolled back, or a commit whose outcome is unknown
+			// What a read from SQLite would return: the decoded JSON.
+			rec = new(api.Sandbox)
+			if json.Unmarshal(data, rec) != nil {
+				rec = nil
+			}
+		}
+		d.sandboxes.put(s.ID, rec)
 	})
 }
 
 // GetSandbox returns the sandbox with the given id, or an error wrapping
 // errdefs.ErrNotFound.
 func (d *DB) GetSandbox(ctx context.Context, id string) (api.Sandbox, error) {
-	var data string
+	s, gen, ok := d.sandboxes.get(id)
+	if ok {
+		return s, nil
+	}
+	var data []byte
 	err := d.db.QueryRowContext(ctx, `SELECT data FROM sandboxes WHERE id = ?`, id).Scan(&data)
 	if isNoRows(err) {
 		return api.Sandbox{}, notFound("sandbox", id)
@@ -87,10 +101,10 @@ func (d *DB) GetSandbox(ctx context.Context, id string) (api.Sandbox, error) {
 	if err != nil {
 		return api.Sandbox{}, fmt.Errorf("get sandbox %q: %w", id, err)
 	}
-	var s api.Sandbox
-	if err := json.Unmarshal([]byte(data), &s); err != nil {
+	if err := json.Unmarshal(data, &s); err != nil {
 		return api.Sandbox{}, fmt.Errorf("decode sandbox %q: %w", id, err)
 	}
+	d.sandboxes.fill(id, s, gen)
 	return s, nil
 }
 
@@ -125,7 +139,7 @@ func (d *DB) ListSandboxes(ctx context.Context, f SandboxFilter) ([]api.Sandbox,
 // DeleteSandbox removes the sandbox and its command sessions. Its
 // operations stay (see the schema). A missing sandbox is ErrNotFound.
 func (d *DB) DeleteSandbox(ctx context.Context, id string) error {
-	return d.write(ctx, func(tx *sql.Tx) error {
+	return d.writeThen(ctx, func(tx *sql.Tx) error {
 		// Commands and labels go by ON DELETE CASCADE.
 		res, err := tx.ExecContext(ctx, `DELETE FROM sandboxes WHERE id = ?`, id)
 		if err != nil {
@@ -135,7 +149,7 @@ func (d *DB) DeleteSandbox(ctx context.Context, id string) error {
 			return notFound("sandbox", id)
 		}
 		return nil
-	})
+	}, func(error) { d.sandboxes.put(id, nil) })
 }
 
 // PutOperation inserts or replaces o, keyed by o.ID.

@@ -40,6 +40,8 @@ type DB struct {
 	// sleep-and-retry busy handler keeps latency fair and low. Other
 	// processes are still handled by busy_timeout.
 	writeMu sync.Mutex
+	// sandboxes caches the sandbox records (cache.go).
+	sandboxes *recordCache
 }
 
 // Open opens (creating if needed) the database at path and migrates its
@@ -88,7 +90,7 @@ func Open(path string) (*DB, error) {
 	// every request. Keep a pool and never expire it.
 	db.SetMaxIdleConns(16)
 	db.SetConnMaxIdleTime(0)
-	d := &DB{db: db}
+	d := &DB{db: db, sandboxes: newRecordCache()}
 	if err := d.migrate(context.Background()); err != nil {
 		db.Close()
 		return nil, fmt.Errorf("migrate store %s: %w", path, err)
@@ -106,8 +108,22 @@ func (d *DB) SQL() *sql.DB { return d.db }
 
 // write runs fn in one IMMEDIATE transaction.
 func (d *DB) write(ctx context.Context, fn func(*sql.Tx) error) error {
+	return d.writeThen(ctx, fn, nil)
+}
+
+// writeThen is write that then calls after (if not nil) with the outcome,
+// still holding writeMu, so a cache sees writes in commit order.
+func (d *DB) writeThen(ctx context.Context, fn func(*sql.Tx) error, after func(error)) error {
 	d.writeMu.Lock()
 	defer d.writeMu.Unlock()
+	err := d.writeLocked(ctx, fn)
+	if after != nil {
+		after(err)
+	}
+	return err
+}
+
+func (d *DB) writeLocked(ctx context.Context, fn func(*sql.Tx) error) error {
 	tx, err := d.db.BeginTx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("begin: %w", err)

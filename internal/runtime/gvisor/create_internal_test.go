@@ -64,14 +64,14 @@ func TestOneRunscPerCreate(t *testing.T) {
 	}
 	defer c.Close()
 	oc := inst.(runtime.OOMCounter)
-	if n, err := oc.OOMKills(ctx); err != nil || n != 0 {
+	if n, err := oc.OOMKills(); err != nil || n != 0 {
 		t.Fatalf("OOMKills of a fresh sandbox: %d, %v", n, err)
 	}
 	res, err := c.Exec(ctx, agentproto.ExecRequest{Cmd: []string{"true"}})
 	if err != nil || res.ExitCode != 0 {
 		t.Fatalf("exec true: %+v %v", res, err)
 	}
-	if _, err := oc.OOMKills(ctx); err != nil {
+	if _, err := oc.OOMKills(); err != nil {
 		t.Fatal(err)
 	}
 	after := rs.callCounts()

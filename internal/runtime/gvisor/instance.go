@@ -17,6 +17,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/cgroupfs"
 	"github.com/spacehq/space/internal/runtime/confine"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 	"github.com/spacehq/space/internal/runtime/hostproc"
@@ -42,6 +43,11 @@ type instance struct {
 	pidsAt   time.Time
 	pidsLast int64
 	memLast  int64 // the sentry's memory accounting, read with pidsLast
+
+	// oomGroup is the sandbox's host cgroup as OOMKills reads it, found
+	// once (finding it walks the cgroup mounts).
+	oomOnce  sync.Once
+	oomGroup *cgroupfs.Group
 }
 
 // pidsTTL is how long a task count from the sentry is reused.
@@ -361,6 +367,22 @@ func (i *instance) Resume(ctx context.Context) error {
 	return err
 }
 
+// OOMKills implements runtime.OOMCounter: Stats's OOMKills alone (the
+// host cgroup's and the memory guard's), without asking runsc.
+func (i *instance) OOMKills() (int64, error) {
+	if !i.Alive() {
+		return 0, nil
+	}
+	i.oomOnce.Do(func() { i.oomGroup = sandboxCgroup(i.spec.ID) })
+	n, err := i.oomGroup.OOMKills()
+	if err != nil {
+		return 0, err
+	}
+	return n + guardKills(i.agentDir()), nil
+}
+
+var _ runtime.OOMCounter = (*instance)(nil)
+
 // Stats implements runtime.Instance: OOM kills and CPU from the host's
 // cgroups plus the memory guard's kills; memory and the process count from
 // the sentry (runsc events), since on the host the sandbox's processes are
@@ -393,20 +415,6 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	// overlay's upper on its ext4 disk, mounted at rwDir while it runs.
 	s.DiskUsedBytes, err = hostfs.DiskUsed(i.rwDir())
 	return s, err
-}
-
-// OOMKills implements runtime.OOMCounter: the host cgroup's kills and the
-// memory guard's, without asking the sentry (no runsc process), so the
-// manager's count around an exec costs two file reads.
-func (i *instance) OOMKills(ctx context.Context) (int64, error) {
-	if !i.Alive() {
-		return 0, nil
-	}
-	n, err := sandboxCgroup(i.spec.ID).OOMKills()
-	if err != nil {
-		return 0, err
-	}
-	return n + guardKills(i.agentDir()), nil
 }
 
 // sentryCounts is the number of tasks in the sandbox and its memory usage

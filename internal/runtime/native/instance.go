@@ -437,6 +437,16 @@ func (i *instance) Resume(ctx context.Context) error {
 	return i.cg.Thaw(ctx)
 }
 
+// OOMKills implements runtime.OOMCounter: Stats's OOMKills alone.
+func (i *instance) OOMKills() (int64, error) {
+	if !i.Alive() {
+		return 0, nil
+	}
+	return i.cg.OOMKills()
+}
+
+var _ runtime.OOMCounter = (*instance)(nil)
+
 // Stats implements runtime.Instance from the host's cgroup files.
 func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	if !i.Alive() {
