@@ -10,6 +10,7 @@ setup:
 build:
 	go build -trimpath -o bin/space ./cmd/space
 	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-agent ./cmd/space-agent
+	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-nsinit ./cmd/space-nsinit
 	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-jail ./cmd/space-jail
 	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-gateway ./cmd/space-gateway
 
