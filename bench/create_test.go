@@ -31,7 +31,7 @@ func TestColdCreateBench(t *testing.T) {
 	}
 	h := start(t)
 	ctx := context.Background()
-	var sp, bw, createCall, execCall samples
+	var sp, bw, createCall, execCall, opTime, outside samples
 	phases := map[string]samples{}
 	var order []string
 	for i := 0; i < n; i++ {
@@ -42,26 +42,32 @@ func TestColdCreateBench(t *testing.T) {
 		bw = append(bw, time.Since(t0))
 
 		t0 = time.Now()
-		sb, err := h.client.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native"})
-		if err != nil {
-			t.Fatal(err)
+		res, err := h.client.CreateSandboxWait(ctx, api.CreateSandboxRequest{Runtime: "native"}, time.Minute)
+		if err != nil || res.Operation.State != api.OpSucceeded {
+			t.Fatalf("create: %v %+v", err, res)
 		}
+		sb, op := res.Sandbox, res.Operation
 		t1 := time.Now()
-		res, err := h.client.Exec(ctx, sb.ID, api.ExecRequest{Cmd: []string{"true"}})
-		if err != nil || res.ExitCode != 0 {
-			t.Fatalf("exec: %v %+v", err, res)
+		out, err := h.client.Exec(ctx, sb.ID, api.ExecRequest{Cmd: []string{"true"}})
+		if err != nil || out.ExitCode != 0 {
+			t.Fatalf("exec: %v %+v", err, out)
 		}
 		t2 := time.Now()
 		sp = append(sp, t2.Sub(t0))
 		createCall = append(createCall, t1.Sub(t0))
 		execCall = append(execCall, t2.Sub(t1))
-		if op, err := h.client.GetOperation(ctx, sb.OperationID, 0); err == nil && op.Kind == api.OpCreate {
-			for _, p := range op.Phases {
-				if _, ok := phases[p.Name]; !ok {
-					order = append(order, p.Name)
-				}
-				phases[p.Name] = append(phases[p.Name], time.Duration(p.DurationMS*float64(time.Millisecond)))
+		var inPhases time.Duration
+		for _, p := range op.Phases {
+			if _, ok := phases[p.Name]; !ok {
+				order = append(order, p.Name)
 			}
+			d := time.Duration(p.DurationMS * float64(time.Millisecond))
+			phases[p.Name] = append(phases[p.Name], d)
+			inPhases += d
+		}
+		if op.FinishedAt != nil {
+			opTime = append(opTime, op.FinishedAt.Sub(op.CreatedAt))
+			outside = append(outside, op.FinishedAt.Sub(op.CreatedAt)-inPhases)
 		}
 		if op, err := h.client.DeleteSandbox(ctx, sb.ID, true); err == nil {
 			h.client.WaitOperation(ctx, op.ID)
@@ -75,8 +81,10 @@ func TestColdCreateBench(t *testing.T) {
 	fmt.Printf("ratio p50 %.2fx, p99 %.2fx\n", ms(sp.pct(0.5))/ms(bw.pct(0.5)), ms(sp.pct(0.99))/ms(bw.pct(0.99)))
 	fmt.Println("where the time goes (p50 each):")
 	line("  create call (until running)", createCall)
+	line("    operation created→finished", opTime)
 	for _, name := range order {
-		line("    phase "+name, phases[name])
+		line("      phase "+name, phases[name])
 	}
+	line("      outside the phases", outside)
 	line("  exec true call", execCall)
 }

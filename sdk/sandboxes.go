@@ -38,15 +38,27 @@ func (c *Client) CreateSandbox(ctx context.Context, req api.CreateSandboxRequest
 	return &out, nil
 }
 
+// CreateSandboxWait is POST /v1/sandboxes?wait=: the server answers once
+// the create operation has finished (Operation.Done, whether it succeeded
+// or failed), with the sandbox as it is then, or when wait (at most 60s)
+// has passed, as CreateSandbox does.
+func (c *Client) CreateSandboxWait(ctx context.Context, req api.CreateSandboxRequest, wait time.Duration) (*api.CreateSandboxResponse, error) {
+	var out api.CreateSandboxResponse
+	q := url.Values{"wait": {wait.String()}}
+	if err := c.do(ctx, request{method: http.MethodPost, path: "/v1/sandboxes", query: q, json: req}, &out); err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
 // CreateSandboxAndWait creates a sandbox and waits until its create
 // operation has finished, returning the sandbox as it is then.
 func (c *Client) CreateSandboxAndWait(ctx context.Context, req api.CreateSandboxRequest) (*api.Sandbox, error) {
 	// The server waits for the create itself (?wait=) and answers with the
 	// sandbox as it is then: one round trip where polling takes three. An
 	// older server ignores the parameter and answers at once.
-	var res api.CreateSandboxResponse
-	q := url.Values{"wait": {pollWait.String()}}
-	if err := c.do(ctx, request{method: http.MethodPost, path: "/v1/sandboxes", query: q, json: req}, &res); err != nil {
+	res, err := c.CreateSandboxWait(ctx, req, pollWait)
+	if err != nil {
 		return nil, err
 	}
 	if res.Operation.Done() && res.Operation.ID != "" {
