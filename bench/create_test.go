@@ -63,7 +63,9 @@ func TestColdCreateBench(t *testing.T) {
 			}
 			d := time.Duration(p.DurationMS * float64(time.Millisecond))
 			phases[p.Name] = append(phases[p.Name], d)
-			inPhases += d
+			if p.Name != "network" { // runs alongside agent_ready
+				inPhases += d
+			}
 		}
 		if op.FinishedAt != nil {
 			opTime = append(opTime, op.FinishedAt.Sub(op.CreatedAt))
@@ -86,5 +88,6 @@ func TestColdCreateBench(t *testing.T) {
 		line("      phase "+name, phases[name])
 	}
 	line("      outside the phases", outside)
+	fmt.Println("      (network runs alongside agent_ready; the machine's load shows in bwrap's numbers)")
 	line("  exec true call", execCall)
 }
