@@ -7,6 +7,7 @@ package bench
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -52,8 +53,14 @@ func serve(b testing.TB, no server.NetworkOptions) (*server.Server, *sdk.Client,
 	if err != nil {
 		b.Fatal(err)
 	}
+	// SPACE_BENCH_DEBUG=1 shows the server's debug log (the runtimes'
+	// start-up splits).
+	var logger *slog.Logger
+	if os.Getenv("SPACE_BENCH_DEBUG") == "1" {
+		logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
 	s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: testenv.AgentBinary(b),
-		JailBinary: testenv.JailBinary(b), APIKeyOut: os.Stderr, Network: no})
+		JailBinary: testenv.JailBinary(b), APIKeyOut: os.Stderr, Network: no, Logger: logger})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -38,12 +38,34 @@ func (c *Client) CreateSandbox(ctx context.Context, req api.CreateSandboxRequest
 	return &out, nil
 }
 
+// CreateSandboxWait is POST /v1/sandboxes?wait=: the server answers once
+// the create operation has finished (Operation.Done, whether it succeeded
+// or failed), with the sandbox as it is then, or when wait (at most 60s)
+// has passed, as CreateSandbox does.
+func (c *Client) CreateSandboxWait(ctx context.Context, req api.CreateSandboxRequest, wait time.Duration) (*api.CreateSandboxResponse, error) {
+	var out api.CreateSandboxResponse
+	q := url.Values{"wait": {wait.String()}}
+	if err := c.do(ctx, request{method: http.MethodPost, path: "/v1/sandboxes", query: q, json: req}, &out); err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
 // CreateSandboxAndWait creates a sandbox and waits until its create
 // operation has finished, returning the sandbox as it is then.
 func (c *Client) CreateSandboxAndWait(ctx context.Context, req api.CreateSandboxRequest) (*api.Sandbox, error) {
-	res, err := c.CreateSandbox(ctx, req)
+	// The server waits for the create itself (?wait=) and answers with the
+	// sandbox as it is then: one round trip where polling takes three. An
+	// older server ignores the parameter and answers at once.
+	res, err := c.CreateSandboxWait(ctx, req, pollWait)
 	if err != nil {
 		return nil, err
+	}
+	if res.Operation.Done() && res.Operation.ID != "" {
+		if res.Operation.State == api.OpFailed {
+			return &res.Sandbox, fmt.Errorf("creating sandbox %s: %w", res.Sandbox.ID, &OperationError{Operation: &res.Operation})
+		}
+		return &res.Sandbox, nil
 	}
 	if _, err := c.WaitOperation(ctx, res.Operation.ID); err != nil {
 		return &res.Sandbox, fmt.Errorf("creating sandbox %s: %w", res.Sandbox.ID, err)

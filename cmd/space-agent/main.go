@@ -11,7 +11,9 @@
 //	                                  (nsinit.Setup): builds the sandbox
 //	                                  around itself (mounts, pivot_root,
 //	                                  package confine's policy) and execs
-//	                                  the agent
+//	                                  the agent; the runtime prefers the
+//	                                  smaller cmd/space-nsinit when it is
+//	                                  installed next to this binary
 //	space-agent probe-native          the native runtime's probe (nsinit)
 //	space-agent init-gvisor [flags]   a gvisor sandbox's container init
 //	                                  (ginit.Main): starts `confine` in a

@@ -318,7 +318,7 @@ func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api
 		return api.Sandbox{}, api.Operation{}, err
 	}
 	m.noteCaller(ctx, op.ID, sb.Tenant)
-	m.start(op, func(ctx context.Context, p *phases) error { return m.doCreate(ctx, p, sb.ID) })
+	m.start(op, func(ctx context.Context, p *phases) error { return m.doCreate(ctx, p, sb.ID, false) })
 	return sb, op, nil
 }
 
@@ -544,7 +544,9 @@ func (m *Manager) spec(ctx context.Context, sb api.Sandbox) (runtime.Spec, runti
 	return newSpec(sb, tmpl, rootfs), rt, nil
 }
 
-func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
+// doCreate runs a create operation; redriven is true when reconcile runs
+// it again after a crash.
+func (m *Manager) doCreate(ctx context.Context, p *phases, id string, redriven bool) error {
 	e := m.entry(id)
 	sb, err := m.cfg.DB.GetSandbox(ctx, id)
 	if err != nil {
@@ -598,9 +600,11 @@ func (m *Manager) doCreate(ctx context.Context, p *phases, id string) error {
 	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
 		return fail(err)
 	}
-	// Sessions left by an attempt that crashed (a re-driven create) died
-	// with its instance.
-	m.markCommandsExited(id, "the sandbox's creation was interrupted and started over")
+	// Sessions left by an attempt that crashed died with its instance. A
+	// first attempt has none: no read of them on every create.
+	if redriven {
+		m.markCommandsExited(id, "the sandbox's creation was interrupted and started over")
+	}
 	spec := newSpec(sb, tmpl, rootfs)
 	var inst runtime.Instance
 	if err := p.run("prepare", func() (err error) {
@@ -648,12 +652,20 @@ func (m *Manager) bootWith(ctx context.Context, p *phases, e *entry, inst runtim
 		return fmt.Errorf("starting sandbox: %w", err)
 	}
 	// The link is up before anything in the sandbox (its start command)
-	// runs; on error the caller's stop detaches it again.
-	if err := m.attachNetwork(ctx, p, inst, policyOf(sb)); err != nil {
+	// runs; on error the caller's stop detaches it again. The agent is the
+	// runtime's, not the sandbox's: the gateway attaches the link while
+	// the agent starts up (its Go start-up is most of agent_ready).
+	netErr := make(chan error, 1)
+	go func() { netErr <- m.attachNetwork(ctx, p, inst, policyOf(sb)) }()
+	readyErr := p.run("agent_ready", func() error { return m.connect(ctx, e, inst) })
+	if err := <-netErr; err != nil {
+		if readyErr == nil {
+			m.dropClient(e)
+		}
 		return err
 	}
-	if err := p.run("agent_ready", func() error { return m.connect(ctx, e, inst) }); err != nil {
-		return err
+	if readyErr != nil {
+		return readyErr
 	}
 	m.watchExit(e, inst)
 	// The CA is trusted before anything of the sandbox's own runs.

@@ -91,7 +91,7 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 			e.cmu.Unlock()
 			m.setState(sb.ID, api.StateCreating, "", op.ID)
 			log.Info("re-driving interrupted create", "op", op.ID)
-			m.start(op, func(ctx context.Context, p *phases) error { return m.doCreate(ctx, p, sb.ID) })
+			m.start(op, func(ctx context.Context, p *phases) error { return m.doCreate(ctx, p, sb.ID, true) })
 		case api.OpDelete:
 			log.Info("re-driving interrupted delete", "op", op.ID)
 			m.start(op, func(ctx context.Context, p *phases) error { return m.doDelete(ctx, p, sb.ID) })

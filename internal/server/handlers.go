@@ -26,12 +26,47 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
+	wait, err := waitParam(r)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
 	sb, op, err := s.mgr.Create(r.Context(), req)
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
+	// ?wait= saves a caller that wants a running sandbox the long-poll of
+	// the operation and the read of the sandbox after it: two round trips
+	// on the path of every create.
+	if wait > 0 {
+		if done, err := s.mgr.GetOperation(r.Context(), op.ID, wait); err == nil && done.Done() {
+			if now, err := s.mgr.Get(r.Context(), sb.ID); err == nil {
+				writeJSON(w, http.StatusOK, api.CreateSandboxResponse{Sandbox: now, Operation: done})
+				return
+			}
+		}
+	}
 	writeJSON(w, http.StatusAccepted, api.CreateSandboxResponse{Sandbox: sb, Operation: op})
+}
+
+// waitParam is the ?wait= long-poll of a request: a Go duration (or
+// seconds), at most 60s; 0 when absent.
+func waitParam(r *http.Request) (time.Duration, error) {
+	ws := r.URL.Query().Get("wait")
+	if ws == "" {
+		return 0, nil
+	}
+	d, err := time.ParseDuration(ws)
+	if err != nil {
+		if secs, err2 := strconv.ParseFloat(ws, 64); err2 == nil {
+			d, err = time.Duration(secs*float64(time.Second)), nil
+		}
+	}
+	if err != nil || d < 0 || d > 60*time.Second {
+		return 0, fmt.Errorf("wait must be a duration between 0 and 60s, got %q: %w", ws, errdefs.ErrInvalidArgument)
+	}
+	return d, nil
 }
 
 func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
@@ -146,19 +181,10 @@ func (s *Server) unknownVerb(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) getOperation(w http.ResponseWriter, r *http.Request) {
-	var wait time.Duration
-	if ws := r.URL.Query().Get("wait"); ws != "" {
-		d, err := time.ParseDuration(ws)
-		if err != nil {
-			if secs, err2 := strconv.ParseFloat(ws, 64); err2 == nil {
-				d, err = time.Duration(secs*float64(time.Second)), nil
-			}
-		}
-		if err != nil || d < 0 || d > 60*time.Second {
-			writeError(w, r, fmt.Errorf("wait must be a duration between 0 and 60s, got %q: %w", ws, errdefs.ErrInvalidArgument))
-			return
-		}
-		wait = d
+	wait, err := waitParam(r)
+	if err != nil {
+		writeError(w, r, err)
+		return
 	}
 	id := r.PathValue("id")
 	// Another tenant's operation is not found. The check comes first, so

@@ -77,7 +77,7 @@ func Version() int {
 // controllers' hierarchies that the host has (controllers are ignored on
 // v2, where the one directory has them all).
 func (l Layout) Group(parent, name string, controllers []string) *Group {
-	g := &Group{unified: l.Unified, dirs: map[string]string{}}
+	g := &Group{unified: l.Unified, dirs: map[string]string{}, mounts: map[string]string{}}
 	if l.Unified {
 		g.dirs[""] = filepath.Join(l.Root, parent, name)
 		return g
@@ -90,6 +90,7 @@ func (l Layout) Group(parent, name string, controllers []string) *Group {
 			continue
 		}
 		g.dirs[c] = filepath.Join(real, parent, name)
+		g.mounts[c] = real
 	}
 	return g
 }
@@ -115,6 +116,7 @@ func (l Layout) Names(parent string, controllers []string) []string {
 type Group struct {
 	unified bool
 	dirs    map[string]string // controller → directory; "" on v2
+	mounts  map[string]string // v1: controller → its hierarchy's mount
 }
 
 // Unified reports whether the group is a v2 one.

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
 
 	"golang.org/x/sys/unix"
 
@@ -62,6 +63,20 @@ func sendConfig(sock *os.File, pid int, cfg any, dirs []string) error {
 		return fmt.Errorf("send config to sandbox init: %w", err)
 	}
 	return nil
+}
+
+// InitBinaryName is the small first-stage binary (cmd/space-nsinit) the
+// runtime starts as a sandbox's init when it lies next to the agent binary;
+// without it the agent binary is the init too (`space-agent init-native`).
+const InitBinaryName = "space-nsinit"
+
+// initBinary is the binary to start as a sandbox's init.
+func (r *Runtime) initBinary() string {
+	p := filepath.Join(filepath.Dir(r.cfg.AgentBinary), InitBinaryName)
+	if fi, err := os.Stat(p); err == nil && fi.Mode().IsRegular() && fi.Mode().Perm()&0o001 != 0 {
+		return p
+	}
+	return r.cfg.AgentBinary
 }
 
 // checkAgent verifies that the agent binary can be executed by a sandbox's

@@ -30,22 +30,26 @@
 //	sandboxes/<id>/export/    its disk, read-only, while Changes exposes it
 //
 // Start sequence: the host creates the cgroups and the agent socket, starts
-// space-agent in new user/mount/pid/net/ipc/uts namespaces (it blocks on
-// its config socket), moves it into the cgroups, writes init.pid, and sends
+// the init — space-nsinit when it lies next to the agent binary, else
+// `space-agent init-native` — in new user/mount/pid/net/ipc/uts namespaces
+// and, from its first instruction, in the sandbox's cgroups
+// (cgroupfs.StartIn); the init blocks on its config socket while the host
+// writes init.pid, makes the TAP device in its network namespace and sends
 // the config with the layer descriptors. nsinit unshares the cgroup
 // namespace, builds and pivots into the root, drops privileges, and
-// re-executes the agent; a setup error comes back on the status pipe.
+// executes the agent binary (passed as a descriptor); a setup error comes
+// back on the status pipe.
 //
-// Where start-up time goes (BenchmarkStartup on a loaded 2-core host, p50;
-// init.log has the init's own split): Create ~1 ms with a spare disk from
-// the pool (mkfs+mount ~17 ms without one); Start ~30 ms, of which
-// prepare ~2, clone into the namespaces ~7, the agent's Go runtime and
-// package init ~10, waiting for the config ~1, building the sandbox ~3
-// (mounts ~1, seccomp load ~0.6); then ~18 ms until the re-executed agent
-// answers Health, again mostly Go start-up. The re-exec is kept because
-// Landlock (ABI ≤ 7) can only restrict the calling thread, so one exec
-// after setup is what confines every thread. Nothing on this path sleeps
-// or polls: the host blocks on the status pipe and a pidfd.
+// Where start-up time goes (BenchmarkStartup, p50; init.log has the init's
+// own split): Create ~1 ms with a spare disk from the pool (mkfs+mount
+// ~17 ms without one); in Start, prepare ~2, clone into the namespaces
+// ~4–7 (the network namespace most), the init's Go start-up (~2 ms for the
+// 2 MB space-nsinit, ~5 for the 7.5 MB agent), building the sandbox ~3–4
+// (mounts ~1, seccomp load ~0.6), then the agent's own Go start-up until it
+// answers Health. The exec after setup is kept because Landlock (ABI ≤ 7)
+// can only restrict the calling thread, so one exec after setup is what
+// confines every thread. Nothing on this path sleeps or polls: the host
+// blocks on the status pipe and a pidfd.
 //
 // Density (TestDensity, SPACE_BENCH=1): 1000 idle sandboxes with 64 MiB
 // memory and disk run at once, ~2.3 MiB of host memory each.

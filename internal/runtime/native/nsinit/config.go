@@ -19,7 +19,9 @@ const (
 	// failure as text before exiting. It is close-on-exec in the final agent,
 	// so the host sees EOF without data once setup succeeded.
 	FDStatus = 5
-	// FDAgentBinary is the agent binary; the host execs /proc/self/fd/6.
+	// FDAgentBinary is the binary the host execs as the init
+	// (/proc/self/fd/6): space-nsinit, or space-agent itself in its
+	// init-native role.
 	FDAgentBinary = 6
 	// FDLower, FDUpper, FDWork and FDRoot are where the init places the
 	// O_PATH descriptors it received with its config: the overlay's layers
@@ -32,6 +34,9 @@ const (
 	FDUpper = 8
 	FDWork  = 9
 	FDRoot  = 10
+	// FDAgentExe is the space-agent binary the init execs once the
+	// sandbox is built. Absent (closed), the init execs its own binary.
+	FDAgentExe = 11
 )
 
 // LayerFDs is the number of descriptors sent with the config, placed at

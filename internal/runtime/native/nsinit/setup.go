@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	goruntime "runtime"
 	"slices"
 	"strconv"
@@ -99,7 +100,7 @@ func build(entered time.Time) error {
 		cfg.NoFile = 65536
 	}
 	// None of the host's descriptors may reach the agent.
-	for fd := FDStatus; fd <= FDRoot; fd++ {
+	for fd := FDStatus; fd <= FDAgentExe; fd++ {
 		unix.CloseOnExec(fd)
 	}
 	// Only now is the process inside its cgroups, so only now does a cgroup
@@ -107,12 +108,12 @@ func build(entered time.Time) error {
 	if err := unix.Unshare(unix.CLONE_NEWCGROUP); err != nil {
 		return fmt.Errorf("unshare cgroup namespace: %w", err)
 	}
-	// Open our own binary before the host's filesystem disappears: the final
-	// exec goes through this descriptor, so the binary never has to be
-	// visible inside the sandbox.
-	exe, err := unix.Open("/proc/self/exe", unix.O_PATH|unix.O_CLOEXEC, 0)
+	// Open the agent's binary (the host's FDAgentExe, else our own) before
+	// the host's filesystem disappears: the final exec goes through this
+	// descriptor, so the binary never has to be visible inside the sandbox.
+	exe, err := agentExe()
 	if err != nil {
-		return fmt.Errorf("opening own executable: %w", err)
+		return err
 	}
 	if err := buildRoot(); err != nil {
 		return err
@@ -147,8 +148,8 @@ func build(entered time.Time) error {
 		return err
 	}
 	// Goes to the host's init.log (outside the sandbox) for diagnostics.
-	fmt.Fprintf(os.Stderr, "nsinit: sandbox ready: landlock ABI %d, seccomp allowlist of %d syscalls (exec+Go start %v, config wait %v, setup %v)\n",
-		abi, len(confine.Allowed), entered.Sub(time.Unix(0, cfg.SpawnedUnixNano)).Round(time.Microsecond),
+	fmt.Fprintf(os.Stderr, "nsinit: sandbox ready (init %s): landlock ABI %d, seccomp allowlist of %d syscalls (exec+Go start %v, config wait %v, setup %v)\n",
+		filepath.Base(os.Args[0]), abi, len(confine.Allowed), entered.Sub(time.Unix(0, cfg.SpawnedUnixNano)).Round(time.Microsecond),
 		configured.Sub(entered).Round(time.Microsecond), time.Since(configured).Round(time.Microsecond))
 	// The listener is named on the command line, not in the environment:
 	// the agent's environment has nothing of the runtime's in it (it is
@@ -159,9 +160,23 @@ func build(entered time.Time) error {
 		"HOME=/root",
 		"LANG=C.UTF-8",
 	}
-	argv := []string{os.Args[0], "--fd", strconv.Itoa(FDAgentListener)}
+	argv := []string{"space-agent", "--fd", strconv.Itoa(FDAgentListener)}
 	err = unix.Exec(fmt.Sprintf("/proc/self/fd/%d", exe), argv, env)
 	return fmt.Errorf("exec agent: %w", err)
+}
+
+// agentExe opens the binary to exec as the agent: FDAgentExe when the host
+// passed one (this process is space-nsinit), else this process's own.
+func agentExe() (int, error) {
+	path := "/proc/self/exe"
+	if _, err := unix.FcntlInt(uintptr(FDAgentExe), unix.F_GETFD, 0); err == nil {
+		path = fdPath(FDAgentExe)
+	}
+	exe, err := unix.Open(path, unix.O_PATH|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("opening the agent's executable: %w", err)
+	}
+	return exe, nil
 }
 
 func sethostname(name string) error {
