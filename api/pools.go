@@ -10,6 +10,9 @@ type PoolSpec struct {
 	Limits   Limits `json:"limits"`
 	Min      int    `json:"min"`
 	Max      int    `json:"max"`
+	// IdleMode overrides how members wait ("running" or "paused"; paused
+	// needs a runtime that can pause); empty: the runtime's default.
+	IdleMode string `json:"idle_mode,omitempty"`
 }
 
 // Pool is a warm pool and what it holds now.

@@ -60,6 +60,7 @@ func newPoolCmd(a *app) *cobra.Command {
 	fl.StringVar(&memory, "memory", "", "memory limit of the members, e.g. 512m (default: the server's)")
 	fl.StringVar(&disk, "disk", "", "disk limit of the members, e.g. 2g (default: the server's)")
 	fl.Int64Var(&spec.Limits.Pids, "pids", 0, "task limit of the members (default: the server's)")
+	fl.StringVar(&spec.IdleMode, "idle", "", "how members wait: running or paused (default: the runtime's choice)")
 	fl.IntVar(&spec.Min, "min", 1, "members kept ready at least")
 	fl.IntVar(&spec.Max, "max", 0, "members kept ready at most when misses raise the target (default: --min)")
 	ls := &cobra.Command{

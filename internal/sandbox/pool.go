@@ -117,6 +117,7 @@ func isPoolMember(sb api.Sandbox) bool { return sb.Labels[PoolLabel] != "" }
 
 // PoolID is the deterministic id of the pool with spec s (normalised).
 func PoolID(s api.PoolSpec) string {
+	// The idle mode is how members wait, not what they are: not in the key.
 	key, _ := json.Marshal(struct {
 		T, R string
 		L    api.Limits
@@ -150,9 +151,18 @@ func (m *Manager) normalisePool(ctx context.Context, s api.PoolSpec, checkTempla
 	if s.Runtime == "" {
 		s.Runtime = runtime.Auto
 	}
-	rt, _, err := m.pickRuntime(ctx, s.Runtime)
+	rt, caps, err := m.pickRuntime(ctx, s.Runtime)
 	if err != nil {
 		return s, nil, err
+	}
+	switch s.IdleMode {
+	case "", api.PoolIdleRunning:
+	case api.PoolIdlePaused:
+		if !caps.Verbs[api.OpPause] {
+			return s, nil, runtime.NotSupported(rt.Name(), api.OpPause, caps.VerbReasons[api.OpPause])
+		}
+	default:
+		return s, nil, invalid("idle_mode must be running or paused, got %q", truncate(s.IdleMode, 32))
 	}
 	if checkTemplate {
 		if _, err := m.cfg.Templates.Get(ctx, s.Template); err != nil {
@@ -215,6 +225,9 @@ func (ps *pools) resolveRuntime(ctx context.Context, p *pool) {
 	}
 	p.runtime = rt.Name()
 	p.idle = idleModeFor(rt.Name(), rt)
+	if p.spec.IdleMode != "" {
+		p.idle = p.spec.IdleMode
+	}
 }
 
 // SetPool creates or updates the pool of spec s (keyed by template,
@@ -246,6 +259,7 @@ ON CONFLICT (id) DO UPDATE SET data = excluded.data`, id, string(data)); err != 
 	} else {
 		p.spec = s
 		p.target = min(max(p.target, s.Min), s.Max)
+		ps.resolveRuntime(ctx, p)
 	}
 	out := ps.view(p)
 	ps.mu.Unlock()
@@ -695,4 +709,21 @@ func hostMemAvailable() (int64, error) {
 		}
 	}
 	return 0, errors.New("no MemAvailable in /proc/meminfo")
+}
+
+// PoolMembers lists the ids of pool id's ready members (benchmarks and
+// debugging measure their host processes; no API answer carries them).
+func (m *Manager) PoolMembers(id string) []string {
+	ps := m.pools
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	p := ps.byID[id]
+	if p == nil {
+		return nil
+	}
+	out := make([]string, 0, len(p.ready))
+	for _, mb := range p.ready {
+		out = append(out, mb.id)
+	}
+	return out
 }
