@@ -114,11 +114,6 @@ func (m *Manager) doClaim(ctx context.Context, p *phases, id string, mb member, 
 		if c == nil {
 			return fmt.Errorf("pool member %s has no agent connection", id)
 		}
-		hctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		defer cancel()
-		if _, err := c.Health(hctx); err != nil {
-			return err
-		}
 		if m.cfg.Network != nil && !reflect.DeepEqual(policyOf(sb), ClonePolicy(m.cfg.DefaultNetwork)) {
 			if _, ok := inst.(runtime.NICProvider); ok {
 				if err := m.cfg.Network.SetPolicy(ctx, id, ClonePolicy(policyOf(sb))); err != nil {
@@ -126,9 +121,12 @@ func (m *Manager) doClaim(ctx context.Context, p *phases, id string, mb member, 
 				}
 			}
 		}
-		// Its own entropy and the clock, as a fork child gets; the
-		// hostname is its id already.
-		return m.reseed(ctx, e, id)
+		// Its own entropy and the clock, as a fork child gets (the
+		// hostname is its id already: rewriting /etc/hostname would cost
+		// a synced write). The answer is the member's health check.
+		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		return m.reseed(rctx, e, "")
 	})
 	if err != nil {
 		m.log.Warn("claimed pool member failed; creating the sandbox cold", "sandbox", id, "err", err)
