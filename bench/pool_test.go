@@ -67,17 +67,16 @@ func TestPoolBench(t *testing.T) {
 		t.Fatal(err)
 	}
 	type row struct {
-		rt, mode            string
-		n, hits             int
-		hit, raw            samples
-		create, claimPhase  samples
-		exec2               samples // a second exec of true: the exec path alone, warm
-		pssKiB, availKiB    int64
-		members             int
-		refill              float64
-		rawLabel, rawP50P99 string
+		rt, mode           string
+		n, hits            int
+		hit, raw           samples
+		create, claimPhase samples
+		exec2              samples // a second exec of true: the exec path alone, warm
+		pssKiB, availKiB   int64
+		members            int
+		refill             float64
+		rawLabel           string
 	}
-	var rows []row
 	for _, ri := range info.Runtimes {
 		if only := os.Getenv("SPACE_BENCH_POOL_RUNTIMES"); only != "" && !slices.Contains(strings.Split(only, ","), ri.Name) {
 			continue
@@ -165,7 +164,6 @@ func TestPoolBench(t *testing.T) {
 			if err := c.DeletePool(ctx, p.ID); err != nil {
 				t.Fatal(err)
 			}
-			rows = append(rows, r)
 			fmt.Printf("pool hit %-7s idle=%-7s n=%d hits=%d: create→exec true p50=%.2fms p99=%.2fms | %s p50=%.2fms p99=%.2fms | ratio %s | idle member PSS %d KiB, MemAvailable drop %d KiB/member | refill %.0fms\n",
 				r.rt, r.mode, r.n, r.hits, ms(r.hit.pct(0.5)), ms(r.hit.pct(0.99)), r.rawLabel, ms(r.raw.pct(0.5)), ms(r.raw.pct(0.99)),
 				ratio(r.hit, r.raw), r.pssKiB, r.availKiB, r.refill)

@@ -54,7 +54,7 @@ func (m *Manager) claim(ctx context.Context, req api.CreateSandboxRequest, rt ru
 		pol := ClonePolicy(m.cfg.DefaultNetwork)
 		sb.Network = &pol
 	}
-	if sb.Network.Rules != nil && len(sb.Network.Rules) > 0 {
+	if len(sb.Network.Rules) > 0 {
 		giveBack()
 		return sb, op, false, nil
 	}
