@@ -111,6 +111,7 @@ func TestOpenAPISchemasMatchTypes(t *testing.T) {
 		"NetworkStats": NetworkStats{}, "NetworkEvent": NetworkEvent{}, "SandboxStats": SandboxStats{},
 		"APIKey": APIKey{}, "CreateKeyRequest": CreateKeyRequest{}, "CreatedKey": CreatedKey{}, "KeyList": KeyList{},
 		"Quotas": Quotas{}, "Usage": Usage{}, "Tenant": Tenant{}, "TenantList": TenantList{},
+		"PoolSpec": PoolSpec{}, "Pool": Pool{}, "PoolList": PoolList{},
 		"AuditRecord": AuditRecord{}, "AuditRecordList": AuditRecordList{}, "AuditKey": AuditKey{}, "AuditKeyList": AuditKeyList{},
 	}
 	for name, v := range types {

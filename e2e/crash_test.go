@@ -92,11 +92,16 @@ func TestKill9LosesNothing(t *testing.T) {
 	if _, err := c.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Labels: map[string]string{"warm": "1"}}); err != nil {
 		t.Fatal(err)
 	}
+	// The default pool fills: grow it so members are being made when the
+	// kill lands (a half-made member must leave nothing behind).
+	if _, err := c.SetPool(ctx, api.PoolSpec{Template: "base:latest", Runtime: "auto", Min: 3, Max: 3}); err != nil {
+		t.Fatal(err)
+	}
 	resp, err := c.CreateSandbox(ctx, api.CreateSandboxRequest{Labels: map[string]string{"crash": "create"}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	p.kill9() // mid-create
+	p.kill9() // mid-create, mid-fill
 	p = startServer(t, bin, data, addr)
 	c = p.client(t)
 	op, err := c.WaitOperation(ctx, resp.Operation.ID)
@@ -145,6 +150,20 @@ func TestKill9LosesNothing(t *testing.T) {
 			t.Fatalf("delete %s: %v %+v", s.ID, err, op)
 		}
 	}
+	// Pools go, then a kill -9 (maybe mid-drain or mid-fill) and a start
+	// without the default pool: its reconcile destroys whatever members
+	// are left, whole or half-made.
+	pools, err := c.ListPools(ctx)
+	if err != nil || len(pools) == 0 {
+		t.Fatalf("pools after restarts: %v %+v", err, pools)
+	}
+	for _, pl := range pools {
+		if err := c.DeletePool(ctx, pl.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p.kill9()
+	p = startServer(t, bin, data, addr, "--pool-default", "0")
 	p.kill9()
 	if leaks := hostLeaks(data); len(leaks) > 0 {
 		t.Fatalf("leaked: %v", leaks)

@@ -65,6 +65,9 @@ func setup(t *testing.T) *env {
 			return
 		}
 		s, err := server.New(context.Background(), server.Config{DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: agent, JailBinary: testenv.JailBinary(t), APIKeyOut: os.Stderr, MaxFileBytes: maxFileBytes,
+			// As `space server` does: a pool of one for base:latest on
+			// auto, so the tests below exercise claims constantly.
+			PoolDefault: 1,
 			Network: server.NetworkOptions{
 				AllowPrivate:  []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")},
 				DNSUpstream:   fi.dns.Addr,
@@ -106,6 +109,11 @@ func TestMain(m *testing.M) {
 			if op, err := shared.client.DeleteSandbox(ctx, sb.ID, true); err == nil {
 				shared.client.WaitOperation(ctx, op.ID)
 			}
+		}
+		// Pool members go with their pools (Close waits for the drain).
+		pools, _ := shared.client.ListPools(ctx)
+		for _, p := range pools {
+			shared.client.DeletePool(ctx, p.ID)
 		}
 		cancel()
 		shared.srv.Close()

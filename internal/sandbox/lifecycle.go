@@ -327,7 +327,7 @@ func (m *Manager) ensureRunning(ctx context.Context, id string) (*entry, *agentC
 	}
 	deadline := time.Now().Add(60 * time.Second)
 	for {
-		sb, err := m.cfg.DB.GetSandbox(ctx, id)
+		sb, err := m.Get(ctx, id)
 		if err != nil {
 			return nil, nil, api.Sandbox{}, err
 		}

@@ -79,6 +79,9 @@ type Config struct {
 	// Broker hands the gateway each sandbox's brokered secrets; nil: the
 	// gateway cannot broker (placeholders pass unreplaced).
 	Broker Broker
+	// PoolMemFloor is the host MemAvailable (bytes) under which warm pools
+	// do not fill and shed idle members (default DefaultPoolMemFloor).
+	PoolMemFloor int64
 }
 
 // Manager owns every sandbox of this server.
@@ -112,6 +115,9 @@ type Manager struct {
 	netAuditMu   sync.Mutex
 	netFollowers map[string]*netFollower
 	netWG        sync.WaitGroup
+
+	pools    *pools        // warm pools (pool.go)
+	poolKick chan struct{} // wake the pool filler now
 }
 
 // closeGrace is how long Close lets running operations finish.
@@ -156,10 +162,15 @@ func New(cfg Config) *Manager {
 	if cfg.BaseTemplateRef == "" {
 		cfg.BaseTemplateRef = "base:latest"
 	}
+	if cfg.PoolMemFloor == 0 {
+		cfg.PoolMemFloor = DefaultPoolMemFloor
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	opCtx, opCancel := context.WithCancel(context.Background())
-	return &Manager{netKick: make(chan struct{}, 1), cfg: cfg, log: cfg.Logger, obs: cfg.Observer, entries: map[string]*entry{}, opDone: map[string]chan struct{}{},
-		ctx: ctx, cancel: cancel, opCtx: opCtx, opCancel: opCancel}
+	m := &Manager{netKick: make(chan struct{}, 1), cfg: cfg, log: cfg.Logger, obs: cfg.Observer, entries: map[string]*entry{}, opDone: map[string]chan struct{}{},
+		ctx: ctx, cancel: cancel, opCtx: opCtx, opCancel: opCancel, poolKick: make(chan struct{}, 1)}
+	m.pools = newPools(m)
+	return m
 }
 
 // Close stops background work and waits for running operations to notice.
@@ -293,6 +304,9 @@ func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api
 		if err := m.cfg.Tenants.UseTemplate(ctx, req.Template); err != nil {
 			return api.Sandbox{}, api.Operation{}, err
 		}
+	}
+	if sb, op, handled, err := m.claim(ctx, req, rt, caps, lim, tenant); handled {
+		return sb, op, err
 	}
 	now := time.Now().UTC()
 	sb := api.Sandbox{
@@ -439,6 +453,10 @@ func (m *Manager) Get(ctx context.Context, id string) (api.Sandbox, error) {
 	if err != nil {
 		return sb, err
 	}
+	if isPoolMember(sb) {
+		// An unclaimed pool member is nobody's: as missing as any id.
+		return api.Sandbox{}, fmt.Errorf("sandbox %s not found: %w", id, errdefs.ErrNotFound)
+	}
 	m.withActivity(&sb)
 	return sb, nil
 }
@@ -457,17 +475,16 @@ func (m *Manager) List(ctx context.Context, state string, labels map[string]stri
 	if err != nil {
 		return nil, err
 	}
-	// A caller sees its own tenant's sandboxes (admin: all).
-	if p, ok := principal.From(ctx); ok && !p.Admin() {
-		mine := sbs[:0]
-		for _, sb := range sbs {
-			if p.Sees(sb.Tenant) {
-				mine = append(mine, sb)
-			}
+	// A caller sees its own tenant's sandboxes (admin: all), and nobody
+	// sees unclaimed pool members.
+	p, ok := principal.From(ctx)
+	mine := sbs[:0]
+	for _, sb := range sbs {
+		if !isPoolMember(sb) && (!ok || p.Admin() || p.Sees(sb.Tenant)) {
+			mine = append(mine, sb)
 		}
-		sbs = mine
 	}
-	return sbs, nil
+	return mine, nil
 }
 
 // GetOperation returns an operation, waiting up to wait for it to finish.
@@ -673,7 +690,9 @@ func (m *Manager) bootWith(ctx context.Context, p *phases, e *entry, inst runtim
 	if err != nil {
 		return err
 	}
-	if start == nil || isBuildStep(sb) {
+	// A pool member runs its start command when claimed, with the
+	// claimer's env.
+	if start == nil || isBuildStep(sb) || isPoolMember(sb) {
 		return nil
 	}
 	e.cmu.RLock()

@@ -223,7 +223,7 @@ func (m *Manager) SetNetwork(ctx context.Context, id string, p api.NetworkPolicy
 	if err := m.checkPolicySecrets(ctx, id, p); err != nil {
 		return api.Sandbox{}, err
 	}
-	if _, err := m.cfg.DB.GetSandbox(ctx, id); err != nil {
+	if _, err := m.Get(ctx, id); err != nil {
 		return api.Sandbox{}, err
 	}
 	// Under the sandbox's lock, so a start in flight attaches either the

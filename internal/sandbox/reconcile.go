@@ -17,6 +17,9 @@ import (
 // operations are finished or failed, and every host resource that no record
 // owns is swept. It is safe to run at any time.
 func (m *Manager) Reconcile(ctx context.Context) error {
+	if err := m.pools.load(ctx); err != nil {
+		return err
+	}
 	sbs, err := m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{})
 	if err != nil {
 		return err
@@ -43,6 +46,10 @@ func (m *Manager) Reconcile(ctx context.Context) error {
 		m.putOp(op)
 	}
 	for _, sb := range sbs {
+		if isPoolMember(sb) {
+			m.pools.reconcileMember(ctx, sb)
+			continue
+		}
 		m.reconcileOne(ctx, sb, redrive)
 	}
 	m.sweep(ctx)
@@ -175,6 +182,7 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 // network links a restarted gateway lost, and re-sweeps host resources
 // periodically, until the manager is closed.
 func (m *Manager) Run() {
+	m.pools.run()
 	m.wg.Add(1)
 	go func() {
 		defer m.wg.Done()

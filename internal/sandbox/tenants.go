@@ -65,7 +65,7 @@ func (m *Manager) Usage(ctx context.Context, tenant string) (api.Usage, error) {
 	}
 	var mine []api.Sandbox
 	for _, sb := range sbs {
-		if TenantOf(sb) == tenant {
+		if TenantOf(sb) == tenant && !isPoolMember(sb) {
 			mine = append(mine, sb)
 		}
 	}

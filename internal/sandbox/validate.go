@@ -177,6 +177,9 @@ func validateCreate(req *api.CreateSandboxRequest) (api.Limits, error) {
 		if !labelKeyRE.MatchString(k) {
 			return lim, invalid("label key %q must match %s", truncate(k, 64), labelKeyRE)
 		}
+		if k == PoolLabel {
+			return lim, invalid("label %s is reserved for the server's warm pools", PoolLabel)
+		}
 		if len(v) > maxLabelLen || strings.IndexByte(v, 0) >= 0 || !utf8.ValidString(v) {
 			return lim, invalid("label %s has an invalid value (max %d bytes of UTF-8, no NUL)", k, maxLabelLen)
 		}

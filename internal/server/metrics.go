@@ -19,6 +19,8 @@ type metrics struct {
 	opDone   *prometheus.HistogramVec
 	execs    *prometheus.CounterVec
 	httpReqs *prometheus.CounterVec
+	poolUse  *prometheus.CounterVec
+	refill   *prometheus.HistogramVec
 }
 
 var _ sandbox.Observer = (*metrics)(nil)
@@ -72,7 +74,13 @@ func newMetrics(db *store.DB) *metrics {
 	m.httpReqs = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "space_http_requests_total", Help: "API requests by method and status code.",
 	}, []string{"method", "code"})
-	m.reg.MustRegister(m.opPhase, m.opDone, m.execs, m.httpReqs, &sandboxCollector{db: db},
+	m.poolUse = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "space_pool_claims_total", Help: "Creates that matched a warm pool, by pool and result (hit, miss).",
+	}, []string{"pool", "result"})
+	m.refill = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "space_pool_refill_seconds", Help: "Time to make one warm pool member.", Buckets: buckets,
+	}, []string{"pool"})
+	m.reg.MustRegister(m.opPhase, m.opDone, m.execs, m.httpReqs, m.poolUse, m.refill, &sandboxCollector{db: db},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -84,6 +92,32 @@ func (m *metrics) OperationDone(kind, state string, d time.Duration) {
 	m.opDone.WithLabelValues(kind, state).Observe(d.Seconds())
 }
 func (m *metrics) Exec(kind string) { m.execs.WithLabelValues(kind).Inc() }
+
+var _ sandbox.PoolObserver = (*metrics)(nil)
+
+func (m *metrics) PoolClaim(pool string, hit bool) {
+	r := "miss"
+	if hit {
+		r = "hit"
+	}
+	m.poolUse.WithLabelValues(pool, r).Inc()
+}
+func (m *metrics) PoolRefill(pool string, d time.Duration) {
+	m.refill.WithLabelValues(pool).Observe(d.Seconds())
+}
+
+// poolCollector reports each warm pool's ready members at scrape time.
+type poolCollector struct{ mgr *sandbox.Manager }
+
+var poolReadyDesc = prometheus.NewDesc("space_pool_ready", "Ready members of each warm pool.", []string{"pool", "runtime"}, nil)
+
+func (c *poolCollector) Describe(ch chan<- *prometheus.Desc) { ch <- poolReadyDesc }
+
+func (c *poolCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, p := range c.mgr.Pools(context.Background()) {
+		ch <- prometheus.MustNewConstMetric(poolReadyDesc, prometheus.GaugeValue, float64(p.Ready), p.ID, p.Runtime)
+	}
+}
 
 // sandboxCollector counts sandboxes by state and runtime from the store at
 // scrape time, so the gauge can never drift from the truth.
@@ -102,6 +136,9 @@ func (c *sandboxCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	counts := map[[2]string]int{}
 	for _, s := range sbs {
+		if s.Labels[sandbox.PoolLabel] != "" {
+			continue // warm pool members are nobody's sandboxes (space_pool_ready)
+		}
 		counts[[2]string{s.State, s.Runtime}]++
 	}
 	for k, n := range counts {

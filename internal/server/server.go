@@ -83,6 +83,13 @@ type Config struct {
 	ApprovalTimeout time.Duration
 	// Audit configures the tamper-evident audit log (retention, checkpoints).
 	Audit AuditOptions
+	// PoolDefault is how many sandboxes of the base template on the auto
+	// runtime with the default limits a warm pool keeps ready (0: no such
+	// pool; `space server` defaults to 1).
+	PoolDefault int
+	// PoolMemFloor is the host MemAvailable (bytes) under which warm pools
+	// stop filling and shed idle members (0: 1 GiB).
+	PoolMemFloor int64
 }
 
 // Server is a running space server (store, manager, HTTP handler).
@@ -290,7 +297,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	// The manager records into the log itself: it resumes its network
 	// followers from the log's cursor.
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: rts, Logger: cfg.Logger, Observer: met, Secrets: sec, Broker: broker,
-		Network: netw, DefaultNetwork: nopts.Default, Tenants: tenants, Decider: eng, Audit: alog})
+		Network: netw, DefaultNetwork: nopts.Default, Tenants: tenants, Decider: eng, Audit: alog, PoolMemFloor: cfg.PoolMemFloor})
+	met.reg.MustRegister(&poolCollector{mgr: mgr})
 	if r, ok := netw.(interface{ OnRestart(func()) }); ok {
 		r.OnRestart(mgr.NetworkRestarted)
 	}
@@ -310,6 +318,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		cfg.Logger.Warn("deleting leftover build sandboxes", "err", err)
 	} else if n > 0 {
 		cfg.Logger.Info("deleted leftover build sandboxes", "count", n)
+	}
+	if err := mgr.EnsureDefaultPool(ctx, cfg.PoolDefault); err != nil {
+		cfg.Logger.Warn("the default warm pool could not be set", "err", err)
 	}
 	mgr.Run()
 	tsvc := templatesvc.New(templatesvc.Config{Templates: tmpl, Runtimes: rts, Sandboxes: mgr, Logger: cfg.Logger,
@@ -581,6 +592,10 @@ func (s *Server) routeTable() []route {
 		{pattern: "GET /v1/keys", scope: "admin", handler: h(s.listKeys)},
 		{pattern: "DELETE /v1/keys/{keyid}", scope: "admin", handler: h(s.revokeKey)},
 		{pattern: "GET /v1/tenants", scope: "admin", handler: h(s.listTenants)},
+		{pattern: "GET /v1/pools", scope: "admin", handler: h(s.listPools)},
+		{pattern: "PUT /v1/pools", scope: "admin", handler: h(s.putPool)},
+		{pattern: "GET /v1/pools/{id}", scope: "admin", handler: h(s.getPool)},
+		{pattern: "DELETE /v1/pools/{id}", scope: "admin", handler: h(s.deletePool)},
 		{pattern: "GET /v1/tenants/{name}", handler: h(s.getTenant)},
 		{pattern: "PUT /v1/tenants/{name}", scope: "admin", handler: h(s.putTenant)},
 		{pattern: "GET /v1/audit", scope: "audit:read", handler: h(s.listAudit)},

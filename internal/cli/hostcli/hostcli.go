@@ -162,6 +162,8 @@ func newServerCmd(e cli.Env) *cobra.Command {
 	cmd.Flags().Int64Var(&cfg.Audit.RetainRecords, "audit-retain-records", 0, "keep about this many audit records, at least (cut at a signed checkpoint; default keep all)")
 	cmd.Flags().IntVar(&cfg.Audit.CheckpointEvery, "audit-checkpoint-every", 1000, "sign an audit checkpoint after this many records")
 	cmd.Flags().DurationVar(&cfg.Audit.CheckpointInterval, "audit-checkpoint-interval", time.Minute, "sign an audit checkpoint after this long when there are new records")
+	cmd.Flags().IntVar(&cfg.PoolDefault, "pool-default", 1, "warm pool size for base:latest on the auto runtime with the default limits (0 disables)")
+	cmd.Flags().Int64Var(&cfg.PoolMemFloor, "pool-mem-floor", 1<<30, "host MemAvailable in bytes under which warm pools stop filling and shed idle members")
 	nf.register(cmd)
 	return cmd
 }

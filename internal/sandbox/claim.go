@@ -1,0 +1,170 @@
+package sandbox
+
+import (
+	"context"
+	"fmt"
+	"reflect"
+	"time"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/runtime"
+)
+
+// claim tries to serve create request req (validated; runtime rt picked;
+// limits lim resolved) from a warm pool. handled false: no pool matched or
+// it had no member (a miss, counted) — the caller creates as usual. A
+// member whose record became the caller's is the caller's sandbox; its id
+// is the member's, drawn by the same generator and never shown before.
+func (m *Manager) claim(ctx context.Context, req api.CreateSandboxRequest, rt runtime.Runtime, caps runtime.Capabilities, lim api.Limits, tenant string) (sb api.Sandbox, op api.Operation, handled bool, err error) {
+	// Secrets and header rules need placeholders, a CA and a broker
+	// config at create: such a create is served cold (DECISIONS.md).
+	if len(req.Secrets) > 0 || (req.Network != nil && len(req.Network.Rules) > 0) || req.Labels[BuildLabel] != "" {
+		return sb, op, false, nil
+	}
+	tmpl, err := m.cfg.Templates.Get(ctx, req.Template)
+	if err != nil {
+		return sb, op, false, nil // the normal path reports it
+	}
+	p := m.pools.match(tmpl.Digest, rt.Name(), lim)
+	if p == nil {
+		return sb, op, false, nil
+	}
+	mb, ok := m.pools.take(p)
+	if !ok {
+		m.pools.count(p, false)
+		return sb, op, false, nil
+	}
+	now := time.Now().UTC()
+	sb = api.Sandbox{
+		ID: mb.id, Tenant: tenant, State: api.StateCreating, Runtime: rt.Name(), Isolation: caps.Isolation,
+		Template: req.Template, TemplateDigest: tmpl.Digest, Limits: lim, Env: req.Env, Workdir: req.Workdir, User: req.User, Labels: req.Labels,
+		TTLSeconds: req.TTLSeconds, OnExpiry: req.OnExpiry, AllPortsPublic: req.AllPortsPublic, Idle: req.Idle, Network: req.Network,
+		CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
+	}
+	if req.TTLSeconds > 0 {
+		exp := now.Add(time.Duration(req.TTLSeconds) * time.Second)
+		sb.ExpiresAt = &exp
+	}
+	giveBack := func() { m.pools.giveBack(p, mb) }
+	if err := applyTemplateDefaults(&sb, tmpl.Config); err != nil {
+		giveBack()
+		return sb, op, false, nil // the normal create fails the same way, on its record
+	}
+	if sb.Network == nil {
+		pol := ClonePolicy(m.cfg.DefaultNetwork)
+		sb.Network = &pol
+	}
+	if len(sb.Network.Rules) > 0 {
+		giveBack()
+		return sb, op, false, nil
+	}
+	if err := m.bound(ctx, TenantOf(sb), *sb.Network); err != nil {
+		giveBack()
+		return sb, op, false, nil
+	}
+	op = newOperation(api.OpCreate, sb.ID)
+	sb.OperationID = op.ID
+	if err := m.admitAndPut(ctx, tenant, func() error { return m.cfg.DB.PutSandbox(ctx, sb) }, sb.Limits); err != nil {
+		giveBack()
+		return api.Sandbox{}, api.Operation{}, true, err
+	}
+	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
+		return api.Sandbox{}, api.Operation{}, true, err
+	}
+	m.pools.count(p, true)
+	m.noteCaller(ctx, op.ID, sb.Tenant)
+	start := tmpl.Config.Start
+	m.start(op, func(ctx context.Context, ph *phases) error { return m.doClaim(ctx, ph, sb.ID, mb, start) })
+	return sb, op, true, nil
+}
+
+// doClaim personalises claimed member mb, whose record is now the
+// caller's: resume, health, the caller's network policy, a fresh entropy
+// seed and clock, then the template's start command with the caller's
+// env. A member that fails before anything of the caller's ran in it is
+// destroyed and the sandbox created cold under the same id.
+func (m *Manager) doClaim(ctx context.Context, p *phases, id string, mb member, start *api.StartCommand) error {
+	e := m.entry(id)
+	sb, err := m.cfg.DB.GetSandbox(ctx, id)
+	if err != nil {
+		return err
+	}
+	e.cmu.RLock()
+	inst := e.inst
+	e.cmu.RUnlock()
+	err = p.run("claim_pool", func() error {
+		if inst == nil || !inst.Alive() {
+			return fmt.Errorf("pool member %s is not running", id)
+		}
+		if mb.paused {
+			pz, ok := inst.(runtime.Pauser)
+			if !ok {
+				return fmt.Errorf("pool member %s is paused on a runtime without pause", id)
+			}
+			if err := pz.Resume(ctx); err != nil {
+				return err
+			}
+			if err := m.connect(ctx, e, inst); err != nil {
+				return err
+			}
+		}
+		e.cmu.RLock()
+		c := e.client
+		e.cmu.RUnlock()
+		if c == nil {
+			return fmt.Errorf("pool member %s has no agent connection", id)
+		}
+		if m.cfg.Network != nil && !reflect.DeepEqual(policyOf(sb), ClonePolicy(m.cfg.DefaultNetwork)) {
+			if _, ok := inst.(runtime.NICProvider); ok {
+				if err := m.cfg.Network.SetPolicy(ctx, id, ClonePolicy(policyOf(sb))); err != nil {
+					return fmt.Errorf("applying the sandbox's network policy: %w", err)
+				}
+			}
+		}
+		// Its own entropy and the clock, as a fork child gets (the
+		// hostname is its id already: rewriting /etc/hostname would cost
+		// a synced write). The answer is the member's health check.
+		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		return m.reseed(rctx, e, "")
+	})
+	if err != nil {
+		m.log.Warn("claimed pool member failed; creating the sandbox cold", "sandbox", id, "err", err)
+		m.pools.recount(sb)
+		e.expectExit.Store(true)
+		m.dropClient(e)
+		if inst != nil {
+			m.destroyInstance(context.Background(), inst, "failed pool claim")
+		}
+		e.cmu.Lock()
+		e.inst = nil
+		e.cmu.Unlock()
+		return m.doCreate(ctx, p, id)
+	}
+	if start != nil {
+		e.cmu.RLock()
+		c := e.client
+		e.cmu.RUnlock()
+		if err := m.startFromTemplate(ctx, p, c, sb, start); err != nil {
+			m.dropClient(e)
+			e.expectExit.Store(true)
+			m.destroyInstance(context.Background(), inst, "failed create")
+			m.setState(id, api.StateError, err.Error(), "")
+			return err
+		}
+	}
+	e.lastActive.Store(time.Now().UnixNano())
+	_, err = m.setState(id, api.StateRunning, "", "")
+	return err
+}
+
+// recount turns the hit counted for a claim whose member failed into a
+// miss.
+func (ps *pools) recount(sb api.Sandbox) {
+	if p := ps.match(sb.TemplateDigest, sb.Runtime, sb.Limits); p != nil {
+		ps.mu.Lock()
+		p.hits--
+		ps.mu.Unlock()
+		ps.count(p, false)
+	}
+}

@@ -1,0 +1,729 @@
+package sandbox
+
+// Warm pools (issue 14): per (template, runtime, limits) a set of sandboxes
+// made ahead of demand by the normal create path (no tenant, no labels, no
+// env, the server's default network policy, the template's start command
+// not run), waiting with their agent up. A create that matches a pool
+// claims a member and personalises it (claim.go); a miss falls back to the
+// normal create. Members are sandbox records marked with PoolLabel: no
+// answer, list, quota or policy ever sees them (isPoolMember).
+
+import (
+	"bufio"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/store"
+)
+
+// PoolLabel marks the record of a pool member; its value is the pool's id.
+// It never reaches an answer: members are hidden, and a claim replaces the
+// labels with the caller's. Requests may not set it.
+const PoolLabel = "space.pool"
+
+// Pool bounds.
+const (
+	maxPoolSize = 64
+	// poolShrinkAfter without a miss lowers a raised target by one.
+	poolShrinkAfter = time.Minute
+	// DefaultPoolMemFloor is the host MemAvailable under which pools do
+	// not fill and shed idle members.
+	DefaultPoolMemFloor = 1 << 30
+)
+
+// PoolObserver is the optional part of an Observer that measures pools.
+type PoolObserver interface {
+	PoolClaim(pool string, hit bool)
+	PoolRefill(pool string, d time.Duration)
+}
+
+// poolIdleMode is how members of each runtime wait: paused where that buys
+// the claim latency per MiB held (docs/BENCHMARKS.md, "Warm pools").
+var poolIdleMode = map[string]string{}
+
+func idleModeFor(rtName string, rt runtime.Runtime) string {
+	if m := poolIdleMode[rtName]; m != "" {
+		return m
+	}
+	return api.PoolIdleRunning
+}
+
+// member is one ready pool member.
+type member struct {
+	id     string
+	digest string
+	paused bool
+}
+
+// pool is one warm pool's in-memory state; pools.mu guards every field.
+type pool struct {
+	id      string
+	spec    api.PoolSpec // normalised: runtime "auto" or a name, limits resolved
+	runtime string       // resolved runtime name
+	idle    string
+
+	digest     string
+	ready      []member // oldest first
+	filling    int
+	target     int
+	hits       int64
+	misses     int64
+	lastRefill time.Duration
+	lastErr    string
+	lastMiss   time.Time
+	lastShrink time.Time
+	deleted    bool
+}
+
+// pools is the manager's set of warm pools.
+type pools struct {
+	m *Manager
+
+	mu   sync.Mutex
+	byID map[string]*pool
+	// fillSem bounds fills server-wide: one at a time, so refilling never
+	// takes more than one core's worth of runtime work from API calls.
+	fillSem chan struct{}
+	// memAvailable reads the host's MemAvailable (tests replace it).
+	memAvailable func() (int64, error)
+}
+
+func newPools(m *Manager) *pools {
+	return &pools{m: m, byID: map[string]*pool{}, fillSem: make(chan struct{}, 1), memAvailable: hostMemAvailable}
+}
+
+var poolSchema = []string{`
+CREATE TABLE pool_pools (
+	id   TEXT PRIMARY KEY,
+	data TEXT NOT NULL -- api.PoolSpec JSON
+) STRICT;
+`}
+
+// isPoolMember says whether sb is an unclaimed pool member.
+func isPoolMember(sb api.Sandbox) bool { return sb.Labels[PoolLabel] != "" }
+
+// PoolID is the deterministic id of the pool with spec s (normalised).
+func PoolID(s api.PoolSpec) string {
+	// The idle mode is how members wait, not what they are: not in the key.
+	key, _ := json.Marshal(struct {
+		T, R string
+		L    api.Limits
+	}{s.Template, s.Runtime, s.Limits})
+	h := sha256.Sum256(key)
+	return "pool-" + hex.EncodeToString(h[:6])
+}
+
+// normalisePool checks s and fills its defaults; errors name the field.
+func (m *Manager) normalisePool(ctx context.Context, s api.PoolSpec, checkTemplate bool) (api.PoolSpec, runtime.Runtime, error) {
+	if s.Template == "" {
+		return s, nil, invalid("template is required")
+	}
+	if err := validateTemplateRef(s.Template); err != nil {
+		return s, nil, err
+	}
+	if s.Min < 0 || s.Max < 0 {
+		return s, nil, invalid("min and max must not be negative, got min %d max %d", s.Min, s.Max)
+	}
+	if s.Min > s.Max {
+		return s, nil, invalid("min (%d) must not exceed max (%d)", s.Min, s.Max)
+	}
+	if s.Max > maxPoolSize {
+		return s, nil, invalid("max must be at most %d, got %d", maxPoolSize, s.Max)
+	}
+	lim, err := resolveLimits(s.Limits)
+	if err != nil {
+		return s, nil, err
+	}
+	s.Limits = lim
+	if s.Runtime == "" {
+		s.Runtime = runtime.Auto
+	}
+	rt, caps, err := m.pickRuntime(ctx, s.Runtime)
+	if err != nil {
+		return s, nil, err
+	}
+	switch s.IdleMode {
+	case "", api.PoolIdleRunning:
+	case api.PoolIdlePaused:
+		if !caps.Verbs[api.OpPause] {
+			return s, nil, runtime.NotSupported(rt.Name(), api.OpPause, caps.VerbReasons[api.OpPause])
+		}
+	default:
+		return s, nil, invalid("idle_mode must be running or paused, got %q", truncate(s.IdleMode, 32))
+	}
+	if checkTemplate {
+		if _, err := m.cfg.Templates.Get(ctx, s.Template); err != nil {
+			return s, nil, fmt.Errorf("template %q: %w", truncate(s.Template, 128), err)
+		}
+	}
+	return s, rt, nil
+}
+
+// validateTemplateRef checks a template reference's syntax.
+func validateTemplateRef(ref string) error {
+	if len(ref) > 256 || strings.ContainsAny(ref, " \t\r\n\x00/\\") {
+		return invalid("template %q is not a template reference (name[:tag] or sha256:…)", truncate(ref, 64))
+	}
+	return nil
+}
+
+// loadPools reads the persisted pools (at Reconcile).
+func (ps *pools) load(ctx context.Context) error {
+	db := ps.m.cfg.DB.SQL()
+	if err := store.MigrateTables(ctx, db, "pool", poolSchema); err != nil {
+		return fmt.Errorf("pool tables: %w", err)
+	}
+	rows, err := db.QueryContext(ctx, `SELECT id, data FROM pool_pools`)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	for rows.Next() {
+		var id, data string
+		if err := rows.Scan(&id, &data); err != nil {
+			return err
+		}
+		var s api.PoolSpec
+		if err := json.Unmarshal([]byte(data), &s); err != nil {
+			return fmt.Errorf("pool %s: %w", id, err)
+		}
+		if ps.byID[id] == nil {
+			ps.byID[id] = ps.newPool(ctx, id, s)
+		}
+	}
+	return rows.Err()
+}
+
+func (ps *pools) newPool(ctx context.Context, id string, s api.PoolSpec) *pool {
+	p := &pool{id: id, spec: s, target: s.Min, lastShrink: time.Now()}
+	ps.resolveRuntime(ctx, p)
+	return p
+}
+
+// resolveRuntime fills p.runtime and p.idle (the caller holds ps.mu or
+// owns p).
+func (ps *pools) resolveRuntime(ctx context.Context, p *pool) {
+	rt, _, err := ps.m.pickRuntime(ctx, p.spec.Runtime)
+	if err != nil {
+		p.runtime, p.lastErr = "", err.Error()
+		return
+	}
+	p.runtime = rt.Name()
+	p.idle = idleModeFor(rt.Name(), rt)
+	if p.spec.IdleMode != "" {
+		p.idle = p.spec.IdleMode
+	}
+}
+
+// SetPool creates or updates the pool of spec s (keyed by template,
+// runtime and limits).
+func (m *Manager) SetPool(ctx context.Context, s api.PoolSpec) (api.Pool, error) {
+	s, _, err := m.normalisePool(ctx, s, true)
+	if err != nil {
+		return api.Pool{}, err
+	}
+	return m.putPool(ctx, s)
+}
+
+func (m *Manager) putPool(ctx context.Context, s api.PoolSpec) (api.Pool, error) {
+	id := PoolID(s)
+	data, err := json.Marshal(s)
+	if err != nil {
+		return api.Pool{}, err
+	}
+	if _, err := m.cfg.DB.SQL().ExecContext(ctx, `INSERT INTO pool_pools (id, data) VALUES (?, ?)
+ON CONFLICT (id) DO UPDATE SET data = excluded.data`, id, string(data)); err != nil {
+		return api.Pool{}, fmt.Errorf("storing pool %s: %w", id, err)
+	}
+	ps := m.pools
+	ps.mu.Lock()
+	p := ps.byID[id]
+	if p == nil {
+		p = ps.newPool(ctx, id, s)
+		ps.byID[id] = p
+	} else {
+		p.spec = s
+		p.target = min(max(p.target, s.Min), s.Max)
+		ps.resolveRuntime(ctx, p)
+	}
+	out := ps.view(p)
+	ps.mu.Unlock()
+	ps.kick()
+	return out, nil
+}
+
+// EnsureDefaultPool keeps n sandboxes of the base template on the auto
+// runtime with the default limits ready (n = 0 removes that pool). The base
+// template need not exist yet: the pool fills once it does.
+func (m *Manager) EnsureDefaultPool(ctx context.Context, n int) error {
+	s, _, err := m.normalisePool(ctx, api.PoolSpec{Template: m.cfg.BaseTemplateRef, Runtime: runtime.Auto, Min: n, Max: max(n, 4*n)}, false)
+	if err != nil {
+		if n == 0 {
+			return nil
+		}
+		return err
+	}
+	if n == 0 {
+		err := m.DeletePool(ctx, PoolID(s))
+		if errors.Is(err, errdefs.ErrNotFound) {
+			return nil
+		}
+		return err
+	}
+	m.pools.mu.Lock()
+	_, exists := m.pools.byID[PoolID(s)]
+	m.pools.mu.Unlock()
+	if exists {
+		return nil // the operator's min and max stand
+	}
+	_, err = m.putPool(ctx, s)
+	return err
+}
+
+// Pools lists every pool.
+func (m *Manager) Pools(ctx context.Context) []api.Pool {
+	ps := m.pools
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	out := make([]api.Pool, 0, len(ps.byID))
+	for _, p := range ps.byID {
+		out = append(out, ps.view(p))
+	}
+	slices.SortFunc(out, func(a, b api.Pool) int { return strings.Compare(a.ID, b.ID) })
+	return out
+}
+
+// GetPool returns pool id.
+func (m *Manager) GetPool(ctx context.Context, id string) (api.Pool, error) {
+	ps := m.pools
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	p := ps.byID[id]
+	if p == nil {
+		return api.Pool{}, fmt.Errorf("pool %s not found: %w", truncate(id, 64), errdefs.ErrNotFound)
+	}
+	return ps.view(p), nil
+}
+
+// DeletePool removes pool id and destroys its members.
+func (m *Manager) DeletePool(ctx context.Context, id string) error {
+	ps := m.pools
+	ps.mu.Lock()
+	p := ps.byID[id]
+	if p == nil {
+		ps.mu.Unlock()
+		return fmt.Errorf("pool %s not found: %w", truncate(id, 64), errdefs.ErrNotFound)
+	}
+	if _, err := m.cfg.DB.SQL().ExecContext(ctx, `DELETE FROM pool_pools WHERE id = ?`, id); err != nil {
+		ps.mu.Unlock()
+		return err
+	}
+	delete(ps.byID, id)
+	p.deleted = true
+	drain := p.ready
+	p.ready = nil
+	ps.mu.Unlock()
+	for _, mb := range drain {
+		ps.destroyAsync(mb.id, "pool deleted")
+	}
+	return nil
+}
+
+// view is p's public answer; the caller holds ps.mu.
+func (ps *pools) view(p *pool) api.Pool {
+	return api.Pool{ID: p.id, Spec: p.spec, TemplateDigest: p.digest, Runtime: p.runtime, IdleMode: p.idle,
+		Ready: len(p.ready), Filling: p.filling, Target: p.target, Hits: p.hits, Misses: p.misses,
+		LastRefillMS: float64(p.lastRefill.Microseconds()) / 1000, LastError: p.lastErr}
+}
+
+// match returns the pool whose members are digest on runtime rt with
+// limits lim, if any.
+func (ps *pools) match(digest, rt string, lim api.Limits) *pool {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	for _, p := range ps.byID {
+		if p.digest == digest && p.runtime == rt && p.spec.Limits == lim && p.spec.Max > 0 {
+			return p
+		}
+	}
+	return nil
+}
+
+// take removes and returns a ready member of p (the oldest), or false:
+// a miss, which raises the target. Under ps.mu, so no two claims ever get
+// the same member.
+func (ps *pools) take(p *pool) (member, bool) {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	for len(p.ready) > 0 {
+		mb := p.ready[0]
+		p.ready = p.ready[1:]
+		if mb.digest == p.digest {
+			return mb, true
+		}
+		ps.destroyAsync(mb.id, "template changed")
+	}
+	return member{}, false
+}
+
+// count records a claim's outcome.
+func (ps *pools) count(p *pool, hit bool) {
+	ps.mu.Lock()
+	if hit {
+		p.hits++
+	} else {
+		p.misses++
+		p.lastMiss = time.Now()
+		p.target = min(p.target+1, p.spec.Max)
+	}
+	ps.mu.Unlock()
+	if o, ok := ps.m.obs.(PoolObserver); ok {
+		o.PoolClaim(p.id, hit)
+	}
+	if !hit {
+		ps.kick()
+	}
+}
+
+// giveBack returns an untouched member to p (a claim that stopped before
+// writing the caller's record).
+func (ps *pools) giveBack(p *pool, mb member) {
+	ps.mu.Lock()
+	if !p.deleted {
+		p.ready = append([]member{mb}, p.ready...)
+		ps.mu.Unlock()
+		return
+	}
+	ps.mu.Unlock()
+	ps.destroyAsync(mb.id, "pool deleted")
+}
+
+// kick wakes the fill loop.
+func (ps *pools) kick() {
+	select {
+	case ps.m.poolKick <- struct{}{}:
+	default:
+	}
+}
+
+// run keeps every pool at its target until the manager closes.
+func (ps *pools) run() {
+	m := ps.m
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		tick := time.NewTicker(time.Second)
+		defer tick.Stop()
+		for {
+			ps.round(m.ctx)
+			select {
+			case <-m.ctx.Done():
+				return
+			case <-tick.C:
+			case <-m.poolKick:
+			}
+		}
+	}()
+}
+
+// round brings each pool one step toward its target.
+func (ps *pools) round(ctx context.Context) {
+	m := ps.m
+	ps.mu.Lock()
+	list := make([]*pool, 0, len(ps.byID))
+	for _, p := range ps.byID {
+		list = append(list, p)
+	}
+	ps.mu.Unlock()
+	avail, memErr := ps.memAvailable()
+	low := memErr == nil && avail < m.cfg.PoolMemFloor
+	if low {
+		ps.shedNewest("host memory under the pool floor")
+	}
+	for _, p := range list {
+		digest := ""
+		if t, err := m.cfg.Templates.Get(ctx, p.spec.Template); err == nil {
+			digest = t.Digest
+		} else if ctx.Err() != nil {
+			return
+		}
+		var drop []string
+		ps.mu.Lock()
+		if p.deleted {
+			ps.mu.Unlock()
+			continue
+		}
+		if p.runtime == "" {
+			ps.resolveRuntime(ctx, p)
+		}
+		p.digest = digest
+		if digest == "" {
+			p.lastErr = fmt.Sprintf("template %s does not resolve; the pool fills once it does", p.spec.Template)
+		}
+		// Members of another digest (a moved or removed tag) go.
+		keep := p.ready[:0]
+		for _, mb := range p.ready {
+			if mb.digest == digest && ps.alive(mb.id) {
+				keep = append(keep, mb)
+			} else {
+				drop = append(drop, mb.id)
+			}
+		}
+		p.ready = keep
+		if p.target > p.spec.Min && time.Since(p.lastMiss) > poolShrinkAfter && time.Since(p.lastShrink) > poolShrinkAfter {
+			p.target--
+			p.lastShrink = time.Now()
+		}
+		p.target = max(min(p.target, p.spec.Max), p.spec.Min)
+		for len(p.ready) > p.target {
+			last := p.ready[len(p.ready)-1]
+			p.ready = p.ready[:len(p.ready)-1]
+			drop = append(drop, last.id)
+		}
+		need := digest != "" && p.runtime != "" && !low && p.filling == 0 && len(p.ready) < p.target
+		if need {
+			select {
+			case ps.fillSem <- struct{}{}:
+				p.filling++
+			default:
+				need = false
+			}
+		}
+		rt, idle := p.runtime, p.idle
+		ps.mu.Unlock()
+		for _, id := range drop {
+			ps.destroyAsync(id, "pool member no longer wanted")
+		}
+		if need {
+			m.opWG.Add(1)
+			go func() {
+				defer m.opWG.Done()
+				defer func() { <-ps.fillSem }()
+				ps.fill(p, digest, rt, idle)
+			}()
+		}
+	}
+}
+
+// alive says whether ready member id's instance still runs (the caller
+// holds ps.mu; no I/O beyond a pidfd check).
+func (ps *pools) alive(id string) bool {
+	e := ps.m.peek(id)
+	if e == nil {
+		return false
+	}
+	e.cmu.RLock()
+	inst := e.inst
+	e.cmu.RUnlock()
+	return inst != nil && inst.Alive()
+}
+
+// fill makes one member of p by the normal create path.
+func (ps *pools) fill(p *pool, digest, rtName, idle string) {
+	m := ps.m
+	ctx := m.opCtx
+	t0 := time.Now()
+	rt, ok := m.cfg.Runtimes[rtName]
+	var err error
+	id := newID("sb")
+	paused := false
+	if !ok {
+		err = fmt.Errorf("runtime %s is not registered", rtName)
+	} else {
+		now := time.Now().UTC()
+		sb := api.Sandbox{ID: id, State: api.StateCreating, Runtime: rtName, Isolation: rt.Probe(ctx).Isolation,
+			Template: digest, Limits: p.spec.Limits, Labels: map[string]string{PoolLabel: p.id},
+			CreatedAt: now, UpdatedAt: now, LastActiveAt: now}
+		if err = m.cfg.DB.PutSandbox(ctx, sb); err == nil {
+			e := m.entry(id)
+			e.mu.Lock()
+			err = m.doCreate(ctx, &phases{kind: "pool_fill", obs: nopObserver{}}, id)
+			if err == nil && idle == api.PoolIdlePaused {
+				paused, err = ps.pause(ctx, e, sb)
+			}
+			e.mu.Unlock()
+		}
+	}
+	d := time.Since(t0)
+	ps.mu.Lock()
+	p.filling--
+	if err != nil {
+		p.lastErr = "filling: " + err.Error()
+	} else {
+		p.lastErr = ""
+		p.lastRefill = d
+	}
+	keep := err == nil && !p.deleted && p.digest == digest
+	if keep {
+		p.ready = append(p.ready, member{id: id, digest: digest, paused: paused})
+	}
+	ps.mu.Unlock()
+	if err != nil {
+		m.log.Warn("filling a warm pool failed", "pool", p.id, "err", err)
+	}
+	if !keep && ok {
+		ps.destroy(id, "pool member not wanted after its fill")
+	}
+	if err == nil {
+		if o, ok := m.obs.(PoolObserver); ok {
+			o.PoolRefill(p.id, d)
+		}
+	}
+	ps.kick()
+}
+
+// pause freezes a fresh member (idle mode paused).
+func (ps *pools) pause(ctx context.Context, e *entry, sb api.Sandbox) (bool, error) {
+	e.cmu.RLock()
+	inst := e.inst
+	e.cmu.RUnlock()
+	pz, ok := inst.(runtime.Pauser)
+	if !ok {
+		return false, nil
+	}
+	ps.m.dropClient(e)
+	if err := pz.Pause(ctx); err != nil {
+		return false, err
+	}
+	_, err := ps.m.setState(sb.ID, api.StatePaused, "", "")
+	return true, err
+}
+
+// shedNewest destroys the newest ready member of any pool (memory floor).
+func (ps *pools) shedNewest(why string) {
+	ps.mu.Lock()
+	var (
+		victim *pool
+		newest = ""
+	)
+	for _, p := range ps.byID {
+		if n := len(p.ready); n > 0 && p.ready[n-1].id > newest {
+			// Ids are random: any member is as good; the newest of a
+			// pool is its last.
+			victim, newest = p, p.ready[n-1].id
+		}
+	}
+	if victim == nil {
+		ps.mu.Unlock()
+		return
+	}
+	victim.ready = victim.ready[:len(victim.ready)-1]
+	ps.mu.Unlock()
+	ps.m.log.Info("destroying a warm pool member", "pool", victim.id, "sandbox", newest, "why", why)
+	ps.destroyAsync(newest, why)
+}
+
+func (ps *pools) destroyAsync(id, why string) {
+	ps.m.opWG.Add(1)
+	go func() {
+		defer ps.m.opWG.Done()
+		ps.destroy(id, why)
+	}()
+}
+
+// destroy deletes member id: instance, host resources, record.
+func (ps *pools) destroy(id, why string) {
+	m := ps.m
+	e := m.entry(id)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := m.doDelete(ctx, &phases{kind: "pool_drain", obs: nopObserver{}}, id); err != nil {
+		m.log.Warn("destroying a warm pool member failed; the sweep retries", "sandbox", id, "why", why, "err", err)
+	}
+}
+
+// reconcileMember re-adopts a member found at start if its pool still
+// exists with the same digest and it answers; anything else is destroyed.
+func (ps *pools) reconcileMember(ctx context.Context, sb api.Sandbox) {
+	m := ps.m
+	pid := sb.Labels[PoolLabel]
+	ps.mu.Lock()
+	p := ps.byID[pid]
+	ps.mu.Unlock()
+	adopt := func() (bool, error) {
+		if p == nil {
+			return false, nil
+		}
+		t, err := m.cfg.Templates.Get(ctx, p.spec.Template)
+		if err != nil || t.Digest != sb.TemplateDigest || sb.Runtime != p.runtime || sb.Limits != p.spec.Limits {
+			return false, nil
+		}
+		if sb.State != api.StateRunning && sb.State != api.StatePaused {
+			return false, nil
+		}
+		e := m.entry(sb.ID)
+		inst, _, err := m.instance(ctx, e, sb)
+		if err != nil || !inst.Alive() {
+			return false, err
+		}
+		if sb.State == api.StateRunning {
+			if err := m.connect(ctx, e, inst); err != nil {
+				return false, err
+			}
+		}
+		m.watchExit(e, inst)
+		ps.mu.Lock()
+		p.digest = t.Digest
+		p.ready = append(p.ready, member{id: sb.ID, digest: t.Digest, paused: sb.State == api.StatePaused})
+		ps.mu.Unlock()
+		return true, nil
+	}
+	ok, err := adopt()
+	if ok {
+		m.log.Info("re-adopted warm pool member", "pool", pid, "sandbox", sb.ID)
+		return
+	}
+	m.log.Info("destroying a warm pool member left from before the restart", "pool", pid, "sandbox", sb.ID, "err", err)
+	ps.destroy(sb.ID, "reconcile")
+}
+
+// hostMemAvailable reads MemAvailable from /proc/meminfo, in bytes.
+func hostMemAvailable() (int64, error) {
+	f, err := os.Open("/proc/meminfo")
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), "MemAvailable:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
+			return kb << 10, err
+		}
+	}
+	return 0, errors.New("no MemAvailable in /proc/meminfo")
+}
+
+// PoolMembers lists the ids of pool id's ready members (benchmarks and
+// debugging measure their host processes; no API answer carries them).
+func (m *Manager) PoolMembers(id string) []string {
+	ps := m.pools
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	p := ps.byID[id]
+	if p == nil {
+		return nil
+	}
+	out := make([]string, 0, len(p.ready))
+	for _, mb := range p.ready {
+		out = append(out, mb.id)
+	}
+	return out
+}
