@@ -139,7 +139,7 @@ func (m *Manager) doClaim(ctx context.Context, p *phases, id string, mb member, 
 		e.cmu.Lock()
 		e.inst = nil
 		e.cmu.Unlock()
-		return m.doCreate(ctx, p, id)
+		return m.doCreate(ctx, p, id, false)
 	}
 	if start != nil {
 		e.cmu.RLock()

@@ -552,7 +552,7 @@ func (ps *pools) fill(p *pool, digest, rtName, idle string) {
 		if err = m.cfg.DB.PutSandbox(ctx, sb); err == nil {
 			e := m.entry(id)
 			e.mu.Lock()
-			err = m.doCreate(ctx, &phases{kind: "pool_fill", obs: nopObserver{}}, id)
+			err = m.doCreate(ctx, &phases{kind: "pool_fill", obs: nopObserver{}}, id, false)
 			if err == nil && idle == api.PoolIdlePaused {
 				paused, err = ps.pause(ctx, e, sb)
 			}
