@@ -115,6 +115,24 @@ CREATE TABLE pool_pools (
 // isPoolMember says whether sb is an unclaimed pool member.
 func isPoolMember(sb api.Sandbox) bool { return sb.Labels[PoolLabel] != "" }
 
+// PoolTemplates returns the digests of the templates pool members are made
+// from. Members keep their templates alive like any sandbox (template
+// removal and gc must not take a tree from under one), though no listing
+// shows them.
+func (m *Manager) PoolTemplates(ctx context.Context) (map[string]bool, error) {
+	sbs, err := m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{})
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]bool{}
+	for _, sb := range sbs {
+		if isPoolMember(sb) && sb.TemplateDigest != "" && sb.State != api.StateDeleted {
+			out[sb.TemplateDigest] = true
+		}
+	}
+	return out, nil
+}
+
 // PoolID is the deterministic id of the pool with spec s (normalised).
 func PoolID(s api.PoolSpec) string {
 	// The idle mode is how members wait, not what they are: not in the key.

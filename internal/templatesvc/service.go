@@ -31,6 +31,9 @@ import (
 // sandboxes exist (a template in use is kept) and a runner for build steps.
 type Sandboxes interface {
 	List(ctx context.Context, state string, labels map[string]string) ([]api.Sandbox, error)
+	// PoolTemplates names the templates warm pools' members (which List
+	// never shows) are made from: they are in use too.
+	PoolTemplates(ctx context.Context) (map[string]bool, error)
 	build.Runner
 }
 
@@ -130,6 +133,15 @@ func (s *Service) inUse(ctx context.Context) (map[string]bool, error) {
 	inUse := make(map[string]bool, len(users))
 	for d := range users {
 		inUse[d] = true
+	}
+	if s.cfg.Sandboxes != nil {
+		held, err := s.cfg.Sandboxes.PoolTemplates(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("listing pool members: %w", err)
+		}
+		for d := range held {
+			inUse[d] = true
+		}
 	}
 	return inUse, nil
 }

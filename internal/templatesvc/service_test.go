@@ -20,8 +20,16 @@ import (
 	"github.com/spacehq/space/internal/template"
 )
 
-// fakeSandboxes lists a fixed set of sandboxes and runs no steps.
-type fakeSandboxes struct{ sbs []api.Sandbox }
+// fakeSandboxes lists a fixed set of sandboxes, holds the templates of a
+// fixed set of pool members, and runs no steps.
+type fakeSandboxes struct {
+	sbs  []api.Sandbox
+	held map[string]bool
+}
+
+func (f *fakeSandboxes) PoolTemplates(context.Context) (map[string]bool, error) {
+	return f.held, nil
+}
 
 func (f *fakeSandboxes) List(context.Context, string, map[string]string) ([]api.Sandbox, error) {
 	return f.sbs, nil
@@ -130,7 +138,16 @@ func TestImportPrepareRemoveGC(t *testing.T) {
 		t.Fatalf("gc with the template in use: %+v %v; forgot %v %v", res, err, up.forgot, down.forgot)
 	}
 
-	sbs.sbs = nil
+	// A pool member (never listed) keeps its template alive as well.
+	sbs.sbs, sbs.held = nil, map[string]bool{tp.Digest: true}
+	if err := s.Remove(ctx, tp.Digest, false); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("remove of a pool's template: %v", err)
+	}
+	if res, err := s.GC(ctx); err != nil || len(up.forgot)+len(down.forgot) != 0 {
+		t.Fatalf("gc with the template held by a pool: %+v %v; forgot %v %v", res, err, up.forgot, down.forgot)
+	}
+
+	sbs.held = nil
 	if _, err := s.GC(ctx); err != nil {
 		t.Fatal(err)
 	}
