@@ -26,11 +26,12 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 export PATH=$PATH:/usr/local/go/bin
-echo "setup: building bin/space, bin/space-server, bin/space-agent, bin/space-jail and bin/space-gateway"
+echo "setup: building bin/space, bin/space-server, bin/space-agent, bin/space-nsinit, bin/space-jail and bin/space-gateway"
 mkdir -p bin
 CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space ./cmd/space
 go build -trimpath -o bin/space-server ./cmd/space-server
 CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-agent ./cmd/space-agent
+CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-nsinit ./cmd/space-nsinit
 CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-jail ./cmd/space-jail
 CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-gateway ./cmd/space-gateway
 
