@@ -8,7 +8,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -36,13 +35,6 @@ func freePort(t *testing.T) string {
 
 func startServer(t *testing.T, bin, data, addr string, extra ...string) *proc {
 	t.Helper()
-	// No default warm pool unless the test asks for one: a member is a
-	// running sandbox that outlives a kill -9 (for the next start to
-	// re-adopt), which a test that deletes only its own sandboxes would
-	// leave behind with its data directory gone.
-	if !slices.Contains(extra, "--pool-default") {
-		extra = append(extra, "--pool-default", "0")
-	}
 	cmd := exec.Command(bin, append([]string{"server", "--data", data, "--listen", addr, "--cache", testenv.CacheDir()}, extra...)...)
 	cmd.Env = append(os.Environ(), "SPACE_AGENT_BIN="+testenv.AgentBinary(t), "SPACE_JAIL_BIN="+testenv.JailBinary(t),
 		"SPACE_GATEWAY_BIN="+testenv.GatewayBinary(t))
