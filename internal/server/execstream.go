@@ -3,7 +3,6 @@ package server
 import (
 	"context"
 	"encoding/binary"
-	"encoding/json"
 	"fmt"
 	"net/http"
 
@@ -98,16 +97,8 @@ func (s *Server) execStream(w http.ResponseWriter, r *http.Request) {
 		switch f.Type {
 		case api.FrameStdout, api.FrameStderr, api.FrameStarted, api.FrameDropped:
 		case api.FrameExit:
-			st := f.Exit
-			if len(st.Reason) > 1024 {
-				st.Reason = st.Reason[:1024]
-			}
-			if len(st.Signal) > 16 {
-				st.Signal = st.Signal[:16]
-			}
-			st = att.Exited(ctx, st)
-			out, _ := json.Marshal(st)
-			_ = send(append([]byte{api.FrameExit}, out...))
+			out := exitFrame(ctx, att, f.Exit)
+			_ = send(out)
 			return
 		default:
 			return

@@ -14,6 +14,7 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/sandbox"
 )
 
 func (s *Server) info(w http.ResponseWriter, r *http.Request) {
@@ -368,16 +369,8 @@ func (s *Server) attach(w http.ResponseWriter, r *http.Request) {
 		switch f.Type {
 		case api.FrameStdout, api.FrameStderr, api.FrameStarted, api.FrameDropped:
 		case api.FrameExit:
-			st := f.Exit
-			if len(st.Reason) > 1024 {
-				st.Reason = st.Reason[:1024]
-			}
-			if len(st.Signal) > 16 {
-				st.Signal = st.Signal[:16]
-			}
-			st = att.Exited(ctx, st)
-			out, _ := json.Marshal(st)
-			client.Write(ctx, websocket.MessageBinary, append([]byte{api.FrameExit}, out...))
+			out := exitFrame(ctx, att, f.Exit)
+			client.Write(ctx, websocket.MessageBinary, out)
 			client.Close(websocket.StatusNormalClosure, "exited")
 			return
 		default:
@@ -388,4 +381,17 @@ func (s *Server) attach(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
+}
+
+// exitFrame bounds the agent's exit status (its words are untrusted),
+// records it through the attachment and returns the FrameExit to relay.
+func exitFrame(ctx context.Context, att *sandbox.Attachment, st api.ExitStatus) []byte {
+	if len(st.Reason) > 1024 {
+		st.Reason = st.Reason[:1024]
+	}
+	if len(st.Signal) > 16 {
+		st.Signal = st.Signal[:16]
+	}
+	out, _ := json.Marshal(att.Exited(ctx, st))
+	return append([]byte{api.FrameExit}, out...)
 }
