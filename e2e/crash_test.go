@@ -8,7 +8,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -35,6 +38,14 @@ func freePort(t *testing.T) string {
 
 func startServer(t *testing.T, bin, data, addr string, extra ...string) *proc {
 	t.Helper()
+	// No default warm pool unless the test asks for one: a member is a
+	// running sandbox that outlives a kill -9 (for the next start to
+	// re-adopt), which a test that deletes only its own sandboxes would
+	// leave running after its data directory is gone.
+	if !slices.Contains(extra, "--pool-default") {
+		extra = append(extra, "--pool-default", "0")
+	}
+	checkNoOrphans(t, data)
 	cmd := exec.Command(bin, append([]string{"server", "--data", data, "--listen", addr, "--cache", testenv.CacheDir()}, extra...)...)
 	cmd.Env = append(os.Environ(), "SPACE_AGENT_BIN="+testenv.AgentBinary(t), "SPACE_JAIL_BIN="+testenv.JailBinary(t),
 		"SPACE_GATEWAY_BIN="+testenv.GatewayBinary(t))
@@ -54,6 +65,44 @@ func startServer(t *testing.T, bin, data, addr string, extra ...string) *proc {
 	}
 	t.Fatalf("server did not come up; see %s", filepath.Join(data, "..", "server.log"))
 	return nil
+}
+
+var orphanChecks sync.Map
+
+// checkNoOrphans fails the test if, when it ends, a process still names
+// data on its command line (a runsc, QEMU or gateway of a sandbox the test
+// left behind when it killed its server), and kills those processes so they
+// do not outlive the run.
+func checkNoOrphans(t *testing.T, data string) {
+	if _, seen := orphanChecks.LoadOrStore(data, true); seen {
+		return
+	}
+	t.Cleanup(func() {
+		var left []string
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+			left = left[:0]
+			ents, _ := os.ReadDir("/proc")
+			for _, e := range ents {
+				pid, err := strconv.Atoi(e.Name())
+				if err != nil || pid == os.Getpid() {
+					continue
+				}
+				b, _ := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+				if cmdline := strings.ReplaceAll(string(b), "\x00", " "); strings.Contains(cmdline, data) {
+					left = append(left, e.Name()+": "+cmdline)
+					if time.Now().After(deadline) {
+						syscall.Kill(pid, syscall.SIGKILL)
+					}
+				}
+			}
+			if len(left) == 0 || time.Now().After(deadline) {
+				break
+			}
+		}
+		if len(left) > 0 {
+			t.Errorf("processes outlived the test's server (killed now):\n  %s", strings.Join(left, "\n  "))
+		}
+	})
 }
 
 func (p *proc) kill9() {
@@ -86,7 +135,8 @@ func TestKill9LosesNothing(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
 
-	p := startServer(t, bin, data, addr)
+	withPool := []string{"--pool-default", "1"}
+	p := startServer(t, bin, data, addr, withPool...)
 	c := p.client(t)
 	// Warm the template store so the create below is quick but still racing the kill.
 	if _, err := c.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Labels: map[string]string{"warm": "1"}}); err != nil {
@@ -102,7 +152,7 @@ func TestKill9LosesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	p.kill9() // mid-create, mid-fill
-	p = startServer(t, bin, data, addr)
+	p = startServer(t, bin, data, addr, withPool...)
 	c = p.client(t)
 	op, err := c.WaitOperation(ctx, resp.Operation.ID)
 	if err != nil {
@@ -124,7 +174,7 @@ func TestKill9LosesNothing(t *testing.T) {
 	time.Sleep(500 * time.Millisecond)
 	p.kill9()
 	<-done
-	p = startServer(t, bin, data, addr)
+	p = startServer(t, bin, data, addr, withPool...)
 	c = p.client(t)
 	sb, err := c.GetSandbox(ctx, id)
 	if err != nil || sb.State != api.StateRunning {
