@@ -35,6 +35,12 @@ const (
 // maxBatch bounds the records one transaction inserts.
 const maxBatch = 1024
 
+// groupCommit is how long the writer waits after a record for the ones that
+// usually follow it (an exec's API call, command start and exit arrive
+// within a couple of milliseconds), so they share one transaction: a commit
+// costs far more than a row. A flush or checkpoint request ends the wait.
+const groupCommit = 2 * time.Millisecond
+
 // Options configure a Log.
 type Options struct {
 	DB  *sql.DB            // where the audit_ tables live (OpenDB, or a store's handle)
@@ -87,6 +93,7 @@ type Log struct {
 	lastCPTime      time.Time
 	unsigned        int // records since the last checkpoint
 	reportedDropped int64
+	inserts         map[int]*sql.Stmt // prepared INSERTs by row count
 
 	nmu     sync.Mutex
 	changed chan struct{} // closed and replaced after every commit
@@ -374,6 +381,11 @@ func (l *Log) PublicKey() ed25519.PublicKey { return l.opts.Key.Public().(ed2551
 // run is the writer goroutine.
 func (l *Log) run() {
 	defer close(l.done)
+	defer func() {
+		for _, st := range l.inserts {
+			st.Close()
+		}
+	}()
 	tick := time.NewTicker(max(min(l.opts.CheckpointInterval/4, time.Second), 10*time.Millisecond))
 	defer tick.Stop()
 	for {
@@ -383,21 +395,7 @@ func (l *Log) run() {
 				l.write(nil, true)
 				return
 			}
-			batch := []item{it}
-			closing := false
-		drain:
-			for len(batch) < maxBatch {
-				select {
-				case it, ok := <-l.ch:
-					if !ok {
-						closing = true
-						break drain
-					}
-					batch = append(batch, it)
-				default:
-					break drain
-				}
-			}
+			batch, closing := l.gather(it)
 			l.write(batch, closing)
 			if closing {
 				return
@@ -408,6 +406,43 @@ func (l *Log) run() {
 			}
 		}
 	}
+}
+
+// gather collects a batch that starts with first: what is queued, then what
+// arrives within groupCommit, unless a caller is waiting on a flush or a
+// checkpoint. closing reports that the queue was closed.
+func (l *Log) gather(first item) (batch []item, closing bool) {
+	batch = []item{first}
+	waiting := first.flush != nil || first.checkpoint != nil
+	var window <-chan time.Time
+	for len(batch) < maxBatch {
+		var it item
+		var ok bool
+		if waiting {
+			select {
+			case it, ok = <-l.ch:
+			default:
+				return batch, false
+			}
+		} else {
+			if window == nil {
+				t := time.NewTimer(groupCommit)
+				defer t.Stop()
+				window = t.C
+			}
+			select {
+			case it, ok = <-l.ch:
+			case <-window:
+				return batch, false
+			}
+		}
+		if !ok {
+			return batch, true
+		}
+		batch = append(batch, it)
+		waiting = waiting || it.flush != nil || it.checkpoint != nil
+	}
+	return batch, false
 }
 
 // write turns the batch's events into records (with a checkpoint after
@@ -542,13 +577,34 @@ func (l *Log) insert(recs []Record) error {
 			}
 			args = append(args, int64(r.Seq), r.Time.UnixNano(), r.Kind, r.Sandbox, r.Tenant, string(line))
 		}
-		q := `INSERT INTO audit_records (seq, time, kind, sandbox, tenant, line) VALUES (?, ?, ?, ?, ?, ?)` +
-			strings.Repeat(`, (?, ?, ?, ?, ?, ?)`, len(chunk)-1)
-		if _, err := tx.ExecContext(ctx, q, args...); err != nil {
+		stmt, err := l.insertStmt(ctx, len(chunk))
+		if err != nil {
+			return err
+		}
+		if _, err := tx.StmtContext(ctx, stmt).ExecContext(ctx, args...); err != nil {
 			return err
 		}
 	}
 	return tx.Commit()
+}
+
+// insertStmt returns the prepared INSERT of n rows, preparing it once:
+// parsing the statement cost as much as running it.
+func (l *Log) insertStmt(ctx context.Context, n int) (*sql.Stmt, error) {
+	if st := l.inserts[n]; st != nil {
+		return st, nil
+	}
+	q := `INSERT INTO audit_records (seq, time, kind, sandbox, tenant, line) VALUES (?, ?, ?, ?, ?, ?)` +
+		strings.Repeat(`, (?, ?, ?, ?, ?, ?)`, n-1)
+	st, err := l.db.PrepareContext(ctx, q)
+	if err != nil {
+		return nil, err
+	}
+	if l.inserts == nil {
+		l.inserts = map[int]*sql.Stmt{}
+	}
+	l.inserts[n] = st
+	return st, nil
 }
 
 func (l *Log) notify() {
