@@ -29,6 +29,18 @@ func ReadKey(path, key string) (int64, error) {
 	return n, err
 }
 
+// lookupKeyIn finds "key value" among the lines of b.
+func lookupKeyIn(b []byte, key string) (value int64, found bool, err error) {
+	for line := range strings.SplitSeq(string(b), "\n") {
+		k, v, ok := strings.Cut(line, " ")
+		if ok && k == key {
+			n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+			return n, err == nil, err
+		}
+	}
+	return 0, false, nil
+}
+
 // LookupKey is ReadKey that also says whether the key was there.
 func LookupKey(path, key string) (value int64, found bool, err error) {
 	f, err := os.Open(path)

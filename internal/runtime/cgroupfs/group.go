@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -117,6 +119,11 @@ type Group struct {
 	unified bool
 	dirs    map[string]string // controller → directory; "" on v2
 	mounts  map[string]string // v1: controller → its hierarchy's mount
+
+	// The OOM counter's file, kept open: it is read around every exec,
+	// and an open is most of a read's cost.
+	oomMu   sync.Mutex
+	oomFile *os.File
 }
 
 // Unified reports whether the group is a v2 one.
@@ -435,6 +442,12 @@ func (g *Group) setFrozen(ctx context.Context, frozen bool) error {
 // The kernel may still be releasing a task that just left cgroup.procs:
 // a busy directory is retried for a second.
 func (g *Group) Remove() error {
+	g.oomMu.Lock()
+	if g.oomFile != nil {
+		g.oomFile.Close()
+		g.oomFile = nil
+	}
+	g.oomMu.Unlock()
 	var errs []error
 	for _, d := range g.Paths() {
 		var err error
@@ -471,13 +484,36 @@ func (g *Group) MemoryBytes() (int64, error) {
 
 // OOMKills counts the processes the OOM killer killed in the group.
 func (g *Group) OOMKills() (int64, error) {
+	path := ""
 	if g.unified {
-		return ReadKey(filepath.Join(g.dirs[""], "memory.events"), "oom_kill")
+		path = filepath.Join(g.dirs[""], "memory.events")
+	} else if d, ok := g.dirs["memory"]; ok {
+		path = filepath.Join(d, "memory.oom_control")
+	} else {
+		return 0, nil
 	}
-	if d, ok := g.dirs["memory"]; ok {
-		return ReadKey(filepath.Join(d, "memory.oom_control"), "oom_kill")
+	g.oomMu.Lock()
+	defer g.oomMu.Unlock()
+	if g.oomFile == nil {
+		f, err := os.Open(path)
+		if err != nil {
+			return 0, err
+		}
+		g.oomFile = f
 	}
-	return 0, nil
+	var buf [512]byte
+	n, err := g.oomFile.ReadAt(buf[:], 0)
+	if err != nil && !errors.Is(err, io.EOF) {
+		// A group removed and made again under the same name: reopen once.
+		g.oomFile.Close()
+		g.oomFile = nil
+		return ReadKey(path, "oom_kill")
+	}
+	v, found, err := lookupKeyIn(buf[:n], "oom_kill")
+	if err == nil && !found {
+		return 0, nil
+	}
+	return v, err
 }
 
 // Pids counts the tasks (threads) in the group.
