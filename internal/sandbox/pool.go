@@ -24,6 +24,7 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/agentproto"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/store"
@@ -571,6 +572,9 @@ func (ps *pools) fill(p *pool, digest, rtName, idle string) {
 			e := m.entry(id)
 			e.mu.Lock()
 			err = m.doCreate(ctx, &phases{kind: "pool_fill", obs: nopObserver{}}, id, false)
+			if err == nil {
+				ps.warm(ctx, e)
+			}
 			if err == nil && idle == api.PoolIdlePaused {
 				paused, err = ps.pause(ctx, e, sb)
 			}
@@ -603,6 +607,28 @@ func (ps *pools) fill(p *pool, digest, rtName, idle string) {
 		}
 	}
 	ps.kick()
+}
+
+// warm runs `true` once in a fresh member through its agent, outside the
+// manager (no audit record, no process entry): a sandbox's first process
+// start pays for what later ones find cached — the sentry's page and
+// dentry caches on gvisor, translated code in a TCG guest (≈ 200 ms there),
+// the agent's own spawn path — and a claim should not. It leaves nothing
+// a command could see: the process is reaped, the agent keeps no record of
+// a synchronous exec, and pids in a sandbox already vary with the agent's
+// threads. Best effort: a template without `true` only loses the warm-up.
+func (ps *pools) warm(ctx context.Context, e *entry) {
+	e.cmu.RLock()
+	c := e.client
+	e.cmu.RUnlock()
+	if c == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if _, err := c.Exec(ctx, agentproto.ExecRequest{Cmd: []string{"true"}, TimeoutSeconds: 10}); err != nil {
+		ps.m.log.Debug("warming a pool member", "sandbox", e.id, "err", err)
+	}
 }
 
 // pause freezes a fresh member (idle mode paused).
