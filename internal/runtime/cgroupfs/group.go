@@ -119,11 +119,6 @@ type Group struct {
 	unified bool
 	dirs    map[string]string // controller → directory; "" on v2
 	mounts  map[string]string // v1: controller → its hierarchy's mount
-
-	// The OOM counter's file, kept open: it is read around every exec,
-	// and an open is most of a read's cost.
-	oomMu   sync.Mutex
-	oomFile *os.File
 }
 
 // Unified reports whether the group is a v2 one.
@@ -442,12 +437,6 @@ func (g *Group) setFrozen(ctx context.Context, frozen bool) error {
 // The kernel may still be releasing a task that just left cgroup.procs:
 // a busy directory is retried for a second.
 func (g *Group) Remove() error {
-	g.oomMu.Lock()
-	if g.oomFile != nil {
-		g.oomFile.Close()
-		g.oomFile = nil
-	}
-	g.oomMu.Unlock()
 	var errs []error
 	for _, d := range g.Paths() {
 		var err error
@@ -484,36 +473,72 @@ func (g *Group) MemoryBytes() (int64, error) {
 
 // OOMKills counts the processes the OOM killer killed in the group.
 func (g *Group) OOMKills() (int64, error) {
-	path := ""
-	if g.unified {
-		path = filepath.Join(g.dirs[""], "memory.events")
-	} else if d, ok := g.dirs["memory"]; ok {
-		path = filepath.Join(d, "memory.oom_control")
-	} else {
+	path := g.oomPath()
+	if path == "" {
 		return 0, nil
 	}
-	g.oomMu.Lock()
-	defer g.oomMu.Unlock()
-	if g.oomFile == nil {
-		f, err := os.Open(path)
+	return ReadKey(path, "oom_kill")
+}
+
+func (g *Group) oomPath() string {
+	if g.unified {
+		return filepath.Join(g.dirs[""], "memory.events")
+	}
+	if d, ok := g.dirs["memory"]; ok {
+		return filepath.Join(d, "memory.oom_control")
+	}
+	return ""
+}
+
+// OOMCounter reads a group's OOM kill count through a file it keeps open:
+// the count is read around every exec, and an open is most of a read's
+// cost. The instance that owns the group closes it.
+type OOMCounter struct {
+	path string
+	mu   sync.Mutex
+	f    *os.File
+}
+
+// OOMCounter returns a counter of g's OOM kills (0 on a v1 host without
+// the memory controller).
+func (g *Group) OOMCounter() *OOMCounter { return &OOMCounter{path: g.oomPath()} }
+
+// Read is OOMKills through the kept file.
+func (c *OOMCounter) Read() (int64, error) {
+	if c.path == "" {
+		return 0, nil
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.f == nil {
+		f, err := os.Open(c.path)
 		if err != nil {
 			return 0, err
 		}
-		g.oomFile = f
+		c.f = f
 	}
 	var buf [512]byte
-	n, err := g.oomFile.ReadAt(buf[:], 0)
+	n, err := c.f.ReadAt(buf[:], 0)
 	if err != nil && !errors.Is(err, io.EOF) {
-		// A group removed and made again under the same name: reopen once.
-		g.oomFile.Close()
-		g.oomFile = nil
-		return ReadKey(path, "oom_kill")
+		// The group was removed (and maybe made again): reopen next time.
+		c.f.Close()
+		c.f = nil
+		return ReadKey(c.path, "oom_kill")
 	}
-	v, found, err := lookupKeyIn(buf[:n], "oom_kill")
-	if err == nil && !found {
-		return 0, nil
-	}
+	v, _, err := lookupKeyIn(buf[:n], "oom_kill")
 	return v, err
+}
+
+// Close closes the kept file.
+func (c *OOMCounter) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.f == nil {
+		return nil
+	}
+	err := c.f.Close()
+	c.f = nil
+	return err
 }
 
 // Pids counts the tasks (threads) in the group.

@@ -321,3 +321,52 @@ func TestGroupUnifiedKill(t *testing.T) {
 	testenv.Require(t, "cgroup.kill", err == nil, "kernel without cgroup.kill")
 	exercise(t, g)
 }
+
+// TestOOMCounter reads the count through the kept file as it changes,
+// agrees with OOMKills, and reopens after the group is made again.
+func TestOOMCounter(t *testing.T) {
+	root := t.TempDir()
+	if err := os.Mkdir(filepath.Join(root, "memory"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	g := Layout{Root: root}.Group("space", "sb-1", []string{"memory"})
+	dir, _ := g.Dir("memory")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	file := filepath.Join(dir, "memory.oom_control")
+	set := func(n int) {
+		t.Helper()
+		// In place, as the kernel's file changes under an open descriptor.
+		f, err := os.OpenFile(file, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Fprintf(f, "oom_kill_disable 0\nunder_oom 0\noom_kill %d\n", n)
+		f.Close()
+	}
+	set(0)
+	c := g.OOMCounter()
+	defer c.Close()
+	for _, n := range []int{0, 3, 12} {
+		set(n)
+		got, err := c.Read()
+		want, err2 := g.OOMKills()
+		if err != nil || err2 != nil || got != int64(n) || want != int64(n) {
+			t.Fatalf("after %d kills: Read = %d, %v; OOMKills = %d, %v", n, got, err, want, err2)
+		}
+	}
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	set(5) // read again after Close: reopened
+	if got, err := c.Read(); err != nil || got != 5 {
+		t.Fatalf("after Close: %d, %v", got, err)
+	}
+	if err := os.Remove(file); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := (Layout{Root: root}).Group("space", "sb-1", nil).OOMCounter().Read(); err != nil {
+		t.Errorf("no memory controller: %v, want 0 and no error", err)
+	}
+}

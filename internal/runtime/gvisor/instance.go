@@ -44,10 +44,10 @@ type instance struct {
 	pidsLast int64
 	memLast  int64 // the sentry's memory accounting, read with pidsLast
 
-	// oomGroup is the sandbox's host cgroup as OOMKills reads it, found
-	// once (finding it walks the cgroup mounts).
-	oomOnce  sync.Once
-	oomGroup *cgroupfs.Group
+	// oom reads the sandbox's host cgroup's OOM count for OOMKills,
+	// found once (finding it walks the cgroup mounts); closed at stop.
+	oomOnce sync.Once
+	oom     *cgroupfs.OOMCounter
 }
 
 // pidsTTL is how long a task count from the sentry is reused.
@@ -307,6 +307,7 @@ func (i *instance) stopLocked(ctx context.Context) error {
 	// runsc removes the cgroups it made; a sandbox that died without runsc
 	// may leave them (with a gofer still in them).
 	i.killCgroup()
+	i.oomCounter().Close()
 	_ = removeCgroups(i.spec.ID)
 	for _, p := range []string{i.sockPath(), i.pidFile(), i.runscPid()} {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -373,12 +374,16 @@ func (i *instance) OOMKills() (int64, error) {
 	if !i.Alive() {
 		return 0, nil
 	}
-	i.oomOnce.Do(func() { i.oomGroup = sandboxCgroup(i.spec.ID) })
-	n, err := i.oomGroup.OOMKills()
+	n, err := i.oomCounter().Read()
 	if err != nil {
 		return 0, err
 	}
 	return n + guardKills(i.agentDir()), nil
+}
+
+func (i *instance) oomCounter() *cgroupfs.OOMCounter {
+	i.oomOnce.Do(func() { i.oom = sandboxCgroup(i.spec.ID).OOMCounter() })
+	return i.oom
 }
 
 var _ runtime.OOMCounter = (*instance)(nil)

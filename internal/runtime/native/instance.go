@@ -39,6 +39,10 @@ type instance struct {
 	spec runtime.Spec
 	dir  string
 	cg   *cgroupfs.Group
+	// oom reads cg's OOM count around every exec through a kept file;
+	// closed with the cgroup.
+	oomOnce sync.Once
+	oom     *cgroupfs.OOMCounter
 
 	mu     sync.Mutex
 	pid    int             // init pid on the host; 0 when not running
@@ -428,6 +432,7 @@ func (i *instance) stopLocked(ctx context.Context) error {
 	}
 	i.pid = 0
 	i.exited = nil
+	i.oomCounter().Close()
 	if err := i.cg.Remove(); err != nil {
 		errs = append(errs, err)
 	}
@@ -473,7 +478,12 @@ func (i *instance) OOMKills() (int64, error) {
 	if !i.Alive() {
 		return 0, nil
 	}
-	return i.cg.OOMKills()
+	return i.oomCounter().Read()
+}
+
+func (i *instance) oomCounter() *cgroupfs.OOMCounter {
+	i.oomOnce.Do(func() { i.oom = i.cg.OOMCounter() })
+	return i.oom
 }
 
 var _ runtime.OOMCounter = (*instance)(nil)
