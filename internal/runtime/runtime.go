@@ -65,6 +65,10 @@ type Spec struct {
 	TemplateDigest string
 	Limits         api.Limits // resolved: every field > 0 except OutputMiB
 	Hostname       string
+	// Background marks a sandbox made ahead of demand (a warm pool's
+	// member): its host cgroup starts at the lowest CPU weight, so making
+	// it never takes CPU from sandboxes in use, until Foreground.
+	Background bool
 }
 
 // Stats are host-side measurements of an instance, trusted because the host
@@ -131,6 +135,13 @@ type Instance interface {
 // round trip into the sandbox).
 type OOMCounter interface {
 	OOMKills() (int64, error)
+}
+
+// Foregrounder is implemented by instances that can leave the background
+// CPU weight a Spec.Background create gave them: the manager calls it when
+// a pool member becomes someone's sandbox.
+type Foregrounder interface {
+	Foreground() error
 }
 
 // ExitReasoner is implemented by instances that can say why their init

@@ -108,6 +108,13 @@ func (m *Manager) doClaim(ctx context.Context, p *phases, id string, mb member, 
 				return err
 			}
 		}
+		// Made at background CPU weight; the caller's sandbox competes as
+		// any other does.
+		if fg, ok := inst.(runtime.Foregrounder); ok {
+			if err := fg.Foreground(); err != nil {
+				return fmt.Errorf("raising the pool member's CPU weight: %w", err)
+			}
+		}
 		e.cmu.RLock()
 		c := e.client
 		e.cmu.RUnlock()

@@ -541,7 +541,8 @@ func (m *Manager) runtimeOf(sb api.Sandbox) (runtime.Runtime, error) {
 // newSpec builds a runtime spec; runtimes key what they derive from a
 // template by its tree digest (templates that differ only in defaults share it).
 func newSpec(sb api.Sandbox, tmpl api.Template, rootfs string) runtime.Spec {
-	return runtime.Spec{ID: sb.ID, RootFS: rootfs, TemplateDigest: tmpl.TreeDigest, Limits: sb.Limits, Hostname: sb.ID}
+	return runtime.Spec{ID: sb.ID, RootFS: rootfs, TemplateDigest: tmpl.TreeDigest, Limits: sb.Limits, Hostname: sb.ID,
+		Background: isPoolMember(sb)}
 }
 
 // spec resolves everything a runtime needs for an existing sandbox.

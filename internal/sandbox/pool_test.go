@@ -198,6 +198,23 @@ func (h *poolHarness) members(ctx context.Context) []string {
 	return out
 }
 
+// cpuWeight reads the CPU weight of sandbox id's host cgroup, whichever
+// runtime made it (v1 cpu.shares or v2 cpu.weight).
+func cpuWeight(t *testing.T, id string) string {
+	t.Helper()
+	for _, pat := range []string{"/sys/fs/cgroup/cpu/*/" + id + "/cpu.shares", "/sys/fs/cgroup/*/" + id + "/cpu.weight"} {
+		if m, _ := filepath.Glob(pat); len(m) == 1 {
+			b, err := os.ReadFile(m[0])
+			if err != nil {
+				t.Fatal(err)
+			}
+			return strings.TrimSpace(string(b))
+		}
+	}
+	t.Fatalf("no cgroup with a CPU weight for %s", id)
+	return ""
+}
+
 func phaseList(op api.Operation) []string {
 	var out []string
 	for _, p := range op.Phases {
@@ -292,6 +309,13 @@ func testPool(t *testing.T, rtName string) {
 		t.Errorf("exec in a member: %v, want not found", err)
 	}
 
+	// Members are made at the lowest CPU weight.
+	for _, id := range mem {
+		if w := cpuWeight(t, id); w != "10" && w != "1" {
+			t.Errorf("member %s has CPU weight %q, want the background one", id, w)
+		}
+	}
+
 	// Claims: two of them, each a member, personalised.
 	var claimed []api.Sandbox
 	for range 2 {
@@ -306,6 +330,11 @@ func testPool(t *testing.T, rtName string) {
 	}
 	if claimed[0].ID == claimed[1].ID {
 		t.Fatal("two creates got the same member")
+	}
+	for _, c := range append(claimed, fresh) {
+		if w := cpuWeight(t, c.ID); w != "1024" && w != "100" {
+			t.Errorf("sandbox %s has CPU weight %q, want the default", c.ID, w)
+		}
 	}
 	got, _ := h.m.Get(ctx, claimed[0].ID)
 	if got.Template != "started:latest" || got.Labels["team"] != "a" || got.Labels[PoolLabel] != "" || got.Env["GREETING"] != "hello-pool" || got.State != api.StateRunning {

@@ -158,6 +158,36 @@ type Limits struct {
 	// Devices, when not nil, are the only devices.allow rules ("c 1:3
 	// rwm") on a v1 host: everything else is denied. Ignored on v2.
 	Devices []string
+	// CPUWeight is the group's share of CPU time under contention on the
+	// v2 scale (1..10000, DefaultCPUWeight); 0 leaves the kernel's default.
+	CPUWeight int
+}
+
+// CPU weights on the v2 scale; v1 cpu.shares are CPUShares of them.
+const (
+	DefaultCPUWeight = 100
+	// BackgroundCPUWeight is the lowest weight: work made ahead of
+	// demand (a warm pool's members) runs on what others leave idle.
+	BackgroundCPUWeight = 1
+)
+
+// CPUShares is v1's cpu.shares for a v2 weight (1024 per 100, at least
+// the kernel's minimum of 2).
+func CPUShares(weight int) int64 { return max(2, int64(weight)*1024/DefaultCPUWeight) }
+
+// SetCPUWeight changes the group's CPU weight (cpu.weight on v2,
+// cpu.shares on v1; a v1 host without the cpu controller is left alone).
+func (g *Group) SetCPUWeight(weight int) error {
+	if weight < 1 || weight > 10000 {
+		return fmt.Errorf("cpu weight %d: must be 1..10000", weight)
+	}
+	if g.unified {
+		return writeFile(filepath.Join(g.dirs[""], "cpu.weight"), strconv.Itoa(weight))
+	}
+	if d, ok := g.dirs["cpu"]; ok {
+		return writeFile(filepath.Join(d, "cpu.shares"), strconv.FormatInt(CPUShares(weight), 10))
+	}
+	return nil
 }
 
 // v2Controllers are the ones a v2 parent delegates to its children.
@@ -211,6 +241,11 @@ func (g *Group) Create(l Limits) error {
 			return err
 		}
 	}
+	if l.CPUWeight > 0 {
+		if err := g.SetCPUWeight(l.CPUWeight); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
@@ -247,6 +282,11 @@ func (g *Group) createV2(l Limits) error {
 	}
 	if l.CPUs > 0 {
 		if err := writeFile(filepath.Join(dir, "cpu.max"), fmt.Sprintf("%d %d", CPUQuotaUS(l.CPUs), CPUPeriodUS)); err != nil {
+			return err
+		}
+	}
+	if l.CPUWeight > 0 {
+		if err := g.SetCPUWeight(l.CPUWeight); err != nil {
 			return err
 		}
 	}

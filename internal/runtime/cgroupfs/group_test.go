@@ -83,10 +83,20 @@ func TestLayoutV1(t *testing.T) {
 	if _, ok := g.Dir("freezer"); ok {
 		t.Error("a controller the host lacks has a directory")
 	}
-	if err := g.Create(Limits{MemoryBytes: 1 << 30, Pids: 128, CPUs: 1.5, Devices: []string{"c 1:3 rwm"}}); err != nil {
+	if err := g.Create(Limits{MemoryBytes: 1 << 30, Pids: 128, CPUs: 1.5, Devices: []string{"c 1:3 rwm"}, CPUWeight: BackgroundCPUWeight}); err != nil {
 		t.Fatal(err)
 	}
+	if got := readFile(t, filepath.Join(want[0], "cpu.shares")); got != "10" {
+		t.Errorf("background cpu.shares = %q, want 10", got)
+	}
+	if err := g.SetCPUWeight(DefaultCPUWeight); err != nil {
+		t.Fatal(err)
+	}
+	if err := g.SetCPUWeight(0); err == nil {
+		t.Error("SetCPUWeight(0) accepted")
+	}
 	for file, want := range map[string]string{
+		filepath.Join(want[0], "cpu.shares"):            "1024",
 		filepath.Join(want[2], "memory.limit_in_bytes"): "1073741824",
 		filepath.Join(want[2], "memory.swappiness"):     "0",
 		filepath.Join(want[3], "pids.max"):              "128",
@@ -121,10 +131,11 @@ func TestLayoutV2(t *testing.T) {
 	if d, ok := g.Dir("freezer"); !ok || d != dir {
 		t.Errorf("Dir(freezer) = %s %v", d, ok)
 	}
-	if err := g.Create(Limits{MemoryBytes: 1 << 30, Pids: 128, CPUs: 1.5, Devices: []string{"c 1:3 rwm"}}); err != nil {
+	if err := g.Create(Limits{MemoryBytes: 1 << 30, Pids: 128, CPUs: 1.5, Devices: []string{"c 1:3 rwm"}, CPUWeight: 7}); err != nil {
 		t.Fatal(err)
 	}
 	for file, want := range map[string]string{
+		filepath.Join(dir, "cpu.weight"):                            "7",
 		filepath.Join(root, "cgroup.subtree_control"):               "+memory +pids +cpu",
 		filepath.Join(root, "space-jail", "cgroup.subtree_control"): "+memory +pids +cpu",
 		filepath.Join(dir, "memory.max"):                            "1073741824",

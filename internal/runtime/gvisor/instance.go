@@ -173,7 +173,11 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if err := i.prepareNICLocked(); err != nil {
 		return err
 	}
-	if err := writeSpec(i.dir, bundleSpec(i.spec.ID, i.rootfsDir(), hostname, i.agentDir(), i.rt.cfg.AgentBinary, i.netnsPath(), i.spec.Limits)); err != nil {
+	bs := bundleSpec(i.spec.ID, i.rootfsDir(), hostname, i.agentDir(), i.rt.cfg.AgentBinary, i.netnsPath(), i.spec.Limits)
+	if i.spec.Background {
+		bs.background()
+	}
+	if err := writeSpec(i.dir, bs); err != nil {
 		return err
 	}
 	tPrepared := time.Now()
@@ -380,6 +384,14 @@ func (i *instance) OOMKills() (int64, error) {
 	}
 	return n + guardKills(i.agentDir()), nil
 }
+
+// Foreground implements runtime.Foregrounder: the host cgroup runsc made
+// gets the default CPU weight.
+func (i *instance) Foreground() error {
+	return sandboxCgroup(i.spec.ID).SetCPUWeight(cgroupfs.DefaultCPUWeight)
+}
+
+var _ runtime.Foregrounder = (*instance)(nil)
 
 func (i *instance) oomCounter() *cgroupfs.OOMCounter {
 	i.oomOnce.Do(func() { i.oom = sandboxCgroup(i.spec.ID).OOMCounter() })

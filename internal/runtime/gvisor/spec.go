@@ -87,8 +87,19 @@ type ociMemory struct {
 }
 
 type ociCPU struct {
-	Quota  int64  `json:"quota"`
-	Period uint64 `json:"period"`
+	Shares *uint64 `json:"shares,omitempty"`
+	Quota  int64   `json:"quota"`
+	Period uint64  `json:"period"`
+}
+
+// background gives s the lowest CPU weight (runsc writes it to the
+// sandbox's host cgroup): a warm pool's member in the making.
+func (s *ociSpec) background() {
+	if s.Linux.Resources.CPU == nil {
+		s.Linux.Resources.CPU = &ociCPU{}
+	}
+	shares := uint64(cgroupfs.CPUShares(cgroupfs.BackgroundCPUWeight))
+	s.Linux.Resources.CPU.Shares = &shares
 }
 
 type ociPids struct {

@@ -17,6 +17,7 @@ import (
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/cgroupfs"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 	"github.com/spacehq/space/internal/runtime/hostproc"
 	"github.com/spacehq/space/internal/runtime/microvm/jail"
@@ -493,13 +494,23 @@ const qemuOverheadMiB = 128
 // main loop, I/O), and its threads to jail.DefaultPids.
 func (i *instance) jailOptions(vm VM) *JailOptions {
 	mem := int64(vm.MemoryMiB+vm.TBSizeMiB+qemuOverheadMiB) << 20
-	return &JailOptions{
+	o := &JailOptions{
 		ID:       i.spec.ID,
 		Binary:   i.rt.jailBinary(),
 		Writable: []string{i.vmDir()},
 		Limits:   jail.Limits{MemoryBytes: mem, CPUs: float64(max(vm.CPUs, 1)) + 0.5},
 	}
+	if i.spec.Background {
+		o.Limits.CPUWeight = cgroupfs.BackgroundCPUWeight
+	}
+	return o
 }
+
+// Foreground implements runtime.Foregrounder: QEMU's jail cgroup gets the
+// default CPU weight.
+func (i *instance) Foreground() error { return jail.SetCPUWeight(i.spec.ID, cgroupfs.DefaultCPUWeight) }
+
+var _ runtime.Foregrounder = (*instance)(nil)
 
 // adoptLocked attaches to a QEMU that still runs (a server restart): the
 // pid file must name a live process with the recorded start time whose

@@ -179,7 +179,11 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		}
 		defer agentBin.Close()
 	}
-	if err := i.cg.Create(cgroupLimits(i.spec.Limits)); err != nil {
+	cl := cgroupLimits(i.spec.Limits)
+	if i.spec.Background {
+		cl.CPUWeight = cgroupfs.BackgroundCPUWeight
+	}
+	if err := i.cg.Create(cl); err != nil {
 		return err
 	}
 	ln, err := i.listen()
@@ -480,6 +484,11 @@ func (i *instance) OOMKills() (int64, error) {
 	}
 	return i.oomCounter().Read()
 }
+
+// Foreground implements runtime.Foregrounder.
+func (i *instance) Foreground() error { return i.cg.SetCPUWeight(cgroupfs.DefaultCPUWeight) }
+
+var _ runtime.Foregrounder = (*instance)(nil)
 
 func (i *instance) oomCounter() *cgroupfs.OOMCounter {
 	i.oomOnce.Do(func() { i.oom = i.cg.OOMCounter() })

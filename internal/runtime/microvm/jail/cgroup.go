@@ -29,6 +29,10 @@ func jailCgroup(id string) *cgroupfs.Group {
 	return cgroupfs.Host().Group(cgroupParent, id, v1Controllers)
 }
 
+// SetCPUWeight changes the CPU weight of jail id's cgroup (a pool member
+// that became someone's sandbox leaves the background weight).
+func SetCPUWeight(id string, weight int) error { return jailCgroup(id).SetCPUWeight(weight) }
+
 // createCgroup makes the jail's cgroup(s) with s's limits. A leftover of
 // the same id (a crashed start) is reused: the limits are written again.
 func createCgroup(s *Spec, devices []devNode) (err error) {
@@ -48,7 +52,7 @@ func createCgroup(s *Spec, devices []devNode) (err error) {
 		allow = append(allow, fmt.Sprintf("c %d:%d rwm", unix.Major(n.Rdev), unix.Minor(n.Rdev)))
 	}
 	// Guest memory swapped out by the host would defeat the limit: no swap.
-	l := cgroupfs.Limits{MemoryBytes: s.Limits.MemoryBytes, Pids: s.Limits.Pids, CPUs: s.Limits.CPUs, Devices: allow}
+	l := cgroupfs.Limits{MemoryBytes: s.Limits.MemoryBytes, Pids: s.Limits.Pids, CPUs: s.Limits.CPUs, Devices: allow, CPUWeight: s.Limits.CPUWeight}
 	if err := g.Create(l); err != nil {
 		_ = RemoveCgroup(s.ID)
 		return fmt.Errorf("jail: %w", err)

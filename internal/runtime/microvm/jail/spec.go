@@ -57,6 +57,9 @@ type Limits struct {
 	Pids int64
 	// CPUs is the CPU quota in cores (vCPUs, or less). Required.
 	CPUs float64
+	// CPUWeight is the cgroup's CPU weight (v2 scale, 1..10000); 0 is the
+	// default. A warm pool's member starts at the lowest.
+	CPUWeight int
 }
 
 // Spec describes one jailed QEMU.
@@ -180,6 +183,9 @@ func (s *Spec) normalize() error {
 	// 0.01 CPU is the smallest CFS quota (1 ms per 100 ms period).
 	if !(s.Limits.CPUs >= 0.01) || s.Limits.CPUs > 1024 {
 		return invalid("cpu limit %v: must be in [0.01, 1024]", s.Limits.CPUs)
+	}
+	if s.Limits.CPUWeight < 0 || s.Limits.CPUWeight > 10000 {
+		return invalid("cpu weight %d: must be 0 (default) or in [1, 10000]", s.Limits.CPUWeight)
 	}
 	if s.Limits.Pids < 0 || (s.Limits.Pids > 0 && s.Limits.Pids < MinPids) {
 		return invalid("pids limit %d: must be 0 (default %d) or at least %d", s.Limits.Pids, DefaultPids, MinPids)
