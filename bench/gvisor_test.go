@@ -247,16 +247,8 @@ func (b *gvBench) rawBundle(t *testing.T, from runtime.Instance, id string, args
 // sandbox and gofer processes name the container or its bundle).
 func hostProcs(id string) []int {
 	var out []int
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil || pid == os.Getpid() {
-			continue
-		}
-		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err == nil && strings.Contains(string(b), id) {
-			out = append(out, pid)
-		}
+	for pid := range testenv.ProcsNaming(id) {
+		out = append(out, pid)
 	}
 	return out
 }

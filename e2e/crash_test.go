@@ -81,21 +81,14 @@ func checkNoOrphans(t *testing.T, data string) {
 		var left []string
 		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(100 * time.Millisecond) {
 			left = left[:0]
-			ents, _ := os.ReadDir("/proc")
-			for _, e := range ents {
-				pid, err := strconv.Atoi(e.Name())
-				if err != nil || pid == os.Getpid() {
-					continue
-				}
-				b, _ := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-				if cmdline := strings.ReplaceAll(string(b), "\x00", " "); strings.Contains(cmdline, data) {
-					left = append(left, e.Name()+": "+cmdline)
-					if time.Now().After(deadline) {
-						syscall.Kill(pid, syscall.SIGKILL)
-					}
+			expired := time.Now().After(deadline)
+			for pid, cmdline := range testenv.ProcsNaming(data) {
+				left = append(left, strconv.Itoa(pid)+": "+cmdline)
+				if expired {
+					syscall.Kill(pid, syscall.SIGKILL)
 				}
 			}
-			if len(left) == 0 || time.Now().After(deadline) {
+			if len(left) == 0 || expired {
 				break
 			}
 		}

@@ -51,3 +51,22 @@ func MemInfo(key string) int64 {
 	}
 	return -1
 }
+
+// ProcsNaming maps the pid of every host process (but this one) whose
+// command line contains s to that command line, NULs shown as spaces: the
+// runsc, QEMU or gateway processes of a sandbox or data directory.
+func ProcsNaming(s string) map[int]string {
+	out := map[int]string{}
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid == os.Getpid() {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		if err == nil && strings.Contains(string(b), s) {
+			out[pid] = strings.ReplaceAll(string(b), "\x00", " ")
+		}
+	}
+	return out
+}
