@@ -7,7 +7,6 @@
 package cgroupfs
 
 import (
-	"bufio"
 	"os"
 	"strconv"
 	"strings"
@@ -43,18 +42,9 @@ func lookupKeyIn(b []byte, key string) (value int64, found bool, err error) {
 
 // LookupKey is ReadKey that also says whether the key was there.
 func LookupKey(path, key string) (value int64, found bool, err error) {
-	f, err := os.Open(path)
+	b, err := os.ReadFile(path)
 	if err != nil {
 		return 0, false, err
 	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		k, v, ok := strings.Cut(sc.Text(), " ")
-		if ok && k == key {
-			n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
-			return n, err == nil, err
-		}
-	}
-	return 0, false, sc.Err()
+	return lookupKeyIn(b, key)
 }

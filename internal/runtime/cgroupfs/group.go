@@ -203,9 +203,20 @@ func writeFile(path, value string) error {
 // Create makes the group's directories and applies l. It is idempotent: a
 // leftover of the same name gets l written again.
 func (g *Group) Create(l Limits) error {
+	create := g.createV1
 	if g.unified {
-		return g.createV2(l)
+		create = g.createV2
 	}
+	if err := create(l); err != nil {
+		return err
+	}
+	if l.CPUWeight > 0 {
+		return g.SetCPUWeight(l.CPUWeight)
+	}
+	return nil
+}
+
+func (g *Group) createV1(l Limits) error {
 	for _, d := range g.Paths() {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return fmt.Errorf("create cgroup: %w", err)
@@ -238,11 +249,6 @@ func (g *Group) Create(l Limits) error {
 			return err
 		}
 		if err := writeFile(filepath.Join(d, "cpu.cfs_quota_us"), strconv.FormatInt(CPUQuotaUS(l.CPUs), 10)); err != nil {
-			return err
-		}
-	}
-	if l.CPUWeight > 0 {
-		if err := g.SetCPUWeight(l.CPUWeight); err != nil {
 			return err
 		}
 	}
@@ -282,11 +288,6 @@ func (g *Group) createV2(l Limits) error {
 	}
 	if l.CPUs > 0 {
 		if err := writeFile(filepath.Join(dir, "cpu.max"), fmt.Sprintf("%d %d", CPUQuotaUS(l.CPUs), CPUPeriodUS)); err != nil {
-			return err
-		}
-	}
-	if l.CPUWeight > 0 {
-		if err := g.SetCPUWeight(l.CPUWeight); err != nil {
 			return err
 		}
 	}
