@@ -14,7 +14,7 @@ need_root() {
 }
 need_root
 
-PKGS=(debootstrap bubblewrap e2fsprogs iproute2 tmux procps util-linux ca-certificates)
+PKGS=(debootstrap bubblewrap e2fsprogs iproute2 tmux procps util-linux ca-certificates postgresql)
 missing=()
 for p in "${PKGS[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

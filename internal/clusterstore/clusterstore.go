@@ -1,0 +1,115 @@
+// Package clusterstore holds cluster mode's shared desired state in
+// PostgreSQL: the nodes that run sandboxes, their heartbeats and free
+// capacity, and (as cluster mode grows) what every API replica must agree
+// on. The single-box server never imports it; SQLite stays its store.
+//
+// Time comparisons use the database's clock (now()), never a replica's, so
+// replicas with skewed clocks agree on which node is late.
+package clusterstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/spacehq/space/internal/errdefs"
+)
+
+// ErrSchemaTooNew is returned by Open when the database was migrated by a
+// newer space than this one: running an old replica against a newer schema
+// could write rows the new one misreads.
+var ErrSchemaTooNew = errors.New("cluster database schema is newer than this binary")
+
+// Store is a connection pool to the cluster database.
+type Store struct {
+	pool *pgxpool.Pool
+}
+
+// Open connects to the PostgreSQL database at dsn (a URL or key=value
+// string) and migrates its schema to this binary's version.
+func Open(ctx context.Context, dsn string) (*Store, error) {
+	if dsn == "" {
+		return nil, fmt.Errorf("cluster store DSN is empty: %w", errdefs.ErrInvalidArgument)
+	}
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		return nil, fmt.Errorf("cluster store DSN: %v: %w", err, errdefs.ErrInvalidArgument)
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect cluster store: %w", err)
+	}
+	s := &Store{pool: pool}
+	if err := s.migrate(ctx); err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return s, nil
+}
+
+// Close closes the pool.
+func (s *Store) Close() { s.pool.Close() }
+
+// SchemaVersion is the schema version the database is at.
+func (s *Store) SchemaVersion(ctx context.Context) (int, error) {
+	var v int
+	err := s.pool.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM space_schema`).Scan(&v)
+	return v, err
+}
+
+// migrationLock is the advisory lock key every replica takes while
+// migrating, so replicas starting together apply each migration once.
+const migrationLock = 0x73706163655f6d31 // "space_m1"
+
+// migrate applies the migrations the database lacks, in one transaction
+// under the advisory lock (PostgreSQL DDL is transactional: a failed
+// migration leaves the previous version intact).
+func (s *Store) migrate(ctx context.Context) error {
+	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(migrationLock)); err != nil {
+			return fmt.Errorf("migration lock: %w", err)
+		}
+		if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS space_schema (
+			version integer PRIMARY KEY,
+			applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
+			return fmt.Errorf("create space_schema: %w", err)
+		}
+		var have int
+		if err := tx.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM space_schema`).Scan(&have); err != nil {
+			return fmt.Errorf("read schema version: %w", err)
+		}
+		if have > len(migrations) {
+			return fmt.Errorf("%w: database at version %d, this binary knows %d", ErrSchemaTooNew, have, len(migrations))
+		}
+		for v := have + 1; v <= len(migrations); v++ {
+			if _, err := tx.Exec(ctx, migrations[v-1]); err != nil {
+				return fmt.Errorf("migration %d: %w", v, err)
+			}
+			if _, err := tx.Exec(ctx, `INSERT INTO space_schema (version) VALUES ($1)`, v); err != nil {
+				return fmt.Errorf("record migration %d: %w", v, err)
+			}
+		}
+		return nil
+	})
+}
+
+// migrations are the schema's versions in order; migrations[i] takes the
+// database from version i to i+1. Never edit a released entry: append.
+var migrations = []string{
+	// 1: nodes, their heartbeats and what placement reads.
+	`CREATE TABLE nodes (
+		id            text PRIMARY KEY CHECK (id <> ''),
+		address       text NOT NULL,
+		mem_free      bigint NOT NULL DEFAULT 0 CHECK (mem_free >= 0),
+		cpus          integer NOT NULL DEFAULT 0 CHECK (cpus >= 0),
+		sandboxes     integer NOT NULL DEFAULT 0 CHECK (sandboxes >= 0),
+		templates     text[] NOT NULL DEFAULT '{}',
+		state         text NOT NULL DEFAULT 'ready' CHECK (state IN ('ready', 'draining', 'lost')),
+		state_reason  text NOT NULL DEFAULT '',
+		registered_at timestamptz NOT NULL DEFAULT now(),
+		heartbeat_at  timestamptz NOT NULL DEFAULT now()
+	)`,
+}

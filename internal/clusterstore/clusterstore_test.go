@@ -1,0 +1,199 @@
+package clusterstore
+
+import (
+	"context"
+	"errors"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/testenv/pgtest"
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	pgtest.StopShared()
+	os.Exit(code)
+}
+
+func open(t *testing.T) (*Store, string) {
+	t.Helper()
+	dsn := pgtest.Shared(t).NewDatabase(t)
+	s, err := Open(context.Background(), dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	return s, dsn
+}
+
+// exec runs raw SQL on the test database, as another replica or an
+// operator would.
+func exec(t *testing.T, dsn, q string, args ...any) {
+	t.Helper()
+	ctx := context.Background()
+	c, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(ctx)
+	if _, err := c.Exec(ctx, q, args...); err != nil {
+		t.Fatalf("%s: %v", q, err)
+	}
+}
+
+func TestMigrationsOnceUnderConcurrentReplicas(t *testing.T) {
+	dsn := pgtest.Shared(t).NewDatabase(t)
+	ctx := context.Background()
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	stores := make([]*Store, 4)
+	for i := range stores {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			stores[i], errs[i] = Open(ctx, dsn)
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("replica %d: %v", i, err)
+		}
+		defer stores[i].Close()
+	}
+	v, err := stores[0].SchemaVersion(ctx)
+	if err != nil || v != len(migrations) {
+		t.Fatalf("schema version %d, %v; want %d", v, err, len(migrations))
+	}
+	// Reopening applies nothing and keeps the version.
+	s, err := Open(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	var rows int
+	if err := stores[1].pool.QueryRow(ctx, `SELECT count(*) FROM space_schema`).Scan(&rows); err != nil || rows != len(migrations) {
+		t.Fatalf("space_schema has %d rows (%v), want one per migration (%d)", rows, err, len(migrations))
+	}
+}
+
+func TestNewerSchemaIsRefused(t *testing.T) {
+	_, dsn := open(t)
+	exec(t, dsn, `INSERT INTO space_schema (version) VALUES ($1)`, len(migrations)+1)
+	_, err := Open(context.Background(), dsn)
+	if !errors.Is(err, ErrSchemaTooNew) {
+		t.Fatalf("open of a newer schema: %v, want ErrSchemaTooNew", err)
+	}
+}
+
+func TestOpenRejectsBadDSN(t *testing.T) {
+	for _, dsn := range []string{"", "postgres://[::1"} {
+		if _, err := Open(context.Background(), dsn); !errors.Is(err, errdefs.ErrInvalidArgument) {
+			t.Errorf("Open(%q) = %v, want invalid argument", dsn, err)
+		}
+	}
+}
+
+func TestHeartbeatAndLost(t *testing.T) {
+	s, dsn := open(t)
+	ctx := context.Background()
+	for _, id := range []string{"n1", "n2"} {
+		if err := s.Heartbeat(ctx, NodeStatus{ID: id, Address: "https://127.0.0.1:1", MemFree: 1 << 30, CPUs: 2}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.Heartbeat(ctx, NodeStatus{ID: "n3"}); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("heartbeat without address: %v", err)
+	}
+	if err := s.Heartbeat(ctx, NodeStatus{ID: "n3", Address: "x", MemFree: -1}); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("heartbeat with negative memory: %v", err)
+	}
+	if lost, err := s.MarkLost(ctx, time.Minute); err != nil || len(lost) != 0 {
+		t.Fatalf("fresh nodes marked lost: %v %v", lost, err)
+	}
+	// n1 stops beating: its last heartbeat is 90 s old by the database clock.
+	exec(t, dsn, `UPDATE nodes SET heartbeat_at = now() - interval '90 seconds' WHERE id = 'n1'`)
+	lost, err := s.MarkLost(ctx, time.Minute)
+	if err != nil || len(lost) != 1 || lost[0] != "n1" {
+		t.Fatalf("lost = %v, %v; want [n1]", lost, err)
+	}
+	// A second caller (another replica) finds nothing new.
+	if again, err := s.MarkLost(ctx, time.Minute); err != nil || len(again) != 0 {
+		t.Fatalf("second MarkLost = %v, %v", again, err)
+	}
+	nodes, err := s.Nodes(ctx)
+	if err != nil || len(nodes) != 2 {
+		t.Fatalf("nodes %v %v", nodes, err)
+	}
+	if n := nodes[0]; n.ID != "n1" || n.State != NodeLost || n.StateReason == "" {
+		t.Fatalf("n1 = %+v, want lost with a reason", n)
+	}
+	t.Logf("reason: %s", nodes[0].StateReason)
+	if nodes[1].State != NodeReady {
+		t.Fatalf("n2 = %+v, want ready", nodes[1])
+	}
+	// n1 comes back: ready again, reason cleared.
+	if err := s.Heartbeat(ctx, NodeStatus{ID: "n1", Address: "https://127.0.0.1:1"}); err != nil {
+		t.Fatal(err)
+	}
+	nodes, _ = s.Nodes(ctx)
+	if nodes[0].State != NodeReady || nodes[0].StateReason != "" {
+		t.Fatalf("n1 after beating again = %+v", nodes[0])
+	}
+	if _, err := s.MarkLost(ctx, 0); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("zero window: %v", err)
+	}
+}
+
+func TestPlacePrefersTemplateThenFreeMemory(t *testing.T) {
+	s, dsn := open(t)
+	ctx := context.Background()
+	beat := func(id string, mem int64, templates ...string) {
+		t.Helper()
+		if err := s.Heartbeat(ctx, NodeStatus{ID: id, Address: "https://" + id, MemFree: mem, CPUs: 2, Templates: templates}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	beat("big", 8<<30)
+	beat("small-with-template", 2<<30, "sha256:aa")
+	beat("tiny-with-template", 100<<20, "sha256:aa")
+	place := func(digest string, mem int64) string {
+		t.Helper()
+		n, err := s.Place(ctx, digest, mem, time.Minute)
+		if err != nil {
+			t.Fatalf("place %s %d: %v", digest, mem, err)
+		}
+		return n.ID
+	}
+	if got := place("sha256:aa", 1<<30); got != "small-with-template" {
+		t.Fatalf("template locality: placed on %s", got)
+	}
+	if got := place("sha256:bb", 1<<30); got != "big" {
+		t.Fatalf("free memory: placed on %s", got)
+	}
+	if got := place("sha256:aa", 4<<30); got != "big" {
+		t.Fatalf("a node with the template but too little memory was chosen: %s", got)
+	}
+	if err := s.Drain(ctx, "big", "maintenance"); err != nil {
+		t.Fatal(err)
+	}
+	if got := place("sha256:bb", 1<<30); got != "small-with-template" {
+		t.Fatalf("draining node chosen: %s", got)
+	}
+	// A node that beat too long ago is not chosen even before MarkLost ran.
+	exec(t, dsn, `UPDATE nodes SET heartbeat_at = now() - interval '5 minutes' WHERE id = 'small-with-template'`)
+	if got := place("sha256:aa", 50<<20); got != "tiny-with-template" {
+		t.Fatalf("stale node chosen: %s", got)
+	}
+	if _, err := s.Place(ctx, "sha256:aa", 64<<30, time.Minute); !errors.Is(err, errdefs.ErrUnavailable) {
+		t.Fatalf("nothing fits: %v", err)
+	}
+	if err := s.Drain(ctx, "nope", ""); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("drain unknown node: %v", err)
+	}
+}

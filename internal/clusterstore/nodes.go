@@ -1,0 +1,141 @@
+package clusterstore
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/spacehq/space/internal/errdefs"
+)
+
+// Node states.
+const (
+	NodeReady    = "ready"
+	NodeDraining = "draining"
+	NodeLost     = "lost"
+)
+
+// NodeStatus is what a node reports with every heartbeat.
+type NodeStatus struct {
+	ID      string
+	Address string // the node's API, https://host:port, for replicas to proxy to
+	// MemFree is the memory the node can still give sandboxes, in bytes.
+	MemFree   int64
+	CPUs      int
+	Sandboxes int
+	// Templates are the digests of the templates the node holds, so
+	// placement can prefer a node that need not fetch one.
+	Templates []string
+}
+
+// Node is a node's row as replicas see it.
+type Node struct {
+	NodeStatus
+	State       string
+	StateReason string
+	Registered  time.Time
+	Heartbeat   time.Time
+}
+
+// Heartbeat records that the node is alive with status s, registering it on
+// first call. A node that had been marked lost and beats again is ready.
+func (s *Store) Heartbeat(ctx context.Context, st NodeStatus) error {
+	if st.ID == "" || st.Address == "" {
+		return fmt.Errorf("heartbeat needs the node's id and address: %w", errdefs.ErrInvalidArgument)
+	}
+	if st.MemFree < 0 || st.CPUs < 0 || st.Sandboxes < 0 {
+		return fmt.Errorf("heartbeat of node %q: negative capacity: %w", st.ID, errdefs.ErrInvalidArgument)
+	}
+	if st.Templates == nil {
+		st.Templates = []string{}
+	}
+	_, err := s.pool.Exec(ctx, `
+		INSERT INTO nodes (id, address, mem_free, cpus, sandboxes, templates)
+		VALUES ($1, $2, $3, $4, $5, $6)
+		ON CONFLICT (id) DO UPDATE SET
+			address = EXCLUDED.address, mem_free = EXCLUDED.mem_free, cpus = EXCLUDED.cpus,
+			sandboxes = EXCLUDED.sandboxes, templates = EXCLUDED.templates,
+			heartbeat_at = now(),
+			state = CASE WHEN nodes.state = 'draining' THEN 'draining' ELSE 'ready' END,
+			state_reason = CASE WHEN nodes.state = 'draining' THEN nodes.state_reason ELSE '' END`,
+		st.ID, st.Address, st.MemFree, st.CPUs, st.Sandboxes, st.Templates)
+	if err != nil {
+		return fmt.Errorf("heartbeat of node %q: %w", st.ID, err)
+	}
+	return nil
+}
+
+// MarkLost marks every node whose last heartbeat is older than window as
+// lost, with the reason, and returns their ids. Any replica may call it; the
+// UPDATE is atomic, so each node is reported by exactly one caller.
+func (s *Store) MarkLost(ctx context.Context, window time.Duration) ([]string, error) {
+	if window <= 0 {
+		return nil, fmt.Errorf("heartbeat window %v must be positive: %w", window, errdefs.ErrInvalidArgument)
+	}
+	rows, err := s.pool.Query(ctx, `
+		UPDATE nodes SET state = 'lost',
+			state_reason = format('no heartbeat for %s (last at %s)',
+				date_trunc('second', now() - heartbeat_at), to_char(heartbeat_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'))
+		WHERE state <> 'lost' AND heartbeat_at < now() - make_interval(secs => $1)
+		RETURNING id`, window.Seconds())
+	if err != nil {
+		return nil, fmt.Errorf("mark lost nodes: %w", err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("mark lost nodes: %w", err)
+	}
+	return ids, nil
+}
+
+// Drain stops placement on a node (its sandboxes keep running).
+func (s *Store) Drain(ctx context.Context, id, reason string) error {
+	tag, err := s.pool.Exec(ctx, `UPDATE nodes SET state = 'draining', state_reason = $2 WHERE id = $1`, id, reason)
+	if err != nil {
+		return fmt.Errorf("drain node %q: %w", id, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("node %q: %w", id, errdefs.ErrNotFound)
+	}
+	return nil
+}
+
+// Nodes lists every node, by id.
+func (s *Store) Nodes(ctx context.Context) ([]Node, error) {
+	rows, err := s.pool.Query(ctx, `SELECT id, address, mem_free, cpus, sandboxes, templates,
+		state, state_reason, registered_at, heartbeat_at FROM nodes ORDER BY id`)
+	if err != nil {
+		return nil, fmt.Errorf("list nodes: %w", err)
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (Node, error) {
+		var n Node
+		err := r.Scan(&n.ID, &n.Address, &n.MemFree, &n.CPUs, &n.Sandboxes, &n.Templates,
+			&n.State, &n.StateReason, &n.Registered, &n.Heartbeat)
+		return n, err
+	})
+}
+
+// Place picks the node for a new sandbox of template digest needing mem
+// bytes: among ready nodes that beat within window and have mem free, one
+// that holds the template first, then the one with the most free memory
+// (ties by fewest sandboxes, then id, so the choice is deterministic).
+// ErrUnavailable when none fits.
+func (s *Store) Place(ctx context.Context, digest string, mem int64, window time.Duration) (Node, error) {
+	var n Node
+	err := s.pool.QueryRow(ctx, `
+		SELECT id, address, mem_free, cpus, sandboxes, templates, state, state_reason, registered_at, heartbeat_at
+		FROM nodes
+		WHERE state = 'ready' AND heartbeat_at >= now() - make_interval(secs => $3) AND mem_free >= $2
+		ORDER BY ($1 = ANY(templates)) DESC, mem_free DESC, sandboxes, id
+		LIMIT 1`, digest, mem, window.Seconds()).Scan(&n.ID, &n.Address, &n.MemFree, &n.CPUs, &n.Sandboxes,
+		&n.Templates, &n.State, &n.StateReason, &n.Registered, &n.Heartbeat)
+	if err == pgx.ErrNoRows {
+		return Node{}, fmt.Errorf("no ready node has %d bytes free: %w", mem, errdefs.ErrUnavailable)
+	}
+	if err != nil {
+		return Node{}, fmt.Errorf("place sandbox: %w", err)
+	}
+	return n, nil
+}
