@@ -103,7 +103,9 @@ func TestBeatRefusesBadStart(t *testing.T) {
 	if _, err := WatchLost(ctx, nil, 0, nil, quiet); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("zero window: %v", err)
 	}
-	bad := func(context.Context) (clusterstore.NodeStatus, error) { return clusterstore.NodeStatus{}, errors.New("no meminfo") }
+	bad := func(context.Context) (clusterstore.NodeStatus, error) {
+		return clusterstore.NodeStatus{}, errors.New("no meminfo")
+	}
 	if _, err := Beat(ctx, nil, time.Second, bad, quiet); err == nil {
 		t.Fatal("a node whose first status fails started beating")
 	}
