@@ -112,4 +112,22 @@ var migrations = []string{
 		registered_at timestamptz NOT NULL DEFAULT now(),
 		heartbeat_at  timestamptz NOT NULL DEFAULT now()
 	)`,
+	// 2: sandboxes' desired state (written by replicas) and observed
+	// state (reported by the node that runs each).
+	`CREATE TABLE sandboxes (
+		id           text PRIMARY KEY CHECK (id <> ''),
+		node         text NOT NULL REFERENCES nodes (id),
+		tenant       text NOT NULL DEFAULT '',
+		request      jsonb NOT NULL,
+		desired      text NOT NULL CHECK (desired IN ('running', 'paused', 'suspended', 'deleted')),
+		generation   bigint NOT NULL DEFAULT 1 CHECK (generation > 0),
+		observed     bigint NOT NULL DEFAULT 0,
+		status       jsonb,
+		state        text NOT NULL DEFAULT 'creating',
+		state_reason text NOT NULL DEFAULT '',
+		created_at   timestamptz NOT NULL DEFAULT now(),
+		updated_at   timestamptz NOT NULL DEFAULT now()
+	);
+	CREATE INDEX sandboxes_by_node ON sandboxes (node, id);
+	CREATE INDEX sandboxes_by_tenant ON sandboxes (tenant, created_at)`,
 }

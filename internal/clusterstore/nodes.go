@@ -68,22 +68,33 @@ func (s *Store) Heartbeat(ctx context.Context, st NodeStatus) error {
 }
 
 // MarkLost marks every node whose last heartbeat is older than window as
-// lost, with the reason, and returns their ids. Any replica may call it; the
-// UPDATE is atomic, so each node is reported by exactly one caller.
+// lost, with the reason, and every sandbox on it that is not being deleted
+// as lost with "node <id> lost: <reason>", in one transaction; it returns
+// the nodes' ids. Any replica may call it: each node is reported by exactly
+// one caller.
 func (s *Store) MarkLost(ctx context.Context, window time.Duration) ([]string, error) {
 	if window <= 0 {
 		return nil, fmt.Errorf("heartbeat window %v must be positive: %w", window, errdefs.ErrInvalidArgument)
 	}
-	rows, err := s.pool.Query(ctx, `
-		UPDATE nodes SET state = 'lost',
-			state_reason = format('no heartbeat for %s (last at %s)',
-				date_trunc('second', now() - heartbeat_at), to_char(heartbeat_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'))
-		WHERE state <> 'lost' AND heartbeat_at < now() - make_interval(secs => $1)
-		RETURNING id`, window.Seconds())
-	if err != nil {
-		return nil, fmt.Errorf("mark lost nodes: %w", err)
-	}
-	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	var ids []string
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		rows, err := tx.Query(ctx, `
+			UPDATE nodes SET state = 'lost',
+				state_reason = format('no heartbeat for %s (last at %s)',
+					date_trunc('second', now() - heartbeat_at), to_char(heartbeat_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'))
+			WHERE state <> 'lost' AND heartbeat_at < now() - make_interval(secs => $1)
+			RETURNING id`, window.Seconds())
+		if err != nil {
+			return err
+		}
+		if ids, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil || len(ids) == 0 {
+			return err
+		}
+		_, err = tx.Exec(ctx, `
+			UPDATE sandboxes s SET state = 'lost', state_reason = format('node %s lost: %s', n.id, n.state_reason), updated_at = now()
+			FROM nodes n WHERE n.id = ANY($1) AND s.node = n.id AND s.desired <> 'deleted'`, ids)
+		return err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("mark lost nodes: %w", err)
 	}

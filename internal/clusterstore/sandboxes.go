@@ -1,0 +1,231 @@
+package clusterstore
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+)
+
+// StateLost is the state of a sandbox whose node stopped heart-beating.
+const StateLost = "lost"
+
+// Desired states a replica asks for.
+const (
+	DesiredRunning   = "running"
+	DesiredPaused    = "paused"
+	DesiredSuspended = "suspended"
+	DesiredDeleted   = "deleted"
+)
+
+// notifyChannel carries, as payload, the id of a node that has new desired
+// state to apply. One channel: node ids are data, not identifiers.
+const notifyChannel = "space_node"
+
+// Sandbox is one sandbox's row: what a replica asked for and what its node
+// last reported.
+type Sandbox struct {
+	ID      string
+	Node    string
+	Tenant  string
+	Request api.CreateSandboxRequest
+	Desired string
+	// Generation counts changes of Desired; Observed is the generation the
+	// node last applied. Generation > Observed: the node has work.
+	Generation  int64
+	Observed    int64
+	Status      *api.Sandbox // nil until the node first reports
+	State       string
+	StateReason string
+	Created     time.Time
+	Updated     time.Time
+}
+
+// AddSandbox records a new sandbox placed on node and wakes that node. An
+// id that exists is ErrConflict: a replica retrying a create it already
+// committed finds its own row instead of making a second sandbox.
+func (s *Store) AddSandbox(ctx context.Context, id, node, tenant string, req api.CreateSandboxRequest) error {
+	if id == "" || node == "" {
+		return fmt.Errorf("a sandbox row needs an id and a node: %w", errdefs.ErrInvalidArgument)
+	}
+	body, err := json.Marshal(req)
+	if err != nil {
+		return err
+	}
+	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `INSERT INTO sandboxes (id, node, tenant, request, desired) VALUES ($1, $2, $3, $4, 'running')`,
+			id, node, tenant, body); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `SELECT pg_notify($1, $2)`, notifyChannel, node)
+		return err
+	})
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &pgErr) && pgErr.Code == "23505":
+		return fmt.Errorf("sandbox %q already exists: %w", id, errdefs.ErrConflict)
+	case errors.As(err, &pgErr) && pgErr.Code == "23503":
+		return fmt.Errorf("node %q: %w", node, errdefs.ErrNotFound)
+	case err != nil:
+		return fmt.Errorf("add sandbox %q: %w", id, err)
+	}
+	return nil
+}
+
+// SetDesired changes what a sandbox should be, bumps its generation and
+// wakes its node.
+func (s *Store) SetDesired(ctx context.Context, id, desired string) error {
+	switch desired {
+	case DesiredRunning, DesiredPaused, DesiredSuspended, DesiredDeleted:
+	default:
+		return fmt.Errorf("desired state %q: want running, paused, suspended or deleted: %w", desired, errdefs.ErrInvalidArgument)
+	}
+	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		var node string
+		err := tx.QueryRow(ctx, `UPDATE sandboxes SET desired = $2, generation = generation + 1, updated_at = now()
+			WHERE id = $1 RETURNING node`, id, desired).Scan(&node)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return fmt.Errorf("sandbox %q: %w", id, errdefs.ErrNotFound)
+		}
+		if err != nil {
+			return fmt.Errorf("set desired state of %q: %w", id, err)
+		}
+		_, err = tx.Exec(ctx, `SELECT pg_notify($1, $2)`, notifyChannel, node)
+		return err
+	})
+}
+
+const sandboxColumns = `id, node, tenant, request, desired, generation, observed, status, state, state_reason, created_at, updated_at`
+
+func scanSandbox(r pgx.CollectableRow) (Sandbox, error) {
+	var sb Sandbox
+	var req, status []byte
+	if err := r.Scan(&sb.ID, &sb.Node, &sb.Tenant, &req, &sb.Desired, &sb.Generation, &sb.Observed, &status,
+		&sb.State, &sb.StateReason, &sb.Created, &sb.Updated); err != nil {
+		return Sandbox{}, err
+	}
+	if err := json.Unmarshal(req, &sb.Request); err != nil {
+		return Sandbox{}, fmt.Errorf("sandbox %s: request: %w", sb.ID, err)
+	}
+	if status != nil {
+		sb.Status = new(api.Sandbox)
+		if err := json.Unmarshal(status, sb.Status); err != nil {
+			return Sandbox{}, fmt.Errorf("sandbox %s: status: %w", sb.ID, err)
+		}
+	}
+	return sb, nil
+}
+
+// GetSandbox returns one sandbox's row.
+func (s *Store) GetSandbox(ctx context.Context, id string) (Sandbox, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes WHERE id = $1`, id)
+	if err != nil {
+		return Sandbox{}, fmt.Errorf("get sandbox %q: %w", id, err)
+	}
+	sb, err := pgx.CollectExactlyOneRow(rows, scanSandbox)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Sandbox{}, fmt.Errorf("sandbox %q: %w", id, errdefs.ErrNotFound)
+	}
+	return sb, err
+}
+
+// Pending returns the sandboxes on node whose desired state the node has
+// not applied yet (generation > observed), oldest first.
+func (s *Store) Pending(ctx context.Context, node string) ([]Sandbox, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes
+		WHERE node = $1 AND generation > observed ORDER BY created_at, id`, node)
+	if err != nil {
+		return nil, fmt.Errorf("pending sandboxes of %q: %w", node, err)
+	}
+	return pgx.CollectRows(rows, scanSandbox)
+}
+
+// OnNode returns every sandbox row placed on node (a node reconciling after
+// its restart compares them with what it runs).
+func (s *Store) OnNode(ctx context.Context, node string) ([]Sandbox, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes WHERE node = $1 ORDER BY id`, node)
+	if err != nil {
+		return nil, fmt.Errorf("sandboxes of %q: %w", node, err)
+	}
+	return pgx.CollectRows(rows, scanSandbox)
+}
+
+// Report records what node observed of sandbox id after applying
+// generation gen: its record and state. Only the node the row names may
+// report (a sandbox moved elsewhere is not overwritten by its old node), and
+// observed never goes backwards. A deleted sandbox whose deletion was
+// desired loses its row.
+func (s *Store) Report(ctx context.Context, node, id string, gen int64, status api.Sandbox) error {
+	body, err := json.Marshal(status)
+	if err != nil {
+		return err
+	}
+	if status.State == api.StateDeleted {
+		tag, err := s.pool.Exec(ctx, `DELETE FROM sandboxes WHERE id = $1 AND node = $2 AND desired = 'deleted' AND generation <= $3`, id, node, gen)
+		if err != nil {
+			return fmt.Errorf("report deletion of %q: %w", id, err)
+		}
+		if tag.RowsAffected() == 1 {
+			return nil
+		}
+	}
+	tag, err := s.pool.Exec(ctx, `UPDATE sandboxes SET status = $4, state = $5, state_reason = $6,
+			observed = greatest(observed, $3), updated_at = now()
+		WHERE id = $1 AND node = $2`, id, node, gen, body, status.State, status.Error)
+	if err != nil {
+		return fmt.Errorf("report sandbox %q: %w", id, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("sandbox %q on node %q: %w", id, node, errdefs.ErrNotFound)
+	}
+	return nil
+}
+
+// Listen calls wake each time a replica notifies node of new desired state,
+// until ctx ends; it reconnects after a lost connection and calls wake once
+// after every (re)connect, since notifications sent while it was away are
+// gone. Nodes poll Pending too: a notification is a hint, not the truth.
+func (s *Store) Listen(ctx context.Context, node string, wake func()) error {
+	for ctx.Err() == nil {
+		err := s.listenOnce(ctx, node, wake)
+		if ctx.Err() != nil {
+			break
+		}
+		_ = err // the caller's poll covers the gap; retry after a pause
+		select {
+		case <-ctx.Done():
+		case <-time.After(500 * time.Millisecond):
+		}
+	}
+	return ctx.Err()
+}
+
+func (s *Store) listenOnce(ctx context.Context, node string, wake func()) error {
+	pooled, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	// A LISTENing connection must not go back to the pool.
+	conn := pooled.Hijack()
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
+		return err
+	}
+	wake()
+	for {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
+			return err
+		}
+		if n.Payload == node {
+			wake()
+		}
+	}
+}
