@@ -205,7 +205,12 @@ func criuReason(ctx context.Context) string {
 	}
 	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, path, "check").CombinedOutput()
+	cmd := exec.CommandContext(ctx, path, "check")
+	// criu check runs `iptables -L` when iptables is installed, which
+	// resolves rule addresses through the host's resolver: in a network
+	// namespace of its own (loopback only, down) it can send nothing.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET}
+	out, err := cmd.CombinedOutput()
 	if err != nil {
 		first, _, _ := strings.Cut(strings.TrimSpace(string(out)), "\n")
 		return fmt.Sprintf("CRIU is not usable on this host (criu check fails: %s)", first)
