@@ -4,12 +4,26 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"os"
 	"path/filepath"
 )
 
 // SocketDir holds the shims' sockets: short, so every path stays far
 // below the 108-byte limit of a unix socket address.
 const SocketDir = "/run/space-shim"
+
+// SocketDirEnv, set in containerd's environment (which its shims inherit),
+// replaces SocketDir: a test's containerd keeps its shims' sockets in its
+// own directory.
+const SocketDirEnv = "SPACE_SHIM_SOCKET_DIR"
+
+// socketDir is SocketDir or $SPACE_SHIM_SOCKET_DIR.
+func socketDir() string {
+	if d := os.Getenv(SocketDirEnv); d != "" {
+		return d
+	}
+	return SocketDir
+}
 
 // maxSocketPath is the longest socket path containerd accepts (106 bytes:
 // sun_path less the NUL and some room containerd keeps).

@@ -100,11 +100,12 @@ func start(f *flags) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	sock, err := SocketPath(SocketDir, f.namespace, spec.group(f.id))
+	dir := socketDir()
+	sock, err := SocketPath(dir, f.namespace, spec.group(f.id))
 	if err != nil {
 		return "", err
 	}
-	if err := os.MkdirAll(SocketDir, 0o700); err != nil {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return "", err
 	}
 	// One start at a time per pod: the lock is the socket path + ".lock".
@@ -126,6 +127,8 @@ func start(f *flags) (string, error) {
 	if err != nil {
 		return "", err
 	}
+	// The daemon serves the socket: closing this copy must not unlink it.
+	l.(*net.UnixListener).SetUnlinkOnClose(false)
 	defer l.Close()
 	if err := os.Chmod(sock, 0o600); err != nil {
 		return "", err
