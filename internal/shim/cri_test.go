@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -203,6 +204,15 @@ func TestCRILifecycle(t *testing.T) {
 		}
 	}
 
+	t.Run("exec -i", func(t *testing.T) {
+		cmd := c.CrictlCmd("exec", "-i", cid, "sh", "-c", "tr a-z A-Z; echo done")
+		cmd.Stdin = strings.NewReader("piped input\n")
+		out, err := cmd.CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "PIPED INPUT\ndone") {
+			t.Fatalf("stdin through exec -i: %v\n%s", err, out)
+		}
+	})
+
 	t.Run("exec -it", func(t *testing.T) {
 		script, err := exec.LookPath("script")
 		testenv.Require(t, "script", err == nil, "util-linux's script drives a PTY")
@@ -275,6 +285,33 @@ func TestCRILifecycle(t *testing.T) {
 	// A whole pod round on a warm server (the template prepared: what a
 	// node pays per pod), on gvisor and on native (whose agent must honour
 	// Root too).
+	// A shim that dies (kill -9) leaves no sandbox: containerd's cleanup
+	// runs the shim binary's delete, which finds the pod's sandbox by its
+	// label and deletes it.
+	t.Run("shim killed", func(t *testing.T) {
+		pod := writeJSON(t, e.dir, "killed-pod.json", podConfig("killed", nil, logDir))
+		podID := strings.TrimSpace(c.Crictl(t, "runp", "--runtime", "space-gvisor", pod))
+		sbs := e.podSandboxes(t, podID)
+		if len(sbs) != 1 {
+			t.Fatalf("%d sandboxes for the pod", len(sbs))
+		}
+		for pid := range c.ShimProcesses() {
+			syscall.Kill(pid, syscall.SIGKILL)
+		}
+		waitFor(t, "the shim to die", 5*time.Second, func() bool { return len(c.ShimProcesses()) == 0 })
+		c.TryCrictl("stopp", podID)
+		if out, err := c.TryCrictl("rmp", podID); err != nil {
+			t.Fatalf("rmp after the shim died: %v\n%s", err, out)
+		}
+		waitFor(t, "the dead shim's sandbox to be deleted", 20*time.Second, func() bool {
+			_, err := e.client.GetSandbox(context.Background(), sbs[0].ID)
+			return err != nil
+		})
+		if m := c.Mounts(); len(m) != 0 {
+			t.Errorf("mounts left: %v", m)
+		}
+	})
+
 	// Native's first pod prepares the template's native form (seconds);
 	// the second is what a node pays per pod.
 	for i, h := range []string{"space-gvisor", "space-native", "space-native"} {
