@@ -337,8 +337,9 @@ func TestCRILifecycle(t *testing.T) {
 	})
 
 	// Native's first pod prepares the template's native form (seconds);
-	// the second is what a node pays per pod.
-	for i, h := range []string{"space-gvisor", "space-native", "space-native"} {
+	// the second is what a node pays per pod. microvm (TCG here) shows
+	// its agent honours Root too.
+	for i, h := range []string{"space-gvisor", "space-native", "space-native", "space-microvm"} {
 		t.Run(h, func(t *testing.T) {
 			took := e.lifecycle(t, h, fmt.Sprintf("%s-%d", strings.TrimPrefix(h, "space-"), i))
 			t.Logf("%s: runp → create → start → exec → logs → stop → rm → stopp → rmp: %v", h, took.Round(time.Millisecond))
