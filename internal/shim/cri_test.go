@@ -166,6 +166,22 @@ func TestCRILifecycle(t *testing.T) {
 		"command":  []string{"sh", "-c", "echo hello from space; echo to stderr >&2; cat /etc/hostname >/dev/null; exec sleep 3600"},
 		"log_path": "main.log",
 	})
+	t.Run("invalid container annotation", func(t *testing.T) {
+		bad := writeJSON(t, e.dir, "badctr.json", map[string]any{
+			"metadata":    map[string]any{"name": "bad"},
+			"image":       map[string]any{"image": busyboxImage},
+			"command":     []string{"true"},
+			"annotations": map[string]string{"space.dev/egres": "example.test"},
+		})
+		// CRI makes the task (the shim's Create) at StartContainer.
+		id := strings.TrimSpace(c.Crictl(t, "create", podID, bad, pod))
+		_, err := c.TryCrictl("start", id)
+		if err == nil || !strings.Contains(err.Error(), "space.dev/egres") {
+			t.Fatalf("start with a misspelt annotation: %v", err)
+		}
+		c.Crictl(t, "rm", id)
+	})
+
 	t0 := time.Now()
 	cid := strings.TrimSpace(c.Crictl(t, "create", podID, ctr, pod))
 	create := time.Since(t0)

@@ -166,6 +166,14 @@ func (s *Service) Create(ctx context.Context, r *taskapi.CreateTaskRequest) (*ta
 		return nil, status.Errorf(codes.FailedPrecondition, "space shim: container %s belongs to pod %s, which this shim does not serve", r.ID, spec.Annotations[criSandboxID])
 	}
 	if !t.pod {
+		// space.dev/* annotations configure the pod's sandbox; on a
+		// container (CRI copies the pod's there too) they are only checked,
+		// so a misspelt or invalid one fails the container visibly.
+		if !lone {
+			if _, err := SandboxRequest(pod.cfg, s.ns, r.ID, spec.Annotations); err != nil {
+				return nil, status.Errorf(codes.InvalidArgument, "space shim: container %s: %v", r.ID, err)
+			}
+		}
 		t.root = path.Join(ContainersDir, r.ID, "rootfs")
 		if err := s.copyRootfs(ctx, pod, r, t.root); err != nil {
 			if lone { // its sandbox goes too
