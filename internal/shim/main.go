@@ -203,7 +203,7 @@ func serve(f *flags) error {
 		}
 	}
 	svc := NewService(ctx, f.namespace, pub, log, exit)
-	srv, err := ttrpc.NewServer(ttrpc.WithServerHandshaker(ttrpc.UnixSocketRequireSameUser()))
+	srv, err := ttrpc.NewServer(ttrpc.WithServerHandshaker(ttrpc.UnixSocketRequireSameUser()), ttrpc.WithUnaryServerInterceptor(svc.RecoverInterceptor))
 	if err != nil {
 		return err
 	}
@@ -218,6 +218,7 @@ func serve(f *flags) error {
 	signal.Ignore(unix.SIGPIPE, unix.SIGHUP)
 	select {
 	case <-done:
+		log.Info("exiting: no task left after Shutdown")
 	case s := <-sigs:
 		log.Info("exiting on signal", "signal", s)
 	}

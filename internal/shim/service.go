@@ -9,6 +9,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"runtime/debug"
 	"strconv"
 	"sync"
 	"time"
@@ -16,6 +17,7 @@ import (
 	eventstypes "github.com/containerd/containerd/api/events"
 	taskapi "github.com/containerd/containerd/api/runtime/task/v2"
 	tasktypes "github.com/containerd/containerd/api/types/task"
+	"github.com/containerd/ttrpc"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -93,7 +95,21 @@ type process struct {
 	stdinFile *os.File
 	exitCode  uint32
 	exitedAt  time.Time
-	exited    chan struct{}
+	exited    chan struct{} // closed by finish, once
+}
+
+// finish records how p ended, once (a session's end and a kill before the
+// session existed may race); it reports whether this call did, with the
+// pid and time to announce. p.mu must be held.
+func (p *process) finish(code uint32) (bool, uint32, time.Time) {
+	if p.status == tasktypes.Status_STOPPED {
+		return false, 0, time.Time{}
+	}
+	p.status = tasktypes.Status_STOPPED
+	p.exitCode = code
+	p.exitedAt = time.Now()
+	close(p.exited)
+	return true, p.pid, p.exitedAt
 }
 
 func newProcess(id string, spec *ociProcess, stdin, stdout, stderr string, tty bool) *process {
@@ -103,6 +119,26 @@ func newProcess(id string, spec *ociProcess, stdin, stdout, stderr string, tty b
 // NewService returns the task service of a shim daemon for namespace ns.
 func NewService(ctx context.Context, ns string, events Publisher, log *slog.Logger, exit func()) *Service {
 	return &Service{ns: ns, events: events, log: log, exit: exit, ctx: ctx, tasks: map[string]*task{}}
+}
+
+// recoverLogged keeps a panic in one of the daemon's goroutines from
+// taking the whole pod's shim down; it logs the stack.
+func (s *Service) recoverLogged(what string) {
+	if r := recover(); r != nil {
+		s.log.Error("panic", "in", what, "panic", r, "stack", string(debug.Stack()))
+	}
+}
+
+// RecoverInterceptor turns a panic in a task API handler into an Internal
+// error (and a logged stack) instead of a dead shim.
+func (s *Service) RecoverInterceptor(ctx context.Context, unmarshal ttrpc.Unmarshaler, info *ttrpc.UnaryServerInfo, method ttrpc.Method) (resp any, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			s.log.Error("panic", "in", info.FullMethod, "panic", r, "stack", string(debug.Stack()))
+			err = status.Errorf(codes.Internal, "space shim: %s: internal error: %v", info.FullMethod, r)
+		}
+	}()
+	return method(ctx, unmarshal)
 }
 
 func notFound(what string) error { return status.Errorf(codes.NotFound, "%s: not found", what) }
@@ -402,6 +438,7 @@ func (s *Service) startProcess(ctx context.Context, t *task, p *process) error {
 // copyStdin copies CRI's stdin FIFO into the process until EOF (or
 // CloseIO), then closes the process's stdin.
 func (s *Service) copyStdin(p *process, sess *sdk.Session) {
+	defer s.recoverLogged("stdin " + p.id)
 	f, err := os.OpenFile(p.stdin, os.O_RDONLY, 0)
 	if err != nil {
 		s.log.Warn("opening stdin", "err", err)
@@ -421,6 +458,7 @@ func (s *Service) copyStdin(p *process, sess *sdk.Session) {
 
 // waitProcess records how p ended and tells containerd.
 func (s *Service) waitProcess(t *task, p *process, sess *sdk.Session, closeOut func()) {
+	defer s.recoverLogged("wait " + t.id + " " + p.id)
 	st, err := sess.Wait()
 	code := exitCode(st)
 	if err != nil {
@@ -429,15 +467,14 @@ func (s *Service) waitProcess(t *task, p *process, sess *sdk.Session, closeOut f
 	}
 	closeOut()
 	p.mu.Lock()
-	p.status = tasktypes.Status_STOPPED
-	p.exitCode = code
-	p.exitedAt = time.Now()
 	if p.stdinFile != nil {
 		p.stdinFile.Close()
 	}
-	pid, at := p.pid, p.exitedAt
-	close(p.exited)
+	ended, pid, at := p.finish(code)
 	p.mu.Unlock()
+	if !ended {
+		return
+	}
 	if st.OOMKilled {
 		s.events.Publish(TopicOOM, &eventstypes.TaskOOM{ContainerID: t.id})
 	}
@@ -597,16 +634,11 @@ func (s *Service) Kill(ctx context.Context, r *taskapi.KillRequest) (*emptypb.Em
 // pod, or a container killed before it started).
 func (s *Service) endWithoutProcess(t *task, p *process, code uint32) {
 	p.mu.Lock()
-	if p.status == tasktypes.Status_STOPPED {
-		p.mu.Unlock()
+	ended, pid, at := p.finish(code)
+	p.mu.Unlock()
+	if !ended {
 		return
 	}
-	p.status = tasktypes.Status_STOPPED
-	p.exitCode = code
-	p.exitedAt = time.Now()
-	pid, at := p.pid, p.exitedAt
-	close(p.exited)
-	p.mu.Unlock()
 	id := p.id
 	if id == "" {
 		id = t.id

@@ -229,3 +229,22 @@ func TestServiceRefusals(t *testing.T) {
 		t.Fatalf("events for tasks that were never created: %v", pub.Topics())
 	}
 }
+
+// TestProcessEndsOnce: a session's end and a kill that raced its start
+// both try to end a process; the first wins, the second is a no-op.
+func TestProcessEndsOnce(t *testing.T) {
+	p := newProcess("", &ociProcess{}, "", "", "", false)
+	p.pid = 42
+	p.mu.Lock()
+	ended, pid, _ := p.finish(137)
+	again, _, _ := p.finish(0)
+	p.mu.Unlock()
+	if !ended || again || pid != 42 || p.exitCode != 137 {
+		t.Fatalf("finish: %v %v pid %d code %d", ended, again, pid, p.exitCode)
+	}
+	select {
+	case <-p.exited:
+	default:
+		t.Fatal("exited is not closed")
+	}
+}

@@ -394,6 +394,16 @@ func (c *Containerd) Mounts() []string {
 }
 
 func (c *Containerd) teardown(t testing.TB) {
+	if t.Failed() {
+		// What the shims said (a shim that exited cleanly removed its log).
+		logs, _ := filepath.Glob(filepath.Join(c.ShimSockets, "*.log"))
+		for _, l := range logs {
+			if b, err := os.ReadFile(l); err == nil && len(b) > 0 {
+				t.Logf("containerdtest: shim log %s:\n%s", filepath.Base(l), tail(b, 8<<10))
+			}
+		}
+		t.Logf("containerdtest: containerd log (tail):\n%s", tail([]byte(c.Log()), 8<<10))
+	}
 	// Pods first, while containerd and the shims run (best effort), so
 	// the shims delete their sandboxes.
 	if c.cmd != nil {
@@ -423,6 +433,13 @@ func (c *Containerd) teardown(t testing.TB) {
 	if err := os.RemoveAll(c.Dir); err != nil {
 		t.Logf("containerdtest: removing %s: %v", c.Dir, err)
 	}
+}
+
+func tail(b []byte, n int) string {
+	if len(b) > n {
+		b = b[len(b)-n:]
+	}
+	return string(b)
 }
 
 func cgroupControllers() []string {
