@@ -232,7 +232,9 @@ func TestCRILifecycle(t *testing.T) {
 	t.Run("exec -it", func(t *testing.T) {
 		script, err := exec.LookPath("script")
 		testenv.Require(t, "script", err == nil, "util-linux's script drives a PTY")
-		cmd := exec.Command(script, "-qec", strings.Join([]string{c.CrictlCmd().Path, "--config", c.CrictlConfig, "exec", "-it", cid, "sh", "-c", "'[ -t 0 ] && [ -t 1 ] && echo in-a-tty; stty size'"}, " "), "/dev/null")
+		// script's terminal is 33x101: crictl sends that size, which
+		// reaches the process through CRI's resize and the shim's ResizePty.
+		cmd := exec.Command(script, "-qec", "stty rows 33 cols 101; "+strings.Join([]string{c.CrictlCmd().Path, "--config", c.CrictlConfig, "exec", "-it", cid, "sh", "-c", "'[ -t 0 ] && [ -t 1 ] && echo in-a-tty; sleep 0.5; stty size'"}, " "), "/dev/null")
 		// stdin stays open (no EOF for script to pass on as ^D) until
 		// the command has ended.
 		r, w, err := os.Pipe()
@@ -243,9 +245,9 @@ func TestCRILifecycle(t *testing.T) {
 		cmd.Stdin = r
 		out, err := cmd.CombinedOutput()
 		r.Close()
-		// A terminal of the size CRI gave (the container has no /dev of
-		// its own, so tty(1) cannot name it: see docs/cluster.md).
-		if err != nil || !strings.Contains(string(out), "in-a-tty") || !strings.Contains(string(out), "24 80") {
+		// A terminal of the size crictl's has (the container has no /dev
+		// of its own, so tty(1) cannot name it: see docs/cluster.md).
+		if err != nil || !strings.Contains(string(out), "in-a-tty") || !strings.Contains(string(out), "33 101") {
 			t.Fatalf("exec -it: %v\n%s", err, out)
 		}
 	})
