@@ -2,8 +2,10 @@ package kubetest
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"hash/crc32"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,6 +20,13 @@ import (
 // bridge and nothing else — not the host, not another machine. (A space
 // sandbox does not use the pod's network namespace at all: its only NIC is
 // space's own, docs/network.md.) See docs/DECISIONS.md.
+// debianCNI is where Debian's containernetworking-plugins puts them.
+const debianCNI = "/usr/lib/cni"
+
+// cniPlugins are the plugins the configuration runs (loopback: the CRI's
+// own "lo" network).
+var cniPlugins = []string{"bridge", "host-local", "loopback"}
+
 const (
 	cniConfigName = "10-space-kubetest.conflist"
 	cniSubnet     = "198.19.255.0/24" // RFC 2544 benchmarking space, as space's own link addresses
@@ -30,6 +39,18 @@ func (c *Cluster) bridgeName() string {
 }
 
 func (c *Cluster) writeCNIConfig() error {
+	if c.opts.CNIBinDir != "" {
+		for _, p := range cniPlugins {
+			src := filepath.Join(debianCNI, p)
+			if _, err := os.Stat(src); err != nil {
+				return fmt.Errorf("%w (apt-get install containernetworking-plugins; scripts/setup.sh does)", err)
+			}
+			dst := filepath.Join(c.opts.CNIBinDir, p)
+			if err := os.Symlink(src, dst); err != nil && !errors.Is(err, fs.ErrExist) {
+				return err
+			}
+		}
+	}
 	conf := map[string]any{
 		"cniVersion": "1.0.0",
 		"name":       "space-kubetest",

@@ -93,6 +93,10 @@ type Options struct {
 	// starts, so that the runtime reports its network ready and the node
 	// becomes Ready. Close removes it and its bridge.
 	CNIConfDir string
+	// CNIBinDir, when set, is the CRI's CNI plugin directory: Start links
+	// the plugins the configuration uses there from /usr/lib/cni
+	// (Debian's containernetworking-plugins).
+	CNIBinDir string
 	// Log receives one line per step with its duration (nil: none).
 	Log func(format string, args ...any)
 }
