@@ -1,8 +1,11 @@
 package kubetest
 
 import (
+	"bufio"
 	"context"
+	"fmt"
 	"os"
+	"os/exec"
 	"regexp"
 	"strings"
 	"testing"
@@ -67,4 +70,62 @@ func errString(err error) string {
 		return ""
 	}
 	return err.Error()
+}
+
+// TestKilledTestLeavesNothing starts a cluster in a child test process,
+// kills that process with SIGKILL, and checks that its components died
+// with it (Pdeathsig) and that Sweep removes what it left.
+func TestKilledTestLeavesNothing(t *testing.T) {
+	if os.Getenv("KUBETEST_CHILD") == "1" {
+		c, err := Start(context.Background(), Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Printf("DIR=%s\n", c.Dir)
+		time.Sleep(time.Minute) // killed before this ends
+		return
+	}
+	testenv.RequireRoot(t)
+	_, err := FindBinaries()
+	testenv.Require(t, "kubernetes", err == nil, errString(err))
+	cmd := exec.Command(os.Args[0], "-test.run=^TestKilledTestLeavesNothing$", "-test.v")
+	cmd.Env = append(os.Environ(), "KUBETEST_CHILD=1")
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	var dir string
+	sc := bufio.NewScanner(out)
+	for sc.Scan() {
+		if d, ok := strings.CutPrefix(sc.Text(), "DIR="); ok {
+			dir = d
+			break
+		}
+	}
+	if dir == "" {
+		t.Fatal("the child printed no cluster directory")
+	}
+	if len(testenv.ProcsNaming(dir)) < 2 {
+		t.Fatalf("etcd and kube-apiserver of %s are not running: %v", dir, testenv.ProcsNaming(dir))
+	}
+	cmd.Process.Kill()
+	cmd.Wait()
+	deadline := time.Now().Add(10 * time.Second)
+	for len(testenv.ProcsNaming(dir)) > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("processes outlived their test: %v", testenv.ProcsNaming(dir))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if _, err := os.Stat(dir); err != nil {
+		t.Fatalf("the killed test's directory is already gone: %v", err)
+	}
+	Sweep()
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("Sweep left %s: %v", dir, err)
+	}
 }
