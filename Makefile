@@ -14,6 +14,7 @@ build:
 	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-nsinit ./cmd/space-nsinit
 	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-jail ./cmd/space-jail
 	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-gateway ./cmd/space-gateway
+	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/containerd-shim-space-v2 ./cmd/containerd-shim-space-v2
 
 # Sets everything up (idempotent) and starts the server with its embedded defaults.
 run: setup

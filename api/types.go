@@ -164,16 +164,22 @@ func (o *Operation) Done() bool { return o.State == OpSucceeded || o.State == Op
 // ExecRequest is POST /v1/sandboxes/{id}/exec (synchronous) and the process
 // part of POST /v1/sandboxes/{id}/commands.
 type ExecRequest struct {
-	Cmd            []string          `json:"cmd"`
-	Env            map[string]string `json:"env,omitempty"`
-	Workdir        string            `json:"workdir,omitempty"`
-	User           string            `json:"user,omitempty"`  // "uid[:gid]" or names; default the sandbox's user, else root
-	Stdin          string            `json:"stdin,omitempty"` // sync exec only
-	TimeoutSeconds float64           `json:"timeout_seconds,omitempty"`
-	MaxOutputBytes int64             `json:"max_output_bytes,omitempty"` // sync exec only; per stream
-	TTY            bool              `json:"tty,omitempty"`              // sessions only
-	Rows           uint16            `json:"rows,omitempty"`
-	Cols           uint16            `json:"cols,omitempty"`
+	Cmd     []string          `json:"cmd"`
+	Env     map[string]string `json:"env,omitempty"`
+	Workdir string            `json:"workdir,omitempty"`
+	User    string            `json:"user,omitempty"` // "uid[:gid]" or names; default the sandbox's user, else root
+	// Root, when set, is an absolute, clean path of a directory in the
+	// sandbox that the process is chrooted into (a container image's tree:
+	// the containerd shim runs each container so). Workdir, User (from
+	// Root's /etc/passwd) and cmd[0] are then resolved inside it, and the
+	// sandbox's default workdir and user do not apply.
+	Root           string  `json:"root,omitempty"`
+	Stdin          string  `json:"stdin,omitempty"` // sync exec only
+	TimeoutSeconds float64 `json:"timeout_seconds,omitempty"`
+	MaxOutputBytes int64   `json:"max_output_bytes,omitempty"` // sync exec only; per stream
+	TTY            bool    `json:"tty,omitempty"`              // sessions only
+	Rows           uint16  `json:"rows,omitempty"`
+	Cols           uint16  `json:"cols,omitempty"`
 }
 
 // ExecResult is the synchronous exec response.

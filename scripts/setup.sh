@@ -14,7 +14,9 @@ need_root() {
 }
 need_root
 
-PKGS=(debootstrap bubblewrap e2fsprogs iproute2 tmux procps util-linux ca-certificates)
+# containerd (1.6, with its CRI plugin) and busybox-static for the shim's
+# integration test (internal/shim, internal/testenv/containerdtest).
+PKGS=(debootstrap bubblewrap e2fsprogs iproute2 tmux procps util-linux ca-certificates containerd busybox-static)
 missing=()
 for p in "${PKGS[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -26,7 +28,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 export PATH=$PATH:/usr/local/go/bin
-echo "setup: building bin/space, bin/space-server, bin/space-agent, bin/space-nsinit, bin/space-jail and bin/space-gateway"
+echo "setup: building bin/space, bin/space-server, bin/space-agent, bin/space-nsinit, bin/space-jail, bin/space-gateway and bin/containerd-shim-space-v2"
 mkdir -p bin
 CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space ./cmd/space
 go build -trimpath -o bin/space-server ./cmd/space-server
@@ -34,6 +36,7 @@ CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-agent ./cmd/space
 CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-nsinit ./cmd/space-nsinit
 CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-jail ./cmd/space-jail
 CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/space-gateway ./cmd/space-gateway
+CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/containerd-shim-space-v2 ./cmd/containerd-shim-space-v2
 
 # runsc (gVisor) for the gvisor runtime: a static build pinned to an exact
 # version. Debian's runsc is from 2022 (no systrap), and a cgo build fails
@@ -69,6 +72,18 @@ else
 	echo "setup: building bin/staticcheck (honnef.co/go/tools@$STATICCHECK_VERSION)"
 	(bin="$PWD/bin" && cd / && GOBIN="$bin" go install "honnef.co/go/tools/cmd/staticcheck@$STATICCHECK_VERSION") ||
 		{ echo "setup: building staticcheck failed" >&2; exit 1; }
+fi
+
+# crictl for the shim's integration test, pinned like staticcheck (its
+# module version is in its build info). Never talks to anything but the
+# test's own containerd socket.
+CRICTL_VERSION=v1.37.0
+if [ -x bin/crictl ] && go version -m bin/crictl 2>/dev/null | grep -qE "^[[:space:]]+mod[[:space:]]+sigs.k8s.io/cri-tools[[:space:]]+$CRICTL_VERSION([[:space:]]|\$)"; then
+	echo "setup: bin/crictl is sigs.k8s.io/cri-tools@$CRICTL_VERSION"
+else
+	echo "setup: building bin/crictl (sigs.k8s.io/cri-tools@$CRICTL_VERSION)"
+	(bin="$PWD/bin" && cd / && CGO_ENABLED=0 GOBIN="$bin" go install -trimpath "sigs.k8s.io/cri-tools/cmd/crictl@$CRICTL_VERSION") ||
+		{ echo "setup: building crictl failed" >&2; exit 1; }
 fi
 
 CACHE=${SPACE_CACHE:-/var/cache/space}

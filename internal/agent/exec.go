@@ -70,7 +70,7 @@ func (a *Agent) Exec(ctx context.Context, req *agentproto.ExecRequest) (*api.Exe
 	if req.TimeoutSeconds < 0 || math.IsNaN(req.TimeoutSeconds) || math.IsInf(req.TimeoutSeconds, 0) {
 		return nil, fmt.Errorf("timeout_seconds must be a non-negative number: %w", errdefs.ErrInvalidArgument)
 	}
-	l, err := a.prepare(req.Cmd, req.Env, req.Workdir, req.User, false)
+	l, err := a.prepare(req.Cmd, req.Env, req.Workdir, req.User, req.Root, false)
 	if err != nil {
 		return nil, err
 	}
@@ -106,7 +106,7 @@ func (a *Agent) Exec(ctx context.Context, req *agentproto.ExecRequest) (*api.Exe
 		Dir:   l.dir,
 		Env:   l.env,
 		Files: []uintptr{uintptr(stdinR), uintptr(outW), uintptr(errW)},
-		Sys:   &syscall.SysProcAttr{Setsid: true, Credential: l.cred},
+		Sys:   &syscall.SysProcAttr{Setsid: true, Credential: l.cred, Chroot: l.chroot},
 	}
 	pid, done, err := a.reaper.start(l.argv0, l.argv, attr)
 	closeFDs(stdinR, outW, errW)

@@ -131,7 +131,7 @@ func (a *Agent) startProc(id string, l *launch, tty, hold bool, rows, cols uint1
 		p.pending = &cursor{}
 		p.cursors[p.pending] = struct{}{}
 	}
-	sys := &syscall.SysProcAttr{Setsid: true, Credential: l.cred}
+	sys := &syscall.SysProcAttr{Setsid: true, Credential: l.cred, Chroot: l.chroot}
 	var files []uintptr
 	var childEnds []func()
 	if tty {
@@ -411,7 +411,7 @@ func (a *Agent) handleStartProc(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	l, err := a.prepare(req.Cmd, req.Env, req.Workdir, req.User, req.TTY)
+	l, err := a.prepare(req.Cmd, req.Env, req.Workdir, req.User, req.Root, req.TTY)
 	if err != nil {
 		writeError(w, err)
 		return

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -27,6 +28,10 @@ type launch struct {
 	env   []string
 	dir   string
 	cred  *syscall.Credential
+	// chroot, when set, is the directory (as the agent sees it) the child
+	// chroots into before it changes to dir and execs argv0; dir and argv0
+	// are then paths inside it.
+	chroot string
 }
 
 // identity is a resolved "user" field.
@@ -37,8 +42,10 @@ type identity struct {
 }
 
 // prepare validates a process request and resolves its user, environment,
-// working directory and executable.
-func (a *Agent) prepare(cmd, env []string, workdir, user string, tty bool) (*launch, error) {
+// working directory and executable. root, when set, is an absolute, clean
+// directory of the sandbox the process is chrooted into (a container's
+// image tree): user, workdir and executable are then resolved inside it.
+func (a *Agent) prepare(cmd, env []string, workdir, user, root string, tty bool) (*launch, error) {
 	if len(cmd) == 0 || cmd[0] == "" {
 		return nil, fmt.Errorf("cmd is empty: %w", errdefs.ErrInvalidArgument)
 	}
@@ -50,12 +57,23 @@ func (a *Agent) prepare(cmd, env []string, workdir, user string, tty bool) (*lau
 			return nil, fmt.Errorf("argument contains a NUL byte: %w", errdefs.ErrInvalidArgument)
 		}
 	}
-	id, err := a.resolveUser(user)
+	fsys, chroot, err := a.processRoot(root)
 	if err != nil {
 		return nil, err
 	}
+	if fsys != a.root {
+		defer fsys.close()
+	}
+	id, err := a.resolveUserIn(fsys, user)
+	if err != nil {
+		return nil, err
+	}
+	stat := os.Stat
+	if fsys != a.root {
+		stat = fsys.statPath
+	}
 
-	l := &launch{argv: cmd}
+	l := &launch{argv: cmd, chroot: chroot}
 	seen := map[string]bool{}
 	for _, kv := range env {
 		k, _, ok := strings.Cut(kv, "=")
@@ -78,7 +96,7 @@ func (a *Agent) prepare(cmd, env []string, workdir, user string, tty bool) (*lau
 	switch {
 	case workdir == "":
 		l.dir = "/"
-		if fi, err := os.Stat(id.home); err == nil && fi.IsDir() {
+		if fi, err := stat(id.home); err == nil && fi.IsDir() {
 			l.dir = id.home
 		}
 	default:
@@ -86,7 +104,7 @@ func (a *Agent) prepare(cmd, env []string, workdir, user string, tty bool) (*lau
 			return nil, fmt.Errorf("invalid workdir: %w", errdefs.ErrInvalidArgument)
 		}
 		l.dir = filepath.Join("/", workdir)
-		fi, err := os.Stat(l.dir)
+		fi, err := stat(l.dir)
 		if err != nil {
 			return nil, fmt.Errorf("workdir %q does not exist: %w", l.dir, errdefs.ErrInvalidArgument)
 		}
@@ -105,7 +123,7 @@ func (a *Agent) prepare(cmd, env []string, workdir, user string, tty bool) (*lau
 			pathEnv = v
 		}
 	}
-	l.argv0, err = lookPath(cmd[0], pathEnv, l.dir)
+	l.argv0, err = lookPath(stat, cmd[0], pathEnv, l.dir)
 	if err != nil {
 		return nil, err
 	}
@@ -113,13 +131,13 @@ func (a *Agent) prepare(cmd, env []string, workdir, user string, tty bool) (*lau
 }
 
 // lookPath finds the executable for name like execvp would.
-func lookPath(name, pathEnv, dir string) (string, error) {
+func lookPath(stat func(string) (os.FileInfo, error), name, pathEnv, dir string) (string, error) {
 	if strings.Contains(name, "/") {
 		p := name
 		if !filepath.IsAbs(p) {
 			p = filepath.Join(dir, p)
 		}
-		if err := checkExecutable(p); err != nil {
+		if err := checkExecutable(stat, p); err != nil {
 			return "", fmt.Errorf("%s: %w", name, err)
 		}
 		return p, nil
@@ -132,15 +150,15 @@ func lookPath(name, pathEnv, dir string) (string, error) {
 			d = filepath.Join(dir, d)
 		}
 		p := filepath.Join(d, name)
-		if checkExecutable(p) == nil {
+		if checkExecutable(stat, p) == nil {
 			return p, nil
 		}
 	}
 	return "", fmt.Errorf("executable %q not found in PATH: %w", truncate(name, 256), errdefs.ErrNotFound)
 }
 
-func checkExecutable(p string) error {
-	fi, err := os.Stat(p)
+func checkExecutable(stat func(string) (os.FileInfo, error), p string) error {
+	fi, err := stat(p)
 	if err != nil {
 		return fmt.Errorf("no such file: %w", errdefs.ErrNotFound)
 	}
@@ -170,7 +188,12 @@ func spawnError(argv0 string, err error) error {
 // <root>/etc/passwd and <root>/etc/group. Unknown names are an error; unknown
 // numeric ids are allowed (gid defaults to the uid, never to root's group).
 func (a *Agent) resolveUser(spec string) (*identity, error) {
-	passwd := a.readDB("etc/passwd")
+	return a.resolveUserIn(a.root, spec)
+}
+
+// resolveUserIn is resolveUser against the databases of the tree r.
+func (a *Agent) resolveUserIn(r *fsRoot, spec string) (*identity, error) {
+	passwd := readDB(r, "etc/passwd")
 	if spec == "" {
 		home := "/root"
 		if e, ok := lookupPasswd(passwd, "0"); ok && e[5] != "" {
@@ -181,7 +204,7 @@ func (a *Agent) resolveUser(spec string) (*identity, error) {
 	if len(spec) > 256 || strings.IndexByte(spec, 0) >= 0 {
 		return nil, fmt.Errorf("invalid user: %w", errdefs.ErrInvalidArgument)
 	}
-	groupDB := a.readDB("etc/group")
+	groupDB := readDB(r, "etc/group")
 	userPart, groupPart, hasGroup := strings.Cut(spec, ":")
 
 	id := &identity{home: "/"}
@@ -242,8 +265,8 @@ func parseID(s string) (uint32, error) {
 
 // readDB reads a colon-separated database (passwd, group) through the root;
 // a missing or unreadable file reads as empty.
-func (a *Agent) readDB(rel string) [][]string {
-	b, err := a.root.readSmall(rel, 4<<20)
+func readDB(r *fsRoot, rel string) [][]string {
+	b, err := r.readSmall(rel, 4<<20)
 	if err != nil {
 		return nil
 	}
@@ -288,6 +311,54 @@ func lookupGroup(db [][]string, name string) ([]string, bool) {
 		}
 	}
 	return nil, false
+}
+
+// processRoot validates a process's root ("" = the sandbox's own) and
+// opens it as the tree its user, workdir and executable are resolved in.
+// It returns a.root itself for "", else a new fsRoot the caller closes and
+// the path to chroot into. The path is resolved inside the sandbox root
+// (RESOLVE_IN_ROOT), so a symlink in it cannot lead elsewhere.
+func (a *Agent) processRoot(root string) (*fsRoot, string, error) {
+	if root == "" {
+		return a.root, "", nil
+	}
+	switch {
+	case len(root) > agentproto.MaxPathLen || strings.IndexByte(root, 0) >= 0:
+		return nil, "", fmt.Errorf("root is not a valid path: %w", errdefs.ErrInvalidArgument)
+	case !path.IsAbs(root):
+		return nil, "", fmt.Errorf("root %q is not an absolute path: %w", truncate(root, 256), errdefs.ErrInvalidArgument)
+	case path.Clean(root) != root:
+		return nil, "", fmt.Errorf("root %q is not a clean path (no \"..\", \".\", \"//\" or trailing \"/\"): %w", truncate(root, 256), errdefs.ErrInvalidArgument)
+	case root == "/":
+		return a.root, "", nil
+	}
+	fd, err := a.root.open(root[1:], unix.O_PATH|unix.O_DIRECTORY)
+	if err != nil {
+		if errors.Is(err, unix.ENOTDIR) {
+			return nil, "", fmt.Errorf("root %q is not a directory: %w", truncate(root, 256), errdefs.ErrInvalidArgument)
+		}
+		if errors.Is(err, unix.ENOENT) {
+			return nil, "", fmt.Errorf("root %q does not exist: %w", truncate(root, 256), errdefs.ErrInvalidArgument)
+		}
+		return nil, "", fsError("open root", root, err)
+	}
+	return &fsRoot{fd: fd}, filepath.Join(a.cfg.Root, root), nil
+}
+
+// statPath stats the absolute path p of the tree r, following symlinks
+// inside it.
+func (r *fsRoot) statPath(p string) (os.FileInfo, error) {
+	rel, err := cleanPath(p)
+	if err != nil {
+		return nil, err
+	}
+	fd, err := r.open(rel, unix.O_PATH)
+	if err != nil {
+		return nil, &os.PathError{Op: "stat", Path: p, Err: err}
+	}
+	f := os.NewFile(uintptr(fd), p)
+	defer f.Close()
+	return f.Stat()
 }
 
 // truncate shortens s for error messages.

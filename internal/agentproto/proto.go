@@ -78,13 +78,17 @@ type Health struct {
 // ExecRequest is a synchronous exec. Env is the complete environment
 // ("K=V"); the host has already merged sandbox and request env.
 type ExecRequest struct {
-	Cmd            []string `json:"cmd"`
-	Env            []string `json:"env"`
-	Workdir        string   `json:"workdir,omitempty"`
-	User           string   `json:"user,omitempty"` // "name", "uid" or "uid:gid"; default root
-	Stdin          []byte   `json:"stdin,omitempty"`
-	TimeoutSeconds float64  `json:"timeout_seconds,omitempty"`
-	MaxOutputBytes int64    `json:"max_output_bytes,omitempty"`
+	Cmd     []string `json:"cmd"`
+	Env     []string `json:"env"`
+	Workdir string   `json:"workdir,omitempty"`
+	User    string   `json:"user,omitempty"` // "name", "uid" or "uid:gid"; default root
+	// Root, when set, is an absolute, clean directory of the sandbox the
+	// process is chrooted into; Workdir, User (its /etc/passwd) and the
+	// executable are resolved inside it.
+	Root           string  `json:"root,omitempty"`
+	Stdin          []byte  `json:"stdin,omitempty"`
+	TimeoutSeconds float64 `json:"timeout_seconds,omitempty"`
+	MaxOutputBytes int64   `json:"max_output_bytes,omitempty"`
 }
 
 // ProcStart starts a long-lived process whose output is kept in replay
@@ -95,6 +99,7 @@ type ProcStart struct {
 	Env     []string `json:"env"`
 	Workdir string   `json:"workdir,omitempty"`
 	User    string   `json:"user,omitempty"`
+	Root    string   `json:"root,omitempty"` // as ExecRequest.Root
 	TTY     bool     `json:"tty,omitempty"`
 	Rows    uint16   `json:"rows,omitempty"`
 	Cols    uint16   `json:"cols,omitempty"`

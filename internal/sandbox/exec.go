@@ -112,10 +112,12 @@ func (m *Manager) Exec(ctx context.Context, id string, req api.ExecRequest) (api
 	}
 	defer release()
 	workdir, user := req.Workdir, req.User
-	if workdir == "" {
+	// A process chrooted into Root resolves paths and users in that tree:
+	// the sandbox's own defaults name things of the sandbox's tree.
+	if workdir == "" && req.Root == "" {
 		workdir = sb.Workdir
 	}
-	if user == "" {
+	if user == "" && req.Root == "" {
 		user = sb.User
 	}
 	if err := m.decide(ctx, sb, actions.Action{Kind: actions.Exec, Argv: req.Cmd, User: user, Cwd: workdir}); err != nil {
@@ -125,7 +127,7 @@ func (m *Manager) Exec(ctx context.Context, id string, req api.ExecRequest) (api
 	oomBefore := m.oomKills(ctx, id)
 	m.auditCommandStart(ctx, sb, "exec", "exec", req.Cmd, user, workdir, nil)
 	res, err := c.Exec(ctx, agentproto.ExecRequest{
-		Cmd: req.Cmd, Env: mergeEnv(sb.Env, req.Env), Workdir: workdir, User: user,
+		Cmd: req.Cmd, Env: mergeEnv(sb.Env, req.Env), Workdir: workdir, User: user, Root: req.Root,
 		Stdin: []byte(req.Stdin), TimeoutSeconds: req.TimeoutSeconds, MaxOutputBytes: req.MaxOutputBytes,
 	})
 	if err != nil {
@@ -176,10 +178,10 @@ func (m *Manager) CreateCommand(ctx context.Context, id string, req api.CreateCo
 	if err != nil {
 		return api.Command{}, err
 	}
-	if req.Workdir == "" {
+	if req.Workdir == "" && req.Root == "" {
 		req.Workdir = sb.Workdir
 	}
-	if req.User == "" {
+	if req.User == "" && req.Root == "" {
 		req.User = sb.User
 	}
 	token, hash := newToken()
@@ -222,7 +224,7 @@ func (m *Manager) startCommand(ctx context.Context, c *agentclient.Client, sb ap
 	m.obs.Exec("session")
 	info, err := c.StartProc(ctx, agentproto.ProcStart{
 		ID: rec.ID, Cmd: rec.Spec.Cmd, Env: mergeEnv(sb.Env, rec.Spec.Env), Workdir: rec.Spec.Workdir,
-		User: rec.Spec.User, TTY: rec.Spec.TTY, Rows: rec.Spec.Rows, Cols: rec.Spec.Cols,
+		User: rec.Spec.User, Root: rec.Spec.Root, TTY: rec.Spec.TTY, Rows: rec.Spec.Rows, Cols: rec.Spec.Cols,
 		HoldForAttach: attaching,
 	})
 	m.auditCommandStart(ctx, sb, rec.ID, commandHow(rec), rec.Spec.Cmd, rec.Spec.User, rec.Spec.Workdir, err)

@@ -246,6 +246,17 @@ func validateExec(req *api.ExecRequest) error {
 			return invalid("workdir must be an absolute path")
 		}
 	}
+	if req.Root != "" {
+		if err := validatePath("root", req.Root, false); err != nil {
+			return err
+		}
+		if !path.IsAbs(req.Root) {
+			return invalid("root must be an absolute path, got %q", truncate(req.Root, 64))
+		}
+		if path.Clean(req.Root) != req.Root {
+			return invalid("root must be a clean path (no \"..\", \".\", \"//\" or trailing \"/\"), got %q", truncate(req.Root, 64))
+		}
+	}
 	if err := ValidateUser(req.User); err != nil {
 		return err
 	}

@@ -69,7 +69,15 @@ var (
 	agentBin = &staticBinary{name: "space-agent", env: "SPACE_AGENT_BIN", pkg: "github.com/spacehq/space/cmd/space-agent"}
 	jailBin  = &staticBinary{name: "space-jail", env: "SPACE_JAIL_BIN", pkg: "github.com/spacehq/space/cmd/space-jail"}
 	gwBin    = &staticBinary{name: "space-gateway", env: "SPACE_GATEWAY_BIN", pkg: "github.com/spacehq/space/cmd/space-gateway"}
+	shimBin  = &staticBinary{name: "containerd-shim-space-v2", env: "SPACE_SHIM_BIN", pkg: "github.com/spacehq/space/cmd/containerd-shim-space-v2"}
 )
+
+// ShimBinary returns a static containerd-shim-space-v2 for tests, as
+// AgentBinary does ($SPACE_SHIM_BIN when set, else built once).
+func ShimBinary(t testing.TB) string {
+	t.Helper()
+	return shimBin.get(t)
+}
 
 // GatewayBinary returns a static space-gateway (the network gateway
 // process) for tests, as AgentBinary does ($SPACE_GATEWAY_BIN when set).

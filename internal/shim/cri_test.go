@@ -1,0 +1,273 @@
+package shim_test
+
+import (
+	"context"
+	"encoding/json"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/server"
+	"github.com/spacehq/space/internal/shim"
+	"github.com/spacehq/space/internal/testenv"
+	"github.com/spacehq/space/internal/testenv/containerdtest"
+	"github.com/spacehq/space/sdk"
+)
+
+const busyboxImage = "localhost/space/busybox:1"
+
+// criEnv is a space server, a containerd using the shim against it, and the
+// two images the tests use.
+type criEnv struct {
+	c      *containerdtest.Containerd
+	client *sdk.Client
+	dir    string
+}
+
+func startCRI(t *testing.T) *criEnv {
+	t.Helper()
+	testenv.RequireRoot(t)
+	testenv.BaseRootfs(t)
+	dir := t.TempDir()
+	data, err := os.MkdirTemp("", "space-shim-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(data) })
+	devnull, _ := os.Open(os.DevNull)
+	defer devnull.Close()
+	s, err := server.New(context.Background(), server.Config{
+		DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: testenv.AgentBinary(t), JailBinary: testenv.JailBinary(t),
+		APIKeyOut: devnull,
+		Network: server.NetworkOptions{
+			// Nothing leaves this machine: the gateway's dials are guarded
+			// and its resolver is a loopback port nobody serves.
+			DialGuard: "loopback", DNSUpstream: "127.0.0.1:9", GatewayBinary: testenv.GatewayBinary(t),
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(data, "space.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go s.HTTPServer().Serve(l)
+	keyFile := filepath.Join(dir, "key")
+	os.WriteFile(keyFile, []byte(s.APIKey()+"\n"), 0o600)
+	client, err := sdk.New("unix://"+sock, s.APIKey())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		// Whatever a failed test left: its sandboxes, then the server.
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		sbs, _ := client.ListSandboxes(ctx, sdk.ListOptions{})
+		for _, sb := range sbs {
+			if op, err := client.DeleteSandbox(ctx, sb.ID, true); err == nil {
+				client.WaitOperation(ctx, op.ID)
+			}
+		}
+		s.Close()
+		l.Close()
+	})
+	c := containerdtest.Start(t, containerdtest.Options{Server: "unix://" + sock, APIKeyFile: keyFile})
+	c.ImportImage(t, containerdtest.BusyboxImage(t, dir, containerdtest.PauseImage, []string{"sleep", "infinity"}))
+	c.ImportImage(t, containerdtest.BusyboxImage(t, dir, busyboxImage, []string{"sh"}))
+	return &criEnv{c: c, client: client, dir: dir}
+}
+
+// writeJSON writes v to dir/name and returns the path.
+func writeJSON(t *testing.T, dir, name string, v any) string {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := filepath.Join(dir, name)
+	if err := os.WriteFile(p, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func podConfig(name string, ann map[string]string, logDir string) map[string]any {
+	return map[string]any{
+		"metadata":      map[string]any{"name": name, "namespace": "default", "uid": name + "-uid", "attempt": 0},
+		"log_directory": logDir,
+		"annotations":   ann,
+		// No CNI here: host networking as far as CRI knows; the sandbox
+		// has its own NIC anyway.
+		"linux": map[string]any{"security_context": map[string]any{"namespace_options": map[string]any{"network": 2}}},
+	}
+}
+
+func (e *criEnv) podSandboxes(t *testing.T, podID string) []api.Sandbox {
+	t.Helper()
+	sbs, err := e.client.ListSandboxes(context.Background(), sdk.ListOptions{Labels: map[string]string{shim.LabelContainerdID: podID}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sbs
+}
+
+func waitFor(t *testing.T, what string, d time.Duration, ok func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !ok() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", d, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestCRILifecycle drives a pod through CRI with crictl against the real
+// containerd 1.6 and the real shim on gvisor: run, logs, exec (exit
+// codes, a TTY), stats, a containerd restart, stop and removal; the
+// space sandbox lives exactly as long as the pod and nothing is left.
+func TestCRILifecycle(t *testing.T) {
+	e := startCRI(t)
+	c := e.c
+	logDir := filepath.Join(e.dir, "logs")
+	os.MkdirAll(logDir, 0o755)
+
+	t.Run("invalid annotation", func(t *testing.T) {
+		pod := writeJSON(t, e.dir, "badpod.json", podConfig("bad", map[string]string{"space.dev/runtime": "vmware"}, logDir))
+		_, err := c.TryCrictl("runp", "--runtime", "space-gvisor", pod)
+		if err == nil || !strings.Contains(err.Error(), "space.dev/runtime") {
+			t.Fatalf("runp with a bad annotation: %v", err)
+		}
+	})
+
+	start := time.Now()
+	pod := writeJSON(t, e.dir, "pod.json", podConfig("web", map[string]string{"space.dev/egress": "example.test:443"}, logDir))
+	podID := strings.TrimSpace(c.Crictl(t, "runp", "--runtime", "space-gvisor", pod))
+	runp := time.Since(start)
+	sbs := e.podSandboxes(t, podID)
+	if len(sbs) != 1 || sbs[0].Runtime != "gvisor" || sbs[0].Labels[shim.LabelPodName] != "web" || sbs[0].Labels[shim.LabelPodNamespace] != "default" ||
+		sbs[0].Network == nil || len(sbs[0].Network.AllowOut) != 1 {
+		t.Fatalf("the pod's sandbox: %+v", sbs)
+	}
+	sbID := sbs[0].ID
+
+	ctr := writeJSON(t, e.dir, "ctr.json", map[string]any{
+		"metadata": map[string]any{"name": "main"},
+		"image":    map[string]any{"image": busyboxImage},
+		"command":  []string{"sh", "-c", "echo hello from space; echo to stderr >&2; cat /etc/hostname >/dev/null; exec sleep 3600"},
+		"log_path": "main.log",
+	})
+	t0 := time.Now()
+	cid := strings.TrimSpace(c.Crictl(t, "create", podID, ctr, pod))
+	create := time.Since(t0)
+	t0 = time.Now()
+	c.Crictl(t, "start", cid)
+	startDur := time.Since(t0)
+
+	waitFor(t, "the container's output in crictl logs", 10*time.Second, func() bool {
+		out, err := c.TryCrictl("logs", cid)
+		return err == nil && strings.Contains(out, "hello from space")
+	})
+	b, _ := os.ReadFile(filepath.Join(logDir, "main.log"))
+	if !strings.Contains(string(b), " stderr F to stderr") {
+		t.Errorf("CRI log file lacks the stderr line:\n%s", b)
+	}
+
+	t0 = time.Now()
+	out := c.Crictl(t, "exec", cid, "sh", "-c", "echo exec-out; ls /")
+	execDur := time.Since(t0)
+	if !strings.Contains(out, "exec-out") || !strings.Contains(out, "busybox") && !strings.Contains(out, "bin") {
+		t.Fatalf("exec output %q", out)
+	}
+	// The container's root is its image: no trace of the template's tree.
+	if strings.Contains(out, "usr") || strings.Contains(out, "var") {
+		t.Fatalf("the container sees more than its image at /:\n%s", out)
+	}
+	// crictl exits 1 and names the command's own code.
+	for _, c := range []struct {
+		args []string
+		want string
+	}{{[]string{"exec"}, "exit code 7"}, {[]string{"exec", "--sync"}, "exited with 7"}} {
+		cmd := e.c.CrictlCmd(append(c.args, cid, "sh", "-c", "echo bye; exit 7")...)
+		out, err := cmd.CombinedOutput()
+		if err == nil || !strings.Contains(string(out), c.want) {
+			t.Fatalf("crictl %v of exit 7: %v\n%s", c.args, err, out)
+		}
+	}
+
+	t.Run("exec -it", func(t *testing.T) {
+		script, err := exec.LookPath("script")
+		testenv.Require(t, "script", err == nil, "util-linux's script drives a PTY")
+		cmd := exec.Command(script, "-qec", strings.Join([]string{c.CrictlCmd().Path, "--config", c.CrictlConfig, "exec", "-it", cid, "sh", "-c", "'[ -t 0 ] && [ -t 1 ] && echo in-a-tty; stty size'"}, " "), "/dev/null")
+		cmd.Stdin = strings.NewReader("")
+		out, err := cmd.CombinedOutput()
+		// A terminal of the size CRI gave (the container has no /dev of
+		// its own, so tty(1) cannot name it: see docs/cluster.md).
+		if err != nil || !strings.Contains(string(out), "in-a-tty") || !strings.Contains(string(out), "24 80") {
+			t.Fatalf("exec -it: %v\n%s", err, out)
+		}
+	})
+
+	t.Run("stats", func(t *testing.T) {
+		out := c.Crictl(t, "stats", "-o", "json", cid)
+		var st struct {
+			Stats []struct {
+				CPU struct {
+					UsageCoreNanoSeconds struct{ Value string } `json:"usageCoreNanoSeconds"`
+				} `json:"cpu"`
+				Memory struct {
+					WorkingSetBytes struct{ Value string } `json:"workingSetBytes"`
+				} `json:"memory"`
+			} `json:"stats"`
+		}
+		if err := json.Unmarshal([]byte(out), &st); err != nil || len(st.Stats) != 1 {
+			t.Fatalf("stats: %v\n%s", err, out)
+		}
+		if v := st.Stats[0].Memory.WorkingSetBytes.Value; v == "" || v == "0" {
+			t.Errorf("no memory in stats:\n%s", out)
+		}
+	})
+
+	t.Run("containerd restart", func(t *testing.T) {
+		c.Restart(t)
+		out := c.Crictl(t, "inspect", "-o", "go-template", "--template", "{{.status.state}}", cid)
+		if !strings.Contains(out, "RUNNING") {
+			t.Fatalf("after a containerd restart the container is %q", out)
+		}
+		if out := c.Crictl(t, "exec", cid, "echo", "still-here"); !strings.Contains(out, "still-here") {
+			t.Fatalf("exec after restart: %q", out)
+		}
+	})
+
+	t0 = time.Now()
+	c.Crictl(t, "stop", "--timeout", "2", cid)
+	c.Crictl(t, "rm", cid)
+	c.Crictl(t, "stopp", podID)
+	c.Crictl(t, "rmp", podID)
+	teardown := time.Since(t0)
+	t.Logf("crictl: runp %v, create %v, start %v, exec %v, stop+rm+stopp+rmp %v; whole lifecycle %v",
+		runp.Round(time.Millisecond), create.Round(time.Millisecond), startDur.Round(time.Millisecond),
+		execDur.Round(time.Millisecond), teardown.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+
+	if _, err := e.client.GetSandbox(context.Background(), sbID); err == nil {
+		waitFor(t, "the pod's sandbox to go", 20*time.Second, func() bool {
+			_, err := e.client.GetSandbox(context.Background(), sbID)
+			return err != nil
+		})
+	}
+	waitFor(t, "the shim to exit", 10*time.Second, func() bool { return len(c.ShimProcesses()) == 0 })
+	ents, _ := os.ReadDir(c.ShimSockets)
+	if len(ents) != 0 {
+		t.Errorf("left in the shims' socket dir: %v", ents)
+	}
+	if m := c.Mounts(); len(m) != 0 {
+		t.Errorf("mounts left under containerd's dir: %v", m)
+	}
+}
