@@ -149,13 +149,6 @@ echo "setup: microvm kernel $MICROVM_KERNEL_DIR/boot/vmlinuz-$MICROVM_KERNEL_REL
 # A cold build takes ~8 minutes on 2 cores and needs ~5 GB of scratch (its
 # own GOCACHE and GOMODCACHE, removed afterwards); it only runs when the
 # cached build's stamp (the module files' sum and the Go version) differs.
-# The test cluster's pod network (internal/testenv/kubetest/cni.go) uses
-# Debian's CNI plugins (bridge, host-local, loopback in /usr/lib/cni).
-if ! dpkg-query -W -f='${Status}' containernetworking-plugins 2>/dev/null | grep -q "install ok installed"; then
-	echo "setup: installing containernetworking-plugins"
-	apt-get update -qq
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends containernetworking-plugins >/dev/null
-fi
 KUBE_VERSION=v1.37.2
 ETCD_VERSION=v3.7.3
 KUBE_DIR="$CACHE/kube/kubernetes-$KUBE_VERSION"
@@ -231,6 +224,33 @@ fi
 # the module cache is read-only, so make it writable before removing.
 if [ -d "$KUBE_BUILD" ]; then
 	chmod -R u+w "$KUBE_BUILD" && rm -rf "$KUBE_BUILD"
+fi
+# The test cluster's pod network (internal/testenv/kubetest/cni.go): the
+# dummy, host-local and loopback CNI plugins, pinned like the rest, into the
+# cache. Not Debian's containernetworking-plugins: it depends on iptables,
+# with which the kubelet writes KUBE-* chains into the host's firewall and
+# `criu check` (the native runtime's probe) lists rules with reverse DNS
+# lookups — packets to the host's resolver.
+CNI_VERSION=v1.10.0
+CNI_DIR="$CACHE/kube/cni-$CNI_VERSION"
+CNI_PLUGINS=(main/tap main/loopback ipam/host-local)
+cni_built() {
+	local p
+	for p in "${CNI_PLUGINS[@]}"; do
+		go version -m "$CNI_DIR/${p#*/}" 2>/dev/null | grep -qE "^[[:space:]]+mod[[:space:]]+github.com/containernetworking/plugins[[:space:]]+$CNI_VERSION([[:space:]]|\$)" || return 1
+	done
+}
+if cni_built; then
+	echo "setup: CNI plugins $CNI_VERSION are in $CNI_DIR"
+else
+	echo "setup: building CNI plugins $CNI_VERSION into $CNI_DIR"
+	pkgs=()
+	for p in "${CNI_PLUGINS[@]}"; do pkgs+=("github.com/containernetworking/plugins/plugins/$p@$CNI_VERSION"); done
+	rm -rf "$CNI_DIR.tmp" && mkdir -p "$CNI_DIR.tmp"
+	(cd / && CGO_ENABLED=0 GOBIN="$CNI_DIR.tmp" go install -trimpath -ldflags='-s -w' "${pkgs[@]}") ||
+		{ echo "setup: building the CNI plugins failed" >&2; exit 1; }
+	rm -rf "$CNI_DIR" && mv "$CNI_DIR.tmp" "$CNI_DIR"
+	cni_built || { echo "setup: $CNI_DIR does not hold github.com/containernetworking/plugins@$CNI_VERSION" >&2; exit 1; }
 fi
 for b in "${KUBE_BINS[@]}"; do ln -sfn "$KUBE_DIR/$b" "bin/$b"; done
 ln -sfn "$ETCD_DIR/etcd" bin/etcd

@@ -37,13 +37,19 @@ var kubeletSysctls = []string{
 // (hard-coded in the kubelet, unlike podLogsDir).
 const containerLogsDir = "/var/log/containers"
 
-// hostPaths are the directories the kubelet makes outside its root
-// directory whatever it is told: the container log links and the device
-// plugin registry (its socket there is hard-coded in the kubelet). Those
-// that did not exist before are removed again, deepest first. (On a
-// machine that is a real node these are that node's: kubetest is not for
-// one.)
-var hostPaths = []string{containerLogsDir, "/var/lib/kubelet", "/var/lib/kubelet/device-plugins"}
+// hostPaths are the directories made outside the cluster's directory
+// whatever they are told: by the kubelet, the container log links and the
+// device plugin registry (its socket there is hard-coded); by containerd's
+// CRI once pods have a network, libcni's result cache and the named
+// network namespaces. Those that did not exist before are removed again,
+// deepest first, once empty. (On a machine that is a real node these are
+// that node's: kubetest is not for one.)
+var hostPaths = []string{
+	containerLogsDir,
+	"/var/lib/kubelet", "/var/lib/kubelet/device-plugins",
+	"/var/lib/cni", "/var/lib/cni/results",
+	"/var/run/netns",
+}
 
 // deviceSocket is the kubelet's device plugin registration socket.
 const deviceSocket = "/var/lib/kubelet/device-plugins/kubelet.sock"
@@ -56,7 +62,6 @@ type nodeState struct {
 	CgroupRoots    []string // this cluster's cgroup root in every hierarchy
 	ContainerLinks string   // links in containerLogsDir into this prefix are ours
 	CNIConfig      string   // the pod network's config file (cni.go)
-	Bridge         string   // and its bridge device
 }
 
 func stateFile(dir string) string { return filepath.Join(dir, "node-state.json") }
@@ -86,7 +91,6 @@ func (c *Cluster) takeNodeState() error {
 	}
 	if c.opts.CNIConfDir != "" {
 		st.CNIConfig = filepath.Join(c.opts.CNIConfDir, cniConfigName)
-		st.Bridge = c.bridgeName()
 	}
 	// Written before anything is made, so a crash in between is undone.
 	b, err := json.Marshal(st)
@@ -182,11 +186,6 @@ func (st nodeState) undo() []error {
 			errs = append(errs, err)
 		}
 	}
-	if st.Bridge != "" {
-		if err := deleteLink(st.Bridge); err != nil {
-			errs = append(errs, err)
-		}
-	}
 	for k, v := range st.Sysctls {
 		cur, err := os.ReadFile("/proc/sys/" + k)
 		if err == nil && strings.TrimSpace(string(cur)) == v {
@@ -261,4 +260,18 @@ func killProcs(cg string) {
 
 func syscallFlockNB(f *os.File) error {
 	return unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+}
+
+// CgroupDirs are the cluster's cgroup root (the kubelet's cgroupRoot) in
+// every hierarchy: the kubelet's kubepods tree is below them.
+func (c *Cluster) CgroupDirs() []string {
+	b, err := os.ReadFile(stateFile(c.Dir))
+	if err != nil {
+		return nil
+	}
+	var st nodeState
+	if json.Unmarshal(b, &st) != nil {
+		return nil
+	}
+	return st.CgroupRoots
 }

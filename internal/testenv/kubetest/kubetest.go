@@ -91,11 +91,11 @@ type Options struct {
 	// CNIConfDir, when set, is the CRI's CNI configuration directory:
 	// Start writes the pod network there (cni.go) before the kubelet
 	// starts, so that the runtime reports its network ready and the node
-	// becomes Ready. Close removes it and its bridge.
+	// becomes Ready. Close removes it.
 	CNIConfDir string
 	// CNIBinDir, when set, is the CRI's CNI plugin directory: Start links
-	// the plugins the configuration uses there from /usr/lib/cni
-	// (Debian's containernetworking-plugins).
+	// the plugins the configuration uses there (built by
+	// scripts/setup.sh).
 	CNIBinDir string
 	// Log receives one line per step with its duration (nil: none).
 	Log func(format string, args ...any)
@@ -253,7 +253,7 @@ func (c *Cluster) startEtcd(ctx context.Context) error {
 	}
 	client := fmt.Sprintf("http://127.0.0.1:%d", cport)
 	peer := fmt.Sprintf("http://127.0.0.1:%d", pport)
-	p, err := c.start("etcd", c.Bin.Etcd,
+	p, err := c.start("etcd", c.Bin.Etcd, "",
 		"--name=kubetest",
 		"--data-dir="+filepath.Join(c.Dir, "etcd"),
 		"--listen-client-urls="+client, "--advertise-client-urls="+client,
@@ -286,7 +286,7 @@ func (c *Cluster) startAPIServer(ctx context.Context) error {
 		return err
 	}
 	c.Server = fmt.Sprintf("https://127.0.0.1:%d", port)
-	p, err := c.start("kube-apiserver", c.Bin.APIServer,
+	p, err := c.start("kube-apiserver", c.Bin.APIServer, "",
 		"--etcd-servers="+c.etcdURL,
 		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
 		"--secure-port="+strconv.Itoa(port),
@@ -411,7 +411,11 @@ func (c *Cluster) startKubelet(ctx context.Context) error {
 	if err := os.WriteFile(cfgFile, b, 0o600); err != nil {
 		return err
 	}
-	p, err := c.start("kubelet", c.Bin.Kubelet,
+	noFirewall, err := c.noFirewall()
+	if err != nil {
+		return err
+	}
+	p, err := c.start("kubelet", c.Bin.Kubelet, noFirewall,
 		"--config="+cfgFile,
 		"--kubeconfig="+kc,
 		"--root-dir="+filepath.Join(c.Dir, "kubelet"),
@@ -426,6 +430,30 @@ func (c *Cluster) startKubelet(ctx context.Context) error {
 		_, err := c.do(ctx, "GET", "/api/v1/nodes/"+NodeName, nil)
 		return err
 	})
+}
+
+// firewallTools are what the kubelet runs to keep its own chains in the
+// host's firewall (KUBE-FIREWALL, which drops packets to 127.0.0.0/8 from
+// elsewhere, KUBE-KUBELET-CANARY, KUBE-IPTABLES-HINT); its pods need none
+// of them here (no kube-proxy, no host ports).
+var firewallTools = []string{"iptables", "ip6tables", "iptables-save", "ip6tables-save", "iptables-restore", "ip6tables-restore"}
+
+// noFirewall makes a directory of stand-ins for firewallTools that fail,
+// put first on the kubelet's PATH: whether or not this machine has
+// iptables, the kubelet leaves its firewall alone (it logs the failure and
+// carries on, as on a host without iptables).
+func (c *Cluster) noFirewall() (string, error) {
+	dir := filepath.Join(c.Dir, "no-firewall")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", err
+	}
+	for _, t := range firewallTools {
+		script := "#!/bin/sh\necho \"kubetest: the kubelet may not change this machine's firewall\" >&2\nexit 1\n"
+		if err := os.WriteFile(filepath.Join(dir, t), []byte(script), 0o755); err != nil {
+			return "", err
+		}
+	}
+	return dir, nil
 }
 
 // WaitNodeReady waits until the node's Ready condition is True.

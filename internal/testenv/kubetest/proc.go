@@ -20,7 +20,8 @@ type proc struct {
 	err  error         // its Wait error, once done
 }
 
-func (c *Cluster) start(name, bin string, args ...string) (*proc, error) {
+// start starts a component; path is put before $PATH.
+func (c *Cluster) start(name, bin, path string, args ...string) (*proc, error) {
 	log, err := os.OpenFile(filepath.Join(c.Dir, name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return nil, err
@@ -30,20 +31,24 @@ func (c *Cluster) start(name, bin string, args ...string) (*proc, error) {
 	cmd.Dir = c.Dir
 	cmd.Stdout, cmd.Stderr = log, log
 	// No proxy, no kubeconfig or HOME of the machine's user.
-	cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "HOME=" + filepath.Join(c.Dir, "home")}
+	p := os.Getenv("PATH")
+	if path != "" {
+		p = path + ":" + p
+	}
+	cmd.Env = []string{"PATH=" + p, "HOME=" + filepath.Join(c.Dir, "home")}
 	// Its own process group (Close kills the group: anything it forked
 	// goes too), and SIGKILL when the test process dies.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}
-	p := &proc{name: name, cmd: cmd, done: make(chan struct{})}
+	pr := &proc{name: name, cmd: cmd, done: make(chan struct{})}
 	go func() {
-		p.err = cmd.Wait()
-		close(p.done)
+		pr.err = cmd.Wait()
+		close(pr.done)
 	}()
-	c.procs = append(c.procs, p)
-	return p, nil
+	c.procs = append(c.procs, pr)
+	return pr, nil
 }
 
 // stop kills p's process group and waits for p.
