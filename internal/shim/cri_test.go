@@ -3,11 +3,13 @@ package shim_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -202,6 +204,15 @@ func TestCRILifecycle(t *testing.T) {
 		}
 	}
 
+	t.Run("exec -i", func(t *testing.T) {
+		cmd := c.CrictlCmd("exec", "-i", cid, "sh", "-c", "tr a-z A-Z; echo done")
+		cmd.Stdin = strings.NewReader("piped input\n")
+		out, err := cmd.CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "PIPED INPUT\ndone") {
+			t.Fatalf("stdin through exec -i: %v\n%s", err, out)
+		}
+	})
+
 	t.Run("exec -it", func(t *testing.T) {
 		script, err := exec.LookPath("script")
 		testenv.Require(t, "script", err == nil, "util-linux's script drives a PTY")
@@ -270,4 +281,104 @@ func TestCRILifecycle(t *testing.T) {
 	if m := c.Mounts(); len(m) != 0 {
 		t.Errorf("mounts left under containerd's dir: %v", m)
 	}
+
+	// A whole pod round on a warm server (the template prepared: what a
+	// node pays per pod), on gvisor and on native (whose agent must honour
+	// Root too).
+	// A shim that dies (kill -9) leaves no sandbox: containerd's cleanup
+	// runs the shim binary's delete, which finds the pod's sandbox by its
+	// label and deletes it.
+	t.Run("shim killed", func(t *testing.T) {
+		pod := writeJSON(t, e.dir, "killed-pod.json", podConfig("killed", nil, logDir))
+		podID := strings.TrimSpace(c.Crictl(t, "runp", "--runtime", "space-gvisor", pod))
+		sbs := e.podSandboxes(t, podID)
+		if len(sbs) != 1 {
+			t.Fatalf("%d sandboxes for the pod", len(sbs))
+		}
+		for pid := range c.ShimProcesses() {
+			syscall.Kill(pid, syscall.SIGKILL)
+		}
+		waitFor(t, "the shim to die", 5*time.Second, func() bool { return len(c.ShimProcesses()) == 0 })
+		c.TryCrictl("stopp", podID)
+		if out, err := c.TryCrictl("rmp", podID); err != nil {
+			t.Fatalf("rmp after the shim died: %v\n%s", err, out)
+		}
+		waitFor(t, "the dead shim's sandbox to be deleted", 20*time.Second, func() bool {
+			_, err := e.client.GetSandbox(context.Background(), sbs[0].ID)
+			return err != nil
+		})
+		if m := c.Mounts(); len(m) != 0 {
+			t.Errorf("mounts left: %v", m)
+		}
+	})
+
+	// Native's first pod prepares the template's native form (seconds);
+	// the second is what a node pays per pod.
+	for i, h := range []string{"space-gvisor", "space-native", "space-native"} {
+		t.Run(h, func(t *testing.T) {
+			took := e.lifecycle(t, h, fmt.Sprintf("%s-%d", strings.TrimPrefix(h, "space-"), i))
+			t.Logf("%s: runp → create → start → exec → logs → stop → rm → stopp → rmp: %v", h, took.Round(time.Millisecond))
+		})
+	}
+}
+
+// lifecycle runs one pod with one container through crictl on handler
+// (runp, create, start, logs, exec, stop, rm, stopp, rmp), checks the
+// container's root is its image and the sandbox goes with the pod, and
+// returns how long the whole round took.
+func (e *criEnv) lifecycle(t *testing.T, handler, name string) time.Duration {
+	t.Helper()
+	c := e.c
+	logDir := filepath.Join(e.dir, "logs-"+name)
+	os.MkdirAll(logDir, 0o755)
+	pod := writeJSON(t, e.dir, name+"-pod.json", podConfig(name, nil, logDir))
+	ctr := writeJSON(t, e.dir, name+"-ctr.json", map[string]any{
+		"metadata": map[string]any{"name": "main"},
+		"image":    map[string]any{"image": busyboxImage},
+		"command":  []string{"sh", "-c", "echo started; exec sleep 3600"},
+		"log_path": "main.log",
+	})
+	start := time.Now()
+	var steps []string
+	step := func(name string, t0 time.Time) {
+		steps = append(steps, name+" "+time.Since(t0).Round(time.Millisecond).String())
+	}
+	t0 := time.Now()
+	podID := strings.TrimSpace(c.Crictl(t, "runp", "--runtime", handler, pod))
+	step("runp", t0)
+	t0 = time.Now()
+	cid := strings.TrimSpace(c.Crictl(t, "create", podID, ctr, pod))
+	step("create", t0)
+	t0 = time.Now()
+	c.Crictl(t, "start", cid)
+	step("start", t0)
+	t0 = time.Now()
+	out := c.Crictl(t, "exec", cid, "sh", "-c", "ls /; id -u")
+	step("exec", t0)
+	if !strings.Contains(out, "busybox") && !strings.Contains(out, "bin\n") || strings.Contains(out, "usr") {
+		t.Fatalf("%s: the container's / is not its image:\n%s", handler, out)
+	}
+	waitFor(t, "crictl logs", 10*time.Second, func() bool {
+		out, err := c.TryCrictl("logs", cid)
+		return err == nil && strings.Contains(out, "started")
+	})
+	sbs := e.podSandboxes(t, podID)
+	if len(sbs) != 1 {
+		t.Fatalf("%s: %d sandboxes for the pod", handler, len(sbs))
+	}
+	t0 = time.Now()
+	c.Crictl(t, "stop", "--timeout", "2", cid)
+	step("stop", t0)
+	t0 = time.Now()
+	c.Crictl(t, "rm", cid)
+	c.Crictl(t, "stopp", podID)
+	c.Crictl(t, "rmp", podID)
+	step("rm+stopp+rmp", t0)
+	took := time.Since(start)
+	t.Logf("%s steps: %s", handler, strings.Join(steps, ", "))
+	if len(e.podSandboxes(t, podID)) != 0 {
+		t.Fatalf("%s: the pod's sandbox outlived the pod", handler)
+	}
+	waitFor(t, "the shim to exit", 10*time.Second, func() bool { return len(c.ShimProcesses()) == 0 })
+	return took
 }

@@ -3,15 +3,19 @@ package shim
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"strings"
 	"sync"
 	"time"
 
 	eventsapi "github.com/containerd/containerd/api/services/events/v1"
+	ttrpcevents "github.com/containerd/containerd/api/services/ttrpc/events/v1"
 	"github.com/containerd/containerd/api/types"
 	"github.com/containerd/ttrpc"
 	"github.com/containerd/typeurl/v2"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
 )
 
@@ -50,6 +54,8 @@ type TTRPCPublisher struct {
 	done     chan struct{}
 	client   *ttrpc.Client
 	closeMu  sync.Once
+	log      *slog.Logger
+	v1Events bool
 }
 
 type envelopeItem struct {
@@ -60,8 +66,8 @@ type envelopeItem struct {
 
 // NewTTRPCPublisher starts a publisher for namespace ns to the ttrpc
 // socket addr (a path, or unix://path).
-func NewTTRPCPublisher(addr, ns string) *TTRPCPublisher {
-	p := &TTRPCPublisher{addr: strings.TrimPrefix(addr, "unix://"), ns: ns, q: make(chan envelopeItem, 1024), done: make(chan struct{})}
+func NewTTRPCPublisher(addr, ns string, log *slog.Logger) *TTRPCPublisher {
+	p := &TTRPCPublisher{addr: strings.TrimPrefix(addr, "unix://"), ns: ns, q: make(chan envelopeItem, 1024), done: make(chan struct{}), log: log}
 	go p.run()
 	return p
 }
@@ -93,8 +99,12 @@ func (p *TTRPCPublisher) run() {
 		// containerd may be restarting: keep trying for a while.
 		deadline := time.Now().Add(30 * time.Second)
 		for {
-			if err := p.forward(env); err == nil || time.Now().After(deadline) {
+			err := p.forward(env)
+			if err == nil || time.Now().After(deadline) {
 				break
+			}
+			if p.log != nil {
+				p.log.Debug("forwarding an event", "topic", it.topic, "err", err)
 			}
 			time.Sleep(200 * time.Millisecond)
 		}
@@ -114,7 +124,22 @@ func (p *TTRPCPublisher) forward(env *types.Envelope) error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	_, err := eventsapi.NewTTRPCEventsClient(p.client).Forward(ctx, &eventsapi.ForwardRequest{Envelope: env})
+	// containerd 1.6 serves containerd.services.events.ttrpc.v1.Events to
+	// shims; later ones may serve only containerd.services.events.v1.Events
+	// over ttrpc: the first that is not Unimplemented is kept.
+	var err error
+	if !p.v1Events {
+		_, err = ttrpcevents.NewEventsClient(p.client).Forward(ctx, &ttrpcevents.ForwardRequest{Envelope: env})
+		if status.Code(err) == codes.Unimplemented {
+			p.v1Events = true
+		}
+	}
+	if p.v1Events {
+		_, err = eventsapi.NewTTRPCEventsClient(p.client).Forward(ctx, &eventsapi.ForwardRequest{Envelope: env})
+		if status.Code(err) == codes.Unimplemented {
+			p.v1Events = false
+		}
+	}
 	if err != nil {
 		p.client.Close()
 		p.client = nil

@@ -192,7 +192,7 @@ func serve(f *flags) error {
 	if ttrpcAddr == "" {
 		ttrpcAddr = f.address + ".ttrpc"
 	}
-	pub := NewTTRPCPublisher(ttrpcAddr, f.namespace)
+	pub := NewTTRPCPublisher(ttrpcAddr, f.namespace, log)
 	done := make(chan struct{})
 	var once bool
 	exit := func() {

@@ -8,7 +8,9 @@
 //
 // Start registers the teardown: containerd and every shim it started are
 // killed, every mount under the directory is unmounted, cgroups named after
-// the CRI namespace that the run created are removed.
+// the CRI namespace that the run created are removed. With
+// SPACE_CONTAINERDTEST_KEEP=1 the directory itself is kept (containerd's
+// log, the shims' logs of those that did not exit cleanly).
 //
 //	c := containerdtest.Start(t, containerdtest.Options{Server: "unix:///…/space.sock", APIKeyFile: key})
 //	c.ImportImage(t, containerdtest.BusyboxImage(t, t.TempDir(), containerdtest.PauseImage, []string{"sleep", "infinity"}))
@@ -409,6 +411,10 @@ func (c *Containerd) teardown(t testing.TB) {
 	}
 	for _, p := range c.newCgroups {
 		removeCgroupTree(p)
+	}
+	if os.Getenv("SPACE_CONTAINERDTEST_KEEP") != "" {
+		t.Logf("containerdtest: keeping %s (SPACE_CONTAINERDTEST_KEEP)", c.Dir)
+		return
 	}
 	if err := os.RemoveAll(c.Dir); err != nil {
 		t.Logf("containerdtest: removing %s: %v", c.Dir, err)
