@@ -4,14 +4,18 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/spacehq/space/internal/testenv"
+	"github.com/spacehq/space/internal/testenv/containerdtest"
 )
 
 // The harness looks for the builds setup.sh makes: the versions must agree.
@@ -128,4 +132,80 @@ func TestKilledTestLeavesNothing(t *testing.T) {
 	if _, err := os.Stat(dir); !os.IsNotExist(err) {
 		t.Errorf("Sweep left %s: %v", dir, err)
 	}
+}
+
+// TestNodeReady is the harness's self-test with a kubelet: against
+// Debian's containerd (containerdtest; no space server needed until a pod
+// runs) the node registers and becomes Ready with the test pod network,
+// and Close puts the host back as it was.
+func TestNodeReady(t *testing.T) {
+	testenv.RequireRoot(t)
+	_, err := FindBinaries()
+	testenv.Require(t, "kubernetes", err == nil, errString(err))
+	cd := containerdtest.Start(t, containerdtest.Options{Server: "unix:///nonexistent/space.sock"})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	sysctls := readSysctls(t)
+	t0 := time.Now()
+	c, err := Start(ctx, Options{
+		CRIEndpoint: cd.Endpoint,
+		CNIConfDir:  filepath.Join(cd.Dir, "cni", "conf"),
+		CNIBinDir:   filepath.Join(cd.Dir, "cni", "bin"),
+		Log:         t.Logf,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.WaitNodeReady(ctx, time.Minute); err != nil {
+		c.Close()
+		t.Fatal(err)
+	}
+	t.Logf("node Ready %v after Start", time.Since(t0).Round(time.Millisecond))
+	out, err := c.Kubectl(ctx, "get", "node", NodeName, "-o", "jsonpath={.status.nodeInfo.kubeletVersion} {.status.nodeInfo.containerRuntimeVersion}")
+	if err != nil || !strings.HasPrefix(out, KubeVersion+" containerd://1.") {
+		t.Errorf("node info %q: %v", out, err)
+	}
+	roots := c.CgroupDirs()
+	if len(roots) == 0 {
+		t.Error("no cgroup roots recorded")
+	}
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range roots {
+		if _, err := os.Stat(r); !os.IsNotExist(err) {
+			t.Errorf("cgroup %s left: %v", r, err)
+		}
+	}
+	if after := readSysctls(t); !maps.Equal(after, sysctls) {
+		t.Errorf("kernel settings %v, were %v", after, sysctls)
+	}
+	for _, p := range hostPaths {
+		if _, err := os.Stat(p); err == nil && !slices.Contains(preexisting, p) {
+			t.Errorf("%s left", p)
+		}
+	}
+}
+
+// preexisting are the hostPaths there before this test binary ran.
+var preexisting = func() []string {
+	var out []string
+	for _, p := range hostPaths {
+		if _, err := os.Stat(p); err == nil {
+			out = append(out, p)
+		}
+	}
+	return out
+}()
+
+func readSysctls(t *testing.T) map[string]string {
+	m := map[string]string{}
+	for _, k := range kubeletSysctls {
+		b, err := os.ReadFile("/proc/sys/" + k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m[k] = strings.TrimSpace(string(b))
+	}
+	return m
 }
