@@ -13,14 +13,15 @@ import (
 
 // The pod network. The kubelet reports its node Ready only when the CRI
 // reports its network ready, and containerd does so only with a CNI
-// configuration. This one gives each pod's network namespace a `dummy`
-// eth0 with an address from host-local: no host-side device, no route, no
-// bridge, no firewall rule — a pod's packets to anything but itself go
-// nowhere, and nothing is left on the host when the namespace goes. (A
-// space sandbox does not use the pod's network namespace at all: its only
-// NIC is space's own, docs/network.md.) The plugins are built by
-// scripts/setup.sh from github.com/containernetworking/plugins (CNIVersion),
-// not Debian's package, which depends on iptables. See docs/DECISIONS.md.
+// configuration. This one gives each pod's network namespace an eth0 that
+// is a TAP device existing only in that namespace (the `tap` plugin), with
+// an address from host-local: no host-side device, no route, no bridge, no
+// firewall rule — a pod's packets to anything but itself go nowhere, and
+// nothing is left on the host when the namespace goes. (A space sandbox
+// does not use the pod's network namespace at all: its only NIC is space's
+// own, docs/network.md.) The plugins are built by scripts/setup.sh from
+// github.com/containernetworking/plugins (CNIVersion), not Debian's
+// package, which depends on iptables. See docs/DECISIONS.md.
 const (
 	CNIVersion    = "v1.10.0"
 	cniConfigName = "10-space-kubetest.conflist"
