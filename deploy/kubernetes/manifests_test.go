@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spacehq/space/internal/shim"
 	"github.com/spacehq/space/internal/testenv"
 	"github.com/spacehq/space/internal/testenv/kubetest"
 )
@@ -179,8 +180,8 @@ func TestInstallScript(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	shim := filepath.Join(dir, "shim")
-	if err := os.WriteFile(shim, []byte("#!/bin/sh\n"), 0o600); err != nil {
+	shimBin := filepath.Join(dir, "shim")
+	if err := os.WriteFile(shimBin, []byte("#!/bin/sh\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	mainCfg := filepath.Join(host, "etc/containerd/config.toml")
@@ -188,7 +189,7 @@ func TestInstallScript(t *testing.T) {
 		t.Fatal(err)
 	}
 	cmd := exec.Command("sh", filepath.Join(cfg, "install.sh"))
-	cmd.Env = append(os.Environ(), "HOST="+host, "SHIM="+shim, "CONFIG="+cfg)
+	cmd.Env = append(os.Environ(), "HOST="+host, "SHIM="+shimBin, "CONFIG="+cfg)
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		t.Fatalf("install.sh: %v\n%s", err, out)
@@ -206,6 +207,26 @@ func TestInstallScript(t *testing.T) {
 			t.Error(err)
 		} else if st.Mode().Perm() != mode {
 			t.Errorf("%s: mode %v, want %v", p, st.Mode().Perm(), mode)
+		}
+	}
+	// The shim itself accepts the configs it is given (with the key file
+	// they name standing in).
+	for _, h := range handlers {
+		b, _ := os.ReadFile(filepath.Join(host, "etc/space/shim", h+".json"))
+		var cfg struct{ APIKeyFile string `json:"api_key_file"` }
+		if err := json.Unmarshal(b, &cfg); err != nil {
+			t.Fatalf("%s.json: %v", h, err)
+		}
+		key := filepath.Join(dir, "api-key")
+		os.WriteFile(key, []byte("k\n"), 0o600)
+		b = []byte(strings.Replace(string(b), cfg.APIKeyFile, key, 1))
+		p := filepath.Join(dir, h+".json")
+		os.WriteFile(p, b, 0o600)
+		c, err := shim.LoadConfig(p)
+		if err != nil {
+			t.Errorf("the shim refuses %s.json: %v", h, err)
+		} else if want := map[string]string{"space": "auto", "space-gvisor": "gvisor", "space-microvm": "microvm", "space-native": "native"}[h]; c.Runtime != want {
+			t.Errorf("%s.json asks for runtime %q, want %q", h, c.Runtime, want)
 		}
 	}
 	// A second run (a DaemonSet pod restarted) replaces the files.
