@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"syscall"
 	"time"
@@ -39,7 +40,7 @@ func (c *Cluster) start(name, bin, path string, args ...string) (*proc, error) {
 	// Its own process group (Close kills the group: anything it forked
 	// goes too), and SIGKILL when the test process dies.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
+	if err := startOnSpawner(cmd); err != nil {
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}
 	pr := &proc{name: name, cmd: cmd, done: make(chan struct{})}
@@ -65,6 +66,28 @@ func (p *proc) stop() {
 	// Children that left the group would have been reparented; a
 	// component's forks (mount, nsenter) are short and in its group.
 	syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
+}
+
+// Pdeathsig fires when the thread that forked the child exits, not the
+// process: a component started from a goroutine whose locked OS thread
+// later ends (code that leaves a thread in another namespace lets it die)
+// would be killed under the test. So every component is forked from one
+// goroutine that holds its thread for the life of the test process.
+var spawn = make(chan func())
+
+func init() {
+	go func() {
+		runtime.LockOSThread() // never unlocked: this thread never exits
+		for f := range spawn {
+			f()
+		}
+	}()
+}
+
+func startOnSpawner(cmd *exec.Cmd) error {
+	errc := make(chan error, 1)
+	spawn <- func() { errc <- cmd.Start() }
+	return <-errc
 }
 
 // waitFor polls check every 50 ms until it succeeds, p (when not nil)
