@@ -23,7 +23,7 @@ run: setup
 # Sets everything up (idempotent), lints (go vet, staticcheck) and runs the
 # whole test suite.
 test: lint
-	SPACE_CI=$${SPACE_CI:-0} SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent SPACE_JAIL_BIN=$(CURDIR)/bin/space-jail SPACE_GATEWAY_BIN=$(CURDIR)/bin/space-gateway go test -p 1 -timeout 15m -count=1 ./...
+	SPACE_CI=$${SPACE_CI:-0} SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent SPACE_JAIL_BIN=$(CURDIR)/bin/space-jail SPACE_GATEWAY_BIN=$(CURDIR)/bin/space-gateway SPACE_SHIM_BIN=$(CURDIR)/bin/containerd-shim-space-v2 go test -p 1 -timeout 15m -count=1 ./...
 
 # Benchmarks (not part of `make test`): p50/p99 over 200 iterations with the
 # raw tool in the same run, then the idle-density run (SPACE_BENCH_IDLE sandboxes).

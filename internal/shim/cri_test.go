@@ -166,6 +166,22 @@ func TestCRILifecycle(t *testing.T) {
 		"command":  []string{"sh", "-c", "echo hello from space; echo to stderr >&2; cat /etc/hostname >/dev/null; exec sleep 3600"},
 		"log_path": "main.log",
 	})
+	t.Run("invalid container annotation", func(t *testing.T) {
+		bad := writeJSON(t, e.dir, "badctr.json", map[string]any{
+			"metadata":    map[string]any{"name": "bad"},
+			"image":       map[string]any{"image": busyboxImage},
+			"command":     []string{"true"},
+			"annotations": map[string]string{"space.dev/egres": "example.test"},
+		})
+		// CRI makes the task (the shim's Create) at StartContainer.
+		id := strings.TrimSpace(c.Crictl(t, "create", podID, bad, pod))
+		_, err := c.TryCrictl("start", id)
+		if err == nil || !strings.Contains(err.Error(), "space.dev/egres") {
+			t.Fatalf("start with a misspelt annotation: %v", err)
+		}
+		c.Crictl(t, "rm", id)
+	})
+
 	t0 := time.Now()
 	cid := strings.TrimSpace(c.Crictl(t, "create", podID, ctr, pod))
 	create := time.Since(t0)
@@ -217,8 +233,16 @@ func TestCRILifecycle(t *testing.T) {
 		script, err := exec.LookPath("script")
 		testenv.Require(t, "script", err == nil, "util-linux's script drives a PTY")
 		cmd := exec.Command(script, "-qec", strings.Join([]string{c.CrictlCmd().Path, "--config", c.CrictlConfig, "exec", "-it", cid, "sh", "-c", "'[ -t 0 ] && [ -t 1 ] && echo in-a-tty; stty size'"}, " "), "/dev/null")
-		cmd.Stdin = strings.NewReader("")
+		// stdin stays open (no EOF for script to pass on as ^D) until
+		// the command has ended.
+		r, w, err := os.Pipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer w.Close()
+		cmd.Stdin = r
 		out, err := cmd.CombinedOutput()
+		r.Close()
 		// A terminal of the size CRI gave (the container has no /dev of
 		// its own, so tty(1) cannot name it: see docs/cluster.md).
 		if err != nil || !strings.Contains(string(out), "in-a-tty") || !strings.Contains(string(out), "24 80") {
@@ -243,6 +267,22 @@ func TestCRILifecycle(t *testing.T) {
 		}
 		if v := st.Stats[0].Memory.WorkingSetBytes.Value; v == "" || v == "0" {
 			t.Errorf("no memory in stats:\n%s", out)
+		}
+	})
+
+	// CRI never pauses; containerd's task API does (ctr tasks pause): the
+	// pod's sandbox is paused and resumed with it.
+	t.Run("pause and resume", func(t *testing.T) {
+		c.Ctr(t, "tasks", "pause", cid)
+		if sb, err := e.client.GetSandbox(context.Background(), sbID); err != nil || sb.State != api.StatePaused {
+			t.Fatalf("after pause the sandbox is %+v (%v)", sb, err)
+		}
+		if out := c.Ctr(t, "tasks", "ls"); !strings.Contains(out, "PAUSED") {
+			t.Errorf("ctr tasks ls does not show the task paused:\n%s", out)
+		}
+		c.Ctr(t, "tasks", "resume", cid)
+		if out := c.Crictl(t, "exec", cid, "echo", "resumed"); !strings.Contains(out, "resumed") {
+			t.Fatalf("exec after resume: %q", out)
 		}
 	})
 
@@ -313,8 +353,9 @@ func TestCRILifecycle(t *testing.T) {
 	})
 
 	// Native's first pod prepares the template's native form (seconds);
-	// the second is what a node pays per pod.
-	for i, h := range []string{"space-gvisor", "space-native", "space-native"} {
+	// the second is what a node pays per pod. microvm (TCG here) shows
+	// its agent honours Root too.
+	for i, h := range []string{"space-gvisor", "space-native", "space-native", "space-microvm"} {
 		t.Run(h, func(t *testing.T) {
 			took := e.lifecycle(t, h, fmt.Sprintf("%s-%d", strings.TrimPrefix(h, "space-"), i))
 			t.Logf("%s: runp → create → start → exec → logs → stop → rm → stopp → rmp: %v", h, took.Round(time.Millisecond))

@@ -160,7 +160,7 @@ func start(f *flags) (string, error) {
 		os.Remove(sock)
 		return "", fmt.Errorf("starting the shim daemon: %w", err)
 	}
-	go cmd.Wait() // not waited for: start exits while the daemon serves
+	cmd.Process.Release() // start exits while the daemon serves
 	return addr, writeAddress(bundle, addr)
 }
 

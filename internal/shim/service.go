@@ -64,6 +64,7 @@ type podState struct {
 	sandboxID string
 	client    *sdk.Client
 	cfg       *Config
+	paused    bool // by Pause, until Resume (under Service.mu)
 }
 
 // task is a pod task or a container task.
@@ -165,6 +166,14 @@ func (s *Service) Create(ctx context.Context, r *taskapi.CreateTaskRequest) (*ta
 		return nil, status.Errorf(codes.FailedPrecondition, "space shim: container %s belongs to pod %s, which this shim does not serve", r.ID, spec.Annotations[criSandboxID])
 	}
 	if !t.pod {
+		// space.dev/* annotations configure the pod's sandbox; on a
+		// container (CRI copies the pod's there too) they are only checked,
+		// so a misspelt or invalid one fails the container visibly.
+		if !lone {
+			if _, err := SandboxRequest(pod.cfg, s.ns, r.ID, spec.Annotations); err != nil {
+				return nil, status.Errorf(codes.InvalidArgument, "space shim: container %s: %v", r.ID, err)
+			}
+		}
 		t.root = path.Join(ContainersDir, r.ID, "rootfs")
 		if err := s.copyRootfs(ctx, pod, r, t.root); err != nil {
 			if lone { // its sandbox goes too
@@ -691,17 +700,10 @@ func (s *Service) Pids(ctx context.Context, r *taskapi.PidsRequest) (*taskapi.Pi
 	return &taskapi.PidsResponse{Processes: out}, nil
 }
 
-var paused sync.Map // sandbox id → true while paused (this process)
-
 func (s *Service) podPaused() bool {
 	s.mu.Lock()
-	pod := s.pod
-	s.mu.Unlock()
-	if pod == nil {
-		return false
-	}
-	_, ok := paused.Load(pod.sandboxID)
-	return ok
+	defer s.mu.Unlock()
+	return s.pod != nil && s.pod.paused
 }
 
 // Pause pauses the pod's sandbox: every container of the pod with it.
@@ -732,11 +734,12 @@ func (s *Service) lifecycle(ctx context.Context, id string, pause bool) (*emptyp
 	if err != nil {
 		return nil, status.Errorf(codes.Unknown, "space shim: %v", err)
 	}
+	s.mu.Lock()
+	pod.paused = pause
+	s.mu.Unlock()
 	if pause {
-		paused.Store(pod.sandboxID, true)
 		s.events.Publish(TopicPaused, &eventstypes.TaskPaused{ContainerID: id})
 	} else {
-		paused.Delete(pod.sandboxID)
 		s.events.Publish(TopicResumed, &eventstypes.TaskResumed{ContainerID: id})
 	}
 	return &emptypb.Empty{}, nil

@@ -64,6 +64,9 @@ type Options struct {
 	DefaultRuntime string
 	// Shim is the shim binary (default testenv.ShimBinary).
 	Shim string
+	// ExtraConfig is TOML appended to containerd's config (tables the
+	// generated config does not already define).
+	ExtraConfig string
 }
 
 // Containerd is one running test containerd.
@@ -168,8 +171,9 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = %q
+%s
 %s`, filepath.Join(c.Dir, "root"), filepath.Join(c.Dir, "state"), c.Socket, PauseImage,
-		filepath.Join(c.Dir, "cni/bin"), filepath.Join(c.Dir, "cni/conf"), def, rt.String())
+		filepath.Join(c.Dir, "cni/bin"), filepath.Join(c.Dir, "cni/conf"), def, rt.String(), o.ExtraConfig)
 	c.ConfigFile = filepath.Join(c.Dir, "config.toml")
 	if err := os.WriteFile(c.ConfigFile, []byte(config), 0o600); err != nil {
 		t.Fatal(err)
