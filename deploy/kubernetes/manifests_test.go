@@ -213,7 +213,9 @@ func TestInstallScript(t *testing.T) {
 	// they name standing in).
 	for _, h := range handlers {
 		b, _ := os.ReadFile(filepath.Join(host, "etc/space/shim", h+".json"))
-		var cfg struct{ APIKeyFile string `json:"api_key_file"` }
+		var cfg struct {
+			APIKeyFile string `json:"api_key_file"`
+		}
 		if err := json.Unmarshal(b, &cfg); err != nil {
 			t.Fatalf("%s.json: %v", h, err)
 		}
