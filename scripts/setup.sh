@@ -166,7 +166,7 @@ kube_built() { # dir module-dir main-module version binaries...
 	done
 }
 kube_go() { # module-dir, then go arguments: a build in its own caches
-	(cd "$1" && shift && CGO_ENABLED=0 GOFLAGS=-mod=readonly GOTOOLCHAIN=local \
+	(cd "$1" && shift && CGO_ENABLED=0 GOFLAGS="-mod=readonly -buildvcs=false" GOTOOLCHAIN=local \
 		GOCACHE="$KUBE_BUILD/gocache" GOMODCACHE="$KUBE_BUILD/mod" go "$@")
 }
 kube_scratch() {
