@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 
 	runtimeoptions "github.com/containerd/containerd/api/types/runtimeoptions/v1"
@@ -31,6 +32,11 @@ type Config struct {
 	// Template is the sandbox template (default "base:latest"); the pod's
 	// space.dev/template annotation overrides.
 	Template string `json:"template,omitempty"`
+	// AllowedRuntimes are the runtimes a pod's space.dev/runtime annotation
+	// may choose. Default: only Runtime itself — a RuntimeClass is the
+	// cluster admin's choice of isolation, and a pod author must not turn
+	// space-gvisor into native with an annotation.
+	AllowedRuntimes []string `json:"allowed_runtimes,omitempty"`
 
 	apiKey string
 	path   string
@@ -67,6 +73,11 @@ func LoadConfig(path string) (*Config, error) {
 	if c.Template == "" {
 		c.Template = "base:latest"
 	}
+	for _, r := range c.AllowedRuntimes {
+		if !validRuntime(r) {
+			return nil, fmt.Errorf("space shim: config %s: allowed_runtimes: %q is not one of %s", path, r, strings.Join(Runtimes, ", "))
+		}
+	}
 	if c.APIKeyFile != "" {
 		k, err := os.ReadFile(c.APIKeyFile)
 		if err != nil {
@@ -75,6 +86,14 @@ func LoadConfig(path string) (*Config, error) {
 		c.apiKey = strings.TrimSpace(string(k))
 	}
 	return &c, nil
+}
+
+// allowedRuntimes is AllowedRuntimes, or the configured runtime alone.
+func (c *Config) allowedRuntimes() []string {
+	if len(c.AllowedRuntimes) > 0 {
+		return c.AllowedRuntimes
+	}
+	return []string{c.Runtime}
 }
 
 func validRuntime(r string) bool {
@@ -151,6 +170,9 @@ func SandboxRequest(c *Config, ns, id string, ann map[string]string) (api.Create
 		case AnnotationRuntime:
 			if !validRuntime(v) {
 				return req, fmt.Errorf("annotation %s=%q: runtime must be one of %s", k, v, strings.Join(Runtimes, ", "))
+			}
+			if allowed := c.allowedRuntimes(); !slices.Contains(allowed, v) {
+				return req, fmt.Errorf("annotation %s=%q: this RuntimeClass allows %s (the shim config's allowed_runtimes)", k, v, strings.Join(allowed, ", "))
 			}
 			req.Runtime = v
 		case AnnotationTemplate:

@@ -63,6 +63,16 @@ func TestSandboxRequestAnnotations(t *testing.T) {
 		req.Labels[LabelContainerdID] != "pod1" || req.Labels[LabelContainerdNS] != "k8s.io" {
 		t.Fatalf("request %+v", req)
 	}
+	// A space-gvisor handler's pod cannot pick native by annotation unless
+	// the handler's config allows it.
+	if _, err := SandboxRequest(cfg, "k8s.io", "pod1", map[string]string{AnnotationRuntime: "native"}); err == nil ||
+		!strings.Contains(err.Error(), "allowed_runtimes") || !strings.Contains(err.Error(), AnnotationRuntime) {
+		t.Fatalf("annotation chose a runtime the handler does not allow: %v", err)
+	}
+	if req, err := SandboxRequest(cfg, "k8s.io", "pod1", map[string]string{AnnotationRuntime: "gvisor"}); err != nil || req.Runtime != "gvisor" {
+		t.Fatalf("annotation restating the handler's runtime: %+v %v", req, err)
+	}
+	cfg.AllowedRuntimes = []string{"gvisor", "native"}
 	req, err = SandboxRequest(cfg, "k8s.io", "pod1", map[string]string{AnnotationRuntime: "native", AnnotationTemplate: "tiny:1", AnnotationEgress: "pypi.org, *.github.com:443,10.1.0.0/16"})
 	if err != nil {
 		t.Fatal(err)
@@ -246,5 +256,21 @@ func TestProcessEndsOnce(t *testing.T) {
 	case <-p.exited:
 	default:
 		t.Fatal("exited is not closed")
+	}
+}
+
+func TestLoadConfigChecksAllowedRuntimes(t *testing.T) {
+	dir := t.TempDir()
+	for body, want := range map[string]string{
+		`{"server": "http://127.0.0.1:1", "runtime": "gvisor", "allowed_runtimes": ["gvisor", "xen"]}`: `allowed_runtimes: "xen"`,
+		`{"server": "http://127.0.0.1:1", "runtime": "gvisor", "allowed_runtime": ["native"]}`:         `unknown field`,
+	} {
+		p := filepath.Join(dir, "c.json")
+		if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := LoadConfig(p); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("config %s: error %v, want %q", body, err, want)
+		}
 	}
 }
