@@ -42,6 +42,16 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 
 func exists(p string) bool { _, err := os.Lstat(p); return err == nil }
 
+// accepting reports whether a unix socket takes connections: its file
+// appears at bind, a moment before listen (CI once dialled in between).
+func accepting(sock string) bool {
+	c, err := net.Dial("unix", sock)
+	if err == nil {
+		c.Close()
+	}
+	return err == nil
+}
+
 // TestQuiesceAndResume: a quiesce answers 204, then ends every host
 // session and removes the socket; nothing can connect until the resume
 // marker appears; then the agent listens again with its processes intact,
@@ -63,7 +73,7 @@ func TestQuiesceAndResume(t *testing.T) {
 	defer cancel()
 	served := make(chan error, 1)
 	go func() { served <- a.serveSocket(ctx, sock) }()
-	waitFor(t, "socket", func() bool { return exists(sock) })
+	waitFor(t, "socket", func() bool { return accepting(sock) })
 
 	c1, c2 := dialAgent(t, sock), dialAgent(t, sock)
 	if _, err := c1.StartProc(ctx, agentproto.ProcStart{ID: "sleeper", Cmd: []string{"sleep", "60"}}); err != nil {
@@ -97,7 +107,7 @@ func TestQuiesceAndResume(t *testing.T) {
 		if err := os.WriteFile(marker, nil, 0o600); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, "listening again", func() bool { return exists(sock) })
+		waitFor(t, "listening again", func() bool { return accepting(sock) })
 		t.Logf("round %d: marker → listening in %v", round, time.Since(t0))
 		c1 = dialAgent(t, sock)
 		c2 = dialAgent(t, sock)
