@@ -34,6 +34,9 @@ func Beat(ctx context.Context, s Store, interval time.Duration, status StatusFun
 	if interval <= 0 {
 		return nil, fmt.Errorf("heartbeat interval %v must be positive: %w", interval, errdefs.ErrInvalidArgument)
 	}
+	if log == nil {
+		log = slog.Default()
+	}
 	beat := func() error {
 		st, err := status(ctx)
 		if err != nil {
@@ -69,6 +72,9 @@ func Beat(ctx context.Context, s Store, interval time.Duration, status StatusFun
 func WatchLost(ctx context.Context, s Store, window time.Duration, onLost func([]string), log *slog.Logger) (<-chan struct{}, error) {
 	if window <= 0 {
 		return nil, fmt.Errorf("heartbeat window %v must be positive: %w", window, errdefs.ErrInvalidArgument)
+	}
+	if log == nil {
+		log = slog.Default()
 	}
 	done := make(chan struct{})
 	go func() {

@@ -103,7 +103,7 @@ type pools struct {
 }
 
 func newPools(m *Manager) *pools {
-	return &pools{m: m, byID: map[string]*pool{}, fillSem: make(chan struct{}, 1), memAvailable: hostMemAvailable}
+	return &pools{m: m, byID: map[string]*pool{}, fillSem: make(chan struct{}, 1), memAvailable: HostMemAvailable}
 }
 
 var poolSchema = []string{`
@@ -738,8 +738,8 @@ func (ps *pools) reconcileMember(ctx context.Context, sb api.Sandbox) {
 	ps.destroy(sb.ID, "reconcile")
 }
 
-// hostMemAvailable reads MemAvailable from /proc/meminfo, in bytes.
-func hostMemAvailable() (int64, error) {
+// HostMemAvailable reads MemAvailable from /proc/meminfo, in bytes.
+func HostMemAvailable() (int64, error) {
 	f, err := os.Open("/proc/meminfo")
 	if err != nil {
 		return 0, err

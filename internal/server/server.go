@@ -90,6 +90,9 @@ type Config struct {
 	// PoolMemFloor is the host MemAvailable (bytes) under which warm pools
 	// stop filling and shed idle members (0: 1 GiB).
 	PoolMemFloor int64
+	// Cluster makes the server a node of a cluster (cluster.go); the zero
+	// value is the single box.
+	Cluster ClusterNodeOptions
 }
 
 // Server is a running space server (store, manager, HTTP handler).
@@ -404,6 +407,9 @@ func Listen(addr string) (net.Listener, error) {
 // Run serves until ctx is cancelled.
 func Run(ctx context.Context, cfg Config) error {
 	cfg.defaults()
+	if err := cfg.Cluster.check(); err != nil {
+		return err
+	}
 	s, err := New(ctx, cfg)
 	if err != nil {
 		return err
@@ -417,6 +423,17 @@ func Run(ctx context.Context, cfg Config) error {
 	cfg.Logger.Info("space server listening", "addr", l.Addr().String(), "data", cfg.DataDir)
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(l) }()
+	if cfg.Cluster.Store != "" {
+		cctx, stopCluster := context.WithCancel(ctx)
+		wait, err := s.startClusterNode(cctx, cfg.Cluster)
+		if err != nil {
+			stopCluster()
+			hs.Close()
+			return err
+		}
+		defer wait()
+		defer stopCluster()
+	}
 	select {
 	case <-ctx.Done():
 		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

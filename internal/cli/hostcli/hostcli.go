@@ -144,6 +144,22 @@ func newServerCmd(e cli.Env) *cobra.Command {
 			if cfg.Network, err = nf.options(); err != nil {
 				return err
 			}
+			if cfg.Cluster.Store != "" {
+				if cfg.Cluster.NodeID == "" {
+					if cfg.Cluster.NodeID, err = os.Hostname(); err != nil {
+						return err
+					}
+				}
+				if cfg.Cluster.Advertise == "" {
+					if strings.HasPrefix(cfg.Listen, "unix:") {
+						return usagef("--advertise is required when --listen is a unix socket: replicas reach nodes over the network")
+					}
+					cfg.Cluster.Advertise = "http://" + cfg.Listen
+				}
+				if cfg.Cluster.Heartbeat <= 0 {
+					return usagef("--heartbeat must be positive")
+				}
+			}
 			cfg.Logger = slog.New(slog.NewTextHandler(e.Err, nil))
 			ctx, stop := signal.NotifyContext(e.Ctx, os.Interrupt, syscall.SIGTERM)
 			defer stop()
@@ -164,6 +180,10 @@ func newServerCmd(e cli.Env) *cobra.Command {
 	cmd.Flags().DurationVar(&cfg.Audit.CheckpointInterval, "audit-checkpoint-interval", time.Minute, "sign an audit checkpoint after this long when there are new records")
 	cmd.Flags().IntVar(&cfg.PoolDefault, "pool-default", 1, "warm pool size for base:latest on the auto runtime with the default limits (0 disables)")
 	cmd.Flags().Int64Var(&cfg.PoolMemFloor, "pool-mem-floor", 1<<30, "host MemAvailable in bytes under which warm pools stop filling and shed idle members")
+	cmd.Flags().StringVar(&cfg.Cluster.Store, "cluster-store", "", "PostgreSQL DSN of a cluster's shared state (postgres://…): run as a node of that cluster (default: a single box)")
+	cmd.Flags().StringVar(&cfg.Cluster.NodeID, "node-id", "", "this node's name in the cluster (default: the host name)")
+	cmd.Flags().StringVar(&cfg.Cluster.Advertise, "advertise", "", "the address cluster replicas reach this node's API at (default: http://<--listen>)")
+	cmd.Flags().DurationVar(&cfg.Cluster.Heartbeat, "heartbeat", 2*time.Second, "time between this node's heartbeats to the cluster store")
 	nf.register(cmd)
 	return cmd
 }
