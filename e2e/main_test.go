@@ -19,6 +19,7 @@ import (
 	"github.com/spacehq/space/internal/cli"
 	"github.com/spacehq/space/internal/server"
 	"github.com/spacehq/space/internal/testenv"
+	"github.com/spacehq/space/internal/testenv/pgtest"
 	"github.com/spacehq/space/sdk"
 )
 
@@ -128,6 +129,7 @@ func TestMain(m *testing.M) {
 		}
 		os.RemoveAll(shared.data)
 	}
+	pgtest.StopShared()
 	os.Exit(code)
 }
 
