@@ -42,6 +42,8 @@ type Env struct {
 type Host struct {
 	// Server builds `space server` (its flags and the server run).
 	Server func(Env) *cobra.Command
+	// Node builds `space node`: the server joined to a cluster.
+	Node func(Env) *cobra.Command
 	// BuildBaseLocal builds the cached base root filesystem in cacheDir
 	// without a server (`space template build-base --local`) and returns
 	// its path.
@@ -124,6 +126,19 @@ func newServerCmd(a *app) *cobra.Command {
 	return &cobra.Command{
 		Use:                "server",
 		Short:              "Run the space API server and node services",
+		DisableFlagParsing: true,
+		RunE:               func(*cobra.Command, []string) error { return a.handOff() },
+	}
+}
+
+// newNodeCmd is `space node`, handed to space-server like `space server`.
+func newNodeCmd(a *app) *cobra.Command {
+	if a.host != nil && a.host.Node != nil {
+		return a.host.Node(Env{Ctx: a.ctx, In: a.in, Out: a.out, Err: a.errOut})
+	}
+	return &cobra.Command{
+		Use:                "node",
+		Short:              "Run a cluster node: the space server joined to a cluster's PostgreSQL state",
 		DisableFlagParsing: true,
 		RunE:               func(*cobra.Command, []string) error { return a.handOff() },
 	}

@@ -34,7 +34,7 @@ import (
 
 // Host is the host-side half of the CLI, for cli.ExecuteHost.
 func Host() *cli.Host {
-	return &cli.Host{Server: newServerCmd, BuildBaseLocal: buildBaseLocal, PolicyTest: policyTest, MCP: serveMCP}
+	return &cli.Host{Server: newServerCmd, Node: newNodeCmd, BuildBaseLocal: buildBaseLocal, PolicyTest: policyTest, MCP: serveMCP}
 }
 
 // Main is the space-server binary: the whole CLI over os.Args, host-side
@@ -126,7 +126,13 @@ func (f *serverNetFlags) options() (server.NetworkOptions, error) {
 	return o, nil
 }
 
-func newServerCmd(e cli.Env) *cobra.Command {
+func newServerCmd(e cli.Env) *cobra.Command { return newServeCmd(e, false) }
+
+// newNodeCmd is `space node`: `space server` whose --cluster-store is
+// required.
+func newNodeCmd(e cli.Env) *cobra.Command { return newServeCmd(e, true) }
+
+func newServeCmd(e cli.Env, node bool) *cobra.Command {
 	cfg := server.Config{}
 	var nf serverNetFlags
 	cmd := &cobra.Command{
@@ -134,6 +140,9 @@ func newServerCmd(e cli.Env) *cobra.Command {
 		Short: "Run the space API server and node services",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if node && cfg.Cluster.Store == "" {
+				return usagef("space node needs --cluster-store (the cluster's PostgreSQL DSN); a single box is `space server`")
+			}
 			if cfg.DataDir == "" || cfg.CacheDir == "" || cfg.Listen == "" {
 				return usagef("--data, --cache and --listen must not be empty")
 			}
@@ -185,6 +194,9 @@ func newServerCmd(e cli.Env) *cobra.Command {
 	cmd.Flags().StringVar(&cfg.Cluster.Advertise, "advertise", "", "the address cluster replicas reach this node's API at (default: http://<--listen>)")
 	cmd.Flags().DurationVar(&cfg.Cluster.Heartbeat, "heartbeat", 2*time.Second, "time between this node's heartbeats to the cluster store")
 	nf.register(cmd)
+	if node {
+		cmd.Use, cmd.Short = "node", "Run a cluster node: the space server joined to a cluster's PostgreSQL state"
+	}
 	return cmd
 }
 

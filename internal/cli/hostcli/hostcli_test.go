@@ -3,6 +3,7 @@ package hostcli
 import (
 	"net/netip"
 	"reflect"
+	"strings"
 	"testing"
 
 	"github.com/spacehq/space/internal/cli"
@@ -29,5 +30,26 @@ func TestServerNetworkFlags(t *testing.T) {
 		if cmd.Flags().Lookup(name) == nil {
 			t.Errorf("space server has no --%s", name)
 		}
+	}
+}
+
+// `space node` is `space server` with the cluster flags, and refuses to
+// run as a single box.
+func TestNodeCommandNeedsTheClusterStore(t *testing.T) {
+	var errOut strings.Builder
+	cmd := newNodeCmd(cli.Env{Ctx: t.Context(), Err: &errOut})
+	if cmd.Name() != "node" {
+		t.Fatalf("command name %q", cmd.Name())
+	}
+	for _, name := range []string{"cluster-store", "node-id", "advertise", "heartbeat", "listen", "data"} {
+		if cmd.Flags().Lookup(name) == nil {
+			t.Errorf("space node has no --%s", name)
+		}
+	}
+	cmd.SetArgs([]string{"--data", t.TempDir()})
+	cmd.SetErr(&errOut)
+	cmd.SetOut(&errOut)
+	if err := cmd.Execute(); err == nil || !strings.Contains(err.Error(), "needs --cluster-store") {
+		t.Fatalf("space node without --cluster-store: %v", err)
 	}
 }
