@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacehq/space/internal/errdefs"
 )
 
 // FormatExt4 creates img (sparse, sizeMiB) with an ext4 filesystem whose
@@ -84,6 +86,52 @@ func AttachLoop(img string) (*os.File, error) {
 	return nil, errors.New("no free loop device after 20 attempts")
 }
 
+// loopReleaseTimeout bounds the wait for an earlier loop device of the
+// same image to detach.
+var loopReleaseTimeout = 10 * time.Second
+
+// LoopDevicesOf lists the loop devices whose backing file is img (the same
+// inode), from /sys/block/loop*/loop/backing_file.
+func LoopDevicesOf(img string) ([]string, error) {
+	var want unix.Stat_t
+	if err := unix.Stat(img, &want); err != nil {
+		return nil, err
+	}
+	files, err := filepath.Glob("/sys/block/loop*/loop/backing_file")
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue // detached meanwhile
+		}
+		p := strings.TrimSuffix(strings.TrimSpace(string(b)), " (deleted)")
+		var st unix.Stat_t
+		if unix.Stat(p, &st) == nil && st.Dev == want.Dev && st.Ino == want.Ino {
+			out = append(out, "/dev/"+filepath.Base(filepath.Dir(filepath.Dir(f))))
+		}
+	}
+	return out, nil
+}
+
+// waitLoopReleased waits until no loop device is backed by img.
+func waitLoopReleased(img string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		devs, err := LoopDevicesOf(img)
+		if err != nil || len(devs) == 0 {
+			return err
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("disk image %s is still attached to %s after %v (an earlier mount of it not yet released): %w",
+				img, strings.Join(devs, ", "), timeout, errdefs.ErrUnavailable)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // MountDisk mounts img at dir (nosuid, nodev) and makes sure upper/ and
 // work/ exist for an overlay, owned by host id rootID (the upper's root is
 // the sandbox's "/"). It does nothing when dir is a mount point already.
@@ -92,6 +140,15 @@ func MountDisk(img, dir string, rootID int) error {
 		return nil
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	// A previous mount of img that was unmounted lazily (something still
+	// held it) keeps its ext4 alive on its own loop device until the last
+	// user goes. Mounting the same image through a second device then
+	// makes two filesystems over one file: the new one misses what the
+	// old one has not written back, and the old one's write-back corrupts
+	// the new one. Wait for the old device to go; refuse if it stays.
+	if err := waitLoopReleased(img, loopReleaseTimeout); err != nil {
 		return err
 	}
 	dev, err := AttachLoop(img)
