@@ -19,7 +19,7 @@ import (
 	"github.com/spacehq/space/sdk"
 )
 
-// TestClusterNode runs a real `space server --cluster-store` process as
+// TestClusterNode runs a real `space node --cluster-store` process as
 // node n1 against a real PostgreSQL, with this test in the replicas' seat:
 // the node registers and beats, reports the sandboxes a replica recorded,
 // applies the desired states a replica writes (pause, resume, delete), and
@@ -42,7 +42,7 @@ func TestClusterNode(t *testing.T) {
 	defer cancel()
 	nodeArgs := []string{"--cluster-store", dsn, "--node-id", "n1", "--heartbeat", "200ms"}
 
-	p := startServer(t, bin, data, addr, nodeArgs...)
+	p := startServerAs(t, "node", bin, data, addr, nodeArgs...)
 	defer func() { p.kill9() }()
 	cs, err := clusterstore.Open(ctx, dsn)
 	if err != nil {
@@ -135,7 +135,7 @@ func TestClusterNode(t *testing.T) {
 
 	// Back: the node beats again and its sandbox (still running: sandboxes
 	// outlive their server) is reported running.
-	p = startServer(t, bin, data, addr, nodeArgs...)
+	p = startServerAs(t, "node", bin, data, addr, nodeArgs...)
 	c = p.client(t)
 	waitRow(kept.ID, "reported running again", func(r clusterstore.Sandbox, err error) bool {
 		return err == nil && r.State == api.StateRunning

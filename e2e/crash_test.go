@@ -38,6 +38,13 @@ func freePort(t *testing.T) string {
 
 func startServer(t *testing.T, bin, data, addr string, extra ...string) *proc {
 	t.Helper()
+	return startServerAs(t, "server", bin, data, addr, extra...)
+}
+
+// startServerAs is startServer with the command that runs it: "server", or
+// "node" for a cluster node.
+func startServerAs(t *testing.T, command, bin, data, addr string, extra ...string) *proc {
+	t.Helper()
 	// No default warm pool unless the test asks for one: a member is a
 	// running sandbox that outlives a kill -9 (for the next start to
 	// re-adopt), which a test that deletes only its own sandboxes would
@@ -46,7 +53,7 @@ func startServer(t *testing.T, bin, data, addr string, extra ...string) *proc {
 		extra = append(extra, "--pool-default", "0")
 	}
 	checkNoOrphans(t, data)
-	cmd := exec.Command(bin, append([]string{"server", "--data", data, "--listen", addr, "--cache", testenv.CacheDir()}, extra...)...)
+	cmd := exec.Command(bin, append([]string{command, "--data", data, "--listen", addr, "--cache", testenv.CacheDir()}, extra...)...)
 	cmd.Env = append(os.Environ(), "SPACE_AGENT_BIN="+testenv.AgentBinary(t), "SPACE_JAIL_BIN="+testenv.JailBinary(t),
 		"SPACE_GATEWAY_BIN="+testenv.GatewayBinary(t))
 	log, _ := os.OpenFile(filepath.Join(data, "..", "server.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
