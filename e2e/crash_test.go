@@ -52,6 +52,15 @@ func startServerAs(t *testing.T, command, bin, data, addr string, extra ...strin
 	if !slices.Contains(extra, "--pool-default") {
 		extra = append(extra, "--pool-default", "0")
 	}
+	// Nothing leaves this machine: names the gateway would forward go to a
+	// closed local port, and every dial off the machine is refused,
+	// unless the test brings its own fake internet.
+	if !slices.Contains(extra, "--dns-upstream") {
+		extra = append(extra, "--dns-upstream", "127.0.0.1:9")
+	}
+	if !slices.Contains(extra, "--egress-dial-guard") {
+		extra = append(extra, "--egress-dial-guard", "loopback")
+	}
 	checkNoOrphans(t, data)
 	cmd := exec.Command(bin, append([]string{command, "--data", data, "--listen", addr, "--cache", testenv.CacheDir()}, extra...)...)
 	cmd.Env = append(os.Environ(), "SPACE_AGENT_BIN="+testenv.AgentBinary(t), "SPACE_JAIL_BIN="+testenv.JailBinary(t),
