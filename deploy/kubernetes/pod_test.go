@@ -6,7 +6,6 @@ import (
 	"errors"
 	"io"
 	"io/fs"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,7 +17,6 @@ import (
 	"github.com/creack/pty"
 
 	"github.com/spacehq/space/internal/runtime/hostfs"
-	"github.com/spacehq/space/internal/server"
 	"github.com/spacehq/space/internal/shim"
 	"github.com/spacehq/space/internal/testenv"
 	"github.com/spacehq/space/internal/testenv/containerdtest"
@@ -27,61 +25,6 @@ import (
 )
 
 const busyboxImage = "localhost/space/busybox:1"
-
-// spaceServer starts a space server in this process on a unix socket and
-// returns its socket URL, a file holding its API key, and a client.
-func spaceServer(t *testing.T) (url, keyFile string, client *sdk.Client) {
-	t.Helper()
-	data, err := os.MkdirTemp("", "space-kube-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(data) })
-	devnull, err := os.Open(os.DevNull)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer devnull.Close()
-	s, err := server.New(context.Background(), server.Config{
-		DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: testenv.AgentBinary(t), JailBinary: testenv.JailBinary(t),
-		APIKeyOut: devnull,
-		Network: server.NetworkOptions{
-			// Nothing leaves this machine: the gateway's dials are guarded
-			// and its resolver is a loopback port nobody serves.
-			DialGuard: "loopback", DNSUpstream: "127.0.0.1:9", GatewayBinary: testenv.GatewayBinary(t),
-		},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	sock := filepath.Join(data, "space.sock")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go s.HTTPServer().Serve(l)
-	keyFile = filepath.Join(data, "api-key.shim")
-	if err := os.WriteFile(keyFile, []byte(s.APIKey()+"\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if client, err = sdk.New("unix://"+sock, s.APIKey()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		// Whatever a failed test left: its sandboxes, then the server.
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		sbs, _ := client.ListSandboxes(ctx, sdk.ListOptions{})
-		for _, sb := range sbs {
-			if op, err := client.DeleteSandbox(ctx, sb.ID, true); err == nil {
-				client.WaitOperation(ctx, op.ID)
-			}
-		}
-		s.Close()
-		l.Close()
-	})
-	return "unix://" + sock, keyFile, client
-}
 
 func waitUntil(t *testing.T, what string, d time.Duration, ok func() (bool, string)) time.Duration {
 	t.Helper()
@@ -130,7 +73,7 @@ func TestPodOnSpaceGvisor(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	t0 := time.Now()
-	url, key, client := spaceServer(t)
+	url, key, client := containerdtest.SpaceServer(t)
 	dir := t.TempDir()
 	cd := containerdtest.Start(t, containerdtest.Options{Server: url, APIKeyFile: key})
 	cd.ImportImage(t, containerdtest.BusyboxImage(t, dir, containerdtest.PauseImage, []string{"sleep", "infinity"}))

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,7 +13,6 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
-	"github.com/spacehq/space/internal/server"
 	"github.com/spacehq/space/internal/shim"
 	"github.com/spacehq/space/internal/testenv"
 	"github.com/spacehq/space/internal/testenv/containerdtest"
@@ -36,51 +34,8 @@ func startCRI(t *testing.T) *criEnv {
 	testenv.RequireRoot(t)
 	testenv.BaseRootfs(t)
 	dir := t.TempDir()
-	data, err := os.MkdirTemp("", "space-shim-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(data) })
-	devnull, _ := os.Open(os.DevNull)
-	defer devnull.Close()
-	s, err := server.New(context.Background(), server.Config{
-		DataDir: data, CacheDir: testenv.CacheDir(), AgentBinary: testenv.AgentBinary(t), JailBinary: testenv.JailBinary(t),
-		APIKeyOut: devnull,
-		Network: server.NetworkOptions{
-			// Nothing leaves this machine: the gateway's dials are guarded
-			// and its resolver is a loopback port nobody serves.
-			DialGuard: "loopback", DNSUpstream: "127.0.0.1:9", GatewayBinary: testenv.GatewayBinary(t),
-		},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	sock := filepath.Join(data, "space.sock")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go s.HTTPServer().Serve(l)
-	keyFile := filepath.Join(dir, "key")
-	os.WriteFile(keyFile, []byte(s.APIKey()+"\n"), 0o600)
-	client, err := sdk.New("unix://"+sock, s.APIKey())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		// Whatever a failed test left: its sandboxes, then the server.
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		sbs, _ := client.ListSandboxes(ctx, sdk.ListOptions{})
-		for _, sb := range sbs {
-			if op, err := client.DeleteSandbox(ctx, sb.ID, true); err == nil {
-				client.WaitOperation(ctx, op.ID)
-			}
-		}
-		s.Close()
-		l.Close()
-	})
-	c := containerdtest.Start(t, containerdtest.Options{Server: "unix://" + sock, APIKeyFile: keyFile})
+	url, keyFile, client := containerdtest.SpaceServer(t)
+	c := containerdtest.Start(t, containerdtest.Options{Server: url, APIKeyFile: keyFile})
 	c.ImportImage(t, containerdtest.BusyboxImage(t, dir, containerdtest.PauseImage, []string{"sleep", "infinity"}))
 	c.ImportImage(t, containerdtest.BusyboxImage(t, dir, busyboxImage, []string{"sh"}))
 	return &criEnv{c: c, client: client, dir: dir}
