@@ -2,6 +2,7 @@ package clusterstore
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -113,19 +114,22 @@ func (s *Store) Drain(ctx context.Context, id, reason string) error {
 	return nil
 }
 
+const nodeColumns = `id, address, mem_free, cpus, sandboxes, templates, state, state_reason, registered_at, heartbeat_at`
+
+func scanNode(r pgx.CollectableRow) (Node, error) {
+	var n Node
+	err := r.Scan(&n.ID, &n.Address, &n.MemFree, &n.CPUs, &n.Sandboxes, &n.Templates,
+		&n.State, &n.StateReason, &n.Registered, &n.Heartbeat)
+	return n, err
+}
+
 // Nodes lists every node, by id.
 func (s *Store) Nodes(ctx context.Context) ([]Node, error) {
-	rows, err := s.pool.Query(ctx, `SELECT id, address, mem_free, cpus, sandboxes, templates,
-		state, state_reason, registered_at, heartbeat_at FROM nodes ORDER BY id`)
+	rows, err := s.pool.Query(ctx, `SELECT `+nodeColumns+` FROM nodes ORDER BY id`)
 	if err != nil {
 		return nil, fmt.Errorf("list nodes: %w", err)
 	}
-	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (Node, error) {
-		var n Node
-		err := r.Scan(&n.ID, &n.Address, &n.MemFree, &n.CPUs, &n.Sandboxes, &n.Templates,
-			&n.State, &n.StateReason, &n.Registered, &n.Heartbeat)
-		return n, err
-	})
+	return pgx.CollectRows(rows, scanNode)
 }
 
 // Place picks the node for a new sandbox of template digest needing mem
@@ -134,15 +138,15 @@ func (s *Store) Nodes(ctx context.Context) ([]Node, error) {
 // (ties by fewest sandboxes, then id, so the choice is deterministic).
 // ErrUnavailable when none fits.
 func (s *Store) Place(ctx context.Context, digest string, mem int64, window time.Duration) (Node, error) {
-	var n Node
-	err := s.pool.QueryRow(ctx, `
-		SELECT id, address, mem_free, cpus, sandboxes, templates, state, state_reason, registered_at, heartbeat_at
-		FROM nodes
+	rows, err := s.pool.Query(ctx, `SELECT `+nodeColumns+` FROM nodes
 		WHERE state = 'ready' AND heartbeat_at >= now() - make_interval(secs => $3) AND mem_free >= $2
 		ORDER BY ($1 = ANY(templates)) DESC, mem_free DESC, sandboxes, id
-		LIMIT 1`, digest, mem, window.Seconds()).Scan(&n.ID, &n.Address, &n.MemFree, &n.CPUs, &n.Sandboxes,
-		&n.Templates, &n.State, &n.StateReason, &n.Registered, &n.Heartbeat)
-	if err == pgx.ErrNoRows {
+		LIMIT 1`, digest, mem, window.Seconds())
+	if err != nil {
+		return Node{}, fmt.Errorf("place sandbox: %w", err)
+	}
+	n, err := pgx.CollectExactlyOneRow(rows, scanNode)
+	if errors.Is(err, pgx.ErrNoRows) {
 		return Node{}, fmt.Errorf("no ready node has %d bytes free: %w", mem, errdefs.ErrUnavailable)
 	}
 	if err != nil {
