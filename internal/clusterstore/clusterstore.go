@@ -130,4 +130,20 @@ var migrations = []string{
 	);
 	CREATE INDEX sandboxes_by_node ON sandboxes (node, id);
 	CREATE INDEX sandboxes_by_tenant ON sandboxes (tenant, created_at)`,
+	// 3: what replicas share to answer callers: API keys (digests only),
+	// and a create's idempotency key, unique per tenant, so a create
+	// retried through another replica finds the sandbox the first made.
+	`CREATE TABLE api_keys (
+		id         text PRIMARY KEY CHECK (id <> ''),
+		digest     text NOT NULL UNIQUE,
+		name       text NOT NULL,
+		tenant     text NOT NULL,
+		scopes     text[] NOT NULL,
+		prefix     text NOT NULL,
+		created_at timestamptz NOT NULL DEFAULT now(),
+		revoked_at timestamptz
+	);
+	ALTER TABLE sandboxes ADD COLUMN idempotency_key text CHECK (idempotency_key <> '');
+	ALTER TABLE sandboxes ADD COLUMN create_operation text NOT NULL DEFAULT '';
+	CREATE UNIQUE INDEX sandboxes_idempotency ON sandboxes (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL`,
 }

@@ -197,3 +197,36 @@ func TestPlacePrefersTemplateThenFreeMemory(t *testing.T) {
 		t.Fatalf("drain unknown node: %v", err)
 	}
 }
+
+// A burst of creates spreads over equal nodes: each placement charges the
+// chosen node until its next heartbeat.
+func TestPlaceSpreadsABurst(t *testing.T) {
+	s, _ := open(t)
+	ctx := context.Background()
+	for _, id := range []string{"a", "b"} {
+		if err := s.Heartbeat(ctx, NodeStatus{ID: id, Address: "https://" + id, MemFree: 8 << 30, CPUs: 2, Templates: []string{"base:latest"}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	count := map[string]int{}
+	var excluded []string
+	for range 6 {
+		n, err := s.PlaceExcept(ctx, "base:latest", 512<<20, time.Minute, excluded)
+		if err != nil {
+			t.Fatal(err)
+		}
+		count[n.ID]++
+	}
+	if count["a"] != 3 || count["b"] != 3 {
+		t.Fatalf("six placements on two equal nodes: %v", count)
+	}
+	if n, err := s.PlaceExcept(ctx, "base:latest", 512<<20, time.Minute, []string{"a"}); err != nil || n.ID != "b" {
+		t.Fatalf("placement excluding a: %+v %v", n, err)
+	}
+	nodes, _ := s.Nodes(ctx)
+	for _, n := range nodes {
+		if n.MemFree >= 8<<30 || n.Sandboxes < 3 {
+			t.Fatalf("node %s not charged: %+v", n.ID, n)
+		}
+	}
+}

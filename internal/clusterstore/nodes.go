@@ -134,14 +134,29 @@ func (s *Store) Nodes(ctx context.Context) ([]Node, error) {
 
 // Place picks the node for a new sandbox of template digest needing mem
 // bytes: among ready nodes that beat within window and have mem free, one
-// that holds the template first, then the one with the most free memory
-// (ties by fewest sandboxes, then id, so the choice is deterministic).
+// that holds the template first, then the one with the fewest sandboxes
+// per CPU, then the most free memory, then by id (deterministic).
 // ErrUnavailable when none fits.
 func (s *Store) Place(ctx context.Context, digest string, mem int64, window time.Duration) (Node, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+nodeColumns+` FROM nodes
-		WHERE state = 'ready' AND heartbeat_at >= now() - make_interval(secs => $3) AND mem_free >= $2
-		ORDER BY ($1 = ANY(templates)) DESC, mem_free DESC, sandboxes, id
-		LIMIT 1`, digest, mem, window.Seconds())
+	return s.PlaceExcept(ctx, digest, mem, window, nil)
+}
+
+// PlaceExcept is Place among the nodes not in exclude (a replica retrying
+// a create whose first node did not answer). The chosen node's row is
+// charged with the sandbox (free memory down by mem, sandboxes up by one)
+// until its next heartbeat says what it really has, so a burst of creates
+// spreads instead of piling onto the node that looked emptiest.
+func (s *Store) PlaceExcept(ctx context.Context, digest string, mem int64, window time.Duration, exclude []string) (Node, error) {
+	if exclude == nil {
+		exclude = []string{}
+	}
+	rows, err := s.pool.Query(ctx, `UPDATE nodes SET mem_free = greatest(mem_free - $2, 0), sandboxes = sandboxes + 1
+		WHERE id = (SELECT id FROM nodes
+			WHERE state = 'ready' AND heartbeat_at >= now() - make_interval(secs => $3) AND mem_free >= $2
+				AND NOT (id = ANY($4))
+			ORDER BY ($1 = ANY(templates)) DESC, sandboxes::float8 / greatest(cpus, 1) ASC, mem_free DESC, id
+			LIMIT 1 FOR UPDATE)
+		RETURNING `+nodeColumns, digest, mem, window.Seconds(), exclude)
 	if err != nil {
 		return Node{}, fmt.Errorf("place sandbox: %w", err)
 	}

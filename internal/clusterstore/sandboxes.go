@@ -46,12 +46,35 @@ type Sandbox struct {
 	StateReason string
 	Created     time.Time
 	Updated     time.Time
+	// CreateOperation is the id of the create's operation on the node.
+	CreateOperation string
 }
 
+// ErrIdempotencyKeyUsed is AddSandboxRecord's error when the tenant
+// already has a sandbox under that idempotency key (SandboxByKey finds it).
+var ErrIdempotencyKeyUsed = fmt.Errorf("idempotency key already used: %w", errdefs.ErrConflict)
+
 // AddSandbox records a new sandbox placed on node and wakes that node. An
-// id that exists is ErrConflict: a replica retrying a create it already
-// committed finds its own row instead of making a second sandbox.
+// id that exists is ErrConflict.
 func (s *Store) AddSandbox(ctx context.Context, id, node, tenant string, req api.CreateSandboxRequest) error {
+	return s.AddSandboxRecord(ctx, NewSandbox{ID: id, Node: node, Tenant: tenant, Request: req})
+}
+
+// NewSandbox is the row of a sandbox a node has just made.
+type NewSandbox struct {
+	ID, Node, Tenant string
+	// IdempotencyKey is the caller's ("" for none).
+	IdempotencyKey string
+	// CreateOperation is the id of the create's operation on the node.
+	CreateOperation string
+	Request         api.CreateSandboxRequest
+}
+
+// AddSandboxRecord is AddSandbox with the create's idempotency key and
+// operation: a key the tenant already used is ErrIdempotencyKeyUsed, so of
+// two creates with one key exactly one gets a row.
+func (s *Store) AddSandboxRecord(ctx context.Context, n NewSandbox) error {
+	id, node, tenant, key, req := n.ID, n.Node, n.Tenant, n.IdempotencyKey, n.Request
 	if id == "" || node == "" {
 		return fmt.Errorf("a sandbox row needs an id and a node: %w", errdefs.ErrInvalidArgument)
 	}
@@ -59,9 +82,13 @@ func (s *Store) AddSandbox(ctx context.Context, id, node, tenant string, req api
 	if err != nil {
 		return err
 	}
+	var idem *string
+	if key != "" {
+		idem = &key
+	}
 	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `INSERT INTO sandboxes (id, node, tenant, request, desired) VALUES ($1, $2, $3, $4, 'running')`,
-			id, node, tenant, body); err != nil {
+		if _, err := tx.Exec(ctx, `INSERT INTO sandboxes (id, node, tenant, request, desired, idempotency_key, create_operation) VALUES ($1, $2, $3, $4, 'running', $5, $6)`,
+			id, node, tenant, body, idem, n.CreateOperation); err != nil {
 			return err
 		}
 		_, err := tx.Exec(ctx, `SELECT pg_notify($1, $2)`, notifyChannel, node)
@@ -69,14 +96,41 @@ func (s *Store) AddSandbox(ctx context.Context, id, node, tenant string, req api
 	})
 	var pgErr *pgconn.PgError
 	switch {
+	case errors.As(err, &pgErr) && pgErr.Code == "23505" && pgErr.ConstraintName == "sandboxes_idempotency":
+		return fmt.Errorf("tenant %q: %w", tenant, ErrIdempotencyKeyUsed)
 	case errors.As(err, &pgErr) && pgErr.Code == "23505":
 		return fmt.Errorf("sandbox %q already exists: %w", id, errdefs.ErrConflict)
 	case errors.As(err, &pgErr) && pgErr.Code == "23503":
 		return fmt.Errorf("node %q: %w", node, errdefs.ErrNotFound)
+	case errors.As(err, &pgErr) && pgErr.Code == "23514":
+		return fmt.Errorf("sandbox row %q: %s: %w", id, pgErr.Message, errdefs.ErrInvalidArgument)
 	case err != nil:
 		return fmt.Errorf("add sandbox %q: %w", id, err)
 	}
 	return nil
+}
+
+// SandboxByKey returns the tenant's sandbox created under an idempotency key.
+func (s *Store) SandboxByKey(ctx context.Context, tenant, key string) (Sandbox, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes WHERE tenant = $1 AND idempotency_key = $2`, tenant, key)
+	if err != nil {
+		return Sandbox{}, fmt.Errorf("sandbox by idempotency key: %w", err)
+	}
+	sb, err := pgx.CollectExactlyOneRow(rows, scanSandbox)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Sandbox{}, fmt.Errorf("no sandbox of tenant %q has idempotency key %q: %w", tenant, key, errdefs.ErrNotFound)
+	}
+	return sb, err
+}
+
+// Sandboxes lists the sandbox rows of tenant ("" for every tenant), oldest first.
+func (s *Store) Sandboxes(ctx context.Context, tenant string) ([]Sandbox, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes
+		WHERE $1 = '' OR tenant = $1 ORDER BY created_at, id`, tenant)
+	if err != nil {
+		return nil, fmt.Errorf("list sandboxes: %w", err)
+	}
+	return pgx.CollectRows(rows, scanSandbox)
 }
 
 // SetDesired changes what a sandbox should be, bumps its generation and
@@ -102,13 +156,13 @@ func (s *Store) SetDesired(ctx context.Context, id, desired string) error {
 	})
 }
 
-const sandboxColumns = `id, node, tenant, request, desired, generation, observed, status, state, state_reason, created_at, updated_at`
+const sandboxColumns = `id, node, tenant, request, desired, generation, observed, status, state, state_reason, created_at, updated_at, create_operation`
 
 func scanSandbox(r pgx.CollectableRow) (Sandbox, error) {
 	var sb Sandbox
 	var req, status []byte
 	if err := r.Scan(&sb.ID, &sb.Node, &sb.Tenant, &req, &sb.Desired, &sb.Generation, &sb.Observed, &status,
-		&sb.State, &sb.StateReason, &sb.Created, &sb.Updated); err != nil {
+		&sb.State, &sb.StateReason, &sb.Created, &sb.Updated, &sb.CreateOperation); err != nil {
 		return Sandbox{}, err
 	}
 	if err := json.Unmarshal(req, &sb.Request); err != nil {
@@ -160,21 +214,23 @@ func (s *Store) OnNode(ctx context.Context, node string) ([]Sandbox, error) {
 // Report records what node observed of sandbox id after applying
 // generation gen: its record and state. Only the node the row names may
 // report (a sandbox moved elsewhere is not overwritten by its old node), and
-// observed never goes backwards. A deleted sandbox whose deletion was
-// desired loses its row.
+// observed never goes backwards. A sandbox reported deleted loses its row,
+// whoever asked for the deletion (a replica, or a call to the node's own
+// API): it is gone, and the cluster answers 404 for it as a single box does.
 func (s *Store) Report(ctx context.Context, node, id string, gen int64, status api.Sandbox) error {
 	body, err := json.Marshal(status)
 	if err != nil {
 		return err
 	}
 	if status.State == api.StateDeleted {
-		tag, err := s.pool.Exec(ctx, `DELETE FROM sandboxes WHERE id = $1 AND node = $2 AND desired = 'deleted' AND generation <= $3`, id, node, gen)
+		tag, err := s.pool.Exec(ctx, `DELETE FROM sandboxes WHERE id = $1 AND node = $2`, id, node)
 		if err != nil {
 			return fmt.Errorf("report deletion of %q: %w", id, err)
 		}
-		if tag.RowsAffected() == 1 {
-			return nil
+		if tag.RowsAffected() == 0 {
+			return fmt.Errorf("sandbox %q on node %q: %w", id, node, errdefs.ErrNotFound)
 		}
+		return nil
 	}
 	tag, err := s.pool.Exec(ctx, `UPDATE sandboxes SET status = $4, state = $5, state_reason = $6,
 			observed = greatest(observed, $3), updated_at = now()

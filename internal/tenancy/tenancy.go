@@ -154,24 +154,25 @@ func (s *Store) CreateKey(ctx context.Context, req api.CreateKeyRequest) (api.Cr
 	return api.CreatedKey{APIKey: k, Key: secret}, nil
 }
 
-// ImportKey stores secret as a key (the server's first key, kept in its
-// api-key file for the local CLI, is imported this way).
-func (s *Store) ImportKey(ctx context.Context, req api.CreateKeyRequest, secret string) (api.APIKey, error) {
+// NewKey checks a key request and builds the key record for secret, and
+// the digest it is found by. Storing it is the caller's (this store, or the
+// cluster's PostgreSQL).
+func NewKey(req api.CreateKeyRequest, secret string) (api.APIKey, string, error) {
 	if !nameRE.MatchString(req.Name) {
-		return api.APIKey{}, fmt.Errorf("key name %q must be 1-63 letters, digits, '.', '_' or '-': %w", clip(req.Name), errdefs.ErrInvalidArgument)
+		return api.APIKey{}, "", fmt.Errorf("key name %q must be 1-63 letters, digits, '.', '_' or '-': %w", clip(req.Name), errdefs.ErrInvalidArgument)
 	}
 	if req.Tenant == "" {
 		req.Tenant = principal.DefaultTenant
 	}
 	if err := ValidTenant(req.Tenant); err != nil {
-		return api.APIKey{}, err
+		return api.APIKey{}, "", err
 	}
 	scopes, err := ValidScopes(req.Scopes)
 	if err != nil {
-		return api.APIKey{}, err
+		return api.APIKey{}, "", err
 	}
 	if len(secret) < 16 {
-		return api.APIKey{}, fmt.Errorf("a key must be at least 16 characters: %w", errdefs.ErrInvalidArgument)
+		return api.APIKey{}, "", fmt.Errorf("a key must be at least 16 characters: %w", errdefs.ErrInvalidArgument)
 	}
 	var idb [6]byte
 	rand.Read(idb[:])
@@ -179,8 +180,20 @@ func (s *Store) ImportKey(ctx context.Context, req api.CreateKeyRequest, secret 
 		ID: "key_" + hex.EncodeToString(idb[:]), Name: req.Name, Tenant: req.Tenant, Scopes: scopes,
 		Prefix: secret[:min(len(secret), 9)], CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
 	}
-	sj, _ := json.Marshal(scopes)
-	dig := digest(secret)
+	return k, Digest(secret), nil
+}
+
+// Digest is what a key is stored and looked up by.
+func Digest(secret string) string { return digest(secret) }
+
+// ImportKey stores secret as a key (the server's first key, kept in its
+// api-key file for the local CLI, is imported this way).
+func (s *Store) ImportKey(ctx context.Context, req api.CreateKeyRequest, secret string) (api.APIKey, error) {
+	k, dig, err := NewKey(req, secret)
+	if err != nil {
+		return api.APIKey{}, err
+	}
+	sj, _ := json.Marshal(k.Scopes)
 	if _, err := s.db.ExecContext(ctx, `INSERT INTO tenancy_keys (id, digest, name, tenant, scopes, prefix, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)`,
 		k.ID, dig, k.Name, k.Tenant, string(sj), k.Prefix, k.CreatedAt.UnixMilli()); err != nil {
 		if strings.Contains(err.Error(), "UNIQUE") {
