@@ -216,6 +216,9 @@ func (c *Client) send(ctx context.Context, r request) (*http.Response, error) {
 	if c.UserAgent != "" {
 		req.Header.Set("User-Agent", c.UserAgent)
 	}
+	if k, ok := ctx.Value(idempotencyKey{}).(string); ok && r.method == http.MethodPost && r.path == "/v1/sandboxes" {
+		req.Header.Set(api.IdempotencyKeyHeader, k)
+	}
 	resp, err := c.HTTP.Do(req)
 	if err != nil {
 		return nil, fmt.Errorf("%s %s: %w", r.method, r.path, err)

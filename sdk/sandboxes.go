@@ -28,6 +28,16 @@ func LifecycleVerbs() []string {
 	return out
 }
 
+type idempotencyKey struct{}
+
+// WithIdempotencyKey makes the creates made with ctx carry key as their
+// Idempotency-Key: a cluster makes one sandbox for all creates of a tenant
+// with one key (a retry after a lost answer gets the first one's sandbox).
+// A single server ignores it.
+func WithIdempotencyKey(ctx context.Context, key string) context.Context {
+	return context.WithValue(ctx, idempotencyKey{}, key)
+}
+
 // CreateSandbox is POST /v1/sandboxes. The sandbox is not running yet when it
 // returns; wait for the returned operation (WaitOperation) for that.
 func (c *Client) CreateSandbox(ctx context.Context, req api.CreateSandboxRequest) (*api.CreateSandboxResponse, error) {

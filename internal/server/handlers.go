@@ -37,6 +37,10 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
+	if err := s.recordClusterSandbox(r.Context(), sb, op, r.Header.Get(api.IdempotencyKeyHeader), req); err != nil {
+		writeError(w, r, err)
+		return
+	}
 	// ?wait= saves a caller that wants a running sandbox the long-poll of
 	// the operation and the read of the sandbox after it: two round trips
 	// on the path of every create.

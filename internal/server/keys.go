@@ -53,6 +53,9 @@ func firstKey(ctx context.Context, keys *tenancy.Store, dir string, notice *os.F
 // authenticate returns the principal of the request's API key
 // (Authorization: Bearer).
 func (s *Server) authenticate(r *http.Request) (principal.Principal, error) {
+	if p, ok, err := replicaPrincipal(r); ok {
+		return p, err
+	}
 	tok, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
 	if !ok || tok == "" {
 		return principal.Principal{}, fmt.Errorf("missing API key (Authorization: Bearer <key>): %w", errdefs.ErrUnauthorized)
