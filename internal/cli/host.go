@@ -44,6 +44,9 @@ type Host struct {
 	Server func(Env) *cobra.Command
 	// Node builds `space node`: the server joined to a cluster.
 	Node func(Env) *cobra.Command
+	// Cluster builds `space cluster`: the cluster CA and members'
+	// certificates.
+	Cluster func(Env) *cobra.Command
 	// BuildBaseLocal builds the cached base root filesystem in cacheDir
 	// without a server (`space template build-base --local`) and returns
 	// its path.
@@ -139,6 +142,19 @@ func newNodeCmd(a *app) *cobra.Command {
 	return &cobra.Command{
 		Use:                "node",
 		Short:              "Run a cluster node: the space server joined to a cluster's PostgreSQL state",
+		DisableFlagParsing: true,
+		RunE:               func(*cobra.Command, []string) error { return a.handOff() },
+	}
+}
+
+// newClusterCmd is `space cluster`, handed to space-server like `space server`.
+func newClusterCmd(a *app) *cobra.Command {
+	if a.host != nil && a.host.Cluster != nil {
+		return a.host.Cluster(Env{Ctx: a.ctx, In: a.in, Out: a.out, Err: a.errOut})
+	}
+	return &cobra.Command{
+		Use:                "cluster",
+		Short:              "Make a cluster's CA and its nodes' and replicas' certificates",
 		DisableFlagParsing: true,
 		RunE:               func(*cobra.Command, []string) error { return a.handOff() },
 	}

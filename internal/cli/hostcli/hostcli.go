@@ -34,7 +34,7 @@ import (
 
 // Host is the host-side half of the CLI, for cli.ExecuteHost.
 func Host() *cli.Host {
-	return &cli.Host{Server: newServerCmd, Node: newNodeCmd, BuildBaseLocal: buildBaseLocal, PolicyTest: policyTest, MCP: serveMCP}
+	return &cli.Host{Server: newServerCmd, Node: newNodeCmd, Cluster: newClusterCmd, BuildBaseLocal: buildBaseLocal, PolicyTest: policyTest, MCP: serveMCP}
 }
 
 // Main is the space-server binary: the whole CLI over os.Args, host-side
@@ -135,6 +135,7 @@ func newNodeCmd(e cli.Env) *cobra.Command { return newServeCmd(e, true) }
 func newServeCmd(e cli.Env, node bool) *cobra.Command {
 	cfg := server.Config{}
 	var nf serverNetFlags
+	var rc server.ReplicaConfig
 	cmd := &cobra.Command{
 		Use:   "server",
 		Short: "Run the space API server and node services",
@@ -142,6 +143,23 @@ func newServeCmd(e cli.Env, node bool) *cobra.Command {
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if node && cfg.Cluster.Store == "" {
 				return usagef("space node needs --cluster-store (the cluster's PostgreSQL DSN); a single box is `space server`")
+			}
+			if rc.Store != "" {
+				if node || cfg.Cluster.Store != "" {
+					return usagef("--store makes an API replica, --cluster-store a node: a process is one or the other")
+				}
+				if cfg.Cluster.Listen != "" {
+					return usagef("--cluster-listen is a node's; a replica serves --listen only")
+				}
+				rc.Listen, rc.DataDir = cfg.Listen, cfg.DataDir
+				rc.CAFile, rc.CertFile, rc.KeyFile = cfg.Cluster.CAFile, cfg.Cluster.CertFile, cfg.Cluster.KeyFile
+				if rc.NodeTimeout <= 0 {
+					return usagef("--node-timeout must be positive")
+				}
+				rc.Logger = slog.New(slog.NewTextHandler(e.Err, nil))
+				ctx, stop := signal.NotifyContext(e.Ctx, os.Interrupt, syscall.SIGTERM)
+				defer stop()
+				return server.RunReplica(ctx, rc)
 			}
 			if cfg.DataDir == "" || cfg.CacheDir == "" || cfg.Listen == "" {
 				return usagef("--data, --cache and --listen must not be empty")
@@ -158,6 +176,9 @@ func newServeCmd(e cli.Env, node bool) *cobra.Command {
 					if cfg.Cluster.NodeID, err = os.Hostname(); err != nil {
 						return err
 					}
+				}
+				if cfg.Cluster.Advertise == "" && cfg.Cluster.Listen != "" {
+					cfg.Cluster.Advertise = "https://" + cfg.Cluster.Listen
 				}
 				if cfg.Cluster.Advertise == "" {
 					if strings.HasPrefix(cfg.Listen, "unix:") {
@@ -193,6 +214,15 @@ func newServeCmd(e cli.Env, node bool) *cobra.Command {
 	cmd.Flags().StringVar(&cfg.Cluster.NodeID, "node-id", "", "this node's name in the cluster (default: the host name)")
 	cmd.Flags().StringVar(&cfg.Cluster.Advertise, "advertise", "", "the address cluster replicas reach this node's API at (default: http://<--listen>)")
 	cmd.Flags().DurationVar(&cfg.Cluster.Heartbeat, "heartbeat", 2*time.Second, "time between this node's heartbeats to the cluster store")
+	cmd.Flags().StringVar(&cfg.Cluster.Listen, "cluster-listen", "", "a node's cluster listener host:port: its API over mutual TLS for the cluster's replicas (default --advertise https://<this>)")
+	cmd.Flags().StringVar(&cfg.Cluster.CAFile, "cluster-ca", "", "the cluster CA's certificate (space cluster ca)")
+	cmd.Flags().StringVar(&cfg.Cluster.CertFile, "cluster-cert", "", "this node's or replica's certificate from the cluster CA (space cluster cert)")
+	cmd.Flags().StringVar(&cfg.Cluster.KeyFile, "cluster-key", "", "the key of --cluster-cert")
+	cmd.Flags().DurationVar(&cfg.Cluster.OrphanGrace, "orphan-grace", 30*time.Second, "how long a node keeps a sandbox it made since it started that has no row in the cluster store")
+	if !node {
+		cmd.Flags().StringVar(&rc.Store, "store", "", "PostgreSQL DSN of a cluster (postgres://…): run as one of its API replicas, holding no sandbox (needs --cluster-ca, --cluster-cert, --cluster-key)")
+		cmd.Flags().DurationVar(&rc.NodeTimeout, "node-timeout", 10*time.Second, "a replica's limit on how late a node's heartbeat may be before it gets no new sandbox and is marked lost")
+	}
 	nf.register(cmd)
 	if node {
 		cmd.Use, cmd.Short = "node", "Run a cluster node: the space server joined to a cluster's PostgreSQL state"

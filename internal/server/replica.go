@@ -1,0 +1,884 @@
+package server
+
+// A cluster's API replica (`space server --store postgres://…`): it holds
+// no sandbox. It authenticates callers against the keys in PostgreSQL,
+// places each create on a node and forwards it there, and proxies every
+// call that names a sandbox to the node the cluster store says runs it,
+// over mutual TLS from the cluster CA (internal/clustertls), vouching for
+// the caller in PrincipalHeader. Replicas share nothing but PostgreSQL, so
+// any number can run behind one address.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/cluster"
+	"github.com/spacehq/space/internal/clusterstore"
+	"github.com/spacehq/space/internal/clustertls"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/principal"
+	"github.com/spacehq/space/internal/tenancy"
+)
+
+// ReplicaConfig configures an API replica.
+type ReplicaConfig struct {
+	Store   string // the cluster's PostgreSQL DSN
+	Listen  string // the API's address, as Config.Listen
+	DataDir string // where the first admin key is written (api-key)
+	// CAFile, CertFile, KeyFile: the cluster CA's certificate and this
+	// replica's certificate and key (role replica).
+	CAFile, CertFile, KeyFile string
+	// NodeTimeout is how late a node's heartbeat may be before it gets no
+	// new sandboxes and is marked lost (default 10 s).
+	NodeTimeout time.Duration
+	// DefaultMemMiB is what placement charges a create that names no
+	// memory limit (default 512).
+	DefaultMemMiB int64
+	Logger        *slog.Logger
+	APIKeyOut     *os.File
+}
+
+// keyCacheTTL bounds how long a replica trusts a key it looked up: a key
+// revoked through one replica stops working at every replica within it.
+const keyCacheTTL = 2 * time.Second
+
+// Replica is a running API replica.
+type Replica struct {
+	cfg   ReplicaConfig
+	store *clusterstore.Store
+	id    *clustertls.Identity
+
+	mu         sync.Mutex
+	keys       map[string]cachedKey       // digest → key
+	transports map[string]*http.Transport // node id + address → its mutual-TLS transport
+}
+
+type cachedKey struct {
+	key     api.APIKey
+	expires time.Time
+}
+
+// NewReplica connects to the cluster store (migrating it), loads the
+// replica's certificate, and stores a first admin key if the cluster has
+// none (written to DataDir/api-key, as a single box does).
+func NewReplica(ctx context.Context, cfg ReplicaConfig) (*Replica, error) {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.APIKeyOut == nil {
+		cfg.APIKeyOut = os.Stderr
+	}
+	if cfg.NodeTimeout <= 0 {
+		cfg.NodeTimeout = 10 * time.Second
+	}
+	if cfg.DefaultMemMiB <= 0 {
+		cfg.DefaultMemMiB = 512
+	}
+	if cfg.CAFile == "" || cfg.CertFile == "" || cfg.KeyFile == "" {
+		return nil, fmt.Errorf("a replica needs the cluster CA, its certificate and its key (--cluster-ca, --cluster-cert, --cluster-key): %w", errdefs.ErrInvalidArgument)
+	}
+	id, err := clustertls.Load(cfg.CAFile, cfg.CertFile, cfg.KeyFile)
+	if err != nil {
+		return nil, fmt.Errorf("%v: %w", err, errdefs.ErrInvalidArgument)
+	}
+	if id.Role != clustertls.RoleReplica {
+		return nil, fmt.Errorf("%s is a %s certificate; a replica needs a replica's: %w", cfg.CertFile, id.Role, errdefs.ErrInvalidArgument)
+	}
+	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
+		return nil, err
+	}
+	cs, err := clusterstore.Open(ctx, cfg.Store)
+	if err != nil {
+		return nil, err
+	}
+	r := &Replica{cfg: cfg, store: cs, id: id, keys: map[string]cachedKey{}, transports: map[string]*http.Transport{}}
+	if err := r.firstKey(ctx); err != nil {
+		cs.Close()
+		return nil, err
+	}
+	return r, nil
+}
+
+// firstKey stores DataDir/api-key (made now if missing) as the cluster's
+// admin key when the cluster has no key yet; with keys present the file is
+// only the operator's local credential, as on a single box.
+func (r *Replica) firstKey(ctx context.Context) error {
+	keys, err := r.store.Keys(ctx, "")
+	if err != nil || len(keys) > 0 {
+		return err
+	}
+	secret, err := loadOrCreateAPIKey(r.cfg.DataDir, r.cfg.APIKeyOut)
+	if err != nil {
+		return err
+	}
+	k, dig, err := tenancy.NewKey(api.CreateKeyRequest{Name: "admin", Tenant: principal.DefaultTenant, Scopes: []string{principal.ScopeAdmin}}, secret)
+	if err != nil {
+		return err
+	}
+	stored, err := r.store.AddFirstKey(ctx, k, dig)
+	if err == nil && !stored {
+		// Another replica stored its own first; this file's key is not one.
+		os.Remove(filepath.Join(r.cfg.DataDir, "api-key"))
+	}
+	return err
+}
+
+// Close closes the store and idle connections to nodes.
+func (r *Replica) Close() {
+	r.mu.Lock()
+	for _, t := range r.transports {
+		t.CloseIdleConnections()
+	}
+	r.mu.Unlock()
+	r.store.Close()
+}
+
+// RunReplica serves a replica until ctx ends, marking late nodes lost.
+func RunReplica(ctx context.Context, cfg ReplicaConfig) error {
+	r, err := NewReplica(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer r.Close()
+	l, err := Listen(cfg.Listen)
+	if err != nil {
+		return err
+	}
+	wctx, stop := context.WithCancel(ctx)
+	defer stop()
+	watched, err := cluster.WatchLost(wctx, r.store, r.cfg.NodeTimeout, func(ids []string) {
+		r.cfg.Logger.Warn("cluster nodes lost", "nodes", ids, "timeout", r.cfg.NodeTimeout)
+	}, r.cfg.Logger)
+	if err != nil {
+		return err
+	}
+	hs := &http.Server{Handler: r.Handler(), ReadHeaderTimeout: headerTimeout, IdleTimeout: idleTimeout}
+	r.cfg.Logger.Info("space cluster replica listening", "addr", l.Addr().String(), "replica", r.id.Name)
+	errc := make(chan error, 1)
+	go func() { errc <- hs.Serve(l) }()
+	select {
+	case <-ctx.Done():
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		hs.Shutdown(sctx)
+		err = nil
+	case err = <-errc:
+	}
+	stop()
+	<-watched
+	return err
+}
+
+// authenticate returns the principal of the request's key, from the
+// cluster's keys (cached for keyCacheTTL).
+func (r *Replica) authenticate(req *http.Request) (principal.Principal, error) {
+	tok, ok := strings.CutPrefix(req.Header.Get("Authorization"), "Bearer ")
+	if !ok || tok == "" {
+		return principal.Principal{}, fmt.Errorf("missing API key (Authorization: Bearer <key>): %w", errdefs.ErrUnauthorized)
+	}
+	dig := tenancy.Digest(tok)
+	r.mu.Lock()
+	c, ok := r.keys[dig]
+	r.mu.Unlock()
+	if !ok || time.Now().After(c.expires) {
+		k, err := r.store.LiveKey(req.Context(), dig)
+		if err != nil {
+			return principal.Principal{}, err
+		}
+		c = cachedKey{key: k, expires: time.Now().Add(keyCacheTTL)}
+		r.mu.Lock()
+		if len(r.keys) > 10000 {
+			clear(r.keys)
+		}
+		r.keys[dig] = c
+		r.mu.Unlock()
+	}
+	return principal.Principal{KeyID: c.key.ID, KeyName: c.key.Name, Tenant: c.key.Tenant, Scopes: slices.Clone(c.key.Scopes)}, nil
+}
+
+// authed is the replica's access check: a valid key holding scope.
+func (r *Replica) authed(scope string, h func(http.ResponseWriter, *http.Request, principal.Principal)) http.HandlerFunc {
+	return func(w http.ResponseWriter, req *http.Request) {
+		p, err := r.authenticate(req)
+		if err != nil {
+			writeError(w, req, err)
+			return
+		}
+		if scope != "" && !p.Can(scope) {
+			writeError(w, req, fmt.Errorf("this API key (%s) lacks the %s scope: %w", p.KeyName, scope, errdefs.ErrPermissionDenied))
+			return
+		}
+		h(w, req.WithContext(principal.With(req.Context(), p)), p)
+	}
+}
+
+// Handler is the replica's API.
+func (r *Replica) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, req *http.Request) { writeJSON(w, 200, map[string]bool{"ok": true}) })
+	mux.HandleFunc("POST /v1/sandboxes", r.authed(principal.ScopeSandboxWrite, r.create))
+	mux.HandleFunc("GET /v1/sandboxes", r.authed(principal.ScopeSandboxRead, r.list))
+	mux.HandleFunc("DELETE /v1/sandboxes/{id}", r.authed(principal.ScopeSandboxWrite, r.delete))
+	mux.HandleFunc("GET /v1/sandboxes/{id}", r.authed(principal.ScopeSandboxRead, r.get))
+	// Everything else about a sandbox goes to its node, which checks the
+	// scope and the tenant as it always does. Attach and port routes carry
+	// their own tokens, which the node checks: they pass without a key.
+	mux.HandleFunc("/v1/sandboxes/{id}/{rest...}", r.sandboxCall)
+	mux.HandleFunc("GET /v1/operations/{id}", r.authed(principal.ScopeSandboxRead, r.operation))
+	mux.HandleFunc("GET /v1/nodes", r.authed(principal.ScopeAdmin, r.nodes))
+	mux.HandleFunc("POST /v1/keys", r.authed(principal.ScopeAdmin, r.createKey))
+	mux.HandleFunc("GET /v1/keys", r.authed(principal.ScopeAdmin, r.listKeys))
+	mux.HandleFunc("DELETE /v1/keys/{keyid}", r.authed(principal.ScopeAdmin, r.revokeKey))
+	mux.HandleFunc("GET /v1/templates", r.authed(principal.ScopeTemplatesRead, r.listTemplates))
+	mux.HandleFunc("GET /v1/templates/{ref}", r.authed(principal.ScopeTemplatesRead, r.templateCall))
+	mux.HandleFunc("GET /v1/templates/{ref}/export", r.authed(principal.ScopeTemplatesRead, r.templateCall))
+	mux.HandleFunc("POST /v1/templates", r.authed(principal.ScopeTemplatesWrite, r.templateWrite))
+	mux.HandleFunc("POST /v1/templates/pull", r.authed(principal.ScopeTemplatesWrite, r.templateWrite))
+	mux.HandleFunc("POST /v1/templates/build", r.authed(principal.ScopeTemplatesWrite, r.templateWrite))
+	mux.HandleFunc("/", func(w http.ResponseWriter, req *http.Request) {
+		writeError(w, req, fmt.Errorf("%s %s is not served by a cluster replica (it serves sandboxes, their operations, templates, keys and nodes); call a node's own API for the rest: %w",
+			req.Method, req.URL.Path, errdefs.ErrNotSupported))
+	})
+	return mux
+}
+
+// nodeOf is the node row of a sandbox the caller may see (404 otherwise,
+// exactly as for a sandbox that does not exist).
+func (r *Replica) sandboxRow(ctx context.Context, id string, p *principal.Principal) (clusterstore.Sandbox, error) {
+	row, err := r.store.GetSandbox(ctx, id)
+	if err != nil {
+		return row, err
+	}
+	if p != nil && !p.Sees(row.Tenant) {
+		return clusterstore.Sandbox{}, fmt.Errorf("sandbox %q: %w", id, errdefs.ErrNotFound)
+	}
+	return row, nil
+}
+
+// node returns the row of node id.
+func (r *Replica) node(ctx context.Context, id string) (clusterstore.Node, error) {
+	nodes, err := r.store.Nodes(ctx)
+	if err != nil {
+		return clusterstore.Node{}, err
+	}
+	for _, n := range nodes {
+		if n.ID == id {
+			return n, nil
+		}
+	}
+	return clusterstore.Node{}, fmt.Errorf("node %q: %w", id, errdefs.ErrNotFound)
+}
+
+// transport is the mutual-TLS transport to node n (HTTP/1.1: attach and
+// port streams upgrade the connection).
+func (r *Replica) transport(n clusterstore.Node) (*http.Transport, error) {
+	key := n.ID + "\x00" + n.Address
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if t, ok := r.transports[key]; ok {
+		return t, nil
+	}
+	cfg, err := r.id.ClientConfig(n.ID)
+	if err != nil {
+		return nil, err
+	}
+	t := &http.Transport{
+		TLSClientConfig:     cfg,
+		DialContext:         (&net.Dialer{Timeout: 3 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		TLSHandshakeTimeout: 5 * time.Second,
+		MaxIdleConnsPerHost: 64,
+		IdleConnTimeout:     90 * time.Second,
+	}
+	r.transports[key] = t
+	return t, nil
+}
+
+// nodeURL is the base URL of a node's cluster listener.
+func nodeURL(n clusterstore.Node) (*url.URL, error) {
+	u, err := url.Parse(n.Address)
+	if err != nil || u.Scheme != "https" || u.Host == "" {
+		return nil, fmt.Errorf("node %s advertises %q, not an https:// cluster listener: %w", n.ID, n.Address, errdefs.ErrUnavailable)
+	}
+	return u, nil
+}
+
+// errNodeDown is a node the replica could not reach (or that is lost).
+func errNodeDown(n clusterstore.Node, err error) error {
+	if n.State == clusterstore.NodeLost {
+		return fmt.Errorf("node %s is lost (%s): %w", n.ID, n.StateReason, errdefs.ErrUnavailable)
+	}
+	return fmt.Errorf("node %s did not answer: %v: %w", n.ID, err, errdefs.ErrUnavailable)
+}
+
+// proxy forwards req to node n as caller p (nil: as nobody, for routes a
+// token authorises), streaming both ways.
+func (r *Replica) proxy(w http.ResponseWriter, req *http.Request, n clusterstore.Node, p *principal.Principal) {
+	if n.State == clusterstore.NodeLost {
+		writeError(w, req, errNodeDown(n, nil))
+		return
+	}
+	target, err := nodeURL(n)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	t, err := r.transport(n)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	var who []byte
+	if p != nil {
+		who, _ = json.Marshal(p)
+	}
+	rp := &httputil.ReverseProxy{
+		Transport:     t,
+		FlushInterval: -1,
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.SetURL(target)
+			pr.Out.Host = target.Host
+			// The caller's API key stays here: the node trusts the
+			// replica's certificate and the principal it vouches for. A
+			// token route's Authorization is the node's own token.
+			pr.Out.Header.Del(PrincipalHeader)
+			if who != nil {
+				pr.Out.Header.Del("Authorization")
+				pr.Out.Header.Set(PrincipalHeader, string(who))
+			}
+		},
+		ModifyResponse: func(resp *http.Response) error {
+			resp.Header.Set("Space-Node", n.ID)
+			return nil
+		},
+		ErrorHandler: func(w http.ResponseWriter, req *http.Request, err error) {
+			if req.Context().Err() != nil {
+				return // the caller went away
+			}
+			writeError(w, req, errNodeDown(n, err))
+		},
+		ErrorLog: slog.NewLogLogger(r.cfg.Logger.Handler(), slog.LevelDebug),
+	}
+	rp.ServeHTTP(w, req)
+}
+
+// sandboxCall proxies a call naming a sandbox to its node.
+func (r *Replica) sandboxCall(w http.ResponseWriter, req *http.Request) {
+	var p *principal.Principal
+	if !tokenRoute(req.Method, req.PathValue("rest")) {
+		pp, err := r.authenticate(req)
+		if err != nil {
+			writeError(w, req, err)
+			return
+		}
+		p = &pp
+	}
+	row, err := r.sandboxRow(req.Context(), req.PathValue("id"), p)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	n, err := r.node(req.Context(), row.Node)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	r.proxy(w, req, n, p)
+}
+
+// tokenRoute reports whether a sandbox sub-route is authorised by a token
+// the node checks (attach, ports) rather than by an API key.
+func tokenRoute(method, rest string) bool {
+	parts := strings.Split(rest, "/")
+	switch {
+	case len(parts) == 3 && parts[0] == "commands" && parts[2] == "attach" && method == http.MethodGet:
+		return true
+	case len(parts) >= 3 && parts[0] == "ports":
+		return true
+	}
+	return false
+}
+
+// get answers from the node, or from the row when the node is lost or
+// down (its last report, with the state the cluster knows).
+func (r *Replica) get(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	row, err := r.sandboxRow(req.Context(), req.PathValue("id"), &p)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	n, err := r.node(req.Context(), row.Node)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	if n.State == clusterstore.NodeLost || row.State == clusterstore.StateLost {
+		w.Header().Set("Space-Node", n.ID)
+		writeJSON(w, http.StatusOK, rowSandbox(row))
+		return
+	}
+	r.proxy(w, req, n, &p)
+}
+
+// rowSandbox is a sandbox as its row has it: the node's last report with
+// the cluster's state (lost) and reason.
+func rowSandbox(row clusterstore.Sandbox) api.Sandbox {
+	sb := api.Sandbox{ID: row.ID, Tenant: row.Tenant, Template: row.Request.Template, CreatedAt: row.Created}
+	if row.Status != nil {
+		sb = *row.Status
+	}
+	sb.State = row.State
+	if row.StateReason != "" {
+		sb.Error = row.StateReason
+	}
+	if sb.Tenant == principal.DefaultTenant {
+		sb.Tenant = ""
+	}
+	return sb
+}
+
+// list answers from the rows: one query, whatever the nodes are doing.
+func (r *Replica) list(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	tenant := p.Tenant
+	if p.Admin() {
+		tenant = ""
+	}
+	rows, err := r.store.Sandboxes(req.Context(), tenant)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	state := req.URL.Query().Get("state")
+	out := []api.Sandbox{}
+	for _, row := range rows {
+		sb := rowSandbox(row)
+		if state == "" || sb.State == state {
+			out = append(out, sb)
+		}
+	}
+	writeJSON(w, http.StatusOK, api.SandboxList{Sandboxes: out})
+}
+
+// delete records the desire first (so a node that is down deletes the
+// sandbox when it is back), then asks the node now.
+func (r *Replica) delete(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	row, err := r.sandboxRow(req.Context(), req.PathValue("id"), &p)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	if err := r.store.SetDesired(req.Context(), row.ID, clusterstore.DesiredDeleted); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	n, err := r.node(req.Context(), row.Node)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	if n.State == clusterstore.NodeLost {
+		writeJSON(w, http.StatusAccepted, map[string]string{"id": row.ID, "state": clusterstore.DesiredDeleted,
+			"message": fmt.Sprintf("node %s is lost; the deletion is recorded and applied if it comes back", n.ID)})
+		return
+	}
+	r.proxy(w, req, n, &p)
+}
+
+// maxIdempotencyKey bounds an Idempotency-Key header.
+const maxIdempotencyKey = 128
+
+func checkIdempotencyKey(k string) error {
+	if len(k) > maxIdempotencyKey {
+		return fmt.Errorf("%s is %d bytes; at most %d: %w", api.IdempotencyKeyHeader, len(k), maxIdempotencyKey, errdefs.ErrInvalidArgument)
+	}
+	for _, c := range []byte(k) {
+		if c < 0x21 || c > 0x7e {
+			return fmt.Errorf("%s must be printable ASCII without spaces: %w", api.IdempotencyKeyHeader, errdefs.ErrInvalidArgument)
+		}
+	}
+	return nil
+}
+
+// create places the sandbox, makes sure its node has the template, and
+// forwards the create; the node writes the row before it answers. With an
+// Idempotency-Key, a create the tenant already made answers with that
+// sandbox.
+func (r *Replica) create(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	var body api.CreateSandboxRequest
+	if err := decodeJSON(w, req, &body); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	if _, err := waitParam(req); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	idem := req.Header.Get(api.IdempotencyKeyHeader)
+	if err := checkIdempotencyKey(idem); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	if idem != "" && r.answerExisting(w, req, p, idem) {
+		return
+	}
+	raw, _ := json.Marshal(body)
+	tmpl := body.Template
+	if tmpl == "" {
+		tmpl = "base:latest"
+	}
+	mem := body.Limits.MemoryMiB
+	if mem <= 0 {
+		mem = r.cfg.DefaultMemMiB
+	}
+	var tried []string
+	for attempt := 0; attempt < 2; attempt++ {
+		n, err := r.store.PlaceExcept(req.Context(), tmpl, mem<<20, r.cfg.NodeTimeout, tried)
+		if err != nil {
+			writeError(w, req, err)
+			return
+		}
+		tried = append(tried, n.ID)
+		if err := r.ensureTemplate(req.Context(), n, tmpl, p); err != nil {
+			r.cfg.Logger.Warn("cluster: copying a template to its node", "node", n.ID, "template", tmpl, "err", err)
+		}
+		resp, err := r.forward(req.Context(), n, http.MethodPost, "/v1/sandboxes?"+req.URL.RawQuery, raw, &p, idem)
+		if err != nil {
+			// Not answered: try once more elsewhere. A create the node
+			// did make without answering has its row, and the key (if
+			// any) finds it.
+			r.cfg.Logger.Warn("cluster: create not answered", "node", n.ID, "err", err)
+			if idem != "" && r.answerExisting(w, req, p, idem) {
+				return
+			}
+			continue
+		}
+		defer resp.Body.Close()
+		if resp.StatusCode == http.StatusConflict && idem != "" && r.answerExisting(w, req, p, idem) {
+			return
+		}
+		copyResponse(w, resp, n.ID)
+		return
+	}
+	writeError(w, req, fmt.Errorf("no node answered the create (tried %s): %w", strings.Join(tried, ", "), errdefs.ErrUnavailable))
+}
+
+// answerExisting answers with the tenant's sandbox made under idem, if
+// there is one: as its node has it now (or as its row does), with its
+// create operation, still running or done.
+func (r *Replica) answerExisting(w http.ResponseWriter, req *http.Request, p principal.Principal, idem string) bool {
+	row, err := r.store.SandboxByKey(req.Context(), p.Tenant, idem)
+	if err != nil {
+		return false
+	}
+	sb := rowSandbox(row)
+	if n, err := r.node(req.Context(), row.Node); err == nil && n.State != clusterstore.NodeLost {
+		if resp, err := r.forward(req.Context(), n, http.MethodGet, "/v1/sandboxes/"+url.PathEscape(row.ID), nil, &p, ""); err == nil {
+			var now api.Sandbox
+			if resp.StatusCode == http.StatusOK && json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&now) == nil {
+				sb = now
+			}
+			resp.Body.Close()
+		}
+	}
+	op := api.Operation{ID: row.CreateOperation, Kind: "create", SandboxID: sb.ID, State: api.OpSucceeded, CreatedAt: sb.CreatedAt}
+	switch sb.State {
+	case api.StateCreating, "":
+		op.State = api.OpRunning
+	case api.StateError, clusterstore.StateLost:
+		op.State = api.OpFailed
+		op.Error = &api.ErrorBody{Code: api.CodeUnavailable, Message: sb.Error}
+	}
+	w.Header().Set("Space-Node", row.Node)
+	writeJSON(w, http.StatusOK, api.CreateSandboxResponse{Sandbox: sb, Operation: op})
+	return true
+}
+
+// forward makes one call to node n as p.
+func (r *Replica) forward(ctx context.Context, n clusterstore.Node, method, path string, body []byte, p *principal.Principal, idem string) (*http.Response, error) {
+	u, err := nodeURL(n)
+	if err != nil {
+		return nil, err
+	}
+	t, err := r.transport(n)
+	if err != nil {
+		return nil, err
+	}
+	var rd io.Reader
+	if body != nil {
+		rd = bytes.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, strings.TrimSuffix(u.String(), "/")+path, rd)
+	if err != nil {
+		return nil, err
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	if p != nil {
+		who, _ := json.Marshal(p)
+		req.Header.Set(PrincipalHeader, string(who))
+	}
+	if idem != "" {
+		req.Header.Set(api.IdempotencyKeyHeader, idem)
+	}
+	return t.RoundTrip(req)
+}
+
+func copyResponse(w http.ResponseWriter, resp *http.Response, node string) {
+	for k, vs := range resp.Header {
+		for _, v := range vs {
+			w.Header().Add(k, v)
+		}
+	}
+	w.Header().Set("Space-Node", node)
+	w.WriteHeader(resp.StatusCode)
+	io.Copy(w, resp.Body)
+}
+
+// ensureTemplate copies template ref to node n from a node that has it,
+// by export and import (the import verifies every digest), when n has not
+// got it and another node has. The base template is built by each node
+// itself.
+func (r *Replica) ensureTemplate(ctx context.Context, n clusterstore.Node, ref string, p principal.Principal) error {
+	if slices.Contains(n.Templates, ref) || ref == "base:latest" {
+		return nil
+	}
+	nodes, err := r.store.Nodes(ctx)
+	if err != nil {
+		return err
+	}
+	var src *clusterstore.Node
+	for i := range nodes {
+		if nodes[i].ID != n.ID && nodes[i].State == clusterstore.NodeReady && slices.Contains(nodes[i].Templates, ref) {
+			src = &nodes[i]
+			break
+		}
+	}
+	if src == nil {
+		return nil // nowhere to copy from: the node's own create says what is missing
+	}
+	// The copy is made for the caller's tenant: what it may use on one
+	// node it may use on another.
+	cp := principal.Principal{KeyID: p.KeyID, KeyName: p.KeyName, Tenant: p.Tenant, Scopes: []string{principal.ScopeTemplatesRead, principal.ScopeTemplatesWrite}}
+	exp, err := r.forward(ctx, *src, http.MethodGet, "/v1/templates/"+url.PathEscape(ref)+"/export", nil, &cp, "")
+	if err != nil {
+		return err
+	}
+	defer exp.Body.Close()
+	if exp.StatusCode != http.StatusOK {
+		return fmt.Errorf("export from %s: %s", src.ID, exp.Status)
+	}
+	u, err := nodeURL(n)
+	if err != nil {
+		return err
+	}
+	t, err := r.transport(n)
+	if err != nil {
+		return err
+	}
+	q := url.Values{}
+	if !strings.HasPrefix(ref, "sha256:") {
+		q.Set("tag", ref)
+	}
+	imp, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(u.String(), "/")+"/v1/templates?"+q.Encode(), exp.Body)
+	if err != nil {
+		return err
+	}
+	who, _ := json.Marshal(cp)
+	imp.Header.Set(PrincipalHeader, string(who))
+	imp.Header.Set("Content-Type", "application/x-tar")
+	resp, err := t.RoundTrip(imp)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusCreated && resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return fmt.Errorf("import on %s: %s: %s", n.ID, resp.Status, b)
+	}
+	r.cfg.Logger.Info("cluster: template copied", "template", ref, "from", src.ID, "to", n.ID)
+	return nil
+}
+
+// operation finds an operation on whichever node has it (operation ids do
+// not say where they run).
+func (r *Replica) operation(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	nodes, err := r.store.Nodes(req.Context())
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	path := "/v1/operations/" + url.PathEscape(req.PathValue("id"))
+	if req.URL.RawQuery != "" {
+		path += "?" + req.URL.RawQuery
+	}
+	type answer struct {
+		resp *http.Response
+		node string
+	}
+	ctx, cancel := context.WithCancel(req.Context())
+	defer cancel()
+	found := make(chan answer, len(nodes))
+	var wg sync.WaitGroup
+	for _, n := range nodes {
+		if n.State == clusterstore.NodeLost {
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, err := r.forward(ctx, n, http.MethodGet, path, nil, &p, "")
+			if err != nil {
+				return
+			}
+			if resp.StatusCode == http.StatusNotFound {
+				resp.Body.Close()
+				return
+			}
+			found <- answer{resp, n.ID}
+		}()
+	}
+	go func() { wg.Wait(); close(found) }()
+	a, ok := <-found
+	if !ok {
+		writeError(w, req, fmt.Errorf("operation %q: %w", req.PathValue("id"), errdefs.ErrNotFound))
+		return
+	}
+	defer a.resp.Body.Close()
+	copyResponse(w, a.resp, a.node)
+	go func() {
+		for other := range found {
+			other.resp.Body.Close()
+		}
+	}()
+}
+
+func (r *Replica) nodes(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
+	nodes, err := r.store.Nodes(req.Context())
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	out := make([]api.ClusterNode, 0, len(nodes))
+	for _, n := range nodes {
+		out = append(out, api.ClusterNode{ID: n.ID, Address: n.Address, State: n.State, StateReason: n.StateReason,
+			MemFree: n.MemFree, CPUs: n.CPUs, Sandboxes: n.Sandboxes, Templates: n.Templates, HeartbeatAt: n.Heartbeat})
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+func (r *Replica) createKey(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
+	var body api.CreateKeyRequest
+	if err := decodeJSON(w, req, &body); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	secret := tenancy.NewKeySecret()
+	k, dig, err := tenancy.NewKey(body, secret)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	if err := r.store.AddKey(req.Context(), k, dig); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, api.CreatedKey{APIKey: k, Key: secret})
+}
+
+func (r *Replica) listKeys(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
+	keys, err := r.store.Keys(req.Context(), req.URL.Query().Get("tenant"))
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, api.KeyList{Keys: keys})
+}
+
+func (r *Replica) revokeKey(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
+	k, err := r.store.RevokeKey(req.Context(), req.PathValue("keyid"))
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	// This replica stops honouring it at once; the others within keyCacheTTL.
+	r.mu.Lock()
+	clear(r.keys)
+	r.mu.Unlock()
+	writeJSON(w, http.StatusOK, k)
+}
+
+// listTemplates merges the templates of every node that answers (one
+// entry per digest).
+func (r *Replica) listTemplates(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	nodes, err := r.store.Nodes(req.Context())
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	seen := map[string]bool{}
+	out := []api.Template{}
+	for _, n := range nodes {
+		if n.State != clusterstore.NodeReady {
+			continue
+		}
+		resp, err := r.forward(req.Context(), n, http.MethodGet, "/v1/templates", nil, &p, "")
+		if err != nil {
+			continue
+		}
+		var ts api.TemplateList
+		if resp.StatusCode == http.StatusOK {
+			json.NewDecoder(io.LimitReader(resp.Body, 16<<20)).Decode(&ts)
+		}
+		resp.Body.Close()
+		for _, t := range ts.Templates {
+			if !seen[t.Digest] {
+				seen[t.Digest] = true
+				out = append(out, t)
+			}
+		}
+	}
+	writeJSON(w, http.StatusOK, api.TemplateList{Templates: out})
+}
+
+// templateCall proxies a read of one template to a node that has it.
+func (r *Replica) templateCall(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	nodes, err := r.store.Nodes(req.Context())
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	ref := req.PathValue("ref")
+	for _, n := range nodes {
+		if n.State == clusterstore.NodeReady && slices.Contains(n.Templates, ref) {
+			r.proxy(w, req, n, &p)
+			return
+		}
+	}
+	writeError(w, req, fmt.Errorf("template %q is on no ready node: %w", ref, errdefs.ErrNotFound))
+}
+
+// templateWrite sends an import, pull or build to the node placement
+// picks; the template reaches other nodes when a create needs it there.
+func (r *Replica) templateWrite(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	n, err := r.store.PlaceExcept(req.Context(), "", 0, r.cfg.NodeTimeout, nil)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	r.proxy(w, req, n, &p)
+}
