@@ -21,7 +21,7 @@ import (
 
 // TestClusterNode runs a real `space node --cluster-store` process as
 // node n1 against a real PostgreSQL, with this test in the replicas' seat:
-// the node registers and beats, reports the sandboxes a replica recorded,
+// the node registers and beats, records and reports the sandboxes it makes,
 // applies the desired states a replica writes (pause, resume, delete), and
 // after a kill -9 it is marked lost — it and its sandbox, with the reason —
 // within the heartbeat window; restarted, it beats again and reports its
@@ -62,8 +62,9 @@ func TestClusterNode(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := cs.AddSandbox(ctx, sb.ID, "n1", sb.Tenant, req); err != nil {
-			t.Fatal(err)
+		// The node wrote the row before it answered the create.
+		if r, err := cs.GetSandbox(ctx, sb.ID); err != nil || r.Node != "n1" || r.Desired != clusterstore.DesiredRunning {
+			t.Fatalf("row of a sandbox the node made: %+v %v", r, err)
 		}
 		return *sb
 	}
@@ -143,7 +144,7 @@ func TestClusterNode(t *testing.T) {
 	if nodes, _ := cs.Nodes(ctx); len(nodes) != 1 || nodes[0].State != clusterstore.NodeReady {
 		t.Fatalf("node after its return: %+v", nodes)
 	}
-	// Deleted on the node directly: the row says deleted.
+	// Deleted on the node directly: the row goes.
 	op, err := c.DeleteSandbox(ctx, kept.ID, true)
 	if err == nil {
 		_, err = c.WaitOperation(ctx, op.ID)
@@ -151,8 +152,8 @@ func TestClusterNode(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitRow(kept.ID, "reported deleted", func(r clusterstore.Sandbox, err error) bool {
-		return err == nil && r.State == api.StateDeleted
+	waitRow(kept.ID, "removed after the node's own delete", func(_ clusterstore.Sandbox, err error) bool {
+		return errors.Is(err, errdefs.ErrNotFound)
 	})
 }
 
@@ -169,6 +170,9 @@ func TestClusterNodeRefusesBadConfig(t *testing.T) {
 		{[]string{"--cluster-store", "host=/nonexistent-space-socket-dir user=postgres dbname=x", "--node-id", "n1"}, "joining the cluster"},
 		{[]string{"--cluster-store", "x", "--listen", "unix:/tmp/x.sock"}, "--advertise is required"},
 		{[]string{"--cluster-store", "x", "--heartbeat", "0s"}, "--heartbeat must be positive"},
+		{[]string{"--cluster-store", "x", "--cluster-listen", "127.0.0.1:1"}, "needs the cluster CA"},
+		{[]string{"--store", "postgres://x"}, "needs the cluster CA"},
+		{[]string{"--store", "postgres://x", "--cluster-store", "y"}, "one or the other"},
 	} {
 		root := t.TempDir()
 		args := append([]string{"server", "--data", filepath.Join(root, "data"), "--cache", testenv.CacheDir(), "--pool-default", "0",

@@ -1,0 +1,393 @@
+package e2e
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/clusterstore"
+	"github.com/spacehq/space/internal/testenv"
+	"github.com/spacehq/space/internal/testenv/pgtest"
+	"github.com/spacehq/space/sdk"
+)
+
+// testCluster is PostgreSQL, nodes and replicas as separate processes, each
+// with its own data directory, on this machine.
+type testCluster struct {
+	t     *testing.T
+	bin   string
+	dsn   string
+	root  string
+	certs string
+	nodes map[string]*clusterMember
+	cs    *clusterstore.Store
+}
+
+type clusterMember struct {
+	name, addr, clusterAddr string
+	args                    []string
+	p                       *proc
+}
+
+func (c *testCluster) space(args ...string) {
+	c.t.Helper()
+	out, err := exec.Command(c.bin, args...).CombinedOutput()
+	if err != nil {
+		c.t.Fatalf("space %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+}
+
+func (c *testCluster) startNode(name string) *clusterMember {
+	c.t.Helper()
+	cert := filepath.Join(c.certs, name)
+	c.space("cluster", "cert", name, "--ca-dir", c.certs, "--role", "node", "--host", "127.0.0.1", "--out", cert)
+	m := &clusterMember{name: name, addr: freePort(c.t), clusterAddr: freePort(c.t)}
+	m.args = []string{"--cluster-store", c.dsn, "--node-id", name, "--heartbeat", "200ms",
+		"--cluster-listen", m.clusterAddr, "--cluster-ca", filepath.Join(c.certs, "ca.crt"),
+		"--cluster-cert", cert + ".crt", "--cluster-key", cert + ".key", "--orphan-grace", "3s"}
+	m.p = startServerAs(c.t, "node", c.bin, filepath.Join(c.root, name, "data"), m.addr, m.args...)
+	c.nodes[name] = m
+	return m
+}
+
+func (c *testCluster) restartNode(m *clusterMember) {
+	m.p = startServerAs(c.t, "node", c.bin, filepath.Join(c.root, m.name, "data"), m.addr, m.args...)
+}
+
+func (c *testCluster) startReplica(name string) *proc {
+	c.t.Helper()
+	cert := filepath.Join(c.certs, name)
+	c.space("cluster", "cert", name, "--ca-dir", c.certs, "--role", "replica", "--out", cert)
+	return startServer(c.t, c.bin, filepath.Join(c.root, name, "data"), freePort(c.t),
+		"--store", c.dsn, "--node-timeout", "2s", "--cluster-ca", filepath.Join(c.certs, "ca.crt"),
+		"--cluster-cert", cert+".crt", "--cluster-key", cert+".key")
+}
+
+// TestClusterReplicasAndNodes is issue 15's cluster on one machine: a real
+// PostgreSQL, two `space node` processes and two `space server --store`
+// replicas. Creates through either replica land on both nodes; exec,
+// files and attach work through the other replica; keys and tenants are
+// the cluster's; an Idempotency-Key makes one sandbox of a retried create,
+// also when the replica that got the first try is killed with -9 in the
+// middle of it; a node killed with -9 is lost within the window, with its
+// sandboxes, and comes back.
+func TestClusterReplicasAndNodes(t *testing.T) {
+	testenv.RequireRoot(t)
+	testenv.BaseRootfs(t)
+	root, err := os.MkdirTemp("", "clr-") // short: sandbox socket paths live under it
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(root)
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	c := &testCluster{t: t, bin: buildSpace(t), dsn: pgtest.Shared(t).NewDatabase(t), root: root,
+		certs: filepath.Join(root, "certs"), nodes: map[string]*clusterMember{}}
+	c.space("cluster", "ca", c.certs)
+
+	n1, n2 := c.startNode("n1"), c.startNode("n2")
+	defer func() {
+		for _, m := range c.nodes {
+			m.p.kill9()
+		}
+	}()
+	r1 := c.startReplica("r1")
+	defer r1.kill9()
+	r2 := c.startReplica("r2")
+	defer r2.kill9()
+	if c.cs, err = clusterstore.Open(ctx, c.dsn); err != nil {
+		t.Fatal(err)
+	}
+	defer c.cs.Close()
+
+	// The first replica stored the cluster's admin key; the second did not
+	// make one of its own.
+	a1 := r1.client(t)
+	if _, err := os.Stat(filepath.Join(r2.data, "api-key")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the second replica wrote an api-key of its own: %v", err)
+	}
+	a2, err := sdk.New(r2.url, a1.APIKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cleanup []string
+	defer func() {
+		for _, id := range cleanup {
+			if op, err := a1.DeleteSandbox(context.Background(), id, true); err == nil {
+				a1.WaitOperation(context.Background(), op.ID)
+			}
+		}
+	}()
+
+	// Each node prepares the base template once (what placement's template
+	// locality then sees on both), through its own API.
+	for _, m := range []*clusterMember{n1, n2} {
+		nc := m.p.client(t)
+		sb, err := nc.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if op, err := nc.DeleteSandbox(ctx, sb.ID, true); err != nil {
+			t.Fatal(err)
+		} else if _, err := nc.WaitOperation(ctx, op.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		nodes, err := c.cs.Nodes(ctx)
+		if err == nil && len(nodes) == 2 && slices.Contains(nodes[0].Templates, "base:latest") && slices.Contains(nodes[1].Templates, "base:latest") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("nodes' templates: %+v %v", nodes, err)
+		}
+	}
+
+	// Creates through either replica land on both nodes.
+	onNode := map[string][]string{}
+	var ids []string
+	for i, a := range []*sdk.Client{a1, a2, a1, a2} {
+		sb, err := a.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native", Labels: map[string]string{"i": fmt.Sprint(i)}})
+		if err != nil {
+			t.Fatalf("create %d: %v", i, err)
+		}
+		cleanup = append(cleanup, sb.ID)
+		ids = append(ids, sb.ID)
+		if sb.State != api.StateRunning {
+			t.Fatalf("create %d answered %s", i, sb.State)
+		}
+		row, err := c.cs.GetSandbox(ctx, sb.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		onNode[row.Node] = append(onNode[row.Node], sb.ID)
+	}
+	if len(onNode["n1"]) == 0 || len(onNode["n2"]) == 0 {
+		t.Fatalf("four creates did not use both nodes: %v", onNode)
+	}
+	t.Logf("placement of four creates: %v", onNode)
+
+	// Everything about a sandbox works through the replica that did not
+	// create it.
+	for i, id := range ids {
+		other := []*sdk.Client{a2, a1}[i%2]
+		res, err := other.Exec(ctx, id, api.ExecRequest{Cmd: []string{"sh", "-c", "echo out-$0; echo err >&2; exit 3", id}})
+		if err != nil || res.ExitCode != 3 || string(res.Stdout) != "out-"+id+"\n" || string(res.Stderr) != "err\n" {
+			t.Fatalf("exec in %s through the other replica: %+v %v", id, res, err)
+		}
+		if _, err := other.WriteFile(ctx, id, "/tmp/f", strings.NewReader("data of "+id), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		rc, err := a1.ReadFile(ctx, id, "/tmp/f")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(rc)
+		rc.Close()
+		if string(b) != "data of "+id {
+			t.Fatalf("file of %s read back %q", id, b)
+		}
+	}
+	// Attach: a command started through one replica, its output and stdin
+	// through the other (the WebSocket crosses the replica and the
+	// node's mutual TLS).
+	cmd, err := a1.CreateCommand(ctx, ids[1], api.CreateCommandRequest{ExecRequest: api.ExecRequest{Cmd: []string{"sh", "-c", "read l; echo got-$l"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	sess, err := a2.Attach(ctx, cmd, sdk.AttachOptions{Stdout: &out})
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.WriteString(sess.Stdin, "hello\n")
+	st, err := sess.Wait()
+	sess.Close()
+	if err != nil || st.ExitCode != 0 || out.String() != "got-hello\n" {
+		t.Fatalf("attach through the other replica: %+v %v %q", st, err, out.String())
+	}
+	// Lifecycle through the other replica.
+	for _, verb := range []string{api.OpPause, api.OpResume} {
+		op, err := a2.Lifecycle(ctx, ids[0], verb)
+		if err == nil {
+			_, err = a2.WaitOperation(ctx, op.ID)
+		}
+		if err != nil {
+			t.Fatalf("%s through r2: %v", verb, err)
+		}
+	}
+
+	// Keys live in the cluster: one made through r1 works at r2 at once;
+	// its tenant sees only its own sandboxes.
+	key, err := a1.CreateKey(ctx, api.CreateKeyRequest{Name: "acme", Tenant: "acme", Scopes: []string{"sandbox:write", "exec:write"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	acme, _ := sdk.New(r2.url, key.Key)
+	if _, err := acme.GetSandbox(ctx, ids[0]); !errors.Is(err, sdk.ErrNotFound) {
+		t.Fatalf("another tenant's sandbox through r2: %v", err)
+	}
+	if _, err := acme.Exec(ctx, ids[0], api.ExecRequest{Cmd: []string{"true"}}); !errors.Is(err, sdk.ErrNotFound) {
+		t.Fatalf("exec in another tenant's sandbox through r2: %v", err)
+	}
+	if l, err := acme.ListSandboxes(ctx, sdk.ListOptions{}); err != nil || len(l) != 0 {
+		t.Fatalf("acme lists %v %v", l, err)
+	}
+	if _, err := a2.RevokeKey(ctx, key.ID); err != nil {
+		t.Fatal(err)
+	}
+	acme1, _ := sdk.New(r1.url, key.Key)
+	revoked := false
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && !revoked; time.Sleep(200 * time.Millisecond) {
+		_, err := acme1.ListSandboxes(ctx, sdk.ListOptions{})
+		revoked = errors.Is(err, sdk.ErrUnauthorized)
+	}
+	if !revoked {
+		t.Fatal("a key revoked through r2 still works at r1 after 5 s")
+	}
+	// The principal header means nothing on a node's plain listener, and
+	// its cluster listener wants a replica's certificate.
+	req, _ := http.NewRequest(http.MethodGet, n1.p.url+"/v1/sandboxes", nil)
+	req.Header.Set("Space-Cluster-Principal", `{"Tenant":"default","Scopes":["admin"]}`)
+	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != http.StatusUnauthorized {
+		t.Fatalf("a forged principal on a node's plain listener: %v %v", resp, err)
+	} else {
+		resp.Body.Close()
+	}
+	insecure := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
+	if resp, err := insecure.Get("https://" + n1.clusterAddr + "/v1/sandboxes"); err == nil {
+		resp.Body.Close()
+		t.Fatalf("the cluster listener answered a client without a certificate: %s", resp.Status)
+	}
+	// A call without a key, or a route a replica does not serve: JSON 4xx.
+	resp, err := http.Get(r1.url + "/v1/sandboxes")
+	if err != nil || resp.StatusCode != http.StatusUnauthorized {
+		t.Fatalf("no key: %v %v", resp, err)
+	}
+	resp.Body.Close()
+	if _, err := a2.ListSecrets(ctx); !errors.Is(err, sdk.ErrNotSupported) {
+		t.Fatalf("a route replicas do not serve: %v", err)
+	}
+
+	// An idempotent create: the same key through both replicas, one sandbox.
+	ictx := sdk.WithIdempotencyKey(ctx, "create-once-1")
+	s1, err := a1.CreateSandboxAndWait(ictx, api.CreateSandboxRequest{Runtime: "native"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cleanup = append(cleanup, s1.ID)
+	s2, err := a2.CreateSandboxAndWait(ictx, api.CreateSandboxRequest{Runtime: "native"})
+	if err != nil || s2.ID != s1.ID || s2.State != api.StateRunning {
+		t.Fatalf("the retried create: %+v %v, want %s", s2, err, s1.ID)
+	}
+
+	// kill -9 of a replica in the middle of a create: the node made the
+	// sandbox and its row, the replica never answered; the retry through
+	// another replica gets that sandbox, and nothing is lost or doubled.
+	r3 := c.startReplica("r3")
+	defer r3.kill9()
+	a3, _ := sdk.New(r3.url, a1.APIKey)
+	kctx := sdk.WithIdempotencyKey(ctx, "create-once-2")
+	go a3.CreateSandboxAndWait(kctx, api.CreateSandboxRequest{Runtime: "native"})
+	var row clusterstore.Sandbox
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if row, err = c.cs.SandboxByKey(ctx, "default", "create-once-2"); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the create through r3 never reached a node")
+		}
+	}
+	r3.kill9()
+	cleanup = append(cleanup, row.ID)
+	s3, err := a1.CreateSandboxAndWait(kctx, api.CreateSandboxRequest{Runtime: "native"})
+	if err != nil || s3.ID != row.ID || s3.State != api.StateRunning {
+		t.Fatalf("the retry after r3 died: %+v %v, want %s running", s3, err, row.ID)
+	}
+	// After the orphan grace (3 s here) every sandbox on a node has a row
+	// and every row a sandbox.
+	time.Sleep(4 * time.Second)
+	rows, err := c.cs.Sandboxes(ctx, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rowIDs, local []string
+	for _, r := range rows {
+		rowIDs = append(rowIDs, r.ID)
+	}
+	for _, m := range c.nodes {
+		l, err := m.p.client(t).ListSandboxes(ctx, sdk.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, sb := range l {
+			local = append(local, sb.ID)
+		}
+	}
+	slices.Sort(rowIDs)
+	slices.Sort(local)
+	if !slices.Equal(rowIDs, local) || len(rowIDs) != 6 {
+		t.Fatalf("rows %v, sandboxes on the nodes %v; want the same six", rowIDs, local)
+	}
+	if l, err := a2.ListSandboxes(ctx, sdk.ListOptions{}); err != nil || len(l) != 6 {
+		t.Fatalf("list through r2: %d %v", len(l), err)
+	}
+
+	// kill -9 of a node: lost within the window, its sandboxes too.
+	n2.p.kill9()
+	killed := time.Now()
+	var lostAfter time.Duration
+	for deadline := killed.Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		sb, err := a1.GetSandbox(ctx, onNode["n2"][0])
+		if err == nil && sb.State == clusterstore.StateLost {
+			lostAfter = time.Since(killed)
+			if !strings.Contains(sb.Error, "node n2 lost") {
+				t.Fatalf("lost sandbox's reason %q", sb.Error)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("n2's sandbox not lost 30 s after the kill: %+v %v", sb, err)
+		}
+	}
+	t.Logf("node n2 and its sandbox lost %v after kill -9 (heartbeat 200 ms, node timeout 2 s)", lostAfter.Round(time.Millisecond))
+	if lostAfter > 2*time.Second+time.Second {
+		t.Errorf("lost %v after the kill; the window is 2 s", lostAfter)
+	}
+	// Creates now go to n1 only; a lost node's sandbox refuses exec with 503.
+	sb, err := a2.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cleanup = append(cleanup, sb.ID)
+	if r, _ := c.cs.GetSandbox(ctx, sb.ID); r.Node != "n1" {
+		t.Fatalf("a create while n2 is lost went to %s", r.Node)
+	}
+	if _, err := a1.Exec(ctx, onNode["n2"][0], api.ExecRequest{Cmd: []string{"true"}}); !errors.Is(err, sdk.ErrUnavailable) {
+		t.Fatalf("exec on a lost node's sandbox: %v", err)
+	}
+	// Back: n2 beats again, its sandboxes run again, and the cleanup
+	// deletes them through the replicas.
+	c.restartNode(n2)
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		sb, err := a2.GetSandbox(ctx, onNode["n2"][0])
+		if err == nil && sb.State == api.StateRunning {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("n2's sandbox after its return: %+v %v", sb, err)
+		}
+	}
+	_ = n1
+}
