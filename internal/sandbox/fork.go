@@ -10,6 +10,7 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/runtime"
 )
 
@@ -29,6 +30,25 @@ const (
 // suspended parent is refused (wake it first): forking must not change the
 // parent's state.
 func (m *Manager) Fork(ctx context.Context, id string, req api.ForkRequest) (api.Operation, error) {
+	op, err := m.fork(ctx, id, req)
+	if err != nil || m.created.Load() == nil {
+		return op, err
+	}
+	var errs []error
+	for _, child := range op.Children {
+		sb, err := m.Get(principal.With(ctx, principal.System), child)
+		if err != nil {
+			continue // already gone (the fork failed): nothing to record
+		}
+		req := api.CreateSandboxRequest{Template: sb.Template, Runtime: sb.Runtime, Labels: sb.Labels, Limits: sb.Limits}
+		if err := m.tellCreated(ctx, sb, op, req); err != nil {
+			errs = append(errs, fmt.Errorf("fork child %s: %w", child, err))
+		}
+	}
+	return op, errors.Join(errs...)
+}
+
+func (m *Manager) fork(ctx context.Context, id string, req api.ForkRequest) (api.Operation, error) {
 	if req.Count == 0 {
 		req.Count = 1
 	}

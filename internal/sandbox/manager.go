@@ -89,6 +89,8 @@ type Manager struct {
 	cfg Config
 	log *slog.Logger
 	obs Observer
+	// created, when set, hears of every sandbox a caller makes (SetCreated).
+	created atomic.Pointer[CreatedFunc]
 
 	mu      sync.Mutex
 	entries map[string]*entry
@@ -265,9 +267,52 @@ func (m *Manager) pickRuntime(ctx context.Context, name string) (runtime.Runtime
 	return rt, c, nil
 }
 
+// CreatedFunc hears of a sandbox a caller made (a create, or a fork's
+// child) before the call returns; an error deletes the sandbox and fails
+// the call. A cluster node records its sandboxes in the cluster this way.
+type CreatedFunc func(ctx context.Context, sb api.Sandbox, op api.Operation, req api.CreateSandboxRequest) error
+
+// SetCreated sets (nil: clears) the function told of every sandbox callers
+// make — through any API — but not of warm-pool members or build steps,
+// which are the server's own.
+func (m *Manager) SetCreated(f CreatedFunc) {
+	if f == nil {
+		m.created.Store(nil)
+		return
+	}
+	m.created.Store(&f)
+}
+
+// tellCreated runs the CreatedFunc for sb; when it fails, sb is deleted.
+func (m *Manager) tellCreated(ctx context.Context, sb api.Sandbox, op api.Operation, req api.CreateSandboxRequest) error {
+	f := m.created.Load()
+	if f == nil || isPoolMember(sb) || sb.Labels[BuildLabel] != "" {
+		return nil
+	}
+	err := (*f)(ctx, sb, op, req)
+	if err == nil {
+		return nil
+	}
+	if _, derr := m.Lifecycle(principal.With(context.WithoutCancel(ctx), principal.System), sb.ID, api.OpDelete, true); derr != nil {
+		m.log.Warn("deleting a sandbox its creation hook refused", "sandbox", sb.ID, "err", derr)
+	}
+	return err
+}
+
 // Create validates req, persists the sandbox and its create operation, and
 // starts the operation in the background.
 func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api.Sandbox, api.Operation, error) {
+	sb, op, err := m.create(ctx, req)
+	if err != nil {
+		return sb, op, err
+	}
+	if err := m.tellCreated(ctx, sb, op, req); err != nil {
+		return api.Sandbox{}, api.Operation{}, err
+	}
+	return sb, op, nil
+}
+
+func (m *Manager) create(ctx context.Context, req api.CreateSandboxRequest) (api.Sandbox, api.Operation, error) {
 	lim, err := validateCreate(&req)
 	if err != nil {
 		return api.Sandbox{}, api.Operation{}, err
