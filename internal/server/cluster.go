@@ -82,7 +82,8 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 			return nil, err
 		}
 	}
-	s.clusterRows.Store(&clusterRows{store: cs, node: o.NodeID})
+	rows := &clusterRows{store: cs, node: o.NodeID}
+	s.mgr.SetCreated(rows.recordSandbox)
 	local := &clusterLocal{mgr: s.mgr}
 	status := func(ctx context.Context) (clusterstore.NodeStatus, error) {
 		mem, err := sandbox.HostMemAvailable()
@@ -132,7 +133,7 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 	beat, err := cluster.Beat(ctx, cs, o.Heartbeat, status, s.cfg.Logger)
 	if err != nil {
 		stopListener()
-		s.clusterRows.Store(nil)
+		s.mgr.SetCreated(nil)
 		cs.Close()
 		return nil, fmt.Errorf("joining the cluster: %w", err)
 	}
@@ -140,14 +141,20 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
+		mirrored := make(chan struct{})
+		go func() {
+			defer close(mirrored)
+			s.mirrorSettings(ctx, cs, 2*time.Second)
+		}()
 		node.Run(ctx)
+		<-mirrored
 	}()
 	s.cfg.Logger.Info("joined the cluster", "node", o.NodeID, "advertise", o.Advertise, "cluster_listen", o.Listen, "heartbeat", o.Heartbeat)
 	return func() {
 		<-beat
 		<-done
 		stopListener()
-		s.clusterRows.Store(nil)
+		s.mgr.SetCreated(nil)
 		cs.Close()
 	}, nil
 }
@@ -231,28 +238,30 @@ func replicaPrincipal(r *http.Request) (principal.Principal, bool, error) {
 	return p, true, nil
 }
 
-// recordClusterSandbox writes the row of a sandbox this node just created
-// (with the caller's idempotency key), before the create is answered: a
-// sandbox a replica placed here is in the cluster's state as soon as its
-// id exists. When the row cannot be written the sandbox is deleted and
-// the create fails; a key the tenant already used is ErrConflict naming
-// the sandbox that has it.
-func (s *Server) recordClusterSandbox(ctx context.Context, sb api.Sandbox, op api.Operation, idemKey string, req api.CreateSandboxRequest) error {
-	cr := s.clusterRows.Load()
-	if cr == nil {
-		return nil
+type idemKeyCtx struct{}
+
+// withIdempotencyKey carries a create's Idempotency-Key to recordSandbox.
+func withIdempotencyKey(ctx context.Context, key string) context.Context {
+	if key == "" {
+		return ctx
 	}
+	return context.WithValue(ctx, idemKeyCtx{}, key)
+}
+
+// recordSandbox is the manager's CreatedFunc on a node: it writes the row
+// of a sandbox this node just made (a create through any API, or a fork's
+// child), with the caller's idempotency key, before the call is answered,
+// so a sandbox is in the cluster's state as soon as its id exists. When the
+// row cannot be written the manager deletes the sandbox and the call
+// fails; a key the tenant already used is ErrConflict naming the sandbox
+// that has it.
+func (cr *clusterRows) recordSandbox(ctx context.Context, sb api.Sandbox, op api.Operation, req api.CreateSandboxRequest) error {
+	key, _ := ctx.Value(idemKeyCtx{}).(string)
 	err := cr.store.AddSandboxRecord(ctx, clusterstore.NewSandbox{ID: sb.ID, Node: cr.node, Tenant: sb.Tenant,
-		IdempotencyKey: idemKey, CreateOperation: op.ID, Request: req})
-	if err == nil {
-		return nil
-	}
-	if _, derr := s.mgr.Lifecycle(principal.With(context.WithoutCancel(ctx), principal.System), sb.ID, api.OpDelete, true); derr != nil {
-		s.cfg.Logger.Warn("cluster: deleting a sandbox whose row was refused", "sandbox", sb.ID, "err", derr)
-	}
+		IdempotencyKey: key, CreateOperation: op.ID, Request: req})
 	if errors.Is(err, clusterstore.ErrIdempotencyKeyUsed) {
-		if other, gerr := cr.store.SandboxByKey(ctx, sb.Tenant, idemKey); gerr == nil {
-			return fmt.Errorf("idempotency key %q was used by sandbox %s: %w", idemKey, other.ID, clusterstore.ErrIdempotencyKeyUsed)
+		if other, gerr := cr.store.SandboxByKey(ctx, sb.Tenant, key); gerr == nil {
+			return fmt.Errorf("idempotency key %q was used by sandbox %s: %w", key, other.ID, clusterstore.ErrIdempotencyKeyUsed)
 		}
 	}
 	return err
@@ -295,4 +304,89 @@ func (l *clusterLocal) Apply(ctx context.Context, id, verb string) error {
 		return fmt.Errorf("%s failed", verb)
 	}
 	return nil
+}
+
+// mirrorSettings keeps this node's tenants and policy rule sets equal to the
+// cluster's (PostgreSQL is the truth in a cluster: a rule set attached only
+// here is removed), woken by NOTIFY and polling every interval anyway.
+func (s *Server) mirrorSettings(ctx context.Context, cs *clusterstore.Store, every time.Duration) {
+	wake := make(chan struct{}, 1)
+	go cs.ListenSettings(ctx, func() {
+		select {
+		case wake <- struct{}{}:
+		default:
+		}
+	})
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		if err := s.applySettings(ctx, cs); err != nil && ctx.Err() == nil {
+			s.cfg.Logger.Warn("cluster: mirroring tenants and policies", "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-wake:
+		case <-t.C:
+		}
+	}
+}
+
+// applySettings makes one pass of mirrorSettings.
+func (s *Server) applySettings(ctx context.Context, cs *clusterstore.Store) error {
+	want, err := cs.Settings(ctx)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, t := range want.Tenants {
+		have, err := s.keys.GetTenant(ctx, t.Name)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if sameJSON(have.Quotas, t.Quotas) && sameJSON(have.Boundary, t.Boundary) {
+			continue
+		}
+		if _, err := s.keys.PutTenant(ctx, t); err != nil {
+			errs = append(errs, fmt.Errorf("tenant %s: %w", t.Name, err))
+			continue
+		}
+		s.cfg.Logger.Info("cluster: tenant settings mirrored", "tenant", t.Name)
+	}
+	have := map[string]api.PolicyRuleSet{}
+	for _, rs := range s.policy.ListRules() {
+		have[rs.Scope] = rs
+	}
+	changed := false
+	for _, rs := range want.Rules {
+		cur, ok := have[rs.Scope]
+		delete(have, rs.Scope)
+		if ok && sameJSON(cur.Rules, rs.Rules) {
+			continue
+		}
+		if _, err := s.policy.SetRules(ctx, rs.Scope, api.PolicyRuleSet{Rules: rs.Rules}); err != nil {
+			errs = append(errs, fmt.Errorf("policy rules of %s: %w", rs.Scope, err))
+			continue
+		}
+		changed = true
+	}
+	for scope := range have {
+		if err := s.policy.DeleteRules(ctx, scope); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+			errs = append(errs, fmt.Errorf("policy rules of %s: %w", scope, err))
+			continue
+		}
+		changed = true
+	}
+	if changed {
+		s.cfg.Logger.Info("cluster: policy rule sets mirrored", "sets", len(want.Rules))
+		s.decisionScopeChanged()
+	}
+	return errors.Join(errs...)
+}
+
+func sameJSON(a, b any) bool {
+	ja, _ := json.Marshal(a)
+	jb, _ := json.Marshal(b)
+	return string(ja) == string(jb)
 }

@@ -32,12 +32,8 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	sb, op, err := s.mgr.Create(r.Context(), req)
+	sb, op, err := s.mgr.Create(withIdempotencyKey(r.Context(), r.Header.Get(api.IdempotencyKeyHeader)), req)
 	if err != nil {
-		writeError(w, r, err)
-		return
-	}
-	if err := s.recordClusterSandbox(r.Context(), sb, op, r.Header.Get(api.IdempotencyKeyHeader), req); err != nil {
 		writeError(w, r, err)
 		return
 	}

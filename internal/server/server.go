@@ -19,7 +19,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -131,8 +130,6 @@ type Server struct {
 	// SetNetwork (which itself refuses a policy outside the tenant's
 	// boundary); nil: none.
 	checkBoundary func(ctx context.Context, sandboxID string, p api.NetworkPolicy) error
-	// clusterRows is set while the server is a cluster node (cluster.go).
-	clusterRows atomic.Pointer[clusterRows]
 	// self is the in-process connection the /mcp handler's SDK clients
 	// use to reach this server's own handler (mcp.go).
 	self selfConn
