@@ -146,4 +146,16 @@ var migrations = []string{
 	ALTER TABLE sandboxes ADD COLUMN idempotency_key text CHECK (idempotency_key <> '');
 	ALTER TABLE sandboxes ADD COLUMN create_operation text NOT NULL DEFAULT '';
 	CREATE UNIQUE INDEX sandboxes_idempotency ON sandboxes (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL`,
+	// 4: the cluster's settings every node mirrors: tenants (quotas and
+	// network boundary) and policy rule sets by scope.
+	`CREATE TABLE tenants (
+		name       text PRIMARY KEY CHECK (name <> ''),
+		spec       jsonb NOT NULL,
+		updated_at timestamptz NOT NULL DEFAULT now()
+	);
+	CREATE TABLE policy_rules (
+		scope      text PRIMARY KEY CHECK (scope <> ''),
+		spec       jsonb NOT NULL,
+		updated_at timestamptz NOT NULL DEFAULT now()
+	)`,
 }

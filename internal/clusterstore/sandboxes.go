@@ -249,8 +249,12 @@ func (s *Store) Report(ctx context.Context, node, id string, gen int64, status a
 // after every (re)connect, since notifications sent while it was away are
 // gone. Nodes poll Pending too: a notification is a hint, not the truth.
 func (s *Store) Listen(ctx context.Context, node string, wake func()) error {
+	return s.listen(ctx, notifyChannel, func(payload string) bool { return payload == node }, wake)
+}
+
+func (s *Store) listen(ctx context.Context, channel string, match func(string) bool, wake func()) error {
 	for ctx.Err() == nil {
-		err := s.listenOnce(ctx, node, wake)
+		err := s.listenOnce(ctx, channel, match, wake)
 		if ctx.Err() != nil {
 			break
 		}
@@ -263,7 +267,7 @@ func (s *Store) Listen(ctx context.Context, node string, wake func()) error {
 	return ctx.Err()
 }
 
-func (s *Store) listenOnce(ctx context.Context, node string, wake func()) error {
+func (s *Store) listenOnce(ctx context.Context, channel string, match func(string) bool, wake func()) error {
 	pooled, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return err
@@ -271,7 +275,7 @@ func (s *Store) listenOnce(ctx context.Context, node string, wake func()) error 
 	// A LISTENing connection must not go back to the pool.
 	conn := pooled.Hijack()
 	defer conn.Close(context.Background())
-	if _, err := conn.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
+	if _, err := conn.Exec(ctx, "LISTEN "+channel); err != nil {
 		return err
 	}
 	wake()
@@ -280,7 +284,7 @@ func (s *Store) listenOnce(ctx context.Context, node string, wake func()) error 
 		if err != nil {
 			return err
 		}
-		if n.Payload == node {
+		if match(n.Payload) {
 			wake()
 		}
 	}

@@ -1,0 +1,137 @@
+package clusterstore
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/errdefs"
+)
+
+// settingsChannel is NOTIFYed after every change of tenants or policy
+// rules, so nodes mirror it without waiting for their next poll.
+const settingsChannel = "space_settings"
+
+// Settings are what every node mirrors: tenants and policy rule sets.
+type Settings struct {
+	Tenants []api.Tenant
+	Rules   []api.PolicyRuleSet
+}
+
+// PutTenant stores a tenant's quotas and boundary (validated by the caller).
+func (s *Store) PutTenant(ctx context.Context, t api.Tenant) error {
+	t.Usage, t.UpdatedAt = nil, nil
+	spec, err := json.Marshal(t)
+	if err != nil {
+		return err
+	}
+	return s.changeSettings(ctx, `INSERT INTO tenants (name, spec) VALUES ($1, $2)
+		ON CONFLICT (name) DO UPDATE SET spec = excluded.spec, updated_at = now()`, t.Name, spec)
+}
+
+// PutRules stores the rule set of a scope (compiled by the caller).
+func (s *Store) PutRules(ctx context.Context, rs api.PolicyRuleSet) error {
+	spec, err := json.Marshal(rs)
+	if err != nil {
+		return err
+	}
+	return s.changeSettings(ctx, `INSERT INTO policy_rules (scope, spec) VALUES ($1, $2)
+		ON CONFLICT (scope) DO UPDATE SET spec = excluded.spec, updated_at = now()`, rs.Scope, spec)
+}
+
+// DeleteRules removes the rule set of a scope (ErrNotFound if none).
+func (s *Store) DeleteRules(ctx context.Context, scope string) error {
+	err := s.changeSettings(ctx, `DELETE FROM policy_rules WHERE scope = $1`, scope)
+	if errors.Is(err, errNoRow) {
+		return fmt.Errorf("no rule set is attached to %s: %w", scope, errdefs.ErrNotFound)
+	}
+	return err
+}
+
+var errNoRow = errors.New("no row")
+
+func (s *Store) changeSettings(ctx context.Context, sql string, args ...any) error {
+	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		tag, err := tx.Exec(ctx, sql, args...)
+		if err != nil {
+			return fmt.Errorf("cluster settings: %w", err)
+		}
+		if tag.RowsAffected() == 0 {
+			return errNoRow
+		}
+		_, err = tx.Exec(ctx, `SELECT pg_notify($1, '')`, settingsChannel)
+		return err
+	})
+}
+
+// Settings reads every tenant and rule set.
+func (s *Store) Settings(ctx context.Context) (Settings, error) {
+	var out Settings
+	rows, err := s.pool.Query(ctx, `SELECT spec, updated_at FROM tenants ORDER BY name`)
+	if err != nil {
+		return out, fmt.Errorf("read tenants: %w", err)
+	}
+	out.Tenants, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (api.Tenant, error) {
+		var t api.Tenant
+		var spec []byte
+		if err := r.Scan(&spec, &t.UpdatedAt); err != nil {
+			return t, err
+		}
+		err := json.Unmarshal(spec, &t)
+		return t, err
+	})
+	if err != nil {
+		return out, fmt.Errorf("read tenants: %w", err)
+	}
+	rows, err = s.pool.Query(ctx, `SELECT spec FROM policy_rules ORDER BY scope`)
+	if err != nil {
+		return out, fmt.Errorf("read policy rules: %w", err)
+	}
+	out.Rules, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (api.PolicyRuleSet, error) {
+		var rs api.PolicyRuleSet
+		var spec []byte
+		if err := r.Scan(&spec); err != nil {
+			return rs, err
+		}
+		err := json.Unmarshal(spec, &rs)
+		return rs, err
+	})
+	if err != nil {
+		return out, fmt.Errorf("read policy rules: %w", err)
+	}
+	return out, nil
+}
+
+// Tenant returns one tenant's settings (a tenant nobody configured has
+// none: no quotas, no boundary).
+func (s *Store) Tenant(ctx context.Context, name string) (api.Tenant, error) {
+	t := api.Tenant{Name: name}
+	var spec []byte
+	err := s.pool.QueryRow(ctx, `SELECT spec FROM tenants WHERE name = $1`, name).Scan(&spec)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return t, nil
+	}
+	if err != nil {
+		return t, fmt.Errorf("read tenant %s: %w", name, err)
+	}
+	err = json.Unmarshal(spec, &t)
+	return t, err
+}
+
+// CountSandboxes is how many sandbox rows tenant has (what a replica checks
+// a cluster-wide sandbox quota against).
+func (s *Store) CountSandboxes(ctx context.Context, tenant string) (int, error) {
+	var n int
+	err := s.pool.QueryRow(ctx, `SELECT count(*) FROM sandboxes WHERE tenant = $1 AND desired <> 'deleted'`, tenant).Scan(&n)
+	return n, err
+}
+
+// ListenSettings calls wake after every change of the settings (and once
+// per (re)connect), until ctx ends.
+func (s *Store) ListenSettings(ctx context.Context, wake func()) error {
+	return s.listen(ctx, settingsChannel, func(string) bool { return true }, wake)
+}
