@@ -31,7 +31,9 @@ import (
 	"github.com/spacehq/space/internal/clusterstore"
 	"github.com/spacehq/space/internal/clustertls"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/policy"
 	"github.com/spacehq/space/internal/principal"
+	"github.com/spacehq/space/internal/sandbox"
 	"github.com/spacehq/space/internal/tenancy"
 )
 
@@ -241,9 +243,17 @@ func (r *Replica) Handler() http.Handler {
 	mux.HandleFunc("/v1/sandboxes/{id}/{rest...}", r.sandboxCall)
 	mux.HandleFunc("GET /v1/operations/{id}", r.authed(principal.ScopeSandboxRead, r.operation))
 	mux.HandleFunc("GET /v1/nodes", r.authed(principal.ScopeAdmin, r.nodes))
+	mux.HandleFunc("GET /v1/info", r.authed("", r.info))
 	mux.HandleFunc("POST /v1/keys", r.authed(principal.ScopeAdmin, r.createKey))
 	mux.HandleFunc("GET /v1/keys", r.authed(principal.ScopeAdmin, r.listKeys))
 	mux.HandleFunc("DELETE /v1/keys/{keyid}", r.authed(principal.ScopeAdmin, r.revokeKey))
+	mux.HandleFunc("GET /v1/tenants", r.authed(principal.ScopeAdmin, r.listTenants))
+	mux.HandleFunc("GET /v1/tenants/{name}", r.authed("", r.getTenant))
+	mux.HandleFunc("PUT /v1/tenants/{name}", r.authed(principal.ScopeAdmin, r.putTenant))
+	mux.HandleFunc("GET /v1/policy/rules", r.authed(principal.ScopePolicyRead, r.listRules))
+	mux.HandleFunc("GET /v1/policy/rules/{scope}", r.authed(principal.ScopePolicyRead, r.getRules))
+	mux.HandleFunc("PUT /v1/policy/rules/{scope}", r.authed(principal.ScopePolicyWrite, r.putRules))
+	mux.HandleFunc("DELETE /v1/policy/rules/{scope}", r.authed(principal.ScopePolicyWrite, r.deleteRules))
 	mux.HandleFunc("GET /v1/templates", r.authed(principal.ScopeTemplatesRead, r.listTemplates))
 	mux.HandleFunc("GET /v1/templates/{ref}", r.authed(principal.ScopeTemplatesRead, r.templateCall))
 	mux.HandleFunc("GET /v1/templates/{ref}/export", r.authed(principal.ScopeTemplatesRead, r.templateCall))
@@ -535,6 +545,22 @@ func (r *Replica) create(w http.ResponseWriter, req *http.Request, p principal.P
 	if idem != "" && r.answerExisting(w, req, p, idem) {
 		return
 	}
+	// The tenant's sandbox quota holds across the cluster; its other
+	// quotas each node enforces on its own sandboxes.
+	if t, err := r.store.Tenant(req.Context(), tenantName(p.Tenant)); err != nil {
+		writeError(w, req, err)
+		return
+	} else if t.Quotas.Sandboxes > 0 {
+		n, err := r.store.CountSandboxes(req.Context(), tenantName(p.Tenant))
+		if err != nil {
+			writeError(w, req, err)
+			return
+		}
+		if n >= t.Quotas.Sandboxes {
+			writeError(w, req, fmt.Errorf("tenant %s has %d sandboxes in the cluster, its quota is %d: %w", tenantName(p.Tenant), n, t.Quotas.Sandboxes, errdefs.ErrQuotaExceeded))
+			return
+		}
+	}
 	raw, _ := json.Marshal(body)
 	tmpl := body.Template
 	if tmpl == "" {
@@ -663,7 +689,8 @@ func (r *Replica) ensureTemplate(ctx context.Context, n clusterstore.Node, ref s
 	}
 	var src *clusterstore.Node
 	for i := range nodes {
-		if nodes[i].ID != n.ID && nodes[i].State == clusterstore.NodeReady && slices.Contains(nodes[i].Templates, ref) {
+		// A draining node still serves its templates.
+		if nodes[i].ID != n.ID && nodes[i].State != clusterstore.NodeLost && slices.Contains(nodes[i].Templates, ref) {
 			src = &nodes[i]
 			break
 		}
@@ -690,7 +717,7 @@ func (r *Replica) ensureTemplate(ctx context.Context, n clusterstore.Node, ref s
 	if err != nil {
 		return err
 	}
-	q := url.Values{}
+	q := url.Values{"format": {"archive"}}
 	if !strings.HasPrefix(ref, "sha256:") {
 		q.Set("tag", ref)
 	}
@@ -765,6 +792,23 @@ func (r *Replica) operation(w http.ResponseWriter, req *http.Request, p principa
 			other.resp.Body.Close()
 		}
 	}()
+}
+
+// info is a ready node's answer (the version and runtimes a create gets,
+// for clusters of like nodes).
+func (r *Replica) info(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	nodes, err := r.store.Nodes(req.Context())
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	for _, n := range nodes {
+		if n.State == clusterstore.NodeReady {
+			r.proxy(w, req, n, &p)
+			return
+		}
+	}
+	writeError(w, req, fmt.Errorf("the cluster has no ready node: %w", errdefs.ErrUnavailable))
 }
 
 func (r *Replica) nodes(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
@@ -881,4 +925,193 @@ func (r *Replica) templateWrite(w http.ResponseWriter, req *http.Request, p prin
 		return
 	}
 	r.proxy(w, req, n, &p)
+}
+
+func tenantName(t string) string {
+	if t == "" {
+		return principal.DefaultTenant
+	}
+	return t
+}
+
+func (r *Replica) listTenants(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
+	st, err := r.store.Settings(req.Context())
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, api.TenantList{Tenants: st.Tenants})
+}
+
+func (r *Replica) getTenant(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	name := req.PathValue("name")
+	if err := tenancy.ValidTenant(name); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	if !p.Sees(name) {
+		writeError(w, req, fmt.Errorf("tenant %s not found: %w", name, errdefs.ErrNotFound))
+		return
+	}
+	t, err := r.store.Tenant(req.Context(), name)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	n, err := r.store.CountSandboxes(req.Context(), name)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	t.Usage = &api.Usage{Sandboxes: n}
+	writeJSON(w, http.StatusOK, t)
+}
+
+// putTenant stores a tenant's quotas and boundary in the cluster; every
+// node mirrors them within its poll (NOTIFY makes it sooner). Unlike a
+// single box, a boundary is not checked against the tenant's running
+// sandboxes (they are on the nodes): it binds their next policy change.
+func (r *Replica) putTenant(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
+	var t api.Tenant
+	if err := decodeJSON(w, req, &t); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	name := req.PathValue("name")
+	if t.Name != "" && t.Name != name {
+		writeError(w, req, fmt.Errorf("body names tenant %q but the path %q: %w", t.Name, name, errdefs.ErrInvalidArgument))
+		return
+	}
+	t.Name = name
+	if err := tenancy.ValidTenant(name); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	q := t.Quotas
+	if q.Sandboxes < 0 || q.CPUs < 0 || q.MemoryMiB < 0 || q.DiskMiB < 0 {
+		writeError(w, req, fmt.Errorf("quotas must not be negative (0 = unlimited): %w", errdefs.ErrInvalidArgument))
+		return
+	}
+	if t.Boundary != nil {
+		if err := sandbox.ValidatePolicy(*t.Boundary); err != nil {
+			writeError(w, req, fmt.Errorf("boundary: %w", err))
+			return
+		}
+	}
+	if err := r.store.PutTenant(req.Context(), t); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	t.Usage = nil
+	writeJSON(w, http.StatusOK, t)
+}
+
+// canScope is the single box's rule for who may see a policy scope, with
+// a sandbox's tenant read from its row.
+func (r *Replica) canScope(ctx context.Context, p principal.Principal, scope string) error {
+	kind, name, _ := strings.Cut(scope, ":")
+	switch kind {
+	case "server", "template":
+		if !p.Admin() {
+			return fmt.Errorf("rule sets of %s scope are administered with the admin scope: %w", kind, errdefs.ErrPermissionDenied)
+		}
+	case "tenant":
+		if !p.Sees(name) {
+			return fmt.Errorf("tenant %q: %w", name, errdefs.ErrNotFound)
+		}
+	case "sandbox":
+		if _, err := r.sandboxRow(ctx, name, &p); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (r *Replica) policyScope(req *http.Request, p principal.Principal) (string, error) {
+	scope := req.PathValue("scope")
+	if err := policy.ValidScope(scope); err != nil {
+		return "", err
+	}
+	return scope, r.canScope(req.Context(), p, scope)
+}
+
+func (r *Replica) listRules(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	st, err := r.store.Settings(req.Context())
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	out := api.PolicyRuleSetList{RuleSets: []api.PolicyRuleSet{}}
+	for _, rs := range st.Rules {
+		if r.canScope(req.Context(), p, rs.Scope) == nil {
+			out.RuleSets = append(out.RuleSets, rs)
+		}
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+func (r *Replica) getRules(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	scope, err := r.policyScope(req, p)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	st, err := r.store.Settings(req.Context())
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	for _, rs := range st.Rules {
+		if rs.Scope == scope {
+			writeJSON(w, http.StatusOK, rs)
+			return
+		}
+	}
+	writeError(w, req, fmt.Errorf("no rule set is attached to %s: %w", scope, errdefs.ErrNotFound))
+}
+
+// putRules compiles the rule set here (a set no node could load is
+// refused before any node sees it) and stores it for the nodes to mirror.
+func (r *Replica) putRules(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	var rs api.PolicyRuleSet
+	if err := decodeJSON(w, req, &rs); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	scope, err := r.policyScope(req, p)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	if rs.Scope != "" && rs.Scope != scope {
+		writeError(w, req, fmt.Errorf("body's scope %q differs from the path's %q: %w", rs.Scope, scope, errdefs.ErrInvalidArgument))
+		return
+	}
+	if rs.Rules == nil {
+		rs.Rules = []api.PolicyRule{}
+	}
+	now := time.Now().UTC()
+	rs.Scope, rs.UpdatedAt = scope, &now
+	if _, err := policy.Compile(rs); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	if err := r.store.PutRules(req.Context(), rs); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, rs)
+}
+
+func (r *Replica) deleteRules(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	scope, err := r.policyScope(req, p)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	if err := r.store.DeleteRules(req.Context(), scope); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
 }
