@@ -1,6 +1,8 @@
 package e2e
 
 import (
+	"archive/tar"
+	"bytes"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -244,6 +246,72 @@ func TestClusterReplicasAndNodes(t *testing.T) {
 	if l, err := acme.ListSandboxes(ctx, sdk.ListOptions{}); err != nil || len(l) != 0 {
 		t.Fatalf("acme lists %v %v", l, err)
 	}
+	// Tenants and policies are the cluster's: set through one replica,
+	// every node mirrors them. acme may have one sandbox in the whole
+	// cluster.
+	if _, err := a1.SetTenant(ctx, api.Tenant{Name: "acme", Quotas: api.Quotas{Sandboxes: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range c.nodes {
+		nc := m.p.client(t)
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+			tn, err := nc.Tenant(ctx, "acme")
+			if err == nil && tn.Quotas.Sandboxes == 1 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("node %s never mirrored tenant acme: %+v %v", m.name, tn, err)
+			}
+		}
+	}
+	acmeSB, err := acme.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	acmeR1, _ := sdk.New(r1.url, key.Key)
+	if _, err := acmeR1.CreateSandbox(ctx, api.CreateSandboxRequest{Runtime: "native"}); !errors.Is(err, sdk.ErrQuotaExceeded) {
+		t.Fatalf("acme's second sandbox in the cluster: %v", err)
+	}
+	if op, err := a1.DeleteSandbox(ctx, acmeSB.ID, true); err != nil {
+		t.Fatal(err)
+	} else if _, err := a1.WaitOperation(ctx, op.ID); err != nil {
+		t.Fatal(err)
+	}
+	// A rule set put through r1 denies on both nodes, through r2; removed
+	// through r2, it is gone from both.
+	deny := api.PolicyRuleSet{Rules: []api.PolicyRule{{Name: "no-whoami", Match: `action.kind == "exec" && action.argv[0] == "whoami"`, Verdict: "deny", Reason: "cluster rule"}}}
+	if _, err := a1.SetPolicyRuleSet(ctx, "tenant:default", deny); err != nil {
+		t.Fatal(err)
+	}
+	bad := api.PolicyRuleSet{Rules: []api.PolicyRule{{Name: "bad", Match: `action.pth == "/x"`, Verdict: "deny"}}}
+	if _, err := a1.SetPolicyRuleSet(ctx, "tenant:default", bad); !errors.Is(err, sdk.ErrInvalidArgument) {
+		t.Fatalf("a rule set that does not compile: %v", err)
+	}
+	for _, id := range []string{onNode["n1"][0], onNode["n2"][0]} {
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+			_, err := a2.Exec(ctx, id, api.ExecRequest{Cmd: []string{"whoami"}})
+			if errors.Is(err, sdk.ErrPolicyDenied) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the cluster's rule never denied in %s: %v", id, err)
+			}
+		}
+	}
+	if err := a2.DeletePolicyRuleSet(ctx, "tenant:default"); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{onNode["n1"][0], onNode["n2"][0]} {
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+			res, err := a1.Exec(ctx, id, api.ExecRequest{Cmd: []string{"whoami"}})
+			if err == nil && res.ExitCode == 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the removed rule still denies in %s: %v", id, err)
+			}
+		}
+	}
 	if _, err := a2.RevokeKey(ctx, key.ID); err != nil {
 		t.Fatal(err)
 	}
@@ -276,6 +344,9 @@ func TestClusterReplicasAndNodes(t *testing.T) {
 		t.Fatalf("no key: %v %v", resp, err)
 	}
 	resp.Body.Close()
+	if info, err := a2.Info(ctx); err != nil || len(info.Runtimes) == 0 {
+		t.Fatalf("info through a replica: %+v %v", info, err)
+	}
 	if _, err := a2.ListSecrets(ctx); !errors.Is(err, sdk.ErrNotSupported) {
 		t.Fatalf("a route replicas do not serve: %v", err)
 	}
@@ -389,5 +460,63 @@ func TestClusterReplicasAndNodes(t *testing.T) {
 			t.Fatalf("n2's sandbox after its return: %+v %v", sb, err)
 		}
 	}
-	_ = n1
+
+	// Templates move by digest: a template only n2 has, with n2 draining,
+	// is copied to n1 (export, import, digests verified) for a create that
+	// placement sends there.
+	tiny, err := n2.p.client(t).ImportTemplate(ctx, "tiny:1", tinyRootfs(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		nodes, _ := c.cs.Nodes(ctx)
+		if slices.ContainsFunc(nodes, func(n clusterstore.Node) bool { return n.ID == "n2" && slices.Contains(n.Templates, "tiny:1") }) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("n2 never reported tiny:1: %+v", nodes)
+		}
+	}
+	if err := c.cs.Drain(ctx, "n2", "test: the template must move"); err != nil {
+		t.Fatal(err)
+	}
+	moved, err := a2.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native", Template: "tiny:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cleanup = append(cleanup, moved.ID)
+	if r, _ := c.cs.GetSandbox(ctx, moved.ID); r.Node != "n1" || moved.TemplateDigest != tiny.Digest {
+		t.Fatalf("the tiny sandbox: node %s digest %s, want n1 and %s", r.Node, moved.TemplateDigest, tiny.Digest)
+	}
+	res, err := a1.Exec(ctx, moved.ID, api.ExecRequest{Cmd: []string{"/bin/busybox", "echo", "moved"}})
+	if err != nil || res.ExitCode != 0 || string(res.Stdout) != "moved\n" {
+		t.Fatalf("exec in the moved template: %+v %v", res, err)
+	}
+	if got, err := n1.p.client(t).GetTemplate(ctx, "tiny:1"); err != nil || got.Digest != tiny.Digest {
+		t.Fatalf("n1's copy: %+v %v", got, err)
+	}
+}
+
+// tinyRootfs is a template's root filesystem as a tar: busybox (static,
+// from the host) and the files a sandbox needs.
+func tinyRootfs(t *testing.T) io.Reader {
+	t.Helper()
+	bb, err := os.ReadFile("/bin/busybox")
+	testenv.Require(t, "busybox-static", err == nil, "/bin/busybox (Debian's busybox-static, scripts/setup.sh) is missing")
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, d := range []string{"bin/", "etc/", "tmp/", "root/"} {
+		tw.WriteHeader(&tar.Header{Name: d, Typeflag: tar.TypeDir, Mode: 0o755})
+	}
+	add := func(name string, mode int64, b []byte) {
+		tw.WriteHeader(&tar.Header{Name: name, Typeflag: tar.TypeReg, Mode: mode, Size: int64(len(b))})
+		tw.Write(b)
+	}
+	add("etc/passwd", 0o644, []byte("root:x:0:0:root:/root:/bin/sh\n"))
+	add("etc/group", 0o644, []byte("root:x:0:\n"))
+	add("bin/busybox", 0o755, bb)
+	if err := tw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return &buf
 }
