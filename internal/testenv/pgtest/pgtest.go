@@ -48,7 +48,13 @@ type Server struct {
 	sock string
 	cmd  *exec.Cmd
 	done chan struct{} // closed when cmd has been waited for
+	// lock is dir/lock, flocked for as long as this process owns dir:
+	// another test binary's sweep leaves a locked directory alone.
+	lock *os.File
 }
+
+// lockFile is the file in a server's directory its owner keeps flocked.
+const lockFile = "lock"
 
 var shared struct {
 	once sync.Once
@@ -96,7 +102,19 @@ func Start(ctx context.Context) (*Server, error) {
 	s := &Server{dir: dir, sock: filepath.Join(dir, "sock"), done: make(chan struct{})}
 	fail := func(err error) (*Server, error) {
 		os.RemoveAll(dir)
+		if s.lock != nil {
+			s.lock.Close()
+		}
 		return nil, err
+	}
+	// Locked before anything else is in the directory: between here and
+	// the postmaster's pid file (initdb's single-user backends write a
+	// negative pid) only the lock says the directory is in use.
+	if s.lock, err = os.OpenFile(filepath.Join(dir, lockFile), os.O_CREATE|os.O_RDWR, 0o600); err != nil {
+		return fail(err)
+	}
+	if err := syscall.Flock(int(s.lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		return fail(fmt.Errorf("locking %s: %w", dir, err))
 	}
 	if err := os.Mkdir(s.sock, 0o700); err != nil {
 		return fail(err)
@@ -198,14 +216,25 @@ func (s *Server) Stop() {
 		}
 	}
 	os.RemoveAll(s.dir)
+	if s.lock != nil {
+		s.lock.Close()
+	}
 }
 
 // sweep removes server directories left by killed test binaries: those
-// whose postmaster.pid names no live postgres process. A directory without
-// one is left alone for ten minutes (another binary may be in initdb).
+// whose lock no process holds and whose postmaster.pid names no live
+// postgres process. A directory with neither lock nor pid file is left
+// alone for ten minutes (one made before locks existed). The lock matters
+// during initdb, whose single-user backends write a pid file with a
+// negative pid: without it another test binary starting at the same
+// moment removed a directory in use (an unexplained early failure of
+// internal/cluster's tests run beside internal/clusterstore's).
 func sweep() {
 	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), dirPrefix+"*"))
 	for _, d := range dirs {
+		if locked(filepath.Join(d, lockFile)) {
+			continue // a live test binary's server
+		}
 		pidfile := filepath.Join(d, "data", "postmaster.pid")
 		if alive(pidfile) {
 			continue
@@ -217,6 +246,20 @@ func sweep() {
 		}
 		os.RemoveAll(d)
 	}
+}
+
+// locked reports whether another process holds path's flock.
+func locked(path string) bool {
+	f, err := os.Open(path)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		return true
+	}
+	syscall.Flock(int(f.Fd()), syscall.LOCK_UN)
+	return false
 }
 
 func alive(pidfile string) bool {

@@ -2,7 +2,10 @@ package pgtest
 
 import (
 	"context"
+	"errors"
 	"os"
+	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
@@ -40,5 +43,34 @@ func TestServerAndDatabases(t *testing.T) {
 	if c, err := pgx.Connect(ctx, dsn); err == nil {
 		c.Close(ctx)
 		t.Fatal("the test's database survived its cleanup")
+	}
+}
+
+// A directory whose owner holds its lock survives another binary's sweep,
+// even with the negative pid initdb's single-user backends write; once the
+// lock is released and no postgres runs, it goes.
+func TestSweepSparesALockedDirectory(t *testing.T) {
+	dir, err := os.MkdirTemp("", dirPrefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	os.MkdirAll(filepath.Join(dir, "data"), 0o700)
+	os.WriteFile(filepath.Join(dir, "data", "postmaster.pid"), []byte("-123456\n"), 0o600)
+	f, err := os.OpenFile(filepath.Join(dir, lockFile), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		t.Fatal(err)
+	}
+	sweep()
+	if _, err := os.Stat(dir); err != nil {
+		t.Fatalf("sweep removed a locked directory: %v", err)
+	}
+	f.Close()
+	sweep()
+	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("sweep kept an unlocked directory with no live postgres: %v", err)
 	}
 }
