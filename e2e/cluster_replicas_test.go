@@ -179,6 +179,15 @@ func TestClusterReplicasAndNodes(t *testing.T) {
 		t.Fatalf("four creates did not use both nodes: %v", onNode)
 	}
 	t.Logf("placement of four creates: %v", onNode)
+	resp, err := http.Get(r1.url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metrics, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(metrics), "space_replica_placements_total{node=") || !strings.Contains(string(metrics), "space_replica_node_seconds_bucket") {
+		t.Fatalf("a replica's metrics lack placements or node timings:\n%.2000s", metrics)
+	}
 
 	// Everything about a sandbox works through the replica that did not
 	// create it.
@@ -339,7 +348,7 @@ func TestClusterReplicasAndNodes(t *testing.T) {
 		t.Fatalf("the cluster listener answered a client without a certificate: %s", resp.Status)
 	}
 	// A call without a key, or a route a replica does not serve: JSON 4xx.
-	resp, err := http.Get(r1.url + "/v1/sandboxes")
+	resp, err = http.Get(r1.url + "/v1/sandboxes")
 	if err != nil || resp.StatusCode != http.StatusUnauthorized {
 		t.Fatalf("no key: %v %v", resp, err)
 	}

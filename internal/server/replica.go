@@ -22,9 +22,13 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/cluster"
@@ -68,6 +72,12 @@ type Replica struct {
 	mu         sync.Mutex
 	keys       map[string]cachedKey       // digest → key
 	transports map[string]*http.Transport // node id + address → its mutual-TLS transport
+
+	reg        *prometheus.Registry
+	requests   *prometheus.CounterVec   // by method and status
+	placements *prometheus.CounterVec   // creates placed, by node
+	nodeErrors *prometheus.CounterVec   // calls a node did not answer, by node
+	forwarded  *prometheus.HistogramVec // time to a node's answer headers, by node
 }
 
 type cachedKey struct {
@@ -109,6 +119,7 @@ func NewReplica(ctx context.Context, cfg ReplicaConfig) (*Replica, error) {
 		return nil, err
 	}
 	r := &Replica{cfg: cfg, store: cs, id: id, keys: map[string]cachedKey{}, transports: map[string]*http.Transport{}}
+	r.initMetrics()
 	if err := r.firstKey(ctx); err != nil {
 		cs.Close()
 		return nil, err
@@ -229,10 +240,42 @@ func (r *Replica) authed(scope string, h func(http.ResponseWriter, *http.Request
 	}
 }
 
+func (r *Replica) initMetrics() {
+	r.reg = prometheus.NewRegistry()
+	r.requests = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "space_replica_http_requests_total", Help: "API requests a cluster replica answered, by method and status."}, []string{"method", "code"})
+	r.placements = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "space_replica_placements_total", Help: "Creates a cluster replica placed, by node."}, []string{"node"})
+	r.nodeErrors = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "space_replica_node_errors_total", Help: "Calls to a node that got no answer, by node."}, []string{"node"})
+	r.forwarded = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "space_replica_node_seconds", Help: "Time from a proxied call to the node's answer headers, by node.",
+		Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)}, []string{"node"})
+	r.reg.MustRegister(r.requests, r.placements, r.nodeErrors, r.forwarded)
+}
+
+// countingTransport times a node's answers and counts the calls it left
+// unanswered.
+type countingTransport struct {
+	next http.RoundTripper
+	node string
+	r    *Replica
+}
+
+func (t countingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	t0 := time.Now()
+	resp, err := t.next.RoundTrip(req)
+	if err != nil {
+		if req.Context().Err() == nil {
+			t.r.nodeErrors.WithLabelValues(t.node).Inc()
+		}
+		return nil, err
+	}
+	t.r.forwarded.WithLabelValues(t.node).Observe(time.Since(t0).Seconds())
+	return resp, nil
+}
+
 // Handler is the replica's API.
 func (r *Replica) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, req *http.Request) { writeJSON(w, 200, map[string]bool{"ok": true}) })
+	mux.Handle("GET /metrics", promhttp.HandlerFor(r.reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST /v1/sandboxes", r.authed(principal.ScopeSandboxWrite, r.create))
 	mux.HandleFunc("GET /v1/sandboxes", r.authed(principal.ScopeSandboxRead, r.list))
 	mux.HandleFunc("DELETE /v1/sandboxes/{id}", r.authed(principal.ScopeSandboxWrite, r.delete))
@@ -264,7 +307,11 @@ func (r *Replica) Handler() http.Handler {
 		writeError(w, req, fmt.Errorf("%s %s is not served by a cluster replica (it serves sandboxes, their operations, templates, keys and nodes); call a node's own API for the rest: %w",
 			req.Method, req.URL.Path, errdefs.ErrNotSupported))
 	})
-	return mux
+	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		sw := &statusWriter{ResponseWriter: w}
+		defer func() { r.requests.WithLabelValues(req.Method, strconv.Itoa(sw.code)).Inc() }()
+		mux.ServeHTTP(sw, req)
+	})
 }
 
 // nodeOf is the node row of a sandbox the caller may see (404 otherwise,
@@ -296,12 +343,12 @@ func (r *Replica) node(ctx context.Context, id string) (clusterstore.Node, error
 
 // transport is the mutual-TLS transport to node n (HTTP/1.1: attach and
 // port streams upgrade the connection).
-func (r *Replica) transport(n clusterstore.Node) (*http.Transport, error) {
+func (r *Replica) transport(n clusterstore.Node) (http.RoundTripper, error) {
 	key := n.ID + "\x00" + n.Address
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if t, ok := r.transports[key]; ok {
-		return t, nil
+		return countingTransport{next: t, node: n.ID, r: r}, nil
 	}
 	cfg, err := r.id.ClientConfig(n.ID)
 	if err != nil {
@@ -315,7 +362,7 @@ func (r *Replica) transport(n clusterstore.Node) (*http.Transport, error) {
 		IdleConnTimeout:     90 * time.Second,
 	}
 	r.transports[key] = t
-	return t, nil
+	return countingTransport{next: t, node: n.ID, r: r}, nil
 }
 
 // nodeURL is the base URL of a node's cluster listener.
@@ -578,6 +625,7 @@ func (r *Replica) create(w http.ResponseWriter, req *http.Request, p principal.P
 			return
 		}
 		tried = append(tried, n.ID)
+		r.placements.WithLabelValues(n.ID).Inc()
 		if err := r.ensureTemplate(req.Context(), n, tmpl, p); err != nil {
 			r.cfg.Logger.Warn("cluster: copying a template to its node", "node", n.ID, "template", tmpl, "err", err)
 		}
