@@ -327,3 +327,18 @@ func PickAuto(ctx context.Context, rts map[string]Runtime) (Runtime, error) {
 func NotSupported(runtime, verb, why string) error {
 	return fmt.Errorf("runtime %s cannot %s: %s: %w", runtime, verb, why, errdefs.ErrNotSupported)
 }
+
+// Mover is implemented by runtimes whose suspended instances can continue
+// on another host: Export copies a suspended instance's whole state into a
+// directory (shared storage), and Import, on another host with the same
+// template, makes a suspended instance of the same id from it, which
+// Restore continues like any other.
+type Mover interface {
+	// Export copies suspended inst (disk, image, the files its restore
+	// needs) into dir, which must not exist yet; it is written beside dir
+	// and renamed, so dir is complete or absent.
+	Export(ctx context.Context, inst Instance, dir string) error
+	// Import makes spec's instance from dir as Export wrote it; the
+	// instance is suspended (its Suspended reports true).
+	Import(ctx context.Context, spec Spec, dir string) (Instance, error)
+}
