@@ -62,3 +62,25 @@ func TestCreatedHookHearsCreatesAndForkChildren(t *testing.T) {
 		t.Fatal("with no hook a create is its own business")
 	}
 }
+
+// A runtime that cannot move its suspended sandboxes refuses to export
+// them, and only a suspended sandbox is exported.
+func TestExportRefusals(t *testing.T) {
+	h := newHarnessWith(t, suspendFork)
+	sb := h.create(api.CreateSandboxRequest{})
+	dir := t.TempDir()
+	if err := h.m.ExportSuspended(h.ctx(), sb.ID, dir+"/x"); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("export of a running sandbox: %v", err)
+	}
+	op, err := h.m.Lifecycle(h.ctx(), sb.ID, api.OpSuspend, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.wait(op)
+	if err := h.m.ExportSuspended(h.ctx(), sb.ID, dir+"/x"); !errors.Is(err, errdefs.ErrNotSupported) {
+		t.Fatalf("export on a runtime that cannot move: %v", err)
+	}
+	if _, err := h.m.ImportSuspended(h.ctx(), dir+"/nothing"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("import of nothing: %v", err)
+	}
+}
