@@ -18,6 +18,7 @@ type NodeStore interface {
 	Report(ctx context.Context, node, id string, gen int64, status api.Sandbox) error
 	Listen(ctx context.Context, node string, wake func()) error
 	OnNode(ctx context.Context, node string) ([]clusterstore.Sandbox, error)
+	GetSandbox(ctx context.Context, id string) (clusterstore.Sandbox, error)
 }
 
 var _ NodeStore = (*clusterstore.Store)(nil)
@@ -50,6 +51,9 @@ type Node struct {
 	// than the node process are never deleted for lack of a row: a node
 	// pointed at the wrong database must not wipe itself.
 	OrphanGrace time.Duration
+	// Changed, when set, hears of every change the node reports of a
+	// sandbox (nil: it is gone), after the report.
+	Changed func(ctx context.Context, id string, sb *api.Sandbox)
 
 	started  time.Time
 	reported map[string]string // id → the state key last reported
@@ -147,6 +151,9 @@ func (n *Node) Reconcile(ctx context.Context) error {
 		switch {
 		case err == nil:
 			n.reported[id] = key
+			if n.Changed != nil {
+				n.Changed(ctx, id, &sb)
+			}
 		case errors.Is(err, errdefs.ErrNotFound):
 			n.orphan(ctx, sb)
 		default:
@@ -166,6 +173,9 @@ func (n *Node) Reconcile(ctx context.Context) error {
 			}
 		}
 		delete(n.reported, id)
+		if n.Changed != nil {
+			n.Changed(ctx, id, nil)
+		}
 	}
 	return errors.Join(errs...)
 }
@@ -258,8 +268,17 @@ func verbToward(desired, state string) string {
 	return ""
 }
 
-// orphan handles a local sandbox the cluster has no row for.
+// orphan handles a local sandbox the cluster has no row for on this node.
 func (n *Node) orphan(ctx context.Context, sb api.Sandbox) {
+	if row, err := n.Store.GetSandbox(ctx, sb.ID); err == nil && row.Node != n.ID {
+		// The cluster moved it while this node was lost (a suspended
+		// sandbox continued elsewhere): this copy is stale.
+		n.Log.Warn("cluster: deleting the stale copy of a sandbox now on another node", "sandbox", sb.ID, "node", row.Node)
+		if err := n.Local.Apply(ctx, sb.ID, api.OpDelete); err != nil {
+			n.Log.Warn("cluster: deleting a stale copy", "sandbox", sb.ID, "err", err)
+		}
+		return
+	}
 	if sb.CreatedAt.Before(n.started) {
 		if n.reported[sb.ID] != "orphan" {
 			n.Log.Warn("cluster: sandbox older than this node process has no row; left alone", "sandbox", sb.ID)

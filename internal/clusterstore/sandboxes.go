@@ -110,6 +110,43 @@ func (s *Store) AddSandboxRecord(ctx context.Context, n NewSandbox) error {
 	return nil
 }
 
+// StateMoving is the state of a lost node's suspended sandbox while a
+// replica moves it to another node.
+const StateMoving = "moving"
+
+// ClaimMove takes a lost sandbox for a move from node from to node to: one
+// UPDATE, so of replicas racing to move it exactly one wins (the others get
+// ErrConflict and follow the row). EndMove settles it.
+func (s *Store) ClaimMove(ctx context.Context, id, from, to string) error {
+	tag, err := s.pool.Exec(ctx, `UPDATE sandboxes SET node = $3, state = 'moving', state_reason = 'moving from ' || $2,
+			updated_at = now()
+		WHERE id = $1 AND node = $2 AND state = 'lost'`, id, from, to)
+	if err != nil {
+		return fmt.Errorf("claim the move of %q: %w", id, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("sandbox %q is not a lost sandbox of node %s: %w", id, from, errdefs.ErrConflict)
+	}
+	return nil
+}
+
+// EndMove settles a claimed move: done, the row is the new node's
+// suspended sandbox; failed, it goes back to the old node, lost, with why.
+func (s *Store) EndMove(ctx context.Context, id, from, to string, failure error) error {
+	var err error
+	if failure == nil {
+		_, err = s.pool.Exec(ctx, `UPDATE sandboxes SET state = 'suspended', state_reason = '', updated_at = now()
+			WHERE id = $1 AND node = $2 AND state = 'moving'`, id, to)
+	} else {
+		_, err = s.pool.Exec(ctx, `UPDATE sandboxes SET node = $3, state = 'lost', state_reason = $4, updated_at = now()
+			WHERE id = $1 AND node = $2 AND state = 'moving'`, id, to, from, "moving to "+to+" failed: "+failure.Error())
+	}
+	if err != nil {
+		return fmt.Errorf("settle the move of %q: %w", id, err)
+	}
+	return nil
+}
+
 // SandboxByKey returns the tenant's sandbox created under an idempotency key.
 func (s *Store) SandboxByKey(ctx context.Context, tenant, key string) (Sandbox, error) {
 	rows, err := s.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes WHERE tenant = $1 AND idempotency_key = $2`, tenant, key)

@@ -161,3 +161,49 @@ func TestListenWakesTheNode(t *testing.T) {
 		t.Fatalf("Listen returned %v", err)
 	}
 }
+
+// A lost node's sandbox is claimed for a move by exactly one replica, and
+// the move settles forward or back.
+func TestMoveClaimsOnceAndSettles(t *testing.T) {
+	s, dsn := open(t)
+	ctx := context.Background()
+	for _, n := range []string{"n1", "n2", "n3"} {
+		beat(t, s, n)
+	}
+	for _, id := range []string{"a", "b"} {
+		if err := s.AddSandbox(ctx, id, "n1", "", api.CreateSandboxRequest{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.ClaimMove(ctx, "a", "n1", "n2"); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("claiming a sandbox that is not lost: %v", err)
+	}
+	exec(t, dsn, `UPDATE nodes SET heartbeat_at = now() - interval '1 hour' WHERE id = 'n1'`)
+	if _, err := s.MarkLost(ctx, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.ClaimMove(ctx, "a", "n1", "n2"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.ClaimMove(ctx, "a", "n1", "n3"); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("a second claim: %v", err)
+	}
+	if r, _ := s.GetSandbox(ctx, "a"); r.Node != "n2" || r.State != StateMoving {
+		t.Fatalf("claimed row %+v", r)
+	}
+	if err := s.EndMove(ctx, "a", "n1", "n2", nil); err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := s.GetSandbox(ctx, "a"); r.Node != "n2" || r.State != api.StateSuspended {
+		t.Fatalf("moved row %+v", r)
+	}
+	if err := s.ClaimMove(ctx, "b", "n1", "n3"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.EndMove(ctx, "b", "n1", "n3", errors.New("no space")); err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := s.GetSandbox(ctx, "b"); r.Node != "n1" || r.State != StateLost || r.StateReason != "moving to n3 failed: no space" {
+		t.Fatalf("a failed move's row %+v", r)
+	}
+}
