@@ -9,8 +9,11 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
+	"path/filepath"
 	goruntime "runtime"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/spacehq/space/api"
@@ -43,6 +46,11 @@ type ClusterNodeOptions struct {
 	// OrphanGrace is how long a sandbox made since the node started may
 	// go without a row before it is deleted (default 30 s).
 	OrphanGrace time.Duration
+	// SuspendShare is a directory on storage every node mounts at the
+	// same path: a suspended sandbox is exported there, so that another
+	// node can continue it when this one is lost. Empty: suspended
+	// sandboxes stay with their node.
+	SuspendShare string
 }
 
 func (o ClusterNodeOptions) check() error {
@@ -54,6 +62,11 @@ func (o ClusterNodeOptions) check() error {
 	}
 	if o.Listen != "" && (o.CAFile == "" || o.CertFile == "" || o.KeyFile == "") {
 		return fmt.Errorf("a node's cluster listener needs the cluster CA, its certificate and its key: %w", errdefs.ErrInvalidArgument)
+	}
+	if o.SuspendShare != "" {
+		if fi, err := os.Stat(o.SuspendShare); err != nil || !fi.IsDir() || !filepath.IsAbs(o.SuspendShare) {
+			return fmt.Errorf("--suspend-share %q must be an existing directory, given by its absolute path: %w", o.SuspendShare, errdefs.ErrInvalidArgument)
+		}
 	}
 	if o.Heartbeat < 0 || o.OrphanGrace < 0 {
 		return fmt.Errorf("heartbeat interval and orphan grace must not be negative: %w", errdefs.ErrInvalidArgument)
@@ -113,7 +126,7 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 	served := make(chan struct{})
 	if tlsLn != nil {
 		hs = s.HTTPServer()
-		hs.Handler = s.fromReplica(s.handler)
+		hs.Handler = s.fromReplica(s.clusterRoutes(o))
 		hs.ErrorLog = slog.NewLogLogger(s.cfg.Logger.Handler(), slog.LevelWarn)
 		go func() {
 			defer close(served)
@@ -138,6 +151,9 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 		return nil, fmt.Errorf("joining the cluster: %w", err)
 	}
 	node := &cluster.Node{ID: o.NodeID, Store: cs, Local: local, Log: s.cfg.Logger, OrphanGrace: o.OrphanGrace}
+	if o.SuspendShare != "" {
+		node.Changed = func(ctx context.Context, id string, sb *api.Sandbox) { s.syncShare(ctx, cs, o, id, sb) }
+	}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -389,4 +405,71 @@ func sameJSON(a, b any) bool {
 	ja, _ := json.Marshal(a)
 	jb, _ := json.Marshal(b)
 	return string(ja) == string(jb)
+}
+
+// shareDir is where sandbox id is exported on the suspend share.
+func shareDir(o ClusterNodeOptions, id string) string {
+	return filepath.Join(o.SuspendShare, id)
+}
+
+// syncShare keeps the suspend share in step with this node's sandboxes: a
+// sandbox that became suspended is exported; one that left that state (or
+// is gone) loses its export — but only while its row is this node's: after
+// a move the share belongs to the node that has the row.
+func (s *Server) syncShare(ctx context.Context, cs *clusterstore.Store, o ClusterNodeOptions, id string, sb *api.Sandbox) {
+	dir := shareDir(o, id)
+	if sb != nil && sb.State == api.StateSuspended {
+		if _, err := os.Stat(dir); err == nil {
+			return
+		}
+		t0 := time.Now()
+		if err := s.mgr.ExportSuspended(principal.With(ctx, principal.System), id, dir); err != nil {
+			s.cfg.Logger.Warn("cluster: exporting a suspended sandbox to the share", "sandbox", id, "err", err)
+			return
+		}
+		s.cfg.Logger.Info("cluster: suspended sandbox exported to the share", "sandbox", id, "took", time.Since(t0))
+		return
+	}
+	if row, err := cs.GetSandbox(ctx, id); err == nil && row.Node != o.NodeID {
+		return
+	}
+	if _, err := os.Stat(dir); err == nil {
+		if err := os.RemoveAll(dir); err != nil {
+			s.cfg.Logger.Warn("cluster: removing a stale export", "sandbox", id, "err", err)
+		}
+	}
+}
+
+// adoptPath is the cluster listener's own route: a replica moving a lost
+// node's suspended sandbox here.
+const adoptPath = "/v1/cluster/adopt/"
+
+// clusterRoutes is the API the cluster listener serves: the server's own,
+// plus adoption of a sandbox from the suspend share.
+func (s *Server) clusterRoutes(o ClusterNodeOptions) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		id, ok := strings.CutPrefix(r.URL.Path, adoptPath)
+		if !ok {
+			s.handler.ServeHTTP(w, r)
+			return
+		}
+		if r.Method != http.MethodPost {
+			writeError(w, r, fmt.Errorf("%s %s: use POST: %w", r.Method, r.URL.Path, errdefs.ErrInvalidArgument))
+			return
+		}
+		if o.SuspendShare == "" {
+			writeError(w, r, fmt.Errorf("node %s has no --suspend-share: %w", o.NodeID, errdefs.ErrNotSupported))
+			return
+		}
+		if id == "" || strings.ContainsAny(id, "/.") || len(id) > 64 {
+			writeError(w, r, fmt.Errorf("sandbox id %q: %w", id, errdefs.ErrInvalidArgument))
+			return
+		}
+		sb, err := s.mgr.ImportSuspended(principal.With(r.Context(), principal.System), shareDir(o, id))
+		if err != nil {
+			writeError(w, r, err)
+			return
+		}
+		writeJSON(w, http.StatusOK, sb)
+	})
 }

@@ -12,6 +12,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -280,6 +281,7 @@ func (r *Replica) Handler() http.Handler {
 	mux.HandleFunc("GET /v1/sandboxes", r.authed(principal.ScopeSandboxRead, r.list))
 	mux.HandleFunc("DELETE /v1/sandboxes/{id}", r.authed(principal.ScopeSandboxWrite, r.delete))
 	mux.HandleFunc("GET /v1/sandboxes/{id}", r.authed(principal.ScopeSandboxRead, r.get))
+	mux.HandleFunc("POST /v1/sandboxes/{id}/wake", r.authed(principal.ScopeSandboxWrite, r.wake))
 	// Everything else about a sandbox goes to its node, which checks the
 	// scope and the tenant as it always does. Attach and port routes carry
 	// their own tokens, which the node checks: they pass without a key.
@@ -1162,4 +1164,74 @@ func (r *Replica) deleteRules(w http.ResponseWriter, req *http.Request, p princi
 		return
 	}
 	w.WriteHeader(http.StatusNoContent)
+}
+
+// wake proxies a wake to the sandbox's node — and when that node is lost
+// and the sandbox was suspended there, first moves it to another node
+// through the suspend share (the node exported it when it suspended).
+func (r *Replica) wake(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	row, err := r.sandboxRow(req.Context(), req.PathValue("id"), &p)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	if row.State == clusterstore.StateLost && row.Status != nil && row.Status.State == api.StateSuspended {
+		n, err := r.move(req.Context(), row, p)
+		if err != nil {
+			writeError(w, req, err)
+			return
+		}
+		r.proxy(w, req, n, &p)
+		return
+	}
+	n, err := r.node(req.Context(), row.Node)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	r.proxy(w, req, n, &p)
+}
+
+// move continues a lost node's suspended sandbox on another node: claim
+// the row (one replica wins), make sure the template is there (by
+// digest), have the node import the export from the suspend share, settle
+// the row. It returns the node the sandbox is on afterwards.
+func (r *Replica) move(ctx context.Context, row clusterstore.Sandbox, p principal.Principal) (clusterstore.Node, error) {
+	mem := row.Request.Limits.MemoryMiB
+	if mem <= 0 {
+		mem = r.cfg.DefaultMemMiB
+	}
+	digest := row.Status.TemplateDigest
+	target, err := r.store.PlaceExcept(ctx, digest, mem<<20, r.cfg.NodeTimeout, []string{row.Node})
+	if err != nil {
+		return clusterstore.Node{}, fmt.Errorf("sandbox %s was suspended on lost node %s and no other node can take it: %w", row.ID, row.Node, err)
+	}
+	if err := r.store.ClaimMove(ctx, row.ID, row.Node, target.ID); err != nil {
+		// Another replica moved it (or the node came back): follow the row.
+		now, gerr := r.store.GetSandbox(ctx, row.ID)
+		if gerr != nil {
+			return clusterstore.Node{}, gerr
+		}
+		return r.node(ctx, now.Node)
+	}
+	r.cfg.Logger.Info("cluster: moving a lost node's suspended sandbox", "sandbox", row.ID, "from", row.Node, "to", target.ID)
+	if err := r.ensureTemplate(ctx, target, digest, p); err != nil {
+		r.cfg.Logger.Warn("cluster: copying a template for a move", "node", target.ID, "template", digest, "err", err)
+	}
+	resp, err := r.forward(ctx, target, http.MethodPost, "/v1/cluster/adopt/"+url.PathEscape(row.ID), nil, &p, "")
+	if err == nil {
+		defer resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			var e api.Error
+			json.NewDecoder(io.LimitReader(resp.Body, 1<<16)).Decode(&e)
+			err = fmt.Errorf("node %s refused to take it: %s: %w", target.ID, e.Error.Message, errdefs.FromCode(e.Error.Code))
+		}
+	}
+	if serr := r.store.EndMove(context.WithoutCancel(ctx), row.ID, row.Node, target.ID, err); serr != nil {
+		return clusterstore.Node{}, errors.Join(err, serr)
+	}
+	if err != nil {
+		return clusterstore.Node{}, fmt.Errorf("moving sandbox %s off lost node %s: %w", row.ID, row.Node, err)
+	}
+	return target, nil
 }
