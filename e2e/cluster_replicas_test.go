@@ -50,7 +50,7 @@ func (c *testCluster) space(args ...string) {
 	}
 }
 
-func (c *testCluster) startNode(name string) *clusterMember {
+func (c *testCluster) startNode(name string, extra ...string) *clusterMember {
 	c.t.Helper()
 	cert := filepath.Join(c.certs, name)
 	c.space("cluster", "cert", name, "--ca-dir", c.certs, "--role", "node", "--host", "127.0.0.1", "--out", cert)
@@ -58,6 +58,7 @@ func (c *testCluster) startNode(name string) *clusterMember {
 	m.args = []string{"--cluster-store", c.dsn, "--node-id", name, "--heartbeat", "200ms",
 		"--cluster-listen", m.clusterAddr, "--cluster-ca", filepath.Join(c.certs, "ca.crt"),
 		"--cluster-cert", cert + ".crt", "--cluster-key", cert + ".key", "--orphan-grace", "3s"}
+	m.args = append(m.args, extra...)
 	m.p = startServerAs(c.t, "node", c.bin, filepath.Join(c.root, name, "data"), m.addr, m.args...)
 	c.nodes[name] = m
 	return m

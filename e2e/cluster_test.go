@@ -172,6 +172,7 @@ func TestClusterNodeRefusesBadConfig(t *testing.T) {
 		{[]string{"--cluster-store", "x", "--heartbeat", "0s"}, "--heartbeat must be positive"},
 		{[]string{"--cluster-store", "x", "--cluster-listen", "127.0.0.1:1"}, "needs the cluster CA"},
 		{[]string{"--store", "postgres://x"}, "needs the cluster CA"},
+		{[]string{"--cluster-store", "x", "--suspend-share", "relative/dir"}, "--suspend-share"},
 		{[]string{"--store", "postgres://x", "--cluster-store", "y"}, "one or the other"},
 	} {
 		root := t.TempDir()
