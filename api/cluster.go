@@ -21,3 +21,27 @@ type ClusterNode struct {
 	Templates   []string  `json:"templates"`
 	HeartbeatAt time.Time `json:"heartbeat_at"`
 }
+
+// AuditHead is a node's audit chain head as the cluster anchors it (GET
+// /v1/audit/heads, cluster replicas only): the newest signed checkpoint the
+// node published. An export of the node's log verifies against it with
+// `space audit verify --anchor SEQ:HASH`. Problem is set when the node found
+// that its log no longer continues the head (rolled back, cut, rewritten,
+// another key); the head then stays as it was until an admin forgets it.
+type AuditHead struct {
+	Node       string      `json:"node"`
+	Seq        uint64      `json:"seq"`
+	Hash       string      `json:"hash"`
+	KeyID      string      `json:"key_id"`
+	PublicKey  string      `json:"public_key"`
+	SignedAt   time.Time   `json:"signed_at"`
+	AnchoredAt time.Time   `json:"anchored_at"`
+	Checkpoint AuditRecord `json:"checkpoint"`
+	Problem    string      `json:"problem,omitempty"`
+	ProblemAt  *time.Time  `json:"problem_at,omitempty"`
+}
+
+// AuditHeadList is GET /v1/audit/heads.
+type AuditHeadList struct {
+	Heads []AuditHead `json:"heads"`
+}

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -48,6 +49,32 @@ func (c *testCluster) space(args ...string) {
 	if err != nil {
 		c.t.Fatalf("space %s: %v\n%s", strings.Join(args, " "), err, out)
 	}
+}
+
+// spaceAt runs the space CLI against replica r with key and returns its
+// output.
+func (c *testCluster) spaceAt(r *proc, key string, args ...string) string {
+	c.t.Helper()
+	out, err := exec.Command(c.bin, append([]string{"--url", r.url, "--api-key", key}, args...)...).CombinedOutput()
+	if err != nil {
+		c.t.Fatalf("space %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// lastAuditSeq is the seq of an audit export's last record.
+func lastAuditSeq(t *testing.T, file string) uint64 {
+	t.Helper()
+	b, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	var r api.AuditRecord
+	if err := json.Unmarshal([]byte(lines[len(lines)-1]), &r); err != nil || r.Kind != "checkpoint" {
+		t.Fatalf("%s does not end at a checkpoint: %+v %v", file, r, err)
+	}
+	return r.Seq
 }
 
 func (c *testCluster) startNode(name string, extra ...string) *clusterMember {
@@ -188,6 +215,37 @@ func TestClusterReplicasAndNodes(t *testing.T) {
 	resp.Body.Close()
 	if !strings.Contains(string(metrics), "space_replica_placements_total{node=") || !strings.Contains(string(metrics), "space_replica_node_seconds_bucket") {
 		t.Fatalf("a replica's metrics lack placements or node timings:\n%.2000s", metrics)
+	}
+
+	// Each node keeps its own audit chain and anchors its head in
+	// PostgreSQL; through a replica, an export of it verifies with the
+	// node's key and against that head.
+	if _, err := a2.AuditRecords(ctx, sdk.AuditFilter{}); !errors.Is(err, sdk.ErrInvalidArgument) || !strings.Contains(err.Error(), "?node=") {
+		t.Fatalf("an audit listing through a replica naming no node: %v", err)
+	}
+	for _, node := range []string{"n1", "n2"} {
+		f1, f2 := filepath.Join(root, node+"-1.jsonl"), filepath.Join(root, node+"-2.jsonl")
+		c.spaceAt(r1, a1.APIKey, "audit", "export", "--node", node, "-o", f1) // signs a checkpoint, which the node anchors
+		signed := lastAuditSeq(t, f1)
+		var head api.AuditHead
+		for deadline := time.Now().Add(10 * time.Second); head.Seq < signed; time.Sleep(100 * time.Millisecond) {
+			heads, err := a2.AuditHeads(ctx)
+			if err != nil || time.Now().After(deadline) {
+				t.Fatalf("node %s never anchored its checkpoint %d: %+v %v", node, signed, heads, err)
+			}
+			for _, h := range heads {
+				if h.Node == node {
+					head = h
+				}
+			}
+		}
+		if head.Problem != "" || head.Checkpoint.Kind != "checkpoint" || head.Checkpoint.Hash != head.Hash || head.KeyID == "" {
+			t.Fatalf("head of %s: %+v", node, head)
+		}
+		c.spaceAt(r2, a1.APIKey, "audit", "export", "--node", node, "-o", f2)
+		if out := c.spaceAt(r2, a1.APIKey, "audit", "verify", f2, "--server", "--node", node); !strings.Contains(out, "anchored: 1 of 1 heads found unchanged") {
+			t.Fatalf("verify %s's export against its head: %s", node, out)
+		}
 	}
 
 	// Everything about a sandbox works through the replica that did not

@@ -3,14 +3,17 @@ package e2e
 import (
 	"context"
 	"errors"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/audit"
 	"github.com/spacehq/space/internal/cluster"
 	"github.com/spacehq/space/internal/clusterstore"
 	"github.com/spacehq/space/internal/errdefs"
@@ -107,6 +110,32 @@ func TestClusterNode(t *testing.T) {
 		t.Fatalf("a sandbox the cluster deleted is still on the node: %v", err)
 	}
 
+	// The node anchors its audit chain's head in PostgreSQL: the
+	// checkpoint an export signs is there within a heartbeat or two.
+	waitHead := func(what string, ok func(clusterstore.AuditHead) bool) clusterstore.AuditHead {
+		t.Helper()
+		for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			h, err := cs.AuditHead(ctx, "n1")
+			if err == nil && ok(h) {
+				return h
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("audit head of n1 never %s: %+v %v", what, h, err)
+			}
+		}
+	}
+	exported := filepath.Join(root, "audit.jsonl")
+	f, err := os.Create(exported)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.ExportAudit(ctx, "", "jsonl", f); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	signed := lastAuditSeq(t, exported)
+	waitHead("anchored the export's checkpoint", func(h clusterstore.AuditHead) bool { return h.Seq >= signed && h.Problem == "" })
+
 	kept := create()
 	waitRow(kept.ID, "reported running", applied(api.StateRunning))
 	const window = 2 * time.Second
@@ -134,6 +163,21 @@ func TestClusterNode(t *testing.T) {
 		t.Fatalf("the lost node's sandbox: %+v %v", r, err)
 	}
 
+	// While it is down, its audit log is rolled back to before the head
+	// it anchored (as restoring an older copy of the file would).
+	anchored, err := cs.AuditHead(ctx, "n1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	adb, err := audit.OpenDB(filepath.Join(data, "audit.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := adb.Exec(`DELETE FROM audit_records WHERE seq >= ?`, int64(anchored.Seq)); err != nil {
+		t.Fatal(err)
+	}
+	adb.Close()
+
 	// Back: the node beats again and its sandbox (still running: sandboxes
 	// outlive their server) is reported running.
 	p = startServerAs(t, "node", bin, data, addr, nodeArgs...)
@@ -141,6 +185,27 @@ func TestClusterNode(t *testing.T) {
 	waitRow(kept.ID, "reported running again", func(r clusterstore.Sandbox, err error) bool {
 		return err == nil && r.State == api.StateRunning
 	})
+	// It finds that its log no longer holds the anchored head: the problem
+	// is on the head (which stays as it was) and in its own log.
+	frozen := waitHead("reported the rollback", func(h clusterstore.AuditHead) bool { return h.Problem != "" })
+	if frozen.Seq != anchored.Seq || frozen.Hash != anchored.Hash || !(strings.Contains(frozen.Problem, "before its anchored checkpoint") || strings.Contains(frozen.Problem, "not the one anchored")) {
+		t.Fatalf("head after the rollback: %+v (anchored %d)", frozen, anchored.Seq)
+	}
+	recs, err := c.AuditRecords(ctx, sdk.AuditFilter{Kind: "audit"})
+	if err != nil || !slices.ContainsFunc(recs, func(r api.AuditRecord) bool {
+		return r.Action == "anchor" && strings.HasPrefix(r.Result, "mismatch: ")
+	}) {
+		t.Fatalf("the node's log does not record the mismatch: %+v %v", recs, err)
+	}
+	// An admin who has looked into it forgets the head; the node anchors
+	// afresh.
+	if err := cs.ForgetAuditHead(ctx, "n1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.ExportAudit(ctx, "", "jsonl", io.Discard); err != nil {
+		t.Fatal(err)
+	}
+	waitHead("anchored afresh", func(h clusterstore.AuditHead) bool { return h.Problem == "" && h.Seq > 0 })
 	if nodes, _ := cs.Nodes(ctx); len(nodes) != 1 || nodes[0].State != clusterstore.NodeReady {
 		t.Fatalf("node after its return: %+v", nodes)
 	}

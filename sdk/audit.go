@@ -22,6 +22,9 @@ type AuditFilter struct {
 	Kind    string
 	After   uint64
 	Limit   int
+	// Node is the node whose log to read, through a cluster replica
+	// (each node keeps its own chain); empty on a single server.
+	Node string
 }
 
 func (f AuditFilter) query() url.Values {
@@ -37,6 +40,9 @@ func (f AuditFilter) query() url.Values {
 	}
 	if f.Limit > 0 {
 		q.Set("limit", strconv.Itoa(f.Limit))
+	}
+	if f.Node != "" {
+		q.Set("node", f.Node)
 	}
 	return q
 }
@@ -86,12 +92,21 @@ func (c *Client) FollowAudit(ctx context.Context, f AuditFilter, fn func(api.Aud
 // duration such as "24h") in format "jsonl" (the chain's records, which `space
 // audit verify` checks) or "ocsf".
 func (c *Client) ExportAudit(ctx context.Context, since, format string, w io.Writer) (int64, error) {
+	return c.ExportNodeAudit(ctx, "", since, format, w)
+}
+
+// ExportNodeAudit is ExportAudit of one node's log through a cluster
+// replica ("" = the server's own log).
+func (c *Client) ExportNodeAudit(ctx context.Context, node, since, format string, w io.Writer) (int64, error) {
 	q := url.Values{}
 	if since != "" {
 		q.Set("since", since)
 	}
 	if format != "" {
 		q.Set("format", format)
+	}
+	if node != "" {
+		q.Set("node", node)
 	}
 	resp, err := c.send(ctx, request{method: http.MethodGet, path: "/v1/audit/export", query: q})
 	if err != nil {
@@ -104,9 +119,35 @@ func (c *Client) ExportAudit(ctx context.Context, since, format string, w io.Wri
 // AuditKeys returns the public keys the audit log's checkpoints are
 // signed with.
 func (c *Client) AuditKeys(ctx context.Context) ([]api.AuditKey, error) {
+	return c.NodeAuditKeys(ctx, "")
+}
+
+// NodeAuditKeys is AuditKeys of one node's log through a cluster replica
+// ("" = the server's own log).
+func (c *Client) NodeAuditKeys(ctx context.Context, node string) ([]api.AuditKey, error) {
+	var q url.Values
+	if node != "" {
+		q = url.Values{"node": {node}}
+	}
 	var out api.AuditKeyList
-	if err := c.do(ctx, request{method: http.MethodGet, path: "/v1/audit/key"}, &out); err != nil {
+	if err := c.do(ctx, request{method: http.MethodGet, path: "/v1/audit/key", query: q}, &out); err != nil {
 		return nil, err
 	}
 	return out.Keys, nil
+}
+
+// AuditHeads lists every node's audit chain head as the cluster anchors it
+// (cluster replicas only; admin).
+func (c *Client) AuditHeads(ctx context.Context) ([]api.AuditHead, error) {
+	var out api.AuditHeadList
+	if err := c.do(ctx, request{method: http.MethodGet, path: "/v1/audit/heads"}, &out); err != nil {
+		return nil, err
+	}
+	return out.Heads, nil
+}
+
+// ForgetAuditHead drops a node's anchored head and its problem, so the
+// node anchors afresh (cluster replicas only; admin).
+func (c *Client) ForgetAuditHead(ctx context.Context, node string) error {
+	return c.do(ctx, request{method: http.MethodDelete, path: "/v1/audit/heads/" + url.PathEscape(node)}, nil)
 }

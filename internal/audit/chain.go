@@ -33,6 +33,7 @@ const (
 	ProblemSignature  = chain.ProblemSignature
 	ProblemUnanchored = chain.ProblemUnanchored
 	ProblemUnsigned   = chain.ProblemUnsigned
+	ProblemAnchor     = chain.ProblemAnchor
 )
 
 type (
@@ -44,6 +45,8 @@ type (
 	VerifyOptions = chain.VerifyOptions
 	// Report is chain.Report.
 	Report = chain.Report
+	// Anchor is chain.Anchor.
+	Anchor = chain.Anchor
 )
 
 // ErrNoKey is Verify's refusal to check signatures it has no key for.

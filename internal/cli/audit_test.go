@@ -6,12 +6,15 @@ import (
 	"crypto/ed25519"
 	"crypto/rand"
 	"encoding/base64"
+	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/audit"
 )
 
@@ -50,6 +53,22 @@ func TestAuditVerify(t *testing.T) {
 		t.Fatalf("verify: %d %q %q", code, out, errOut)
 	}
 	lines := strings.Split(strings.TrimSpace(buf.String()), "\n")
+	// Anchored at the checkpoint of seq 10 (as `space audit heads` shows it).
+	var cp api.AuditRecord
+	json.Unmarshal([]byte(lines[9]), &cp)
+	if out, errOut, code := run("audit", "verify", file, "--key", pub, "--anchor", fmt.Sprintf("10:%s", cp.Hash)); code != 0 || !strings.Contains(out, "anchored: 1 of 1 heads found unchanged") {
+		t.Fatalf("verify with an anchor: %d %q %q", code, out, errOut)
+	}
+	os.WriteFile(file, []byte(strings.Join(lines[:8], "\n")+"\n"), 0o600) // rolled back to before the head
+	if out, errOut, code := run("audit", "verify", file, "--key", pub, "--chain-only", "--anchor", fmt.Sprintf("10:%s", cp.Hash)); code != ExitError || !strings.Contains(out, "anchor: the chain ends at seq 8") {
+		t.Fatalf("a file rolled back past its anchor: %d %q %q", code, out, errOut)
+	}
+	if _, errOut, code := run("audit", "verify", file, "--key", pub, "--anchor", "10"); code != ExitUsage || !strings.Contains(errOut, "want SEQ:HASH") {
+		t.Fatalf("bad anchor: %d %q", code, errOut)
+	}
+	if _, errOut, code := run("audit", "verify", file, "--key", pub, "--node", "n1"); code != ExitUsage || !strings.Contains(errOut, "--node needs --server") {
+		t.Fatalf("--node without --server: %d %q", code, errOut)
+	}
 	lines[1], lines[2] = lines[2], lines[1]
 	lines[6] = strings.Replace(lines[6], `"target":"/f"`, `"target":"/g"`, 1)
 	os.WriteFile(file, []byte(strings.Join(lines, "\n")+"\n"), 0o600)

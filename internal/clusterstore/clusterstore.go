@@ -158,4 +158,20 @@ var migrations = []string{
 		spec       jsonb NOT NULL,
 		updated_at timestamptz NOT NULL DEFAULT now()
 	)`,
+	// 5: each node's audit chain head: its newest signed checkpoint, the
+	// witness outside the node that its log was not rolled back or
+	// rewritten; problem is what the node found when its log stopped
+	// continuing the head (publishing stops until an admin forgets it).
+	`CREATE TABLE audit_heads (
+		node        text PRIMARY KEY CHECK (node <> ''),
+		seq         bigint NOT NULL CHECK (seq > 0),
+		hash        text NOT NULL,
+		key_id      text NOT NULL,
+		public_key  text NOT NULL,
+		checkpoint  text NOT NULL,
+		signed_at   timestamptz NOT NULL,
+		anchored_at timestamptz NOT NULL DEFAULT now(),
+		problem     text NOT NULL DEFAULT '',
+		problem_at  timestamptz
+	)`,
 }

@@ -157,13 +157,18 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		mirrored := make(chan struct{})
+		mirrored, anchored := make(chan struct{}), make(chan struct{})
 		go func() {
 			defer close(mirrored)
 			s.mirrorSettings(ctx, cs, 2*time.Second)
 		}()
+		go func() {
+			defer close(anchored)
+			s.anchorAudit(ctx, cs, o.NodeID, o.Heartbeat)
+		}()
 		node.Run(ctx)
 		<-mirrored
+		<-anchored
 	}()
 	s.cfg.Logger.Info("joined the cluster", "node", o.NodeID, "advertise", o.Advertise, "cluster_listen", o.Listen, "heartbeat", o.Heartbeat)
 	return func() {

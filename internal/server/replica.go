@@ -305,8 +305,13 @@ func (r *Replica) Handler() http.Handler {
 	mux.HandleFunc("POST /v1/templates", r.authed(principal.ScopeTemplatesWrite, r.templateWrite))
 	mux.HandleFunc("POST /v1/templates/pull", r.authed(principal.ScopeTemplatesWrite, r.templateWrite))
 	mux.HandleFunc("POST /v1/templates/build", r.authed(principal.ScopeTemplatesWrite, r.templateWrite))
+	mux.HandleFunc("GET /v1/audit/heads", r.authed(principal.ScopeAdmin, r.auditHeads))
+	mux.HandleFunc("DELETE /v1/audit/heads/{node}", r.authed(principal.ScopeAdmin, r.forgetAuditHead))
+	mux.HandleFunc("GET /v1/audit", r.authed(principal.ScopeAuditRead, r.nodeAudit))
+	mux.HandleFunc("GET /v1/audit/export", r.authed(principal.ScopeAuditRead, r.nodeAudit))
+	mux.HandleFunc("GET /v1/audit/key", r.authed(principal.ScopeAuditRead, r.nodeAudit))
 	mux.HandleFunc("/", func(w http.ResponseWriter, req *http.Request) {
-		writeError(w, req, fmt.Errorf("%s %s is not served by a cluster replica (it serves sandboxes, their operations, templates, keys and nodes); call a node's own API for the rest: %w",
+		writeError(w, req, fmt.Errorf("%s %s is not served by a cluster replica (it serves sandboxes, their operations, templates, keys, tenants, policy rules, nodes and their audit logs); call a node's own API for the rest: %w",
 			req.Method, req.URL.Path, errdefs.ErrNotSupported))
 	})
 	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
@@ -1234,4 +1239,51 @@ func (r *Replica) move(ctx context.Context, row clusterstore.Sandbox, p principa
 		return clusterstore.Node{}, fmt.Errorf("moving sandbox %s off lost node %s: %w", row.ID, row.Node, err)
 	}
 	return target, nil
+}
+
+// auditHeads lists every node's audit chain head as anchored in the
+// cluster.
+func (r *Replica) auditHeads(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
+	heads, err := r.store.AuditHeads(req.Context())
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	out := api.AuditHeadList{Heads: make([]api.AuditHead, 0, len(heads))}
+	for _, h := range heads {
+		var cp api.AuditRecord
+		if err := json.Unmarshal([]byte(h.Checkpoint), &cp); err != nil {
+			writeError(w, req, fmt.Errorf("audit head of %s does not parse: %w", h.Node, err))
+			return
+		}
+		out.Heads = append(out.Heads, api.AuditHead{Node: h.Node, Seq: h.Seq, Hash: h.Hash, KeyID: h.KeyID, PublicKey: h.PublicKey,
+			SignedAt: h.SignedAt, AnchoredAt: h.AnchoredAt, Checkpoint: cp, Problem: h.Problem, ProblemAt: h.ProblemAt})
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// forgetAuditHead drops a node's head and its problem: the node anchors
+// afresh from its newest checkpoint.
+func (r *Replica) forgetAuditHead(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
+	if err := r.store.ForgetAuditHead(req.Context(), req.PathValue("node")); err != nil {
+		writeError(w, req, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// nodeAudit proxies a read of one node's audit log (?node=NAME): each node
+// keeps its own chain, signed with its own key.
+func (r *Replica) nodeAudit(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	name := req.URL.Query().Get("node")
+	if name == "" {
+		writeError(w, req, fmt.Errorf("each node keeps its own audit log: name it with ?node=NAME (GET /v1/nodes lists them): %w", errdefs.ErrInvalidArgument))
+		return
+	}
+	n, err := r.node(req.Context(), name)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	r.proxy(w, req, n, &p)
 }

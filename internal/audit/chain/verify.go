@@ -22,7 +22,16 @@ const (
 	ProblemSignature  = "signature"  // a checkpoint whose signature, key or head does not hold
 	ProblemUnanchored = "unanchored" // the file starts neither at seq 1 nor at a signed checkpoint
 	ProblemUnsigned   = "unsigned"   // records after the last signed checkpoint
+	ProblemAnchor     = "anchor"     // the chain does not hold a head anchored outside it
 )
+
+// Anchor is a record the chain is known, from outside it, to hold: a
+// checkpoint's seq and hash as a cluster's PostgreSQL keeps it for each
+// node. A log rolled back or rewritten past it no longer matches.
+type Anchor struct {
+	Seq  uint64 `json:"seq"`
+	Hash string `json:"hash"`
+}
 
 // Problem is one thing Verify found, naming the record (seq) and the line.
 type Problem struct {
@@ -48,6 +57,10 @@ type VerifyOptions struct {
 	// followed listing); by default they are a problem, since removing
 	// them would go unnoticed. Exports always end at a checkpoint.
 	AllowUnsignedTail bool
+	// Anchors are records the file must hold unchanged when it covers
+	// their seq (one before the file's first record cannot be checked
+	// and is reported in Report.Unchecked).
+	Anchors []Anchor
 }
 
 // Report is what Verify found.
@@ -55,8 +68,10 @@ type Report struct {
 	Records     int       `json:"records"`
 	First       uint64    `json:"first_seq"`
 	Last        uint64    `json:"last_seq"`
-	Checkpoints int       `json:"checkpoints"` // with a valid signature (or, ChainOnly, well formed)
-	SignedTo    uint64    `json:"signed_to"`   // the last seq a valid checkpoint covers
+	Checkpoints int       `json:"checkpoints"`         // with a valid signature (or, ChainOnly, well formed)
+	SignedTo    uint64    `json:"signed_to"`           // the last seq a valid checkpoint covers
+	Anchored    int       `json:"anchored"`            // anchors found unchanged
+	Unchecked   []Anchor  `json:"unchecked,omitempty"` // anchors before the file's first record
 	Problems    []Problem `json:"problems"`
 }
 
@@ -151,6 +166,9 @@ func Verify(r io.Reader, o VerifyOptions) (Report, error) {
 	}
 	rep.Records = len(recs) + len(dups)
 	if len(recs) == 0 {
+		for _, a := range o.Anchors {
+			problem(ProblemAnchor, 0, a.Seq, "no records, but the chain is anchored at seq %d: the log was emptied or rolled back", a.Seq)
+		}
 		return rep, nil
 	}
 	sorted := append([]*vrec(nil), recs...)
@@ -231,6 +249,22 @@ func Verify(r io.Reader, o VerifyOptions) (Report, error) {
 		// Checked above; the chain verifies from its head.
 	default:
 		problem(ProblemUnanchored, first.line, first.Seq, "the file starts at seq %d, which is not a signed checkpoint: what comes before it (and whether records were removed there) cannot be checked", first.Seq)
+	}
+	for _, a := range o.Anchors {
+		v := bySeq[a.Seq]
+		switch {
+		case a.Seq < rep.First:
+			rep.Unchecked = append(rep.Unchecked, a)
+		case a.Seq > rep.Last:
+			problem(ProblemAnchor, sorted[len(sorted)-1].line, rep.Last,
+				"the chain ends at seq %d, before its anchored record (seq %d): records were removed or the log was rolled back", rep.Last, a.Seq)
+		case v == nil:
+			problem(ProblemAnchor, 0, a.Seq, "the anchored record (seq %d) is missing", a.Seq)
+		case v.Hash != a.Hash || !v.ok:
+			problem(ProblemAnchor, v.line, v.Seq, "the record is not the one anchored: its hash is %.12s…, the anchor's %.12s…", v.Hash, a.Hash)
+		default:
+			rep.Anchored++
+		}
 	}
 	if signedTo < rep.Last && !o.AllowUnsignedTail {
 		tail := bySeq[signedTo+1]

@@ -1,0 +1,97 @@
+package clusterstore
+
+import (
+	"context"
+	"crypto/ed25519"
+	"crypto/rand"
+	"errors"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/spacehq/space/internal/audit"
+	"github.com/spacehq/space/internal/errdefs"
+)
+
+// TestAuditHeads: a node's head only moves forward, under one key, with a
+// checkpoint whose signature holds; a reported problem freezes it until
+// an admin forgets it.
+func TestAuditHeads(t *testing.T) {
+	s, _ := open(t)
+	ctx := context.Background()
+	_, key, _ := ed25519.GenerateKey(rand.Reader)
+	db, err := audit.OpenDB(filepath.Join(t.TempDir(), "audit.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	l, err := audit.Open(ctx, audit.Options{DB: db, Key: key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	head := func() audit.Head {
+		t.Helper()
+		l.Record(ctx, audit.Event{Kind: audit.KindAPI, Action: "GET /v1/info"})
+		if _, err := l.Checkpoint(ctx); err != nil {
+			t.Fatal(err)
+		}
+		h, ok, err := l.VerifySince(ctx, audit.Anchor{})
+		if err != nil || !ok {
+			t.Fatal(ok, err)
+		}
+		return h
+	}
+	pub := l.PublicKey()
+	if _, err := s.AuditHead(ctx, "n1"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("head before any: %v", err)
+	}
+	h1, h2 := head(), head()
+	if err := s.AnchorAudit(ctx, "n1", h2.Line, pub); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.AnchorAudit(ctx, "n1", h1.Line, pub); !errors.Is(err, ErrAuditHeadStale) {
+		t.Fatalf("an older head replaced a newer one: %v", err)
+	}
+	if err := s.AnchorAudit(ctx, "n1", h2.Line, pub); !errors.Is(err, ErrAuditHeadStale) {
+		t.Fatalf("the same head twice: %v", err)
+	}
+	other := make(ed25519.PublicKey, ed25519.PublicKeySize)
+	h3 := head()
+	if err := s.AnchorAudit(ctx, "n1", h3.Line, other); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("a head whose signature does not hold: %v", err)
+	}
+	if err := s.AnchorAudit(ctx, "n1", strings.Replace(h3.Line, `"sign"`, `"sigN"`, 1), pub); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("an altered head: %v", err)
+	}
+	if err := s.AnchorAudit(ctx, "n1", h3.Line, pub); err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.AuditHead(ctx, "n1")
+	if err != nil || got.Seq != h3.Seq || got.Hash != h3.Hash || got.Checkpoint != h3.Line || got.KeyID != l.KeyID() || got.Problem != "" {
+		t.Fatalf("head: %+v %v", got, err)
+	}
+
+	if err := s.ReportAuditProblem(ctx, "n1", "rolled back"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.ReportAuditProblem(ctx, "n1", "second report"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.AnchorAudit(ctx, "n1", head().Line, pub); !errors.Is(err, ErrAuditHeadStale) {
+		t.Fatalf("a head published over a problem: %v", err)
+	}
+	heads, err := s.AuditHeads(ctx)
+	if err != nil || len(heads) != 1 || heads[0].Problem != "rolled back" || heads[0].ProblemAt == nil || heads[0].Seq != h3.Seq {
+		t.Fatalf("heads after a problem: %+v %v", heads, err)
+	}
+	if err := s.ForgetAuditHead(ctx, "n1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.ForgetAuditHead(ctx, "n1"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("forgetting twice: %v", err)
+	}
+	if err := s.AnchorAudit(ctx, "n1", head().Line, pub); err != nil {
+		t.Fatalf("anchoring afresh after forgetting: %v", err)
+	}
+}
