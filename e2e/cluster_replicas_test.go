@@ -18,8 +18,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/modelcontextprotocol/go-sdk/mcp"
+
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/clusterstore"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/mcpserver"
 	"github.com/spacehq/space/internal/testenv"
 	"github.com/spacehq/space/internal/testenv/pgtest"
 	"github.com/spacehq/space/sdk"
@@ -287,6 +291,110 @@ func TestClusterReplicasAndNodes(t *testing.T) {
 	if err != nil || st.ExitCode != 0 || out.String() != "got-hello\n" {
 		t.Fatalf("attach through the other replica: %+v %v %q", st, err, out.String())
 	}
+	// A service in a sandbox, through a replica: the URLs it gives are the
+	// replica's, and host-routed traffic reaches the service on the node
+	// with the port token or a cluster key (vouched, not passed on).
+	if res, err := a1.Exec(ctx, ids[1], api.ExecRequest{Cmd: []string{"sh", "-c",
+		"mkdir -p /srv && echo hello-cluster > /srv/m.txt && cd /srv && (nohup python3 -m http.server 8000 >/dev/null 2>&1 &)"}}); err != nil || res.ExitCode != 0 {
+		t.Fatalf("starting a service: %+v %v", res, err)
+	}
+	pi, err := a2.Port(ctx, ids[1], 8000)
+	r2Port := r2.url[strings.LastIndex(r2.url, ":")+1:]
+	hostRouted := "8000-" + ids[1] + ".localhost:" + r2Port
+	if err != nil || pi.URL != "http://"+hostRouted+"/" || pi.PathURL != r2.url+"/v1/sandboxes/"+ids[1]+"/ports/8000/" || pi.Token == "" {
+		t.Fatalf("port through a replica: %+v %v", pi, err)
+	}
+	getPort := func(h map[string]string) (int, string) {
+		t.Helper()
+		req, _ := http.NewRequestWithContext(ctx, "GET", r2.url+"/m.txt", nil)
+		req.Host = hostRouted
+		for k, v := range h {
+			req.Header.Set(k, v)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	code, body := 0, ""
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		if code, body = getPort(map[string]string{api.PortTokenHeader: pi.Token}); code != http.StatusServiceUnavailable {
+			break
+		}
+	}
+	if code != http.StatusOK || body != "hello-cluster\n" {
+		t.Fatalf("host-routed through a replica with the token: %d %q", code, body)
+	}
+	if code, body = getPort(map[string]string{"Authorization": "Bearer " + a1.APIKey}); code != http.StatusOK || body != "hello-cluster\n" {
+		t.Fatalf("host-routed through a replica with a cluster key: %d %q", code, body)
+	}
+	if code, _ = getPort(nil); code != http.StatusUnauthorized {
+		t.Fatalf("host-routed through a replica without credentials: %d", code)
+	}
+	// What the service sees of such a request: neither the key nor the
+	// principal the replica vouched for.
+	const echoHeaders = `import http.server as h
+class E(h.BaseHTTPRequestHandler):
+    def do_GET(self):
+        b = str(self.headers).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
+h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
+	if res, err := a1.Exec(ctx, ids[1], api.ExecRequest{Cmd: []string{"sh", "-c", "(nohup python3 -c \"$0\" >/dev/null 2>&1 &)", echoHeaders}}); err != nil || res.ExitCode != 0 {
+		t.Fatalf("starting a header echo: %+v %v", res, err)
+	}
+	hostRouted = "8001-" + ids[1] + ".localhost:" + r2Port
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		if code, body = getPort(map[string]string{"Authorization": "Bearer " + a1.APIKey}); code != http.StatusServiceUnavailable {
+			break
+		}
+	}
+	if code != http.StatusOK || !strings.Contains(body, "8001-"+ids[1]) || strings.Contains(strings.ToLower(body), "space-cluster-principal") || strings.Contains(body, a1.APIKey) {
+		t.Fatalf("what a service saw of a request through a replica: %d\n%s", code, body)
+	}
+
+	// MCP on a replica: its tools' calls come back to the replica, so a
+	// sandbox made by a tool is placed on a node and everything else
+	// reaches it there.
+	tr := &mcp.StreamableClientTransport{Endpoint: r2.url + "/mcp", MaxRetries: -1,
+		HTTPClient: &http.Client{Transport: bearer{a1.APIKey, http.DefaultTransport}}}
+	mcs, err := mcp.NewClient(&mcp.Implementation{Name: "space-e2e", Version: "1"}, nil).Connect(ctx, tr, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mcs.Close()
+	msb := toolOK[mcpserver.SandboxInfo](t, mcs, "sandbox_create", map[string]any{"runtime": "native", "labels": map[string]any{"via": "mcp"}})
+	cleanup = append(cleanup, msb.ID)
+	if row, err := c.cs.GetSandbox(ctx, msb.ID); err != nil || (row.Node != "n1" && row.Node != "n2") {
+		t.Fatalf("row of a sandbox an MCP tool made through a replica: %+v %v", row, err)
+	}
+	if run := toolOK[mcpserver.CommandRunOut](t, mcs, "command_run", map[string]any{"id": msb.ID, "cmd": "echo via-mcp"}); run.ExitCode != 0 || run.Stdout != "via-mcp\n" {
+		t.Fatalf("command_run through a replica: %+v", run)
+	}
+	toolOK[mcpserver.FileWriteOut](t, mcs, "file_write", map[string]any{"id": msb.ID, "path": "/tmp/m.txt", "content": "mcp-file"})
+	if rd := toolOK[mcpserver.FileReadOut](t, mcs, "file_read", map[string]any{"id": msb.ID, "path": "/tmp/m.txt"}); rd.Content != "mcp-file" {
+		t.Fatalf("file_read through a replica: %+v", rd)
+	}
+	if port := toolOK[mcpserver.PortExposeOut](t, mcs, "port_expose", map[string]any{"id": msb.ID, "port": 8000}); !strings.HasPrefix(port.URL, "http://8000-"+msb.ID+".localhost:"+r2Port+"/") {
+		t.Fatalf("port_expose through a replica: %+v", port)
+	}
+	if ls := toolOK[mcpserver.SandboxListOut](t, mcs, "sandbox_list", map[string]any{"label": "via=mcp"}); len(ls.Sandboxes) != 1 || ls.Sandboxes[0].ID != msb.ID {
+		t.Fatalf("sandbox_list through a replica: %+v", ls)
+	}
+	if d := toolOK[mcpserver.SandboxDeleteOut](t, mcs, "sandbox_delete", map[string]any{"id": msb.ID}); !d.Deleted {
+		t.Fatalf("sandbox_delete through a replica: %+v", d)
+	}
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if _, err := c.cs.GetSandbox(ctx, msb.ID); errors.Is(err, errdefs.ErrNotFound) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the row of a sandbox deleted by an MCP tool stays")
+		}
+	}
+
 	// Lifecycle through the other replica.
 	for _, verb := range []string{api.OpPause, api.OpResume} {
 		op, err := a2.Lifecycle(ctx, ids[0], verb)

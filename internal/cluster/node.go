@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/spacehq/space/api"
@@ -55,6 +56,8 @@ type Node struct {
 	// sandbox (nil: it is gone), after the report.
 	Changed func(ctx context.Context, id string, sb *api.Sandbox)
 
+	wake     chan struct{} // Wake's nudge to Run (capacity 1: wakes coalesce)
+	wakeOnce sync.Once
 	started  time.Time
 	reported map[string]string // id → the state key last reported
 	// swept is set once the rows of sandboxes that went while the node
@@ -78,13 +81,8 @@ func (n *Node) Run(ctx context.Context) error {
 	}
 	n.started = time.Now()
 	n.reported = map[string]string{}
-	wake := make(chan struct{}, 1)
-	go n.Store.Listen(ctx, n.ID, func() {
-		select {
-		case wake <- struct{}{}:
-		default:
-		}
-	})
+	wake := n.wakeCh()
+	go n.Store.Listen(ctx, n.ID, n.Wake)
 	t := time.NewTicker(n.Poll)
 	defer t.Stop()
 	for {
@@ -98,6 +96,21 @@ func (n *Node) Run(ctx context.Context) error {
 		case <-t.C:
 		}
 	}
+}
+
+// Wake makes Run reconcile now rather than at its next poll: a local
+// operation ended, so the rows should say so at once. Safe from any
+// goroutine, before or during Run; wakes coalesce.
+func (n *Node) Wake() {
+	select {
+	case n.wakeCh() <- struct{}{}:
+	default:
+	}
+}
+
+func (n *Node) wakeCh() chan struct{} {
+	n.wakeOnce.Do(func() { n.wake = make(chan struct{}, 1) })
+	return n.wake
 }
 
 // Reconcile does one pass: desired state first, then reports.

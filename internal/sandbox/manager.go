@@ -91,6 +91,7 @@ type Manager struct {
 	obs Observer
 	// created, when set, hears of every sandbox a caller makes (SetCreated).
 	created atomic.Pointer[CreatedFunc]
+	opEnded atomic.Pointer[func(api.Operation)]
 
 	mu      sync.Mutex
 	entries map[string]*entry
@@ -283,6 +284,18 @@ func (m *Manager) SetCreated(f CreatedFunc) {
 	m.created.Store(&f)
 }
 
+// SetOperationDone sets (nil: clears) a function told of every operation
+// that ended (after its record is stored). It must not block: a cluster
+// node nudges its reconciler with it, so the cluster's rows catch up at
+// once instead of at the next poll.
+func (m *Manager) SetOperationDone(f func(api.Operation)) {
+	if f == nil {
+		m.opEnded.Store(nil)
+		return
+	}
+	m.opEnded.Store(&f)
+}
+
 // tellCreated runs the CreatedFunc for sb; when it fails, sb is deleted.
 func (m *Manager) tellCreated(ctx context.Context, sb api.Sandbox, op api.Operation, req api.CreateSandboxRequest) error {
 	f := m.created.Load()
@@ -445,6 +458,9 @@ func (m *Manager) runOp(ctx context.Context, op *api.Operation, fn func(ctx cont
 		op.State = api.OpSucceeded
 	}
 	m.putOp(*op)
+	if f := m.opEnded.Load(); f != nil {
+		(*f)(*op)
+	}
 	m.obs.OperationDone(op.Kind, op.State, time.Since(t0))
 	m.auditOp(ctx, *op, err)
 	return err

@@ -151,6 +151,7 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 		return nil, fmt.Errorf("joining the cluster: %w", err)
 	}
 	node := &cluster.Node{ID: o.NodeID, Store: cs, Local: local, Log: s.cfg.Logger, OrphanGrace: o.OrphanGrace}
+	s.mgr.SetOperationDone(func(api.Operation) { node.Wake() })
 	if o.SuspendShare != "" {
 		node.Changed = func(ctx context.Context, id string, sb *api.Sandbox) { s.syncShare(ctx, cs, o, id, sb) }
 	}
@@ -176,6 +177,7 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 		<-done
 		stopListener()
 		s.mgr.SetCreated(nil)
+		s.mgr.SetOperationDone(nil)
 		cs.Close()
 	}, nil
 }
@@ -213,6 +215,25 @@ type clusterRows struct {
 // client certificate is a replica's of the cluster CA; elsewhere it is
 // ignored, and a bearer key is needed as ever.
 const PrincipalHeader = "Space-Cluster-Principal"
+
+// ForwardedProtoHeader carries, from a replica to a node, the scheme the
+// caller used ("http" or "https"), for the URLs the node answers with.
+// Like the principal, a node reads it only from a replica.
+const ForwardedProtoHeader = "X-Forwarded-Proto"
+
+// requestScheme is the scheme r's caller used: the replica's word for a
+// request a replica forwarded, else this connection's.
+func requestScheme(r *http.Request) string {
+	if _, ok := r.Context().Value(replicaKey{}).(string); ok {
+		if v := r.Header.Get(ForwardedProtoHeader); v == "http" || v == "https" {
+			return v
+		}
+	}
+	if r.TLS != nil {
+		return "https"
+	}
+	return "http"
+}
 
 type replicaKey struct{}
 

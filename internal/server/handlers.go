@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -72,14 +73,10 @@ func waitParam(r *http.Request) (time.Duration, error) {
 
 func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	labels := map[string]string{}
-	for _, l := range q["label"] {
-		k, v, ok := strings.Cut(l, "=")
-		if !ok || k == "" {
-			writeError(w, r, fmt.Errorf("label filter %q must be key=value: %w", l, errdefs.ErrInvalidArgument))
-			return
-		}
-		labels[k] = v
+	labels, err := labelFilter(q)
+	if err != nil {
+		writeError(w, r, err)
+		return
 	}
 	sbs, err := s.mgr.List(r.Context(), q.Get("state"), labels)
 	if err != nil {
@@ -90,6 +87,19 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 		sbs = []api.Sandbox{}
 	}
 	writeJSON(w, 200, api.SandboxList{Sandboxes: sbs})
+}
+
+// labelFilter is a list's label=key=value filters (all must match).
+func labelFilter(q url.Values) (map[string]string, error) {
+	labels := map[string]string{}
+	for _, l := range q["label"] {
+		k, v, ok := strings.Cut(l, "=")
+		if !ok || k == "" {
+			return nil, fmt.Errorf("label filter %q must be key=value: %w", truncateQuery(l), errdefs.ErrInvalidArgument)
+		}
+		labels[k] = v
+	}
+	return labels, nil
 }
 
 func (s *Server) getSandbox(w http.ResponseWriter, r *http.Request) {

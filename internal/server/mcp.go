@@ -32,6 +32,12 @@ const maxMCPBody = mcpserver.MaxWriteBytes*4/3 + 1<<20
 // later request to an earlier caller's key, and a server restart loses no
 // session state a client would have to recover.
 func (s *Server) mcpHandler() http.Handler {
+	return newMCPHandler(s.selfTransport, s.cfg.Logger)
+}
+
+// newMCPHandler is the stateless MCP handler whose tools call, as the
+// request's key, the handler behind self (a server's own, or a replica's).
+func newMCPHandler(self func() http.RoundTripper, logger *slog.Logger) http.Handler {
 	cache := mcp.NewSchemaCache()
 	opts := &mcp.StreamableHTTPOptions{Stateless: true, MaxRequestBodyBytes: maxMCPBody,
 		// The library refuses a request that reached a loopback address
@@ -40,10 +46,10 @@ func (s *Server) mcpHandler() http.Handler {
 		// rebinding page does not have, and that check would refuse a
 		// reverse proxy on the same host that keeps the public Host.
 		DisableLocalhostProtection: true}
-	if s.cfg.Logger != nil {
+	if logger != nil {
 		// The MCP library logs every session's start and end at Info; one
 		// per request here, so only its warnings and errors are kept.
-		opts.Logger = slog.New(minLevel{slog.LevelWarn, s.cfg.Logger.Handler()}).With("component", "mcp")
+		opts.Logger = slog.New(minLevel{slog.LevelWarn, logger.Handler()}).With("component", "mcp")
 	}
 	return mcp.NewStreamableHTTPHandler(func(r *http.Request) *mcp.Server {
 		key, _ := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
@@ -53,7 +59,7 @@ func (s *Server) mcpHandler() http.Handler {
 		if host == "" || strings.ContainsAny(host, "/?#@ ") {
 			host = "localhost"
 		}
-		c, err := sdk.New("http://"+host, key, sdk.WithHTTPClient(&http.Client{Transport: s.selfTransport()}), sdk.WithUserAgent("space-mcp"))
+		c, err := sdk.New("http://"+host, key, sdk.WithHTTPClient(&http.Client{Transport: self()}), sdk.WithUserAgent("space-mcp"))
 		if err != nil {
 			return nil // the handler answers 400
 		}
@@ -76,13 +82,14 @@ func (h minLevel) WithAttrs(a []slog.Attr) slog.Handler {
 }
 func (h minLevel) WithGroup(n string) slog.Handler { return minLevel{h.min, h.Handler.WithGroup(n)} }
 
-// selfConn is the server's in-process connection to its own handler: an
-// http.Server on an in-memory listener, started on first use. A real
+// selfConn is a handler's in-process connection to itself: an http.Server
+// (made by serve) on an in-memory listener, started on first use. A real
 // listener would have to be found (TCP or unix socket, wherever the server
 // was told to listen) and would cost a socket per call; this needs neither
 // and still carries everything a socket does (streamed responses, the
 // attach WebSocket's upgrade).
 type selfConn struct {
+	serve  func() *http.Server
 	mu     sync.Mutex
 	l      *memListener
 	hs     *http.Server
@@ -90,34 +97,38 @@ type selfConn struct {
 	closed bool
 }
 
-func (s *Server) selfTransport() http.RoundTripper {
-	s.self.mu.Lock()
-	defer s.self.mu.Unlock()
-	if s.self.closed {
+func (s *Server) selfTransport() http.RoundTripper { return s.self.transport() }
+
+func (c *selfConn) transport() http.RoundTripper {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
 		return errTransport{}
 	}
-	if s.self.tr == nil {
-		s.self.l = newMemListener()
-		s.self.hs = s.HTTPServer()
-		go s.self.hs.Serve(s.self.l)
-		l := s.self.l
-		s.self.tr = &http.Transport{
+	if c.tr == nil {
+		c.l = newMemListener()
+		c.hs = c.serve()
+		go c.hs.Serve(c.l)
+		l := c.l
+		c.tr = &http.Transport{
 			DialContext:         func(ctx context.Context, _, _ string) (net.Conn, error) { return l.dial(ctx) },
 			MaxIdleConnsPerHost: 16,
 		}
 	}
-	return s.self.tr
+	return c.tr
 }
 
 // closeSelf stops the in-process server, if it was started, and any later
 // use of it fails.
-func (s *Server) closeSelf() {
-	s.self.mu.Lock()
-	defer s.self.mu.Unlock()
-	s.self.closed = true
-	if s.self.hs != nil {
-		s.self.tr.CloseIdleConnections()
-		s.self.hs.Close()
+func (s *Server) closeSelf() { s.self.close() }
+
+func (c *selfConn) close() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.closed = true
+	if c.hs != nil {
+		c.tr.CloseIdleConnections()
+		c.hs.Close()
 	}
 }
 

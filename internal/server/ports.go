@@ -109,10 +109,7 @@ func parsePort(v string) (int, error) {
 // as r reached it.
 func (s *Server) portInfo(r *http.Request, sb api.Sandbox, port int, ttl time.Duration) api.PortInfo {
 	exp := time.Now().Add(ttl).Truncate(time.Second).UTC()
-	scheme := "http"
-	if r.TLS != nil {
-		scheme = "https"
-	}
+	scheme := requestScheme(r)
 	domain := s.portDomain(r)
 	return api.PortInfo{
 		Port:           port,
@@ -287,6 +284,10 @@ func (s *Server) authorizePort(r *http.Request, id string, port int, tcp bool) (
 			r.Header.Del("Authorization")
 		}
 	}
+	// Through a cluster replica, the caller it vouches for.
+	if p, fromReplica, err := replicaPrincipal(r); fromReplica && err == nil && p.Sees(sb.Tenant) && p.Can(principal.ScopeNetworkRead) {
+		ok = true
+	}
 	// E2B's SDK users send the traffic token in e2b-traffic-access-token.
 	for _, hdr := range []string{api.PortTokenHeader, "E2b-Traffic-Access-Token"} {
 		if v := r.Header.Get(hdr); v != "" {
@@ -353,7 +354,7 @@ func (s *Server) proxyPort(w http.ResponseWriter, r *http.Request, id, portStr s
 	defer release()
 	if fromQuery {
 		http.SetCookie(w, &http.Cookie{Name: api.PortTokenCookie, Value: token, Path: cookiePath,
-			HttpOnly: true, SameSite: http.SameSiteLaxMode, Secure: r.TLS != nil})
+			HttpOnly: true, SameSite: http.SameSiteLaxMode, Secure: requestScheme(r) == "https"})
 	}
 	t.id, t.port = id, port
 	ctx := context.WithValue(r.Context(), proxyTargetKey{}, t)
@@ -415,6 +416,10 @@ func (s *Server) proxy() *httputil.ReverseProxy {
 				}
 				pr.Out.URL.RawQuery = pr.In.URL.RawQuery
 				pr.SetXForwarded()
+				pr.Out.Header.Set(ForwardedProtoHeader, requestScheme(pr.In))
+				// A cluster replica's word about its caller is for this
+				// node, never for the sandbox.
+				pr.Out.Header.Del(PrincipalHeader)
 				pr.Out.Host = pr.In.Host // the service sees the name it was reached by
 			},
 			Transport:     tr,

@@ -79,6 +79,10 @@ type Replica struct {
 	placements *prometheus.CounterVec   // creates placed, by node
 	nodeErrors *prometheus.CounterVec   // calls a node did not answer, by node
 	forwarded  *prometheus.HistogramVec // time to a node's answer headers, by node
+
+	// self is the replica's in-process connection to its own handler, for
+	// the /mcp handler's tool calls.
+	self selfConn
 }
 
 type cachedKey struct {
@@ -120,6 +124,9 @@ func NewReplica(ctx context.Context, cfg ReplicaConfig) (*Replica, error) {
 		return nil, err
 	}
 	r := &Replica{cfg: cfg, store: cs, id: id, keys: map[string]cachedKey{}, transports: map[string]*http.Transport{}}
+	r.self.serve = func() *http.Server {
+		return &http.Server{Handler: r.Handler(), ReadHeaderTimeout: headerTimeout, IdleTimeout: idleTimeout}
+	}
 	r.initMetrics()
 	if err := r.firstKey(ctx); err != nil {
 		cs.Close()
@@ -154,6 +161,7 @@ func (r *Replica) firstKey(ctx context.Context) error {
 
 // Close closes the store and idle connections to nodes.
 func (r *Replica) Close() {
+	r.self.close()
 	r.mu.Lock()
 	for _, t := range r.transports {
 		t.CloseIdleConnections()
@@ -310,6 +318,10 @@ func (r *Replica) Handler() http.Handler {
 	mux.HandleFunc("GET /v1/audit", r.authed(principal.ScopeAuditRead, r.nodeAudit))
 	mux.HandleFunc("GET /v1/audit/export", r.authed(principal.ScopeAuditRead, r.nodeAudit))
 	mux.HandleFunc("GET /v1/audit/key", r.authed(principal.ScopeAuditRead, r.nodeAudit))
+	// MCP: the same tools as a node's, whose calls come back to this
+	// replica (and so reach every node).
+	mcpH := newMCPHandler(r.self.transport, r.cfg.Logger)
+	mux.HandleFunc("POST /mcp", r.authed("", func(w http.ResponseWriter, req *http.Request, _ principal.Principal) { mcpH.ServeHTTP(w, req) }))
 	mux.HandleFunc("/", func(w http.ResponseWriter, req *http.Request) {
 		writeError(w, req, fmt.Errorf("%s %s is not served by a cluster replica (it serves sandboxes, their operations, templates, keys, tenants, policy rules, nodes and their audit logs); call a node's own API for the rest: %w",
 			req.Method, req.URL.Path, errdefs.ErrNotSupported))
@@ -317,6 +329,12 @@ func (r *Replica) Handler() http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		sw := &statusWriter{ResponseWriter: w}
 		defer func() { r.requests.WithLabelValues(req.Method, strconv.Itoa(sw.code)).Inc() }()
+		// Host-routed port traffic (<port>-<id>.<domain>) goes to the
+		// sandbox's node with its Host, as a node's own would be served.
+		if id, _, ok := hostRoute(req.Host); ok {
+			r.hostCall(sw, req, id)
+			return
+		}
 		mux.ServeHTTP(sw, req)
 	})
 }
@@ -415,7 +433,12 @@ func (r *Replica) proxy(w http.ResponseWriter, req *http.Request, n clusterstore
 		FlushInterval: -1,
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(target)
-			pr.Out.Host = target.Host
+			// The Host and scheme the caller used: the node makes the
+			// URLs it answers with (ports, MCP) from them, and routes
+			// <port>-<id>.<domain> by the Host. The connection still
+			// goes to, and verifies, the node.
+			pr.Out.Host = req.Host
+			pr.Out.Header.Set(ForwardedProtoHeader, requestScheme(req))
 			// The caller's API key stays here: the node trusts the
 			// replica's certificate and the principal it vouches for. A
 			// token route's Authorization is the node's own token.
@@ -452,6 +475,30 @@ func (r *Replica) sandboxCall(w http.ResponseWriter, req *http.Request) {
 		p = &pp
 	}
 	row, err := r.sandboxRow(req.Context(), req.PathValue("id"), p)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	n, err := r.node(req.Context(), row.Node)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	r.proxy(w, req, n, p)
+}
+
+// hostCall proxies host-routed port traffic to the sandbox's node. A
+// bearer that is a cluster key is vouched for (and not passed on); any
+// other credential (a port token, the service's own Authorization) is the
+// node's to check.
+func (r *Replica) hostCall(w http.ResponseWriter, req *http.Request, id string) {
+	var p *principal.Principal
+	if strings.HasPrefix(req.Header.Get("Authorization"), "Bearer ") {
+		if pp, err := r.authenticate(req); err == nil {
+			p = &pp
+		}
+	}
+	row, err := r.sandboxRow(req.Context(), id, nil)
 	if err != nil {
 		writeError(w, req, err)
 		return
@@ -526,11 +573,16 @@ func (r *Replica) list(w http.ResponseWriter, req *http.Request, p principal.Pri
 		writeError(w, req, err)
 		return
 	}
+	labels, err := labelFilter(req.URL.Query())
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
 	state := req.URL.Query().Get("state")
 	out := []api.Sandbox{}
 	for _, row := range rows {
 		sb := rowSandbox(row)
-		if state == "" || sb.State == state {
+		if (state == "" || sb.State == state) && hasLabels(sb.Labels, labels) {
 			out = append(out, sb)
 		}
 	}
@@ -1286,4 +1338,14 @@ func (r *Replica) nodeAudit(w http.ResponseWriter, req *http.Request, p principa
 		return
 	}
 	r.proxy(w, req, n, &p)
+}
+
+// hasLabels reports whether have carries every one of want.
+func hasLabels(have, want map[string]string) bool {
+	for k, v := range want {
+		if got, ok := have[k]; !ok || got != v {
+			return false
+		}
+	}
+	return true
 }

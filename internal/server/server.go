@@ -332,6 +332,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	s := srv
 	*s = Server{cfg: cfg, runtimes: rts, db: db, tmpl: tmpl, mgr: mgr, tmplsvc: tsvc, metrics: met, apiKey: key, keys: keys, netw: netw, portSecret: portSecret, audit: alog, auditLog: alog,
 		policy: eng, decider: dec, secrets: sec}
+	s.self.serve = s.HTTPServer
 	s.e2b = e2b.New(e2b.Config{
 		Manager:      mgr,
 		Templates:    tsvc,
