@@ -66,6 +66,20 @@ func (c *testCluster) spaceAt(r *proc, key string, args ...string) string {
 	return string(out)
 }
 
+// logsIfFailed puts the end of every member's log in a failed test's
+// output (before the temporary directory goes).
+func (c *testCluster) logsIfFailed() {
+	if !c.t.Failed() {
+		return
+	}
+	logs, _ := filepath.Glob(filepath.Join(c.root, "*", "server.log"))
+	for _, f := range logs {
+		b, _ := os.ReadFile(f)
+		lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+		c.t.Logf("%s (last %d lines):\n%s", f, min(len(lines), 40), strings.Join(lines[max(0, len(lines)-40):], "\n"))
+	}
+}
+
 // lastAuditSeq is the seq of an audit export's last record.
 func lastAuditSeq(t *testing.T, file string) uint64 {
 	t.Helper()
@@ -129,6 +143,7 @@ func TestClusterReplicasAndNodes(t *testing.T) {
 	c := &testCluster{t: t, bin: buildSpace(t), dsn: pgtest.Shared(t).NewDatabase(t), root: root,
 		certs: filepath.Join(root, "certs"), nodes: map[string]*clusterMember{}}
 	c.space("cluster", "ca", c.certs)
+	defer c.logsIfFailed()
 
 	n1, n2 := c.startNode("n1"), c.startNode("n2")
 	defer func() {
@@ -392,6 +407,51 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("the row of a sandbox deleted by an MCP tool stays")
+		}
+	}
+
+	// E2B's JS SDK, unmodified, pointed at a replica.
+	if node, err := exec.LookPath("node"); err != nil {
+		testenv.Require(t, "node", false, "node is not on PATH (scripts/setup.sh checks for it)")
+	} else {
+		cmd := exec.CommandContext(ctx, node, "--test", "--test-reporter=spec", "cluster-e2b.mjs")
+		cmd.Dir = "js"
+		cmd.Env = append(os.Environ(), "REPLICA_URL="+r2.url,
+			"E2B_API_URL="+r2.url+"/e2b", "E2B_SANDBOX_URL="+r2.url+"/e2b/envd",
+			"E2B_API_KEY="+a1.APIKey, "E2B_DOMAIN=localhost:"+r2Port)
+		out, err := cmd.CombinedOutput()
+		if err != nil || testing.Verbose() {
+			t.Logf("node --test cluster-e2b.mjs:\n%s", out)
+		}
+		if err != nil {
+			t.Fatalf("E2B's SDK through a replica: %v", err)
+		}
+	}
+
+	// E2B's error shapes from the replica itself.
+	for _, c := range []struct {
+		method, path, key string
+		status            int
+		want              string
+	}{
+		{"GET", "/e2b/sandboxes", "", http.StatusUnauthorized, `"code":401`},
+		{"GET", "/e2b/snapshots", a1.APIKey, http.StatusUnprocessableEntity, "not served by a cluster replica"},
+		{"GET", "/e2b/sandboxes/sb-nosuchsandbox00", a1.APIKey, http.StatusNotFound, `"code":404`},
+		{"POST", "/e2b/envd/process.Process/List", "", http.StatusBadRequest, `"code":"invalid_argument"`},
+	} {
+		req, _ := http.NewRequestWithContext(ctx, c.method, r2.url+c.path, strings.NewReader("{}"))
+		req.Header.Set("Content-Type", "application/json")
+		if c.key != "" {
+			req.Header.Set("X-API-Key", c.key)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != c.status || !strings.Contains(string(b), c.want) {
+			t.Fatalf("%s %s through a replica: %d %s", c.method, c.path, resp.StatusCode, b)
 		}
 	}
 

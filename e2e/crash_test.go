@@ -65,7 +65,14 @@ func startServerAs(t *testing.T, command, bin, data, addr string, extra ...strin
 	cmd := exec.Command(bin, append([]string{command, "--data", data, "--listen", addr, "--cache", testenv.CacheDir()}, extra...)...)
 	cmd.Env = append(os.Environ(), "SPACE_AGENT_BIN="+testenv.AgentBinary(t), "SPACE_JAIL_BIN="+testenv.JailBinary(t),
 		"SPACE_GATEWAY_BIN="+testenv.GatewayBinary(t))
-	log, _ := os.OpenFile(filepath.Join(data, "..", "server.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
+	if err := os.MkdirAll(filepath.Dir(data), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	log, err := os.OpenFile(filepath.Join(data, "..", "server.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer log.Close() // the child has its own copy
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

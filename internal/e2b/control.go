@@ -423,15 +423,6 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 			wantStates[s] = true
 		}
 	}
-	limit := 100
-	if l := q.Get("limit"); l != "" {
-		n, err := strconv.Atoi(l)
-		if err != nil || n < 1 || n > maxListLimit {
-			h.writeAPIError(w, r, fmt.Errorf("limit must be 1..%d, got %q: %w", maxListLimit, truncate(l, 16), errdefs.ErrInvalidArgument))
-			return
-		}
-		limit = n
-	}
 	var after time.Time
 	if s := q.Get("startedAfter"); s != "" {
 		t, err := time.Parse(time.RFC3339Nano, s)
@@ -455,8 +446,30 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 		}
 		out = append(out, h.listed(sb, st))
 	}
-	// A stable order makes the page token a position: oldest first unless
-	// order=desc, ties by id.
+	page, next, err := pageListed(out, q)
+	if err != nil {
+		h.writeAPIError(w, r, err)
+		return
+	}
+	if next != "" {
+		w.Header().Set("X-Next-Token", next)
+	}
+	writeJSON(w, http.StatusOK, page)
+}
+
+// pageListed orders a listing and cuts the page q asks for: oldest first
+// unless order=desc, ties by id (a stable order makes the page token a
+// position), after nextToken, at most limit (default 100). next is the
+// next page's token, "" on the last.
+func pageListed(out []e2bListed, q url.Values) (page []e2bListed, next string, err error) {
+	limit := 100
+	if l := q.Get("limit"); l != "" {
+		n, err := strconv.Atoi(l)
+		if err != nil || n < 1 || n > maxListLimit {
+			return nil, "", fmt.Errorf("limit must be 1..%d, got %q: %w", maxListLimit, truncate(l, 16), errdefs.ErrInvalidArgument)
+		}
+		limit = n
+	}
 	desc := strings.EqualFold(q.Get("order"), "desc")
 	sort.Slice(out, func(i, j int) bool {
 		a, b := out[i], out[j]
@@ -470,8 +483,7 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 		i := slices.IndexFunc(out, func(s e2bListed) bool { return s.SandboxID == tok })
 		if i < 0 {
 			if sandbox.ValidID(tok) != nil {
-				h.writeAPIError(w, r, fmt.Errorf("nextToken %q is not one this server issued: %w", truncate(tok, 64), errdefs.ErrInvalidArgument))
-				return
+				return nil, "", fmt.Errorf("nextToken %q is not one this server issued: %w", truncate(tok, 64), errdefs.ErrInvalidArgument)
 			}
 			// That sandbox is gone since: restart after the first one
 			// that sorts after where it would have been is not knowable;
@@ -481,13 +493,13 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 		out = out[i+1:]
 	}
 	if len(out) > limit {
-		w.Header().Set("X-Next-Token", out[limit-1].SandboxID)
+		next = out[limit-1].SandboxID
 		out = out[:limit]
 	}
 	if out == nil {
 		out = []e2bListed{}
 	}
-	writeJSON(w, http.StatusOK, out)
+	return out, next, nil
 }
 
 func (h *Handler) kill(w http.ResponseWriter, r *http.Request) {

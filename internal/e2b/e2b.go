@@ -62,6 +62,10 @@ type Config struct {
 	// Domain is the E2B domain reported for sandboxes (the server's port
 	// domain as the request reached it).
 	Domain func(r *http.Request) string
+	// Vouched, when set, returns the caller a cluster replica vouched for
+	// (ok false: the request did not come from a replica); that caller
+	// stands in for an API key, on the control plane and on envd.
+	Vouched func(r *http.Request) (p principal.Principal, ok bool, err error)
 	// MaxFileBytes bounds one file upload or download (0: 1 GiB).
 	MaxFileBytes int64
 	Logger       *slog.Logger
@@ -139,15 +143,7 @@ func notSupported(format string, args ...any) error {
 // send it, or Authorization: Bearer, as space's do).
 func (h *Handler) authAPI(next http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		key := r.Header.Get("X-API-KEY")
-		if key == "" {
-			key, _ = strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-		}
-		if key == "" {
-			h.writeAPIError(w, r, fmt.Errorf("missing API key (X-API-KEY header, E2B_API_KEY in the SDK): %w", errdefs.ErrUnauthorized))
-			return
-		}
-		p, err := h.cfg.Authenticate(key)
+		p, err := h.apiCaller(r)
 		if err != nil {
 			h.writeAPIError(w, r, err)
 			return
@@ -168,6 +164,24 @@ func (h *Handler) authAPI(next http.HandlerFunc) http.HandlerFunc {
 		}
 		next(w, r)
 	}
+}
+
+// apiCaller is the control plane's caller: the one a cluster replica
+// vouched for, else the API key's.
+func (h *Handler) apiCaller(r *http.Request) (principal.Principal, error) {
+	if h.cfg.Vouched != nil {
+		if p, ok, err := h.cfg.Vouched(r); ok {
+			return p, err
+		}
+	}
+	key := r.Header.Get("X-API-KEY")
+	if key == "" {
+		key, _ = strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+	}
+	if key == "" {
+		return principal.Principal{}, fmt.Errorf("missing API key (X-API-KEY header, E2B_API_KEY in the SDK): %w", errdefs.ErrUnauthorized)
+	}
+	return h.cfg.Authenticate(key)
 }
 
 // controlScope is the scope a control-plane call needs.
@@ -241,6 +255,13 @@ func (h *Handler) authEnvd(signedOK bool, next http.HandlerFunc) http.HandlerFun
 		ok, signed := false, false
 		if tok := r.Header.Get("X-Access-Token"); tok != "" {
 			ok = subtle.ConstantTimeCompare([]byte(tok), []byte(h.envdToken(sb))) == 1
+		}
+		if !ok && h.cfg.Vouched != nil {
+			// Through a cluster replica: the key it checked, as below.
+			if p, from, err := h.cfg.Vouched(r); from && err == nil && p.Sees(sb.Tenant) && p.Can(principal.ScopeExecWrite) && p.Can(principal.ScopeFilesWrite) {
+				ok = true
+				r = r.WithContext(principal.With(r.Context(), p))
+			}
 		}
 		if !ok {
 			// An API key opens envd for its own tenant's sandboxes, with

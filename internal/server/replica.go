@@ -35,6 +35,7 @@ import (
 	"github.com/spacehq/space/internal/cluster"
 	"github.com/spacehq/space/internal/clusterstore"
 	"github.com/spacehq/space/internal/clustertls"
+	"github.com/spacehq/space/internal/e2b"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/policy"
 	"github.com/spacehq/space/internal/principal"
@@ -213,12 +214,17 @@ func (r *Replica) authenticate(req *http.Request) (principal.Principal, error) {
 	if !ok || tok == "" {
 		return principal.Principal{}, fmt.Errorf("missing API key (Authorization: Bearer <key>): %w", errdefs.ErrUnauthorized)
 	}
+	return r.authenticateKey(req.Context(), tok)
+}
+
+// authenticateKey returns the principal of a cluster API key.
+func (r *Replica) authenticateKey(ctx context.Context, tok string) (principal.Principal, error) {
 	dig := tenancy.Digest(tok)
 	r.mu.Lock()
 	c, ok := r.keys[dig]
 	r.mu.Unlock()
 	if !ok || time.Now().After(c.expires) {
-		k, err := r.store.LiveKey(req.Context(), dig)
+		k, err := r.store.LiveKey(ctx, dig)
 		if err != nil {
 			return principal.Principal{}, err
 		}
@@ -322,6 +328,9 @@ func (r *Replica) Handler() http.Handler {
 	// replica (and so reach every node).
 	mcpH := newMCPHandler(r.self.transport, r.cfg.Logger)
 	mux.HandleFunc("POST /mcp", r.authed("", func(w http.ResponseWriter, req *http.Request, _ principal.Principal) { mcpH.ServeHTTP(w, req) }))
+	// E2B's API: control plane and envd, each call to its sandbox's node.
+	mux.HandleFunc(e2b.Prefix+"/", r.e2bCall)
+	mux.HandleFunc(e2b.SignedFilesPath, r.e2bCall)
 	mux.HandleFunc("/", func(w http.ResponseWriter, req *http.Request) {
 		writeError(w, req, fmt.Errorf("%s %s is not served by a cluster replica (it serves sandboxes, their operations, templates, keys, tenants, policy rules, nodes and their audit logs); call a node's own API for the rest: %w",
 			req.Method, req.URL.Path, errdefs.ErrNotSupported))
@@ -460,6 +469,12 @@ func (r *Replica) proxy(w http.ResponseWriter, req *http.Request, n clusterstore
 		},
 		ErrorLog: slog.NewLogLogger(r.cfg.Logger.Handler(), slog.LevelDebug),
 	}
+	// A node may answer before it has read the whole request (a Connect
+	// stream flushes its headers after the first message): the caller's
+	// body must stay readable after the replica starts answering, or the
+	// copy to the node fails and cuts the answer. (Over HTTP/1.1 a server
+	// otherwise stops reading a request once its response has begun.)
+	_ = http.NewResponseController(w).EnableFullDuplex()
 	rp.ServeHTTP(w, req)
 }
 
@@ -651,21 +666,9 @@ func (r *Replica) create(w http.ResponseWriter, req *http.Request, p principal.P
 	if idem != "" && r.answerExisting(w, req, p, idem) {
 		return
 	}
-	// The tenant's sandbox quota holds across the cluster; its other
-	// quotas each node enforces on its own sandboxes.
-	if t, err := r.store.Tenant(req.Context(), tenantName(p.Tenant)); err != nil {
+	if err := r.checkSandboxQuota(req.Context(), p); err != nil {
 		writeError(w, req, err)
 		return
-	} else if t.Quotas.Sandboxes > 0 {
-		n, err := r.store.CountSandboxes(req.Context(), tenantName(p.Tenant))
-		if err != nil {
-			writeError(w, req, err)
-			return
-		}
-		if n >= t.Quotas.Sandboxes {
-			writeError(w, req, fmt.Errorf("tenant %s has %d sandboxes in the cluster, its quota is %d: %w", tenantName(p.Tenant), n, t.Quotas.Sandboxes, errdefs.ErrQuotaExceeded))
-			return
-		}
 	}
 	raw, _ := json.Marshal(body)
 	tmpl := body.Template
@@ -688,7 +691,7 @@ func (r *Replica) create(w http.ResponseWriter, req *http.Request, p principal.P
 		if err := r.ensureTemplate(req.Context(), n, tmpl, p); err != nil {
 			r.cfg.Logger.Warn("cluster: copying a template to its node", "node", n.ID, "template", tmpl, "err", err)
 		}
-		resp, err := r.forward(req.Context(), n, http.MethodPost, "/v1/sandboxes?"+req.URL.RawQuery, raw, &p, idem)
+		resp, err := r.forwardFor(req.Context(), req, n, http.MethodPost, "/v1/sandboxes?"+req.URL.RawQuery, raw, &p, idem)
 		if err != nil {
 			// Not answered: try once more elsewhere. A create the node
 			// did make without answering has its row, and the key (if
@@ -712,6 +715,24 @@ func (r *Replica) create(w http.ResponseWriter, req *http.Request, p principal.P
 // answerExisting answers with the tenant's sandbox made under idem, if
 // there is one: as its node has it now (or as its row does), with its
 // create operation, still running or done.
+// checkSandboxQuota refuses a create over the tenant's sandbox quota,
+// which holds across the cluster; its other quotas each node enforces on
+// its own sandboxes.
+func (r *Replica) checkSandboxQuota(ctx context.Context, p principal.Principal) error {
+	t, err := r.store.Tenant(ctx, tenantName(p.Tenant))
+	if err != nil || t.Quotas.Sandboxes <= 0 {
+		return err
+	}
+	n, err := r.store.CountSandboxes(ctx, tenantName(p.Tenant))
+	if err != nil {
+		return err
+	}
+	if n >= t.Quotas.Sandboxes {
+		return fmt.Errorf("tenant %s has %d sandboxes in the cluster, its quota is %d: %w", tenantName(p.Tenant), n, t.Quotas.Sandboxes, errdefs.ErrQuotaExceeded)
+	}
+	return nil
+}
+
 func (r *Replica) answerExisting(w http.ResponseWriter, req *http.Request, p principal.Principal, idem string) bool {
 	row, err := r.store.SandboxByKey(req.Context(), p.Tenant, idem)
 	if err != nil {
@@ -742,6 +763,13 @@ func (r *Replica) answerExisting(w http.ResponseWriter, req *http.Request, p pri
 
 // forward makes one call to node n as p.
 func (r *Replica) forward(ctx context.Context, n clusterstore.Node, method, path string, body []byte, p *principal.Principal, idem string) (*http.Response, error) {
+	return r.forwardFor(ctx, nil, n, method, path, body, p, idem)
+}
+
+// forwardFor is forward on behalf of the caller's request in (nil: the
+// replica's own call): the node sees in's Host and scheme, as proxy gives
+// them, so the URLs it answers with are the replica's.
+func (r *Replica) forwardFor(ctx context.Context, in *http.Request, n clusterstore.Node, method, path string, body []byte, p *principal.Principal, idem string) (*http.Response, error) {
 	u, err := nodeURL(n)
 	if err != nil {
 		return nil, err
@@ -767,6 +795,10 @@ func (r *Replica) forward(ctx context.Context, n clusterstore.Node, method, path
 	}
 	if idem != "" {
 		req.Header.Set(api.IdempotencyKeyHeader, idem)
+	}
+	if in != nil {
+		req.Host = in.Host
+		req.Header.Set(ForwardedProtoHeader, requestScheme(in))
 	}
 	return t.RoundTrip(req)
 }

@@ -337,6 +337,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		Manager:      mgr,
 		Templates:    tsvc,
 		Authenticate: keys.Authenticate,
+		Vouched:      replicaPrincipal,
 		Secret:       portSecret,
 		PortToken:    s.portToken,
 		Domain:       s.portDomain,
