@@ -102,7 +102,8 @@ func (c *testCluster) startNode(name string, extra ...string) *clusterMember {
 	m := &clusterMember{name: name, addr: freePort(c.t), clusterAddr: freePort(c.t)}
 	m.args = []string{"--cluster-store", c.dsn, "--node-id", name, "--heartbeat", "200ms",
 		"--cluster-listen", m.clusterAddr, "--cluster-ca", filepath.Join(c.certs, "ca.crt"),
-		"--cluster-cert", cert + ".crt", "--cluster-key", cert + ".key", "--orphan-grace", "3s"}
+		"--cluster-cert", cert + ".crt", "--cluster-key", cert + ".key", "--orphan-grace", "3s",
+		"--cluster-secrets-key", filepath.Join(c.certs, "secrets.key")}
 	m.args = append(m.args, extra...)
 	m.p = startServerAs(c.t, "node", c.bin, filepath.Join(c.root, name, "data"), m.addr, m.args...)
 	c.nodes[name] = m
@@ -119,7 +120,7 @@ func (c *testCluster) startReplica(name string) *proc {
 	c.space("cluster", "cert", name, "--ca-dir", c.certs, "--role", "replica", "--out", cert)
 	return startServer(c.t, c.bin, filepath.Join(c.root, name, "data"), freePort(c.t),
 		"--store", c.dsn, "--node-timeout", "2s", "--cluster-ca", filepath.Join(c.certs, "ca.crt"),
-		"--cluster-cert", cert+".crt", "--cluster-key", cert+".key")
+		"--cluster-cert", cert+".crt", "--cluster-key", cert+".key", "--cluster-secrets-key", filepath.Join(c.certs, "secrets.key"))
 }
 
 // TestClusterReplicasAndNodes is issue 15's cluster on one machine: a real
@@ -583,8 +584,63 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 	if info, err := a2.Info(ctx); err != nil || len(info.Runtimes) == 0 {
 		t.Fatalf("info through a replica: %+v %v", info, err)
 	}
-	if _, err := a2.ListSecrets(ctx); !errors.Is(err, sdk.ErrNotSupported) {
+	if _, err := a2.ListPools(ctx); !errors.Is(err, sdk.ErrNotSupported) {
 		t.Fatalf("a route replicas do not serve: %v", err)
+	}
+
+	// Secrets: set through a replica, sealed in PostgreSQL, mirrored by
+	// every node; a grant through the other replica is made on the
+	// sandbox's node; a rotation and a deletion reach the nodes.
+	v1, v2 := "v1-cluster-secret", "v2-cluster-secret"
+	sec, err := a2.SetSecret(ctx, "GH_TOKEN", api.SetSecretRequest{Value: &v1, Hosts: []string{"api.example.test"}, Header: "Authorization: Bearer {}"})
+	if err != nil || sec.Version != 1 || sec.Tenant != "default" || !slices.Equal(sec.Hosts, []string{"api.example.test"}) {
+		t.Fatalf("a secret set through a replica: %+v %v", sec, err)
+	}
+	if row, err := c.cs.GetSecret(ctx, "default", "GH_TOKEN"); err != nil || len(row.Sealed) == 0 || bytes.Contains(row.Sealed, []byte(v1)) {
+		t.Fatalf("the secret's row in PostgreSQL is not sealed: %v", err)
+	}
+	var grant *api.SecretGrant
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		if grant, err = a1.GrantSecret(ctx, ids[0], "GH_TOKEN"); err == nil || !errors.Is(err, sdk.ErrNotFound) || time.Now().After(deadline) {
+			break
+		}
+	}
+	if err != nil || grant.Placeholder == "" {
+		t.Fatalf("a grant through the other replica of a secret set through the first: %+v %v", grant, err)
+	}
+	nodeSecret := func(m *clusterMember, ok func(*api.Secret, error) bool, what string) {
+		t.Helper()
+		nc := m.p.client(t)
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+			got, err := nc.GetSecret(ctx, "GH_TOKEN")
+			if ok(got, err) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("node %s never %s: %+v %v", m.name, what, got, err)
+			}
+		}
+	}
+	for _, m := range []*clusterMember{n1, n2} {
+		nodeSecret(m, func(s *api.Secret, err error) bool { return err == nil && s.Header == "Authorization: Bearer {}" }, "mirrored the secret")
+	}
+	if sec, err = a1.SetSecret(ctx, "GH_TOKEN", api.SetSecretRequest{Value: &v2, Hosts: []string{"api.example.test"}, Header: "Authorization: Bearer {}"}); err != nil || sec.Version != 2 {
+		t.Fatalf("a rotation through a replica: %+v %v", sec, err)
+	}
+	for _, m := range []*clusterMember{n1, n2} {
+		nodeSecret(m, func(s *api.Secret, err error) bool { return err == nil && s.Version == 2 }, "mirrored the rotation")
+	}
+	if list, err := a2.ListSecrets(ctx); err != nil || len(list) != 1 || list[0].Name != "GH_TOKEN" || list[0].Version != 2 {
+		t.Fatalf("secrets listed by a replica: %+v %v", list, err)
+	}
+	if err := a2.DeleteSecret(ctx, "GH_TOKEN"); err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range []*clusterMember{n1, n2} {
+		nodeSecret(m, func(_ *api.Secret, err error) bool { return errors.Is(err, sdk.ErrNotFound) }, "removed the deleted secret")
+	}
+	if grants, err := a1.SandboxSecrets(ctx, ids[0]); err != nil || len(grants) != 0 {
+		t.Fatalf("grants of a deleted secret: %+v %v", grants, err)
 	}
 
 	// An idempotent create: the same key through both replicas, one sandbox.

@@ -95,3 +95,35 @@ func TestAuditHeads(t *testing.T) {
 		t.Fatalf("anchoring afresh after forgetting: %v", err)
 	}
 }
+
+// TestSecretsVersionUp: a secret's version goes up with each put, the
+// sealer sees the version it seals for, and a delete is a delete.
+func TestSecretsVersionUp(t *testing.T) {
+	s, _ := open(t)
+	ctx := context.Background()
+	var sealedFor []int
+	seal := func(v int) ([]byte, error) { sealedFor = append(sealedFor, v); return []byte{byte(v)}, nil }
+	sec, created, err := s.PutSecret(ctx, "acme", "TOKEN", nil, "", seal)
+	if err != nil || !created || sec.Version != 1 || sec.Hosts == nil {
+		t.Fatalf("first put: %+v %v %v", sec, created, err)
+	}
+	sec, created, err = s.PutSecret(ctx, "acme", "TOKEN", []string{"a.test"}, "X-Key: {}", seal)
+	if err != nil || created || sec.Version != 2 || sec.Header != "X-Key: {}" || string(sec.Sealed) != "\x02" {
+		t.Fatalf("second put: %+v %v %v", sec, created, err)
+	}
+	if len(sealedFor) != 2 || sealedFor[1] != 2 {
+		t.Fatalf("sealed for versions %v", sealedFor)
+	}
+	if list, err := s.Secrets(ctx, "other"); err != nil || len(list) != 0 {
+		t.Fatalf("another tenant's list: %+v %v", list, err)
+	}
+	if err := s.DeleteSecret(ctx, "acme", "TOKEN"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.GetSecret(ctx, "acme", "TOKEN"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("after delete: %v", err)
+	}
+	if err := s.DeleteSecret(ctx, "acme", "TOKEN"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("second delete: %v", err)
+	}
+}

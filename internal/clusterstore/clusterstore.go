@@ -174,4 +174,18 @@ var migrations = []string{
 		problem     text NOT NULL DEFAULT '',
 		problem_at  timestamptz
 	)`,
+	// 6: secrets set through replicas, sealed with the cluster's secrets
+	// key (never in the clear here), which every node mirrors into its own
+	// store; NOTIFY space_settings like tenants and policies.
+	`CREATE TABLE secrets (
+		tenant     text NOT NULL CHECK (tenant <> ''),
+		name       text NOT NULL CHECK (name <> ''),
+		hosts      text[] NOT NULL,
+		header     text NOT NULL,
+		version    integer NOT NULL CHECK (version > 0),
+		sealed     bytea NOT NULL,
+		created_at timestamptz NOT NULL DEFAULT now(),
+		updated_at timestamptz NOT NULL DEFAULT now(),
+		PRIMARY KEY (tenant, name)
+	)`,
 }

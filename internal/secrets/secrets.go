@@ -360,34 +360,9 @@ type SetRequest struct {
 // and header; the version goes up). created says which.
 func (s *Store) Set(ctx context.Context, r SetRequest) (sec Secret, created bool, err error) {
 	r.Tenant = tenantOr(r.Tenant)
-	if err := ValidName(r.Name); err != nil {
-		return Secret{}, false, err
-	}
-	if len(r.Value) == 0 {
-		return Secret{}, false, invalid("secret value is empty")
-	}
-	if len(r.Value) > MaxValueBytes {
-		return Secret{}, false, fmt.Errorf("secret value is %d bytes, at most %d: %w", len(r.Value), MaxValueBytes, errdefs.ErrTooLarge)
-	}
-	if len(r.Value) > MaxHeaderValueBytes {
-		return Secret{}, false, invalid("secret value is %d bytes; a brokered value travels in an HTTP header, at most %d bytes", len(r.Value), MaxHeaderValueBytes)
-	}
-	for i, c := range r.Value {
-		if c < 0x20 && c != '\t' || c == 0x7f {
-			// It would split the request it is put in.
-			return Secret{}, false, invalid("secret value has a control character at byte %d (a brokered value travels in an HTTP header)", i)
-		}
-	}
-	hosts, err := CanonicalHosts(r.Hosts)
+	hosts, header, err := r.Validate()
 	if err != nil {
 		return Secret{}, false, err
-	}
-	if err := ValidHeader(r.Header); err != nil {
-		return Secret{}, false, err
-	}
-	header := NormalizeHeader(r.Header)
-	if header != "" && len(hosts) == 0 {
-		return Secret{}, false, invalid("a header needs hosts to be sent to")
 	}
 	hj, _ := json.Marshal(hosts)
 	now := s.now()
@@ -422,6 +397,42 @@ func (s *Store) Set(ctx context.Context, r SetRequest) (sec Secret, created bool
 	}
 	return Secret{Tenant: r.Tenant, Name: r.Name, Hosts: hosts, Header: header, Version: version,
 		CreatedAt: time.Unix(0, createdNS).UTC(), UpdatedAt: now}, created, nil
+}
+
+// Validate checks r as Set does (name, value, hosts, header) and returns
+// its canonical hosts and header. A cluster replica validates with it
+// before it seals the value for the nodes.
+func (r SetRequest) Validate() (hosts []string, header string, err error) {
+	if err := ValidName(r.Name); err != nil {
+		return nil, "", err
+	}
+	if len(r.Value) == 0 {
+		return nil, "", invalid("secret value is empty")
+	}
+	if len(r.Value) > MaxValueBytes {
+		return nil, "", fmt.Errorf("secret value is %d bytes, at most %d: %w", len(r.Value), MaxValueBytes, errdefs.ErrTooLarge)
+	}
+	if len(r.Value) > MaxHeaderValueBytes {
+		return nil, "", invalid("secret value is %d bytes; a brokered value travels in an HTTP header, at most %d bytes", len(r.Value), MaxHeaderValueBytes)
+	}
+	for i, c := range r.Value {
+		if c < 0x20 && c != '\t' || c == 0x7f {
+			// It would split the request it is put in.
+			return nil, "", invalid("secret value has a control character at byte %d (a brokered value travels in an HTTP header)", i)
+		}
+	}
+	hosts, err = CanonicalHosts(r.Hosts)
+	if err != nil {
+		return nil, "", err
+	}
+	if err := ValidHeader(r.Header); err != nil {
+		return nil, "", err
+	}
+	header = NormalizeHeader(r.Header)
+	if header != "" && len(hosts) == 0 {
+		return nil, "", invalid("a header needs hosts to be sent to")
+	}
+	return hosts, header, nil
 }
 
 type scanner interface{ Scan(...any) error }
@@ -489,7 +500,17 @@ func (s *Store) Value(ctx context.Context, tenant, name string) (Secret, []byte,
 
 // List returns the tenant's secrets by name.
 func (s *Store) List(ctx context.Context, tenant string) ([]Secret, error) {
-	rows, err := s.db.QueryContext(ctx, `SELECT `+secretCols+` FROM secrets_values WHERE tenant = ? ORDER BY name`, tenantOr(tenant))
+	return s.list(ctx, `SELECT `+secretCols+` FROM secrets_values WHERE tenant = ? ORDER BY name`, tenantOr(tenant))
+}
+
+// ListAll lists every tenant's secrets (never their values), by tenant and
+// name: what a cluster node compares with the cluster's.
+func (s *Store) ListAll(ctx context.Context) ([]Secret, error) {
+	return s.list(ctx, `SELECT `+secretCols+` FROM secrets_values ORDER BY tenant, name`)
+}
+
+func (s *Store) list(ctx context.Context, query string, args ...any) ([]Secret, error) {
+	rows, err := s.db.QueryContext(ctx, query, args...)
 	if err != nil {
 		return nil, err
 	}
@@ -660,4 +681,51 @@ func (s *Store) ForgetSandbox(ctx context.Context, sandbox string) error {
 // those whose sandbox is gone).
 func (s *Store) Sandboxes(ctx context.Context) ([]string, error) {
 	return queryStrings(ctx, s.db, `SELECT sandbox FROM secrets_grants UNION SELECT sandbox FROM secrets_cas ORDER BY 1`)
+}
+
+// Sealer seals secret values with a key no single store owns: a cluster's
+// (`space cluster ca` writes it beside the CA), with which replicas seal
+// what they store in PostgreSQL and nodes open what they mirror. The
+// associated data binds a sealed value to its tenant, name and version.
+type Sealer struct {
+	aead cipher.AEAD
+}
+
+// NewSealer makes a Sealer of a 32-byte key (LoadKey).
+func NewSealer(key []byte) (*Sealer, error) {
+	block, err := aes.NewCipher(key)
+	if err != nil {
+		return nil, fmt.Errorf("the cluster secrets key: %w", err)
+	}
+	aead, err := cipher.NewGCM(block)
+	if err != nil {
+		return nil, err
+	}
+	return &Sealer{aead: aead}, nil
+}
+
+func clusterAAD(tenant, name string, version int) []byte {
+	return []byte("cluster-secret\x00" + tenantOr(tenant) + "\x00" + name + "\x00" + strconv.Itoa(version))
+}
+
+// Seal encrypts value as version of tenant's secret name.
+func (s *Sealer) Seal(tenant, name string, version int, value []byte) ([]byte, error) {
+	nonce := make([]byte, s.aead.NonceSize())
+	if _, err := rand.Read(nonce); err != nil {
+		return nil, err
+	}
+	return s.aead.Seal(nonce, nonce, value, clusterAAD(tenant, name, version)), nil
+}
+
+// Open decrypts what Seal made for the same tenant, name and version.
+func (s *Sealer) Open(tenant, name string, version int, sealed []byte) ([]byte, error) {
+	n := s.aead.NonceSize()
+	if len(sealed) < n {
+		return nil, errors.New("sealed value is truncated")
+	}
+	plain, err := s.aead.Open(nil, sealed[:n], sealed[n:], clusterAAD(tenant, name, version))
+	if err != nil {
+		return nil, fmt.Errorf("decrypting a cluster secret failed (another cluster key, or a tampered row): %w", err)
+	}
+	return plain, nil
 }

@@ -232,3 +232,35 @@ func TestCANameConstraints(t *testing.T) {
 		t.Fatal("CA survived ForgetSandbox")
 	}
 }
+
+// TestSealer: a cluster-sealed value opens only as the tenant, name and
+// version it was sealed for, and only with its key.
+func TestSealer(t *testing.T) {
+	key := make([]byte, 32)
+	s, err := NewSealer(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sealed, err := s.Seal("acme", "gh", 2, []byte("v"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, err := s.Open("acme", "gh", 2, sealed); err != nil || string(v) != "v" {
+		t.Fatalf("open: %q %v", v, err)
+	}
+	for _, c := range []struct {
+		tenant, name string
+		version      int
+	}{{"other", "gh", 2}, {"acme", "gl", 2}, {"acme", "gh", 3}} {
+		if _, err := s.Open(c.tenant, c.name, c.version, sealed); err == nil {
+			t.Fatalf("opened as %+v", c)
+		}
+	}
+	other, _ := NewSealer(append([]byte{1}, key[1:]...))
+	if _, err := other.Open("acme", "gh", 2, sealed); err == nil {
+		t.Fatal("opened with another key")
+	}
+	if _, _, err := (SetRequest{Name: "gh", Value: []byte("x"), Header: "Authorization: Bearer {}"}).Validate(); err == nil {
+		t.Fatal("a header without hosts validated")
+	}
+}

@@ -23,6 +23,7 @@ import (
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/sandbox"
+	"github.com/spacehq/space/internal/secrets"
 	"github.com/spacehq/space/internal/tenancy"
 )
 
@@ -46,6 +47,11 @@ type ClusterNodeOptions struct {
 	// OrphanGrace is how long a sandbox made since the node started may
 	// go without a row before it is deleted (default 30 s).
 	OrphanGrace time.Duration
+	// SecretsKeyFile is the cluster's secrets key: with it the node
+	// mirrors the secrets set through replicas into its own store (and
+	// drops those the cluster no longer has). Empty: its secrets are its
+	// own.
+	SecretsKeyFile string
 	// SuspendShare is a directory on storage every node mounts at the
 	// same path: a suspended sandbox is exported there, so that another
 	// node can continue it when this one is lost. Empty: suspended
@@ -83,6 +89,16 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 	}
 	if o.Heartbeat == 0 {
 		o.Heartbeat = 2 * time.Second
+	}
+	var sealer *secrets.Sealer
+	if o.SecretsKeyFile != "" {
+		key, err := loadExistingKey(o.SecretsKeyFile)
+		if err == nil {
+			sealer, err = secrets.NewSealer(key)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("--cluster-secrets-key: %v: %w", err, errdefs.ErrInvalidArgument)
+		}
 	}
 	cs, err := clusterstore.Open(ctx, o.Store)
 	if err != nil {
@@ -161,7 +177,7 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 		mirrored, anchored := make(chan struct{}), make(chan struct{})
 		go func() {
 			defer close(mirrored)
-			s.mirrorSettings(ctx, cs, 2*time.Second)
+			s.mirrorSettings(ctx, cs, sealer, 2*time.Second)
 		}()
 		go func() {
 			defer close(anchored)
@@ -348,10 +364,11 @@ func (l *clusterLocal) Apply(ctx context.Context, id, verb string) error {
 	return nil
 }
 
-// mirrorSettings keeps this node's tenants and policy rule sets equal to the
-// cluster's (PostgreSQL is the truth in a cluster: a rule set attached only
-// here is removed), woken by NOTIFY and polling every interval anyway.
-func (s *Server) mirrorSettings(ctx context.Context, cs *clusterstore.Store, every time.Duration) {
+// mirrorSettings keeps this node's tenants and policy rule sets — and, with
+// the cluster's secrets key (sealer), its secrets — equal to the cluster's
+// (PostgreSQL is the truth in a cluster: a rule set attached only here is
+// removed), woken by NOTIFY and polling every interval anyway.
+func (s *Server) mirrorSettings(ctx context.Context, cs *clusterstore.Store, sealer *secrets.Sealer, every time.Duration) {
 	wake := make(chan struct{}, 1)
 	go cs.ListenSettings(ctx, func() {
 		select {
@@ -364,6 +381,11 @@ func (s *Server) mirrorSettings(ctx context.Context, cs *clusterstore.Store, eve
 	for {
 		if err := s.applySettings(ctx, cs); err != nil && ctx.Err() == nil {
 			s.cfg.Logger.Warn("cluster: mirroring tenants and policies", "err", err)
+		}
+		if sealer != nil {
+			if err := s.applySecrets(ctx, cs, sealer); err != nil && ctx.Err() == nil {
+				s.cfg.Logger.Warn("cluster: mirroring secrets", "err", err)
+			}
 		}
 		select {
 		case <-ctx.Done():

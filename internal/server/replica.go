@@ -40,6 +40,7 @@ import (
 	"github.com/spacehq/space/internal/policy"
 	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/sandbox"
+	"github.com/spacehq/space/internal/secrets"
 	"github.com/spacehq/space/internal/tenancy"
 )
 
@@ -51,6 +52,9 @@ type ReplicaConfig struct {
 	// CAFile, CertFile, KeyFile: the cluster CA's certificate and this
 	// replica's certificate and key (role replica).
 	CAFile, CertFile, KeyFile string
+	// SecretsKeyFile is the cluster's secrets key; without it the replica
+	// refuses the secrets routes (it could not seal what it stores).
+	SecretsKeyFile string
 	// NodeTimeout is how late a node's heartbeat may be before it gets no
 	// new sandboxes and is marked lost (default 10 s).
 	NodeTimeout time.Duration
@@ -84,6 +88,8 @@ type Replica struct {
 	// self is the replica's in-process connection to its own handler, for
 	// the /mcp handler's tool calls.
 	self selfConn
+	// sealer seals secrets for PostgreSQL (nil: no --cluster-secrets-key).
+	sealer *secrets.Sealer
 }
 
 type cachedKey struct {
@@ -125,6 +131,16 @@ func NewReplica(ctx context.Context, cfg ReplicaConfig) (*Replica, error) {
 		return nil, err
 	}
 	r := &Replica{cfg: cfg, store: cs, id: id, keys: map[string]cachedKey{}, transports: map[string]*http.Transport{}}
+	if cfg.SecretsKeyFile != "" {
+		key, err := loadExistingKey(cfg.SecretsKeyFile)
+		if err == nil {
+			r.sealer, err = secrets.NewSealer(key)
+		}
+		if err != nil {
+			cs.Close()
+			return nil, fmt.Errorf("--cluster-secrets-key: %v: %w", err, errdefs.ErrInvalidArgument)
+		}
+	}
 	r.self.serve = func() *http.Server {
 		return &http.Server{Handler: r.Handler(), ReadHeaderTimeout: headerTimeout, IdleTimeout: idleTimeout}
 	}
@@ -319,6 +335,10 @@ func (r *Replica) Handler() http.Handler {
 	mux.HandleFunc("POST /v1/templates", r.authed(principal.ScopeTemplatesWrite, r.templateWrite))
 	mux.HandleFunc("POST /v1/templates/pull", r.authed(principal.ScopeTemplatesWrite, r.templateWrite))
 	mux.HandleFunc("POST /v1/templates/build", r.authed(principal.ScopeTemplatesWrite, r.templateWrite))
+	mux.HandleFunc("GET /v1/secrets", r.authed(principal.ScopeSecretsRead, r.listSecrets))
+	mux.HandleFunc("GET /v1/secrets/{name}", r.authed(principal.ScopeSecretsRead, r.getSecret))
+	mux.HandleFunc("PUT /v1/secrets/{name}", r.authed(principal.ScopeSecretsWrite, r.setSecret))
+	mux.HandleFunc("DELETE /v1/secrets/{name}", r.authed(principal.ScopeSecretsWrite, r.deleteSecret))
 	mux.HandleFunc("GET /v1/audit/heads", r.authed(principal.ScopeAdmin, r.auditHeads))
 	mux.HandleFunc("DELETE /v1/audit/heads/{node}", r.authed(principal.ScopeAdmin, r.forgetAuditHead))
 	mux.HandleFunc("GET /v1/audit", r.authed(principal.ScopeAuditRead, r.nodeAudit))
@@ -332,7 +352,7 @@ func (r *Replica) Handler() http.Handler {
 	mux.HandleFunc(e2b.Prefix+"/", r.e2bCall)
 	mux.HandleFunc(e2b.SignedFilesPath, r.e2bCall)
 	mux.HandleFunc("/", func(w http.ResponseWriter, req *http.Request) {
-		writeError(w, req, fmt.Errorf("%s %s is not served by a cluster replica (it serves sandboxes, their operations, templates, keys, tenants, policy rules, nodes and their audit logs); call a node's own API for the rest: %w",
+		writeError(w, req, fmt.Errorf("%s %s is not served by a cluster replica (it serves sandboxes, their operations, templates, keys, tenants, policy rules, secrets, nodes and their audit logs); call a node's own API for the rest: %w",
 			req.Method, req.URL.Path, errdefs.ErrNotSupported))
 	})
 	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {

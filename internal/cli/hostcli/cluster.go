@@ -2,16 +2,22 @@ package hostcli
 
 import (
 	"fmt"
+	"path/filepath"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/spacehq/space/internal/cli"
 	"github.com/spacehq/space/internal/clustertls"
+	"github.com/spacehq/space/internal/secrets"
 )
 
 // newClusterCmd is `space cluster`: the cluster CA and the certificates of
 // its nodes and replicas (the mutual TLS between them, internal/clustertls).
+// SecretsKeyFile is the cluster secrets key `space cluster ca` writes
+// beside the CA (made once; an existing one is kept).
+const SecretsKeyFile = "secrets.key"
+
 func newClusterCmd(e cli.Env) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "cluster",
@@ -26,7 +32,11 @@ func newClusterCmd(e cli.Env) *cobra.Command {
 			if err := clustertls.NewCA(args[0], validity); err != nil {
 				return err
 			}
+			if _, err := secrets.LoadKey(filepath.Join(args[0], SecretsKeyFile)); err != nil {
+				return err
+			}
 			fmt.Fprintf(e.Out, "cluster CA: %s/%s (give it to every node and replica); keep %s/%s offline\n", args[0], clustertls.CACertFile, args[0], clustertls.CAKeyFile)
+			fmt.Fprintf(e.Out, "cluster secrets key: %s/%s (mode 0600; give it to every node and replica as --cluster-secrets-key)\n", args[0], SecretsKeyFile)
 			return nil
 		},
 	}

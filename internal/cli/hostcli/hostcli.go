@@ -153,6 +153,7 @@ func newServeCmd(e cli.Env, node bool) *cobra.Command {
 				}
 				rc.Listen, rc.DataDir = cfg.Listen, cfg.DataDir
 				rc.CAFile, rc.CertFile, rc.KeyFile = cfg.Cluster.CAFile, cfg.Cluster.CertFile, cfg.Cluster.KeyFile
+				rc.SecretsKeyFile = cfg.Cluster.SecretsKeyFile
 				if rc.NodeTimeout <= 0 {
 					return usagef("--node-timeout must be positive")
 				}
@@ -218,6 +219,7 @@ func newServeCmd(e cli.Env, node bool) *cobra.Command {
 	cmd.Flags().StringVar(&cfg.Cluster.CAFile, "cluster-ca", "", "the cluster CA's certificate (space cluster ca)")
 	cmd.Flags().StringVar(&cfg.Cluster.CertFile, "cluster-cert", "", "this node's or replica's certificate from the cluster CA (space cluster cert)")
 	cmd.Flags().StringVar(&cfg.Cluster.KeyFile, "cluster-key", "", "the key of --cluster-cert")
+	cmd.Flags().StringVar(&cfg.Cluster.SecretsKeyFile, "cluster-secrets-key", "", "the cluster's secrets key (space cluster ca writes DIR/secrets.key): replicas seal the secrets they store in PostgreSQL with it, nodes open what they mirror")
 	cmd.Flags().StringVar(&cfg.Cluster.SuspendShare, "suspend-share", "", "a node's directory on storage every node mounts at the same path: suspended sandboxes are exported there so another node can continue them when this one is lost")
 	cmd.Flags().DurationVar(&cfg.Cluster.OrphanGrace, "orphan-grace", 30*time.Second, "how long a node keeps a sandbox it made since it started that has no row in the cluster store")
 	if !node {
