@@ -549,6 +549,64 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 			}
 		}
 	}
+	// An "ask" through the cluster: the exec through r2 is held by n2,
+	// r1 lists the pending approval from every node, r2 answers it (it
+	// finds the node that holds it), and the exec runs.
+	ask := api.PolicyRuleSet{Rules: []api.PolicyRule{{Name: "ask-echo", Match: `action.kind == "exec" && action.argv[0] == "echo"`, Verdict: "ask", Reason: "cluster ask"}}}
+	if _, err := a1.SetPolicyRuleSet(ctx, "tenant:default", ask); err != nil {
+		t.Fatal(err)
+	}
+	n2c := n2.p.client(t)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		if rs, err := n2c.PolicyRuleSet(ctx, "tenant:default"); err == nil && len(rs.Rules) == 1 && rs.Rules[0].Name == "ask-echo" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("n2 never mirrored the ask rule")
+		}
+	}
+	held := onNode["n2"][0]
+	execDone := make(chan error, 1)
+	go func() {
+		res, err := a2.Exec(ctx, held, api.ExecRequest{Cmd: []string{"echo", "approved"}})
+		if err == nil && (res.ExitCode != 0 || res.Stdout != "approved\n") {
+			err = fmt.Errorf("exit %d, %q", res.ExitCode, res.Stdout)
+		}
+		execDone <- err
+	}()
+	var pending api.Approval
+	for deadline := time.Now().Add(20 * time.Second); pending.ID == ""; time.Sleep(100 * time.Millisecond) {
+		list, err := a1.Approvals(ctx, sdk.ApprovalsOptions{State: api.ApprovalPending})
+		if err != nil || time.Now().After(deadline) {
+			t.Fatalf("no pending approval listed through r1: %+v %v", list, err)
+		}
+		for _, ap := range list.Approvals {
+			if ap.Sandbox == held {
+				pending = ap
+			}
+		}
+	}
+	if list, err := a2.Approvals(ctx, sdk.ApprovalsOptions{Sandbox: held}); err != nil || len(list.Approvals) == 0 || list.Approvals[0].ID != pending.ID {
+		t.Fatalf("approvals of one sandbox through r2: %+v %v", list, err)
+	}
+	if _, err := a2.Approve(ctx, "ap-nosuchapproval", ""); !errors.Is(err, sdk.ErrNotFound) {
+		t.Fatalf("an approval no node holds: %v", err)
+	}
+	if ap, err := a2.Approve(ctx, pending.ID, "ok from r2"); err != nil || ap.State != api.ApprovalApproved {
+		t.Fatalf("approving through r2: %+v %v", ap, err)
+	}
+	select {
+	case err := <-execDone:
+		if err != nil {
+			t.Fatalf("the approved exec: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the approved exec never ran")
+	}
+	if err := a2.DeletePolicyRuleSet(ctx, "tenant:default"); err != nil {
+		t.Fatal(err)
+	}
+
 	if _, err := a2.RevokeKey(ctx, key.ID); err != nil {
 		t.Fatal(err)
 	}

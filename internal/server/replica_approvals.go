@@ -1,0 +1,120 @@
+package server
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"sort"
+
+	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/clusterstore"
+	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/principal"
+)
+
+// Approvals through a replica: an approval is held by the node whose
+// sandbox asked, so a listing for one sandbox goes to its node (a follow
+// included), a listing of all is the union of the nodes' answers, and an
+// answer goes to the node that holds the approval.
+
+// maxApprovalAnswer bounds an approve/deny body.
+const maxApprovalAnswer = 64 << 10
+
+func (r *Replica) listApprovals(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	q := req.URL.Query()
+	if id := q.Get("sandbox"); id != "" {
+		row, err := r.sandboxRow(req.Context(), id, &p)
+		if err != nil {
+			writeError(w, req, err)
+			return
+		}
+		n, err := r.node(req.Context(), row.Node)
+		if err != nil {
+			writeError(w, req, err)
+			return
+		}
+		r.proxy(w, req, n, &p)
+		return
+	}
+	if follow, err := parseBool(q.Get("follow"), "follow"); err != nil || follow {
+		if err == nil {
+			err = fmt.Errorf("through a cluster replica, follow=true needs sandbox=ID (approvals are held by each sandbox's node): %w", errdefs.ErrInvalidArgument)
+		}
+		writeError(w, req, err)
+		return
+	}
+	nodes, err := r.store.Nodes(req.Context())
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	out := api.ApprovalList{Approvals: []api.Approval{}}
+	for _, n := range nodes {
+		if n.State != clusterstore.NodeReady {
+			continue
+		}
+		resp, err := r.forwardFor(req.Context(), req, n, http.MethodGet, "/v1/approvals?"+q.Encode(), nil, &p, "")
+		if err != nil {
+			writeError(w, req, errNodeDown(n, err))
+			return
+		}
+		if resp.StatusCode != http.StatusOK {
+			defer resp.Body.Close()
+			copyResponse(w, resp, n.ID) // the caller's error (a bad filter) as the node gave it
+			return
+		}
+		var part api.ApprovalList
+		err = json.NewDecoder(io.LimitReader(resp.Body, 16<<20)).Decode(&part)
+		resp.Body.Close()
+		if err != nil {
+			writeError(w, req, fmt.Errorf("node %s's approvals do not parse: %v: %w", n.ID, err, errdefs.ErrUnavailable))
+			return
+		}
+		out.Approvals = append(out.Approvals, part.Approvals...)
+		out.Proposals = append(out.Proposals, part.Proposals...)
+	}
+	sort.SliceStable(out.Approvals, func(i, j int) bool { return out.Approvals[i].CreatedAt.Before(out.Approvals[j].CreatedAt) })
+	writeJSON(w, http.StatusOK, out)
+}
+
+// answerApproval asks each ready node in turn to answer the approval
+// until one holds it (an approval's id does not say where it is).
+func (r *Replica) answerApproval(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	if v := req.PathValue("verb"); v != "approve" && v != "deny" {
+		writeError(w, req, fmt.Errorf("no route for %s %s (answer with …/approve or …/deny): %w", req.Method, req.URL.Path, errdefs.ErrNotFound))
+		return
+	}
+	body, err := io.ReadAll(io.LimitReader(req.Body, maxApprovalAnswer+1))
+	if err != nil || len(body) > maxApprovalAnswer {
+		writeError(w, req, fmt.Errorf("an approval's answer must be JSON of at most %d bytes: %w", maxApprovalAnswer, errdefs.ErrInvalidArgument))
+		return
+	}
+	if len(body) == 0 {
+		body = nil
+	}
+	nodes, err := r.store.Nodes(req.Context())
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	path := "/v1/approvals/" + url.PathEscape(req.PathValue("id")) + "/" + req.PathValue("verb")
+	for _, n := range nodes {
+		if n.State != clusterstore.NodeReady {
+			continue
+		}
+		resp, err := r.forwardFor(req.Context(), req, n, http.MethodPost, path, body, &p, "")
+		if err != nil {
+			continue // a node that does not answer holds nothing it can decide now
+		}
+		if resp.StatusCode == http.StatusNotFound {
+			resp.Body.Close()
+			continue
+		}
+		defer resp.Body.Close()
+		copyResponse(w, resp, n.ID)
+		return
+	}
+	writeError(w, req, fmt.Errorf("approval %q: %w", req.PathValue("id"), errdefs.ErrNotFound))
+}
