@@ -22,6 +22,11 @@ type ClusterNode struct {
 	HeartbeatAt time.Time `json:"heartbeat_at"`
 }
 
+// DrainRequest is the optional body of POST /v1/nodes/{id}/drain.
+type DrainRequest struct {
+	Reason string `json:"reason,omitempty"` // shown as the node's state_reason
+}
+
 // AuditHead is a node's audit chain head as the cluster anchors it (GET
 // /v1/audit/heads, cluster replicas only): the newest signed checkpoint the
 // node published. An export of the node's log verifies against it with

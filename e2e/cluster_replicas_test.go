@@ -827,8 +827,12 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 			t.Fatalf("n2 never reported tiny:1: %+v", nodes)
 		}
 	}
-	if err := c.cs.Drain(ctx, "n2", "test: the template must move"); err != nil {
-		t.Fatal(err)
+	// Drained by an admin through a replica (the CLI): no new sandbox there.
+	if out := c.spaceAt(r1, a1.APIKey, "nodes", "drain", "n2", "--reason", "test: the template must move"); out != "n2 draining\n" {
+		t.Fatalf("space nodes drain: %q", out)
+	}
+	if out := c.spaceAt(r2, a1.APIKey, "nodes"); !strings.Contains(out, "test: the template must move") || !strings.Contains(out, "draining") {
+		t.Fatalf("space nodes after a drain:\n%s", out)
 	}
 	moved, err := a2.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native", Template: "tiny:1"})
 	if err != nil {
@@ -844,6 +848,12 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 	}
 	if got, err := n1.p.client(t).GetTemplate(ctx, "tiny:1"); err != nil || got.Digest != tiny.Digest {
 		t.Fatalf("n1's copy: %+v %v", got, err)
+	}
+	if n, err := a2.UndrainNode(ctx, "n2"); err != nil || n.State != clusterstore.NodeReady || n.StateReason != "" {
+		t.Fatalf("undrain: %+v %v", n, err)
+	}
+	if _, err := a2.DrainNode(ctx, "n9", ""); !errors.Is(err, sdk.ErrNotFound) {
+		t.Fatalf("draining a node that does not exist: %v", err)
 	}
 }
 

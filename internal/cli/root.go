@@ -182,7 +182,7 @@ var topLevelOrder = func() []func(*app) *cobra.Command {
 		newCreateCmd, // alias of `space sandbox create`
 		newLsCmd, newInspectCmd, newRmCmd, newForkCmd, newCpCmd, newOpCmd, newTemplateCmd, newInfoCmd, newNetCmd,
 		newPortCmd, newPortForwardCmd, newPsCmd, newLogsCmd, newAttachCmd, newKillCmd, newStatsCmd, newMCPCmd,
-		newPolicyCmd, newApprovalsCmd, newApproveCmd, newDenyCmd, newAuditCmd, newServerCmd, newNodeCmd, newClusterCmd,
+		newPolicyCmd, newApprovalsCmd, newApproveCmd, newDenyCmd, newAuditCmd, newServerCmd, newNodeCmd, newClusterCmd, newNodesCmd,
 	}
 	for _, verb := range lifecycleVerbs {
 		cmds = append(cmds, func(a *app) *cobra.Command { return newLifecycleCmd(a, verb) })
@@ -204,7 +204,7 @@ var topLevel = func() map[string]func(*app) *cobra.Command {
 		"net": newNetCmd, "network": newNetCmd, "port": newPortCmd, "port-forward": newPortForwardCmd, "ps": newPsCmd,
 		"logs": newLogsCmd, "attach": newAttachCmd, "kill": newKillCmd, "stats": newStatsCmd, "mcp": newMCPCmd,
 		"policy": newPolicyCmd, "approvals": newApprovalsCmd, "approve": newApproveCmd, "deny": newDenyCmd,
-		"audit": newAuditCmd, "server": newServerCmd, "node": newNodeCmd, "cluster": newClusterCmd,
+		"audit": newAuditCmd, "server": newServerCmd, "node": newNodeCmd, "cluster": newClusterCmd, "nodes": newNodesCmd,
 	}
 	for _, verb := range lifecycleVerbs {
 		m[verb] = func(a *app) *cobra.Command { return newLifecycleCmd(a, verb) }

@@ -114,6 +114,20 @@ func (s *Store) Drain(ctx context.Context, id, reason string) error {
 	return nil
 }
 
+// Undrain lets placement use a draining node again (a lost one stays
+// lost until it beats).
+func (s *Store) Undrain(ctx context.Context, id string) error {
+	tag, err := s.pool.Exec(ctx, `UPDATE nodes SET state = CASE WHEN state = 'draining' THEN 'ready' ELSE state END,
+		state_reason = CASE WHEN state = 'draining' THEN '' ELSE state_reason END WHERE id = $1`, id)
+	if err != nil {
+		return fmt.Errorf("undrain node %q: %w", id, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("node %q: %w", id, errdefs.ErrNotFound)
+	}
+	return nil
+}
+
 const nodeColumns = `id, address, mem_free, cpus, sandboxes, templates, state, state_reason, registered_at, heartbeat_at`
 
 func scanNode(r pgx.CollectableRow) (Node, error) {

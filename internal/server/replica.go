@@ -318,6 +318,8 @@ func (r *Replica) Handler() http.Handler {
 	mux.HandleFunc("/v1/sandboxes/{id}/{rest...}", r.sandboxCall)
 	mux.HandleFunc("GET /v1/operations/{id}", r.authed(principal.ScopeSandboxRead, r.operation))
 	mux.HandleFunc("GET /v1/nodes", r.authed(principal.ScopeAdmin, r.nodes))
+	mux.HandleFunc("POST /v1/nodes/{node}/drain", r.authed(principal.ScopeAdmin, r.drainNode))
+	mux.HandleFunc("POST /v1/nodes/{node}/undrain", r.authed(principal.ScopeAdmin, r.drainNode))
 	mux.HandleFunc("GET /v1/info", r.authed("", r.info))
 	mux.HandleFunc("POST /v1/keys", r.authed(principal.ScopeAdmin, r.createKey))
 	mux.HandleFunc("GET /v1/keys", r.authed(principal.ScopeAdmin, r.listKeys))
@@ -972,6 +974,11 @@ func (r *Replica) info(w http.ResponseWriter, req *http.Request, p principal.Pri
 	writeError(w, req, fmt.Errorf("the cluster has no ready node: %w", errdefs.ErrUnavailable))
 }
 
+func apiNode(n clusterstore.Node) api.ClusterNode {
+	return api.ClusterNode{ID: n.ID, Address: n.Address, State: n.State, StateReason: n.StateReason,
+		MemFree: n.MemFree, CPUs: n.CPUs, Sandboxes: n.Sandboxes, Templates: n.Templates, HeartbeatAt: n.Heartbeat}
+}
+
 func (r *Replica) nodes(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
 	nodes, err := r.store.Nodes(req.Context())
 	if err != nil {
@@ -980,10 +987,45 @@ func (r *Replica) nodes(w http.ResponseWriter, req *http.Request, _ principal.Pr
 	}
 	out := make([]api.ClusterNode, 0, len(nodes))
 	for _, n := range nodes {
-		out = append(out, api.ClusterNode{ID: n.ID, Address: n.Address, State: n.State, StateReason: n.StateReason,
-			MemFree: n.MemFree, CPUs: n.CPUs, Sandboxes: n.Sandboxes, Templates: n.Templates, HeartbeatAt: n.Heartbeat})
+		out = append(out, apiNode(n))
 	}
 	writeJSON(w, http.StatusOK, out)
+}
+
+// drainNode is POST /v1/nodes/{node}/drain (no new sandboxes are placed
+// there; its own keep running and answering) and …/undrain.
+func (r *Replica) drainNode(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
+	id := req.PathValue("node")
+	var err error
+	if strings.HasSuffix(req.URL.Path, "/undrain") {
+		err = r.store.Undrain(req.Context(), id)
+	} else {
+		var body api.DrainRequest
+		if req.ContentLength != 0 {
+			if err := decodeJSON(w, req, &body); err != nil {
+				writeError(w, req, err)
+				return
+			}
+		}
+		if len(body.Reason) > 256 {
+			writeError(w, req, fmt.Errorf("a drain's reason is at most 256 bytes: %w", errdefs.ErrInvalidArgument))
+			return
+		}
+		if body.Reason == "" {
+			body.Reason = "drained by an admin"
+		}
+		err = r.store.Drain(req.Context(), id, body.Reason)
+	}
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	n, err := r.node(req.Context(), id)
+	if err != nil {
+		writeError(w, req, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, apiNode(n))
 }
 
 func (r *Replica) createKey(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
