@@ -92,12 +92,8 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 	}
 	var sealer *secrets.Sealer
 	if o.SecretsKeyFile != "" {
-		key, err := loadExistingKey(o.SecretsKeyFile)
-		if err == nil {
-			sealer, err = secrets.NewSealer(key)
-		}
-		if err != nil {
-			return nil, fmt.Errorf("--cluster-secrets-key: %v: %w", err, errdefs.ErrInvalidArgument)
+		if sealer, err = loadSealer(o.SecretsKeyFile); err != nil {
+			return nil, err
 		}
 	}
 	cs, err := clusterstore.Open(ctx, o.Store)

@@ -132,13 +132,9 @@ func NewReplica(ctx context.Context, cfg ReplicaConfig) (*Replica, error) {
 	}
 	r := &Replica{cfg: cfg, store: cs, id: id, keys: map[string]cachedKey{}, transports: map[string]*http.Transport{}}
 	if cfg.SecretsKeyFile != "" {
-		key, err := loadExistingKey(cfg.SecretsKeyFile)
-		if err == nil {
-			r.sealer, err = secrets.NewSealer(key)
-		}
-		if err != nil {
+		if r.sealer, err = loadSealer(cfg.SecretsKeyFile); err != nil {
 			cs.Close()
-			return nil, fmt.Errorf("--cluster-secrets-key: %v: %w", err, errdefs.ErrInvalidArgument)
+			return nil, err
 		}
 	}
 	r.self.serve = func() *http.Server {
@@ -513,12 +509,7 @@ func (r *Replica) sandboxCall(w http.ResponseWriter, req *http.Request) {
 		}
 		p = &pp
 	}
-	row, err := r.sandboxRow(req.Context(), req.PathValue("id"), p)
-	if err != nil {
-		writeError(w, req, err)
-		return
-	}
-	n, err := r.node(req.Context(), row.Node)
+	n, err := r.sandboxNode(req.Context(), req.PathValue("id"), p)
 	if err != nil {
 		writeError(w, req, err)
 		return
@@ -537,17 +528,22 @@ func (r *Replica) hostCall(w http.ResponseWriter, req *http.Request, id string) 
 			p = &pp
 		}
 	}
-	row, err := r.sandboxRow(req.Context(), id, nil)
-	if err != nil {
-		writeError(w, req, err)
-		return
-	}
-	n, err := r.node(req.Context(), row.Node)
+	n, err := r.sandboxNode(req.Context(), id, nil)
 	if err != nil {
 		writeError(w, req, err)
 		return
 	}
 	r.proxy(w, req, n, p)
+}
+
+// sandboxNode is the node of sandbox id, for caller p (nil: any caller,
+// when the node checks the call's own token).
+func (r *Replica) sandboxNode(ctx context.Context, id string, p *principal.Principal) (clusterstore.Node, error) {
+	row, err := r.sandboxRow(ctx, id, p)
+	if err != nil {
+		return clusterstore.Node{}, err
+	}
+	return r.node(ctx, row.Node)
 }
 
 // tokenRoute reports whether a sandbox sub-route is authorised by a token

@@ -25,12 +25,7 @@ const maxApprovalAnswer = 64 << 10
 func (r *Replica) listApprovals(w http.ResponseWriter, req *http.Request, p principal.Principal) {
 	q := req.URL.Query()
 	if id := q.Get("sandbox"); id != "" {
-		row, err := r.sandboxRow(req.Context(), id, &p)
-		if err != nil {
-			writeError(w, req, err)
-			return
-		}
-		n, err := r.node(req.Context(), row.Node)
+		n, err := r.sandboxNode(req.Context(), id, &p)
 		if err != nil {
 			writeError(w, req, err)
 			return

@@ -65,12 +65,7 @@ func (r *Replica) e2bToSandbox(w http.ResponseWriter, req *http.Request, id stri
 		e2b.WriteError(w, req, fmt.Errorf("sandbox %q not found: %w", truncateQuery(id), errdefs.ErrNotFound))
 		return
 	}
-	row, err := r.sandboxRow(req.Context(), id, p)
-	if err != nil {
-		e2b.WriteError(w, req, err)
-		return
-	}
-	n, err := r.node(req.Context(), row.Node)
+	n, err := r.sandboxNode(req.Context(), id, p)
 	if err == nil && n.State == clusterstore.NodeLost {
 		err = errNodeDown(n, nil)
 	}

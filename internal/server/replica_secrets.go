@@ -20,13 +20,22 @@ import (
 // gateway's brokering and rotation work as on a single box. Grants are a
 // sandbox's and go to its node like every sandbox call.
 
-// loadExistingKey reads a 32-byte key that must already exist (a replica
-// or node never makes the cluster's key: `space cluster ca` does).
-func loadExistingKey(path string) ([]byte, error) {
-	if _, err := os.Stat(path); err != nil {
-		return nil, err
+// loadSealer reads the cluster's secrets key, which must already exist (a
+// replica or node never makes it: `space cluster ca` does).
+func loadSealer(path string) (*secrets.Sealer, error) {
+	_, err := os.Stat(path)
+	var key []byte
+	if err == nil {
+		key, err = secrets.LoadKey(path)
 	}
-	return secrets.LoadKey(path)
+	var sealer *secrets.Sealer
+	if err == nil {
+		sealer, err = secrets.NewSealer(key)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("--cluster-secrets-key: %v: %w", err, errdefs.ErrInvalidArgument)
+	}
+	return sealer, nil
 }
 
 func (r *Replica) secretsOn() error {
