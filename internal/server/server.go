@@ -421,21 +421,25 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
-	hs := s.HTTPServer()
-	cfg.Logger.Info("space server listening", "addr", l.Addr().String(), "data", cfg.DataDir)
-	errc := make(chan error, 1)
-	go func() { errc <- hs.Serve(l) }()
+	// A node joins the cluster before it answers anyone: until then a
+	// create would make a sandbox with no row, and a caller that saw the
+	// API up could not yet find the node registered. Callers that connect
+	// meanwhile wait in the listener's backlog.
 	if cfg.Cluster.Store != "" {
 		cctx, stopCluster := context.WithCancel(ctx)
 		wait, err := s.startClusterNode(cctx, cfg.Cluster)
 		if err != nil {
 			stopCluster()
-			hs.Close()
+			l.Close()
 			return err
 		}
 		defer wait()
 		defer stopCluster()
 	}
+	hs := s.HTTPServer()
+	cfg.Logger.Info("space server listening", "addr", l.Addr().String(), "data", cfg.DataDir)
+	errc := make(chan error, 1)
+	go func() { errc <- hs.Serve(l) }()
 	select {
 	case <-ctx.Done():
 		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
