@@ -33,6 +33,20 @@ type Pool struct {
 	Misses       int64   `json:"misses"`
 	LastRefillMS float64 `json:"last_refill_ms"`
 	LastError    string  `json:"last_error,omitempty"`
+	// Nodes is, from a cluster replica, each node's share of the pool (the
+	// counts above are their sums); a single server leaves it out.
+	Nodes []PoolOnNode `json:"nodes,omitempty"`
+}
+
+// PoolOnNode is one cluster node's part of a warm pool.
+type PoolOnNode struct {
+	Node      string `json:"node"`
+	Ready     int    `json:"ready"`
+	Filling   int    `json:"filling"`
+	Target    int    `json:"target"`
+	Hits      int64  `json:"hits"`
+	Misses    int64  `json:"misses"`
+	LastError string `json:"last_error,omitempty"`
 }
 
 // Idle modes of pool members.

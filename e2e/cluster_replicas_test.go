@@ -642,7 +642,7 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 	if info, err := a2.Info(ctx); err != nil || len(info.Runtimes) == 0 {
 		t.Fatalf("info through a replica: %+v %v", info, err)
 	}
-	if _, err := a2.ListPools(ctx); !errors.Is(err, sdk.ErrNotSupported) {
+	if _, err := a2.GCTemplates(ctx); !errors.Is(err, sdk.ErrNotSupported) {
 		t.Fatalf("a route replicas do not serve: %v", err)
 	}
 
@@ -699,6 +699,76 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 	}
 	if grants, err := a1.SandboxSecrets(ctx, ids[0]); err != nil || len(grants) != 0 {
 		t.Fatalf("grants of a deleted secret: %+v %v", grants, err)
+	}
+
+	// Warm pools are the cluster's: set through one replica (a node checks
+	// the spec), kept by every node; a create through the other replica is
+	// a claim on a warm node; removed, every node drops its members.
+	if _, err := a2.SetPool(ctx, api.PoolSpec{Template: "base:latest", Runtime: "native", Min: 3, Max: 2}); !errors.Is(err, sdk.ErrInvalidArgument) ||
+		!strings.Contains(err.Error(), "min (3) must not exceed max (2)") {
+		t.Fatalf("a bad pool through a replica: %v", err)
+	}
+	if _, err := a2.SetPool(ctx, api.PoolSpec{Template: "nope:1", Runtime: "native", Max: 1}); !errors.Is(err, sdk.ErrNotFound) {
+		t.Fatalf("a pool of a template no node has: %v", err)
+	}
+	if _, err := n1.p.client(t).SetPool(ctx, api.PoolSpec{Template: "base:latest", Runtime: "native", Max: 1}); !errors.Is(err, sdk.ErrConflict) {
+		t.Fatalf("a pool set on a node directly: %v", err)
+	}
+	pool, err := a1.SetPool(ctx, api.PoolSpec{Template: "base:latest", Runtime: "native", Min: 1, Max: 1})
+	if err != nil || pool.Ready != 0 || pool.Runtime != "native" {
+		t.Fatalf("a pool set through a replica: %+v %v", pool, err)
+	}
+	if st, err := c.cs.Settings(ctx); err != nil || st.Pools[pool.ID] != pool.Spec {
+		t.Fatalf("the pool's row: %+v %v", st.Pools, err)
+	}
+	waitPool := func(what string, ok func(*api.Pool, error) bool) *api.Pool {
+		t.Helper()
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+			got, err := a2.Pool(ctx, pool.ID)
+			if ok(got, err) {
+				return got
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the pool never %s: %+v %v", what, got, err)
+			}
+		}
+	}
+	warm := waitPool("had a member on each node", func(p *api.Pool, err error) bool {
+		return err == nil && p.Ready == 2 && len(p.Nodes) == 2 && p.Nodes[0].Ready == 1 && p.Nodes[1].Ready == 1
+	})
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		nodes, err := c.cs.Nodes(ctx)
+		if err == nil && slices.Contains(nodes[0].Warm, "base:latest") && slices.Contains(nodes[1].Warm, "base:latest") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("nodes never reported their warm members: %+v %v", nodes, err)
+		}
+	}
+	claimed, err := a2.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitPool("counted the claim", func(p *api.Pool, err error) bool { return err == nil && p.Hits == warm.Hits+1 })
+	if op, err := a1.DeleteSandbox(ctx, claimed.ID, true); err != nil {
+		t.Fatal(err)
+	} else if _, err := a1.WaitOperation(ctx, op.ID); err != nil {
+		t.Fatal(err)
+	}
+	if out := c.spaceAt(r1, a1.APIKey, "pool", "ls"); !strings.Contains(out, pool.ID) || !strings.Contains(out, "NODES") || !strings.Contains(out, "n1:") {
+		t.Fatalf("space pool ls through a replica:\n%s", out)
+	}
+	if err := a2.DeletePool(ctx, pool.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := a2.DeletePool(ctx, pool.ID); !errors.Is(err, sdk.ErrNotFound) {
+		t.Fatalf("deleting the pool twice: %v", err)
+	}
+	waitPool("left the nodes", func(_ *api.Pool, err error) bool { return errors.Is(err, sdk.ErrNotFound) })
+	for _, m := range []*clusterMember{n1, n2} {
+		if ps, err := m.p.client(t).ListPools(ctx); err != nil || len(ps) != 0 {
+			t.Fatalf("node %s's pools after the delete: %+v %v", m.name, ps, err)
+		}
 	}
 
 	// An idempotent create: the same key through both replicas, one sandbox.

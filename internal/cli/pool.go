@@ -2,7 +2,9 @@ package cli
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -98,13 +100,29 @@ func newPoolCmd(a *app) *cobra.Command {
 	return cmd
 }
 
+// printPools prints one row per pool; through a cluster replica, whose
+// counts are the nodes' sums, a NODES column gives each node's ready
+// members.
 func printPools(a *app, ps []api.Pool) error {
-	t := newTable(a.out, "ID", "TEMPLATE", "RUNTIME", "SHAPE", "READY", "TARGET", "MIN-MAX", "HITS", "MISSES", "REFILL", "IDLE", "ERROR")
+	cols := []string{"ID", "TEMPLATE", "RUNTIME", "SHAPE", "READY", "TARGET", "MIN-MAX", "HITS", "MISSES", "REFILL", "IDLE", "ERROR"}
+	cluster := slices.ContainsFunc(ps, func(p api.Pool) bool { return len(p.Nodes) > 0 })
+	if cluster {
+		cols = append(cols, "NODES")
+	}
+	t := newTable(a.out, cols...)
 	for _, p := range ps {
 		l := p.Spec.Limits
-		t.row(p.ID, p.Spec.Template, p.Runtime, fmt.Sprintf("cpus=%g mem=%dMiB disk=%dMiB", l.CPUs, l.MemoryMiB, l.DiskMiB),
-			strconv.Itoa(p.Ready)+"+"+strconv.Itoa(p.Filling), strconv.Itoa(p.Target), fmt.Sprintf("%d-%d", p.Spec.Min, p.Spec.Max),
-			strconv.FormatInt(p.Hits, 10), strconv.FormatInt(p.Misses, 10), fmt.Sprintf("%.0fms", p.LastRefillMS), p.IdleMode, p.LastError)
+		row := []string{p.ID, p.Spec.Template, p.Runtime, fmt.Sprintf("cpus=%g mem=%dMiB disk=%dMiB", l.CPUs, l.MemoryMiB, l.DiskMiB),
+			strconv.Itoa(p.Ready) + "+" + strconv.Itoa(p.Filling), strconv.Itoa(p.Target), fmt.Sprintf("%d-%d", p.Spec.Min, p.Spec.Max),
+			strconv.FormatInt(p.Hits, 10), strconv.FormatInt(p.Misses, 10), fmt.Sprintf("%.0fms", p.LastRefillMS), p.IdleMode, p.LastError}
+		if cluster {
+			var on []string
+			for _, n := range p.Nodes {
+				on = append(on, n.Node+":"+strconv.Itoa(n.Ready))
+			}
+			row = append(row, strings.Join(on, " "))
+		}
+		t.row(row...)
 	}
 	return t.flush()
 }

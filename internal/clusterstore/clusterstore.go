@@ -188,4 +188,13 @@ var migrations = []string{
 		updated_at timestamptz NOT NULL DEFAULT now(),
 		PRIMARY KEY (tenant, name)
 	)`,
+	// 7: warm pools set through replicas (every node mirrors them, NOTIFY
+	// space_settings), and each node's warm members by template name, one
+	// entry per ready member, so placement prefers a node holding one.
+	`CREATE TABLE pools (
+		id         text PRIMARY KEY CHECK (id <> ''),
+		spec       jsonb NOT NULL,
+		updated_at timestamptz NOT NULL DEFAULT now()
+	);
+	ALTER TABLE nodes ADD COLUMN warm text[] NOT NULL DEFAULT '{}'`,
 }

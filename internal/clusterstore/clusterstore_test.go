@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"os"
+	"slices"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/testenv/pgtest"
 )
@@ -228,5 +230,73 @@ func TestPlaceSpreadsABurst(t *testing.T) {
 		if n.MemFree >= 8<<30 || n.Sandboxes < 3 {
 			t.Fatalf("node %s not charged: %+v", n.ID, n)
 		}
+	}
+}
+
+// A node with warm members of the template wins over one that only holds
+// it, and each placement takes one member off until the next heartbeat.
+func TestPlacePrefersAWarmMemberAndTakesIt(t *testing.T) {
+	s, _ := open(t)
+	ctx := context.Background()
+	beat := func(id string, warm ...string) {
+		t.Helper()
+		if err := s.Heartbeat(ctx, NodeStatus{ID: id, Address: "https://" + id, MemFree: 8 << 30, CPUs: 2,
+			Templates: []string{"base:latest", "sha256:aa"}, Warm: warm}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	beat("cold")
+	beat("warm", "base:latest", "sha256:aa", "base:latest", "sha256:aa")
+	var got []string
+	for range 4 {
+		n, err := s.Place(ctx, "base:latest", 512<<20, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, n.ID)
+	}
+	// Two warm members by name: the first two placements take them; the
+	// warm node then has more sandboxes, so the cold one is next.
+	if got[0] != "warm" || got[1] != "warm" || got[2] != "cold" {
+		t.Fatalf("placements %v; want warm, warm, cold, …", got)
+	}
+	nodes, err := s.Nodes(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range nodes {
+		if n.ID == "warm" && !slices.Equal(n.Warm, []string{"sha256:aa", "sha256:aa"}) {
+			t.Fatalf("warm members left on the row: %q", n.Warm)
+		}
+	}
+	// A placement by digest now finds them.
+	if n, err := s.Place(ctx, "sha256:aa", 512<<20, time.Minute); err != nil || n.ID != "warm" {
+		t.Fatalf("placement by digest: %+v %v", n, err)
+	}
+}
+
+func TestPoolsAreSettings(t *testing.T) {
+	s, _ := open(t)
+	ctx := context.Background()
+	spec := api.PoolSpec{Template: "base:latest", Runtime: "auto", Min: 1, Max: 2}
+	if err := s.PutPool(ctx, "pool-1", spec); err != nil {
+		t.Fatal(err)
+	}
+	spec.Max = 3
+	if err := s.PutPool(ctx, "pool-1", spec); err != nil {
+		t.Fatal(err)
+	}
+	st, err := s.Settings(ctx)
+	if err != nil || len(st.Pools) != 1 || st.Pools["pool-1"].Max != 3 {
+		t.Fatalf("pools %+v %v", st.Pools, err)
+	}
+	if err := s.DeletePool(ctx, "pool-1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.DeletePool(ctx, "pool-1"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("deleting a missing pool: %v", err)
+	}
+	if st, err := s.Settings(ctx); err != nil || len(st.Pools) != 0 {
+		t.Fatalf("pools after delete %+v %v", st.Pools, err)
 	}
 }

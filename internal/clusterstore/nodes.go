@@ -29,6 +29,10 @@ type NodeStatus struct {
 	// Templates are the digests of the templates the node holds, so
 	// placement can prefer a node that need not fetch one.
 	Templates []string
+	// Warm names, once per ready warm-pool member, the template it was
+	// made from (by digest and by each of its tags), so placement can
+	// prefer a node where a create is a claim.
+	Warm []string
 }
 
 // Node is a node's row as replicas see it.
@@ -52,16 +56,19 @@ func (s *Store) Heartbeat(ctx context.Context, st NodeStatus) error {
 	if st.Templates == nil {
 		st.Templates = []string{}
 	}
+	if st.Warm == nil {
+		st.Warm = []string{}
+	}
 	_, err := s.pool.Exec(ctx, `
-		INSERT INTO nodes (id, address, mem_free, cpus, sandboxes, templates)
-		VALUES ($1, $2, $3, $4, $5, $6)
+		INSERT INTO nodes (id, address, mem_free, cpus, sandboxes, templates, warm)
+		VALUES ($1, $2, $3, $4, $5, $6, $7)
 		ON CONFLICT (id) DO UPDATE SET
 			address = EXCLUDED.address, mem_free = EXCLUDED.mem_free, cpus = EXCLUDED.cpus,
-			sandboxes = EXCLUDED.sandboxes, templates = EXCLUDED.templates,
+			sandboxes = EXCLUDED.sandboxes, templates = EXCLUDED.templates, warm = EXCLUDED.warm,
 			heartbeat_at = now(),
 			state = CASE WHEN nodes.state = 'draining' THEN 'draining' ELSE 'ready' END,
 			state_reason = CASE WHEN nodes.state = 'draining' THEN nodes.state_reason ELSE '' END`,
-		st.ID, st.Address, st.MemFree, st.CPUs, st.Sandboxes, st.Templates)
+		st.ID, st.Address, st.MemFree, st.CPUs, st.Sandboxes, st.Templates, st.Warm)
 	if err != nil {
 		return fmt.Errorf("heartbeat of node %q: %w", st.ID, err)
 	}
@@ -128,11 +135,11 @@ func (s *Store) Undrain(ctx context.Context, id string) error {
 	return nil
 }
 
-const nodeColumns = `id, address, mem_free, cpus, sandboxes, templates, state, state_reason, registered_at, heartbeat_at`
+const nodeColumns = `id, address, mem_free, cpus, sandboxes, templates, warm, state, state_reason, registered_at, heartbeat_at`
 
 func scanNode(r pgx.CollectableRow) (Node, error) {
 	var n Node
-	err := r.Scan(&n.ID, &n.Address, &n.MemFree, &n.CPUs, &n.Sandboxes, &n.Templates,
+	err := r.Scan(&n.ID, &n.Address, &n.MemFree, &n.CPUs, &n.Sandboxes, &n.Templates, &n.Warm,
 		&n.State, &n.StateReason, &n.Registered, &n.Heartbeat)
 	return n, err
 }
@@ -148,8 +155,9 @@ func (s *Store) Nodes(ctx context.Context) ([]Node, error) {
 
 // Place picks the node for a new sandbox of template digest needing mem
 // bytes: among ready nodes that beat within window and have mem free, one
-// that holds the template first, then the one with the fewest sandboxes
-// per CPU, then the most free memory, then by id (deterministic).
+// with a warm-pool member of the template first, then one that holds the
+// template, then the one with the fewest sandboxes per CPU, then the most
+// free memory, then by id (deterministic).
 // ErrUnavailable when none fits.
 func (s *Store) Place(ctx context.Context, digest string, mem int64, window time.Duration) (Node, error) {
 	return s.PlaceExcept(ctx, digest, mem, window, nil)
@@ -158,17 +166,21 @@ func (s *Store) Place(ctx context.Context, digest string, mem int64, window time
 // PlaceExcept is Place among the nodes not in exclude (a replica retrying
 // a create whose first node did not answer). The chosen node's row is
 // charged with the sandbox (free memory down by mem, sandboxes up by one)
-// until its next heartbeat says what it really has, so a burst of creates
-// spreads instead of piling onto the node that looked emptiest.
+// until its next heartbeat says what it really has, and one warm member
+// of the template is taken off it, so a burst of creates spreads instead
+// of piling onto the node that looked emptiest or warmest.
 func (s *Store) PlaceExcept(ctx context.Context, digest string, mem int64, window time.Duration, exclude []string) (Node, error) {
 	if exclude == nil {
 		exclude = []string{}
 	}
-	rows, err := s.pool.Query(ctx, `UPDATE nodes SET mem_free = greatest(mem_free - $2, 0), sandboxes = sandboxes + 1
+	rows, err := s.pool.Query(ctx, `UPDATE nodes SET mem_free = greatest(mem_free - $2, 0), sandboxes = sandboxes + 1,
+			warm = CASE WHEN array_position(warm, $1) IS NULL THEN warm
+				ELSE warm[:array_position(warm, $1) - 1] || warm[array_position(warm, $1) + 1:] END
 		WHERE id = (SELECT id FROM nodes
 			WHERE state = 'ready' AND heartbeat_at >= now() - make_interval(secs => $3) AND mem_free >= $2
 				AND NOT (id = ANY($4))
-			ORDER BY ($1 = ANY(templates)) DESC, sandboxes::float8 / greatest(cpus, 1) ASC, mem_free DESC, id
+			ORDER BY ($1 = ANY(warm)) DESC, ($1 = ANY(templates)) DESC, sandboxes::float8 / greatest(cpus, 1) ASC,
+				mem_free DESC, id
 			LIMIT 1 FOR UPDATE)
 		RETURNING `+nodeColumns, digest, mem, window.Seconds(), exclude)
 	if err != nil {

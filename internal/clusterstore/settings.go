@@ -12,14 +12,37 @@ import (
 	"github.com/spacehq/space/internal/errdefs"
 )
 
-// settingsChannel is NOTIFYed after every change of tenants or policy
-// rules, so nodes mirror it without waiting for their next poll.
+// settingsChannel is NOTIFYed after every change of tenants, policy
+// rules, secrets or pools, so nodes mirror it without waiting for their next poll.
 const settingsChannel = "space_settings"
 
-// Settings are what every node mirrors: tenants and policy rule sets.
+// Settings are what every node mirrors: tenants, policy rule sets and
+// warm pools.
 type Settings struct {
 	Tenants []api.Tenant
 	Rules   []api.PolicyRuleSet
+	// Pools are the warm pools' specs (normalised by the node a replica
+	// asked), by id.
+	Pools map[string]api.PoolSpec
+}
+
+// PutPool stores the warm pool id with its (normalised) spec.
+func (s *Store) PutPool(ctx context.Context, id string, spec api.PoolSpec) error {
+	b, err := json.Marshal(spec)
+	if err != nil {
+		return err
+	}
+	return s.changeSettings(ctx, `INSERT INTO pools (id, spec) VALUES ($1, $2)
+		ON CONFLICT (id) DO UPDATE SET spec = excluded.spec, updated_at = now()`, id, b)
+}
+
+// DeletePool removes warm pool id (ErrNotFound if the cluster has none).
+func (s *Store) DeletePool(ctx context.Context, id string) error {
+	err := s.changeSettings(ctx, `DELETE FROM pools WHERE id = $1`, id)
+	if errors.Is(err, errNoRow) {
+		return fmt.Errorf("the cluster has no warm pool %s: %w", id, errdefs.ErrNotFound)
+	}
+	return err
 }
 
 // PutTenant stores a tenant's quotas and boundary (validated by the caller).
@@ -102,6 +125,24 @@ func (s *Store) Settings(ctx context.Context) (Settings, error) {
 	})
 	if err != nil {
 		return out, fmt.Errorf("read policy rules: %w", err)
+	}
+	rows, err = s.pool.Query(ctx, `SELECT id, spec FROM pools`)
+	if err != nil {
+		return out, fmt.Errorf("read pools: %w", err)
+	}
+	out.Pools = map[string]api.PoolSpec{}
+	var id string
+	var spec []byte
+	_, err = pgx.ForEachRow(rows, []any{&id, &spec}, func() error {
+		var ps api.PoolSpec
+		if err := json.Unmarshal(spec, &ps); err != nil {
+			return fmt.Errorf("pool %s: %w", id, err)
+		}
+		out.Pools[id] = ps
+		return nil
+	})
+	if err != nil {
+		return out, fmt.Errorf("read pools: %w", err)
 	}
 	return out, nil
 }

@@ -286,6 +286,56 @@ ON CONFLICT (id) DO UPDATE SET data = excluded.data`, id, string(data)); err != 
 	return out, nil
 }
 
+// CheckPool validates and normalises s exactly as SetPool would, the
+// template included, and answers the pool it would make without making it
+// (a cluster replica asks a node this, then stores the spec for every node
+// to mirror with MirrorPool).
+func (m *Manager) CheckPool(ctx context.Context, s api.PoolSpec) (api.Pool, error) {
+	s, rt, err := m.normalisePool(ctx, s, true)
+	if err != nil {
+		return api.Pool{}, err
+	}
+	idle := idleModeFor(rt.Name(), rt)
+	if s.IdleMode != "" {
+		idle = s.IdleMode
+	}
+	return api.Pool{ID: PoolID(s), Spec: s, Runtime: rt.Name(), IdleMode: idle, Target: s.Min}, nil
+}
+
+// MirrorPool makes pool id hold spec s, a spec a node already normalised
+// (see CheckPool): a cluster node's copy of the cluster's pool. The
+// template need not be here yet (the pool fills once it is). It changes
+// nothing when the pool already has s, and says whether it changed
+// anything.
+func (m *Manager) MirrorPool(ctx context.Context, id string, s api.PoolSpec) (bool, error) {
+	n, _, err := m.normalisePool(ctx, s, false)
+	if err != nil {
+		return false, err
+	}
+	if PoolID(n) != id {
+		return false, fmt.Errorf("pool %s: its spec is pool %s's: %w", truncate(id, 64), PoolID(n), errdefs.ErrInvalidArgument)
+	}
+	m.pools.mu.Lock()
+	p := m.pools.byID[id]
+	same := p != nil && p.spec == n
+	m.pools.mu.Unlock()
+	if same {
+		return false, nil
+	}
+	_, err = m.putPool(ctx, n)
+	return err == nil, err
+}
+
+// DefaultPoolID is the id of the pool EnsureDefaultPool keeps ("" when
+// the base template's spec does not normalise here).
+func (m *Manager) DefaultPoolID(ctx context.Context) string {
+	s, _, err := m.normalisePool(ctx, api.PoolSpec{Template: m.cfg.BaseTemplateRef, Runtime: runtime.Auto}, false)
+	if err != nil {
+		return ""
+	}
+	return PoolID(s)
+}
+
 // EnsureDefaultPool keeps n sandboxes of the base template on the auto
 // runtime with the default limits ready (n = 0 removes that pool). The base
 // template need not exist yet: the pool fills once it does.

@@ -518,3 +518,41 @@ func testPool(t *testing.T, rtName string) {
 		t.Errorf("deleted pool: %v", err)
 	}
 }
+
+// What a cluster node does with a pool: a replica asks it to check the
+// spec (nothing is made), then every node mirrors the checked spec.
+func TestCheckAndMirrorPool(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	h := newPoolHarness(t, ctx, native.Name)
+	if _, err := h.m.CheckPool(ctx, api.PoolSpec{Template: "missing:latest", Runtime: native.Name, Max: 1}); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("checking a pool of a missing template: %v", err)
+	}
+	checked, err := h.m.CheckPool(ctx, api.PoolSpec{Template: "base:latest", Runtime: native.Name, Min: 1, Max: 2})
+	if err != nil || checked.ID == "" || checked.Runtime != native.Name || checked.Spec.Limits.MemoryMiB == 0 {
+		t.Fatalf("checked pool %+v %v", checked, err)
+	}
+	if ps := h.m.Pools(ctx); len(ps) != 0 {
+		t.Fatalf("CheckPool made a pool: %+v", ps)
+	}
+	if _, err := h.m.MirrorPool(ctx, "pool-000000000000", checked.Spec); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("mirroring a spec under another pool's id: %v", err)
+	}
+	// The template need not be here for a mirror (it fills once it is).
+	if changed, err := h.m.MirrorPool(ctx, checked.ID, checked.Spec); err != nil || !changed {
+		t.Fatalf("first mirror: %v %v", changed, err)
+	}
+	if changed, err := h.m.MirrorPool(ctx, checked.ID, checked.Spec); err != nil || changed {
+		t.Fatalf("mirroring the same spec again changed something: %v %v", changed, err)
+	}
+	p := h.waitReady(ctx, checked.ID, 1)
+	if p.Spec != checked.Spec {
+		t.Fatalf("mirrored pool %+v, checked %+v", p.Spec, checked.Spec)
+	}
+	if err := h.m.DeletePool(ctx, checked.ID); err != nil {
+		t.Fatal(err)
+	}
+	if id := h.m.DefaultPoolID(ctx); !strings.HasPrefix(id, "pool-") {
+		t.Fatalf("default pool id %q", id)
+	}
+}

@@ -131,6 +131,7 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 				}
 			}
 		}
+		st.Warm = warmNames(s.mgr.Pools(ctx), tmpls)
 		return st, nil
 	}
 	// The cluster listener serves before the first heartbeat advertises it.
@@ -442,7 +443,61 @@ func (s *Server) applySettings(ctx context.Context, cs *clusterstore.Store) erro
 		s.cfg.Logger.Info("cluster: policy rule sets mirrored", "sets", len(want.Rules))
 		s.decisionScopeChanged()
 	}
+	errs = append(errs, s.applyPools(ctx, want.Pools))
 	return errors.Join(errs...)
+}
+
+// applyPools makes this node's warm pools the cluster's, keeping its own
+// --pool-default (the default pool, set on its command line).
+func (s *Server) applyPools(ctx context.Context, want map[string]api.PoolSpec) error {
+	var errs []error
+	for id, spec := range want {
+		changed, err := s.mgr.MirrorPool(ctx, id, spec)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("warm pool %s: %w", id, err))
+			continue
+		}
+		if changed {
+			s.cfg.Logger.Info("cluster: warm pool mirrored", "pool", id, "template", spec.Template, "min", spec.Min, "max", spec.Max)
+		}
+	}
+	own := ""
+	if s.cfg.PoolDefault > 0 {
+		own = s.mgr.DefaultPoolID(ctx)
+	}
+	for _, p := range s.mgr.Pools(ctx) {
+		if _, ok := want[p.ID]; ok || p.ID == own {
+			continue
+		}
+		if err := s.mgr.DeletePool(ctx, p.ID); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+			errs = append(errs, fmt.Errorf("warm pool %s: %w", p.ID, err))
+			continue
+		}
+		s.cfg.Logger.Info("cluster: warm pool removed (the cluster has none by its id)", "pool", p.ID)
+	}
+	return errors.Join(errs...)
+}
+
+// warmNames lists, once per ready member of each warm pool, the names of
+// the template the member was made from (digest and tags, as a node's
+// Templates names them), for placement to prefer this node.
+func warmNames(pools []api.Pool, tmpls []api.Template) []string {
+	var out []string
+	for _, p := range pools {
+		if p.Ready == 0 || p.TemplateDigest == "" {
+			continue
+		}
+		names := []string{p.TemplateDigest}
+		for _, t := range tmpls {
+			if t.Digest == p.TemplateDigest {
+				names = append(names, t.Tags...)
+			}
+		}
+		for range p.Ready {
+			out = append(out, names...)
+		}
+	}
+	return out
 }
 
 func sameJSON(a, b any) bool {

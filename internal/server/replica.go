@@ -333,6 +333,10 @@ func (r *Replica) Handler() http.Handler {
 	mux.HandleFunc("POST /v1/templates", r.authed(principal.ScopeTemplatesWrite, r.templateWrite))
 	mux.HandleFunc("POST /v1/templates/pull", r.authed(principal.ScopeTemplatesWrite, r.templateWrite))
 	mux.HandleFunc("POST /v1/templates/build", r.authed(principal.ScopeTemplatesWrite, r.templateWrite))
+	mux.HandleFunc("GET /v1/pools", r.authed(principal.ScopeAdmin, r.listPools))
+	mux.HandleFunc("PUT /v1/pools", r.authed(principal.ScopeAdmin, r.putPool))
+	mux.HandleFunc("GET /v1/pools/{id}", r.authed(principal.ScopeAdmin, r.getPool))
+	mux.HandleFunc("DELETE /v1/pools/{id}", r.authed(principal.ScopeAdmin, r.deletePool))
 	mux.HandleFunc("GET /v1/approvals", r.authed(principal.ScopePolicyRead, r.listApprovals))
 	mux.HandleFunc("POST /v1/approvals/{id}/{verb}", r.authed(principal.ScopePolicyWrite, r.answerApproval))
 	mux.HandleFunc("GET /v1/secrets", r.authed(principal.ScopeSecretsRead, r.listSecrets))
@@ -352,7 +356,7 @@ func (r *Replica) Handler() http.Handler {
 	mux.HandleFunc(e2b.Prefix+"/", r.e2bCall)
 	mux.HandleFunc(e2b.SignedFilesPath, r.e2bCall)
 	mux.HandleFunc("/", func(w http.ResponseWriter, req *http.Request) {
-		writeError(w, req, fmt.Errorf("%s %s is not served by a cluster replica (it serves sandboxes, their operations, templates, keys, tenants, policy rules, approvals, secrets, nodes and their audit logs); call a node's own API for the rest: %w",
+		writeError(w, req, fmt.Errorf("%s %s is not served by a cluster replica (it serves sandboxes, their operations, templates, warm pools, keys, tenants, policy rules, approvals, secrets, nodes and their audit logs); call a node's own API for the rest: %w",
 			req.Method, req.URL.Path, errdefs.ErrNotSupported))
 	})
 	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {

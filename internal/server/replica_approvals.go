@@ -40,35 +40,18 @@ func (r *Replica) listApprovals(w http.ResponseWriter, req *http.Request, p prin
 		writeError(w, req, err)
 		return
 	}
-	nodes, err := r.store.Nodes(req.Context())
-	if err != nil {
-		writeError(w, req, err)
-		return
-	}
 	out := api.ApprovalList{Approvals: []api.Approval{}}
-	for _, n := range nodes {
-		if n.State != clusterstore.NodeReady {
-			continue
-		}
-		resp, err := r.forwardFor(req.Context(), req, n, http.MethodGet, "/v1/approvals?"+q.Encode(), nil, &p, "")
-		if err != nil {
-			writeError(w, req, errNodeDown(n, err))
-			return
-		}
-		if resp.StatusCode != http.StatusOK {
-			defer resp.Body.Close()
-			copyResponse(w, resp, n.ID) // the caller's error (a bad filter) as the node gave it
-			return
-		}
+	ok := r.askReadyNodes(w, req, "/v1/approvals?"+q.Encode(), &p, writeError, func(_ clusterstore.Node, body io.Reader) error {
 		var part api.ApprovalList
-		err = json.NewDecoder(io.LimitReader(resp.Body, 16<<20)).Decode(&part)
-		resp.Body.Close()
-		if err != nil {
-			writeError(w, req, fmt.Errorf("node %s's approvals do not parse: %v: %w", n.ID, err, errdefs.ErrUnavailable))
-			return
+		if err := json.NewDecoder(body).Decode(&part); err != nil {
+			return err
 		}
 		out.Approvals = append(out.Approvals, part.Approvals...)
 		out.Proposals = append(out.Proposals, part.Proposals...)
+		return nil
+	})
+	if !ok {
+		return
 	}
 	sort.SliceStable(out.Approvals, func(i, j int) bool { return out.Approvals[i].CreatedAt.Before(out.Approvals[j].CreatedAt) })
 	writeJSON(w, http.StatusOK, out)

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -161,31 +162,20 @@ func (r *Replica) e2bCreate(w http.ResponseWriter, req *http.Request, p principa
 // e2bList asks every ready node for its whole listing (as the caller) and
 // cuts the page the caller asked for from their union.
 func (r *Replica) e2bList(w http.ResponseWriter, req *http.Request, p principal.Principal) {
-	nodes, err := r.store.Nodes(req.Context())
-	if err != nil {
-		e2b.WriteError(w, req, err)
-		return
-	}
 	q := req.URL.Query()
 	nq := req.URL.Query()
 	nq.Del("nextToken")
 	nq.Set("limit", strconv.Itoa(e2b.MaxListLimit))
+	// Only ready nodes: a lost node's sandboxes are not listed, as E2B
+	// lists only live ones.
 	var bodies []io.Reader
-	for _, n := range nodes {
-		if n.State != clusterstore.NodeReady {
-			continue // a lost node's sandboxes are not listed, as E2B lists only live ones
-		}
-		resp, err := r.forwardFor(req.Context(), req, n, http.MethodGet, req.URL.Path+"?"+nq.Encode(), nil, &p, "")
-		if err != nil {
-			e2b.WriteError(w, req, errNodeDown(n, err))
-			return
-		}
-		defer resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			copyResponse(w, resp, n.ID) // the caller's error (a bad filter) as the node gave it
-			return
-		}
-		bodies = append(bodies, resp.Body)
+	ok := r.askReadyNodes(w, req, req.URL.Path+"?"+nq.Encode(), &p, e2b.WriteError, func(_ clusterstore.Node, body io.Reader) error {
+		b, err := io.ReadAll(body)
+		bodies = append(bodies, bytes.NewReader(b))
+		return err
+	})
+	if !ok {
+		return
 	}
 	page, next, err := e2b.MergeList(bodies, q)
 	if err != nil {
