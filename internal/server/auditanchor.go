@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/spacehq/space/internal/audit"
@@ -67,5 +68,10 @@ func (s *Server) auditMismatch(ctx context.Context, cs *clusterstore.Store, node
 	s.cfg.Logger.Error("this node's audit log does not continue the head anchored in the cluster; publishing stops until an admin forgets the head",
 		"node", node, "problem", problem)
 	s.audit.Record(ctx, audit.Event{Kind: audit.KindAudit, Action: "anchor", Target: node, Result: "mismatch: " + problem})
+	// The node's own record is committed before the cluster hears of the
+	// problem: whoever sees it on the head finds the evidence in the log.
+	if err := s.auditLog.Flush(ctx); err != nil {
+		return fmt.Errorf("committing the mismatch record: %w", err)
+	}
 	return cs.ReportAuditProblem(ctx, node, problem)
 }
