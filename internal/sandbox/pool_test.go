@@ -42,6 +42,11 @@ type poolHarness struct {
 // the caller's GREETING.
 const startedMarker = "/root/started"
 
+// awaitStarted prints the marker once the start command wrote it (up to
+// 30 s): a cold create returns once the start command is started, and a
+// TCG guest may not have run its first line yet.
+const awaitStarted = "for i in $(seq 300); do [ -s " + startedMarker + " ] && break; sleep 0.1; done; cat " + startedMarker
+
 func newPoolHarness(t *testing.T, ctx context.Context, rtName string) *poolHarness {
 	t.Helper()
 	testenv.RequireRoot(t)
@@ -397,7 +402,7 @@ func testPool(t *testing.T, rtName string) {
 	if sb.ID != broken || !slices.Contains(phaseList(op), "start_runtime") {
 		t.Fatalf("fallback: got %s (broken member %s), phases %v", sb.ID, broken, phaseList(op))
 	}
-	if s := h.sh(ctx, sb.ID, "cat "+startedMarker); s != "hello-pool" {
+	if s := h.sh(ctx, sb.ID, awaitStarted); s != "hello-pool" {
 		t.Errorf("fallback sandbox start command saw %q", s)
 	}
 	if pa, _ := h.m.GetPool(ctx, p.ID); pa.Misses != pb.Misses+1 || pa.Hits != pb.Hits {
@@ -450,10 +455,7 @@ func testPool(t *testing.T, rtName string) {
 		t.Errorf("after %d concurrent creates: %+v (before %+v)", burst, pc, pb)
 	}
 	for id := range ids {
-		// The start command runs after the create returns; under a burst
-		// of TCG guests it may not have written its marker yet.
-		script := "for i in $(seq 300); do [ -s " + startedMarker + " ] && break; sleep 0.1; done; cat " + startedMarker
-		if s := h.sh(ctx, id, script); s != "hello-pool" {
+		if s := h.sh(ctx, id, awaitStarted); s != "hello-pool" {
 			t.Errorf("%s: start command saw %q", id, s)
 		}
 	}
