@@ -308,6 +308,15 @@ func (m *Manager) CheckPool(ctx context.Context, s api.PoolSpec) (api.Pool, erro
 // nothing when the pool already has s, and says whether it changed
 // anything.
 func (m *Manager) MirrorPool(ctx context.Context, id string, s api.PoolSpec) (bool, error) {
+	// The mirror calls this at every poll: an unchanged spec (already
+	// normalised where it was checked) costs one comparison.
+	m.pools.mu.Lock()
+	p := m.pools.byID[id]
+	same := p != nil && p.spec == s
+	m.pools.mu.Unlock()
+	if same {
+		return false, nil
+	}
 	n, _, err := m.normalisePool(ctx, s, false)
 	if err != nil {
 		return false, err
@@ -315,21 +324,21 @@ func (m *Manager) MirrorPool(ctx context.Context, id string, s api.PoolSpec) (bo
 	if PoolID(n) != id {
 		return false, fmt.Errorf("pool %s: its spec is pool %s's: %w", truncate(id, 64), PoolID(n), errdefs.ErrInvalidArgument)
 	}
-	m.pools.mu.Lock()
-	p := m.pools.byID[id]
-	same := p != nil && p.spec == n
-	m.pools.mu.Unlock()
-	if same {
-		return false, nil
-	}
 	_, err = m.putPool(ctx, n)
 	return err == nil, err
+}
+
+// defaultPoolSpec is the spec of the pool EnsureDefaultPool keeps with n
+// ready members, normalised.
+func (m *Manager) defaultPoolSpec(ctx context.Context, n int) (api.PoolSpec, error) {
+	s, _, err := m.normalisePool(ctx, api.PoolSpec{Template: m.cfg.BaseTemplateRef, Runtime: runtime.Auto, Min: n, Max: max(n, 4*n)}, false)
+	return s, err
 }
 
 // DefaultPoolID is the id of the pool EnsureDefaultPool keeps ("" when
 // the base template's spec does not normalise here).
 func (m *Manager) DefaultPoolID(ctx context.Context) string {
-	s, _, err := m.normalisePool(ctx, api.PoolSpec{Template: m.cfg.BaseTemplateRef, Runtime: runtime.Auto}, false)
+	s, err := m.defaultPoolSpec(ctx, 0)
 	if err != nil {
 		return ""
 	}
@@ -340,7 +349,7 @@ func (m *Manager) DefaultPoolID(ctx context.Context) string {
 // runtime with the default limits ready (n = 0 removes that pool). The base
 // template need not exist yet: the pool fills once it does.
 func (m *Manager) EnsureDefaultPool(ctx context.Context, n int) error {
-	s, _, err := m.normalisePool(ctx, api.PoolSpec{Template: m.cfg.BaseTemplateRef, Runtime: runtime.Auto, Min: n, Max: max(n, 4*n)}, false)
+	s, err := m.defaultPoolSpec(ctx, n)
 	if err != nil {
 		if n == 0 {
 			return nil

@@ -1110,13 +1110,21 @@ func (r *Replica) templateCall(w http.ResponseWriter, req *http.Request, p princ
 		return
 	}
 	ref := req.PathValue("ref")
-	for _, n := range nodes {
-		if n.State == clusterstore.NodeReady && slices.Contains(n.Templates, ref) {
-			r.proxy(w, req, n, &p)
-			return
-		}
+	if n, ok := readyHolder(nodes, ref); ok {
+		r.proxy(w, req, n, &p)
+		return
 	}
 	writeError(w, req, fmt.Errorf("template %q is on no ready node: %w", ref, errdefs.ErrNotFound))
+}
+
+// readyHolder is the first ready node holding template ref.
+func readyHolder(nodes []clusterstore.Node, ref string) (clusterstore.Node, bool) {
+	for _, n := range nodes {
+		if n.State == clusterstore.NodeReady && slices.Contains(n.Templates, ref) {
+			return n, true
+		}
+	}
+	return clusterstore.Node{}, false
 }
 
 // templateWrite sends an import, pull or build to the node placement

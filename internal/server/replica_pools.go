@@ -64,22 +64,15 @@ func (r *Replica) checkerFor(req *http.Request, ref string) (clusterstore.Node, 
 	if err != nil {
 		return clusterstore.Node{}, err
 	}
-	var fallback *clusterstore.Node
-	for i, n := range nodes {
-		if n.State != clusterstore.NodeReady {
-			continue
-		}
-		if slices.Contains(n.Templates, ref) {
+	if n, ok := readyHolder(nodes, ref); ok {
+		return n, nil
+	}
+	for _, n := range nodes {
+		if n.State == clusterstore.NodeReady {
 			return n, nil
 		}
-		if fallback == nil {
-			fallback = &nodes[i]
-		}
 	}
-	if fallback == nil {
-		return clusterstore.Node{}, fmt.Errorf("no ready node to check the pool: %w", errdefs.ErrUnavailable)
-	}
-	return *fallback, nil
+	return clusterstore.Node{}, fmt.Errorf("no ready node to check the pool: %w", errdefs.ErrUnavailable)
 }
 
 // deletePool removes the cluster's pool; every node destroys its members.
