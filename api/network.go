@@ -19,6 +19,14 @@ type NetworkPolicy struct {
 	// Internet allows every public destination (DNS for any name, TCP to any
 	// public address). DenyOut still applies.
 	Internet bool `json:"internet,omitempty"`
+	// AllowPrivate are the special ranges (loopback, RFC 1918, CGNAT,
+	// link-local, …: IPs or CIDRs, no ports) an allow_out NAME entry may
+	// lead into: an allowed name resolving to such an address is bound and
+	// reachable only if the address lies in one of them (and in a range
+	// the operator opened with --egress-allow-private, the outer limit).
+	// An allow_out IP/CIDR entry opens its own range without it. Empty: a
+	// name never leads into special space, whatever its DNS says.
+	AllowPrivate []string `json:"allow_private,omitempty"`
 	// Rules are per-domain HTTP header transforms (the hook of credential
 	// brokering). Validated and stored; applied by a later layer.
 	Rules []HeaderRule `json:"rules,omitempty"`

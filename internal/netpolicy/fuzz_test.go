@@ -22,6 +22,7 @@ func FuzzValidate(f *testing.F) {
 			EgressProxy: proxy,
 		}
 		_ = Validate(p)
+		_ = Validate(api.NetworkPolicy{AllowPrivate: strings.Split(deny, ",")})
 		p.Rules = nil
 		pol, err := Compile(p, Options{AllowPrivate: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}})
 		if err != nil {
@@ -32,6 +33,7 @@ func FuzzValidate(f *testing.F) {
 			pol.Zone(n)
 			for _, ip := range []string{"10.1.1.1", "8.8.8.8", "::ffff:127.0.0.1", "2002:a9fe:a9fe::"} {
 				pol.Check(n, netip.MustParseAddr(ip), 443)
+				pol.UnreachableAnswer(netip.MustParseAddr(ip))
 			}
 		}
 		if a, err := netip.ParseAddr(deny); err == nil {

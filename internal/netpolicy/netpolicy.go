@@ -7,9 +7,13 @@
 // every connection (Check). Everything here is pure: no I/O, no resolving.
 //
 // Check decides in this order: protected addresses, deny_out, the special
-// ranges (loopback, private, link-local, … see Classify) unless opened,
-// allow_out IPs and CIDRs, allow_out names matching the name the gateway
-// resolved, internet (public addresses only), else refused.
+// ranges (loopback, private, link-local, … see Classify) unless opened —
+// by the operator (Options.AllowPrivate, the outer limit) and by the
+// policy (an allow_out IP/CIDR inside the operator's range, or for a name
+// entry its allow_private) —, allow_out IPs and CIDRs, allow_out names
+// matching the name the gateway resolved, internet (public addresses
+// only), else refused. UnreachableAnswer is the same limit for the DNS
+// answers the gateway binds to names.
 package netpolicy
 
 import (
@@ -26,7 +30,8 @@ import (
 // Options are server-wide settings.
 type Options struct {
 	// AllowPrivate: ranges the operator opened with --egress-allow-private;
-	// a sandbox still needs its policy to allow them.
+	// a sandbox still needs its policy to allow them (an allow_out IP/CIDR
+	// inside one, or, for names, its allow_private).
 	AllowPrivate []netip.Prefix
 	// Protected: addresses never reachable whatever any policy says (the
 	// host's own interface addresses, the API listener). A Protected entry
@@ -69,7 +74,11 @@ type Policy struct {
 	wild     map[string][]entry // suffix (after "*.") → entries
 	proxy    *Proxy
 
-	allowPrivate []netip.Prefix
+	// namePrivate: the policy's allow_private, where a name entry may
+	// lead inside the operator's allowPrivate.
+	namePrivate []netip.Prefix
+
+	allowPrivate []netip.Prefix // the operator's (Options.AllowPrivate)
 	protected    []netip.AddrPort
 }
 
@@ -182,6 +191,16 @@ func compile(p api.NetworkPolicy) (*Policy, error) {
 		}
 		pol.denyIP = append(pol.denyIP, e)
 	}
+	if n := len(p.AllowPrivate); n > MaxAllowPrivate {
+		return nil, invalid("network.allow_private: %d entries, at most %d", n, MaxAllowPrivate)
+	}
+	for i, s := range p.AllowPrivate {
+		pf, err := parsePrivate(s)
+		if err != nil {
+			return nil, invalid("network.allow_private[%d]: %q: %v", i, clip(s), err)
+		}
+		pol.namePrivate = append(pol.namePrivate, pf)
+	}
 	if err := pol.checkRules(p.Rules); err != nil {
 		return nil, err
 	}
@@ -208,6 +227,7 @@ func clonePolicy(p api.NetworkPolicy) api.NetworkPolicy {
 	c := p
 	c.AllowOut = append([]string(nil), p.AllowOut...)
 	c.DenyOut = append([]string(nil), p.DenyOut...)
+	c.AllowPrivate = append([]string(nil), p.AllowPrivate...)
 	if p.Rules != nil {
 		c.Rules = make([]api.HeaderRule, len(p.Rules))
 		for i, r := range p.Rules {
@@ -342,6 +362,17 @@ func (p *Policy) privateOpen(ip netip.Addr) bool {
 	return false
 }
 
+// namePrivateOpen: may a name entry lead to ip (inside the operator's
+// ranges, checked apart)? Only if the policy's allow_private covers it.
+func (p *Policy) namePrivateOpen(ip netip.Addr) bool {
+	for _, pf := range p.namePrivate {
+		if pf.Contains(ip) {
+			return true
+		}
+	}
+	return false
+}
+
 // privatePrefixOpen: is pf inside a range the operator opened?
 func (p *Policy) privatePrefixOpen(pf netip.Prefix) bool {
 	for _, o := range p.allowPrivate {
@@ -376,8 +407,11 @@ func refuse(reason string) Verdict { return Verdict{Reason: reason} }
 // A special address (Classify) is reachable only if it lies in one of
 // Options.AllowPrivate AND the policy explicitly allows it: an allow_out
 // IP/CIDR covering it that itself lies inside an AllowPrivate range (so
-// "0.0.0.0/0" never opens private space), or a name entry matching name.
-// internet never opens it; protected addresses are refused even then.
+// "0.0.0.0/0" never opens private space), or a name entry matching name
+// when the address also lies in the policy's allow_private (so a name
+// whose DNS someone else controls cannot lead into private space the
+// policy did not name). internet never opens it; protected addresses are
+// refused even then.
 func (p *Policy) Check(name string, ip netip.Addr, port uint16) Verdict {
 	if !ip.IsValid() {
 		return refuse("invalid address")
@@ -422,7 +456,10 @@ func (p *Policy) Check(name string, ip netip.Addr, port uint16) Verdict {
 	}
 	nameRule, nameMiss := p.matchName(name, port)
 	portMiss = portMiss || nameMiss
-	if special && !(open && (ipRule != nil || nameRule != nil)) {
+	if special && !(open && (ipRule != nil || nameRule != nil && p.namePrivateOpen(ip))) {
+		if open && nameRule != nil {
+			return refuse(ci.reason() + " not in the sandbox's allow_private")
+		}
 		return refuse(ci.reason())
 	}
 	switch {
@@ -439,6 +476,48 @@ func (p *Policy) Check(name string, ip netip.Addr, port uint16) Verdict {
 		return refuse("port not allowed")
 	}
 	return refuse("not allowed")
+}
+
+// UnreachableAnswer says why a DNS answer's address may not be bound to
+// an allowed name for this sandbox (the gateway removes it from the
+// answer), or "": a protected address ("protected address"); a special
+// address outside the operator's AllowPrivate (its Classify class, as
+// Options.Unreachable says); or one inside it that the policy does not
+// open — neither its allow_private nor an allow_out IP/CIDR inside the
+// operator's range covers it ("loopback address not in the sandbox's
+// allow_private"). So a name whose DNS an attacker controls cannot even
+// point this sandbox's binding at an opened private range the policy
+// never named. Check still decides every connection.
+func (p *Policy) UnreachableAnswer(ip netip.Addr) string {
+	if p == nil {
+		return "no policy"
+	}
+	if !ip.IsValid() {
+		return "invalid"
+	}
+	orig := ip.WithZone("")
+	ip = orig.Unmap()
+	emb, _, _ := embeddedV4(orig)
+	for _, a := range p.protected {
+		if a.Addr() == ip || emb.IsValid() && a.Addr() == emb {
+			return "protected address"
+		}
+	}
+	ci := classify(orig)
+	switch {
+	case ci.class == "":
+		return ""
+	case !p.privateOpen(ip):
+		return ci.class
+	case p.namePrivateOpen(ip):
+		return ""
+	}
+	for i := range p.allowIP {
+		if a := &p.allowIP[i]; a.prefix.Contains(ip) && p.privatePrefixOpen(a.prefix) {
+			return "" // reachable by address anyway
+		}
+	}
+	return ci.class + " address not in the sandbox's allow_private"
 }
 
 // CheckProxy is the verdict for dialing the egress proxy at ip:port (the

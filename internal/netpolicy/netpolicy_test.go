@@ -338,7 +338,8 @@ func TestCheck(t *testing.T) {
 			"pypi.org", "ssh.example.com:22", "*.internal.example.com", "8.8.0.0/16", "1.1.1.1:53",
 			"10.20.5.0/24:5432", "0.0.0.0/0:9999", "[fd00:1::5]", "93.184.216.0/24", "private.example.com",
 		},
-		DenyOut: []string{"8.8.4.0/24", "151.101.0.0/16:80", "2600::/16"},
+		DenyOut:      []string{"8.8.4.0/24", "151.101.0.0/16:80", "2600::/16"},
+		AllowPrivate: []string{"10.20.0.0/16"},
 	}, o)
 	type want struct {
 		allow, byName, opaque bool

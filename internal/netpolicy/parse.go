@@ -12,6 +12,7 @@ import (
 const (
 	MaxAllowOut      = 1024
 	MaxDenyOut       = 1024
+	MaxAllowPrivate  = 256
 	MaxEntryLen      = 300
 	MaxRules         = 64
 	MaxRuleHeaders   = 64
@@ -140,6 +141,33 @@ func parseEntry(s string, names bool) (entry, error) {
 		e.kind = kindWildcard
 	}
 	return e, nil
+}
+
+// parsePrivate parses an allow_private entry: an IP or a CIDR (IPv6
+// optionally in brackets), no port, no name, that holds at least one
+// special address (Classify). Errors say what is wrong without the field
+// name.
+func parsePrivate(s string) (netip.Prefix, error) {
+	if s == "" {
+		return netip.Prefix{}, errors.New("empty entry")
+	}
+	if len(s) > MaxEntryLen {
+		return netip.Prefix{}, fmt.Errorf("entry is %d bytes, at most %d", len(s), MaxEntryLen)
+	}
+	e, err := parseEntry(s, true)
+	if err == nil && e.kind != kindPrefix || strings.Contains(s, "*") {
+		return netip.Prefix{}, errors.New("a name is not allowed: allow_private takes IPs and CIDRs (the ranges an allowed name may resolve into)")
+	}
+	if err != nil {
+		return netip.Prefix{}, err
+	}
+	if e.port != 0 {
+		return netip.Prefix{}, errors.New("a port is not allowed: allow_private opens addresses; ports are allow_out's")
+	}
+	if specialSet().intersect(allowFootprint(e.prefix)).empty() {
+		return netip.Prefix{}, errors.New("holds no loopback, private, link-local or other special address: public addresses need no allow_private (allow_out allows them)")
+	}
+	return e.prefix, nil
 }
 
 // canonPrefix turns an IPv4-mapped IPv6 prefix (at least /96) into the

@@ -25,7 +25,13 @@ import (
 // two /17s is covered), ports split where some entry names one, names into
 // the classes the patterns of both policies cut them into. Every violation
 // carries an action p allows and the boundary refuses (the tests check each
-// one against Check), and no violation means there is none.
+// one against Check), and no violation means there is none — with one
+// deliberate exception: allow_private is compared as written (its special
+// addresses must lie in the boundary's allow_private), whatever the server
+// opens today and whether or not a name of p leads there, because it is a
+// grant the tenant's boundary makes and the server's ranges may change
+// under a stored policy. Such a violation carries an action only when one
+// exists under o.
 
 // Violation is one way a policy reaches beyond its boundary.
 type Violation struct {
@@ -92,7 +98,8 @@ const (
 // boundary's "10.0.0.0/8" covers a sandbox's "10.1.2.3" depends on it.
 // o.Protected is ignored (it refuses the same addresses under both).
 //
-// Rules beyond Check: p's deny_out need not copy the boundary's, but
+// Rules beyond Check: p's allow_private must lie inside the boundary's
+// (its special addresses; see above). p's deny_out need not copy the boundary's, but
 // wherever p lets a connection reach (a name entry reaches whatever its
 // name resolves to) the boundary's deny_out must be matched by p's own. An
 // egress_proxy must equal the boundary's (none if it has none). A header
@@ -115,6 +122,7 @@ func Subset(p, boundary api.NetworkPolicy, o Options) []Violation {
 	pr := &prover{p: newSide(p, open), b: newSide(boundary, open), found: map[findingKey]*finding{}}
 	pr.addresses(open)
 	pr.names()
+	pr.privates()
 	pr.rules()
 	pr.proxy()
 	return pr.violations()
@@ -128,6 +136,13 @@ type ipRule struct {
 	port uint16
 	foot addrSet // the connection addresses it matches
 	open bool    // inside an AllowPrivate range: it may open special addresses
+}
+
+// privRule is a parsed allow_private entry.
+type privRule struct {
+	idx  int
+	text string
+	foot addrSet // the special addresses it opens to names
 }
 
 type nameRule struct {
@@ -145,6 +160,8 @@ type side struct {
 	allow, deny  []ipRule
 	names        []nameRule
 	exact, wilds map[string][]int // into names
+	privs        []privRule
+	priv         addrSet // the union of privs' footprints
 }
 
 func newSide(p api.NetworkPolicy, open []netip.Prefix) *side {
@@ -170,6 +187,14 @@ func newSide(p api.NetworkPolicy, open []netip.Prefix) *side {
 		e, _ := parseEntry(t, false)
 		s.deny = append(s.deny, ipRule{idx: i, text: t, pf: e.prefix, port: e.port, foot: denyFootprint(e.prefix)})
 	}
+	var privs []addrSet
+	for i, t := range p.AllowPrivate {
+		pf, _ := parsePrivate(t)
+		r := privRule{idx: i, text: t, foot: specialSet().intersect(allowFootprint(pf))}
+		s.privs = append(s.privs, r)
+		privs = append(privs, r.foot)
+	}
+	s.priv = unionAll(privs)
 	return s
 }
 
@@ -255,6 +280,9 @@ type atom struct {
 	// gapAddr split by the boundary's deny_out, when needed.
 	gapDenied, gapOpaque addrSet
 	splitDone            bool
+	// privGap: where a name entry of p may lead through p's allow_private
+	// beyond the boundary's, and the boundary allows no connection.
+	privGap addrSet
 }
 
 type prover struct {
@@ -262,6 +290,10 @@ type prover struct {
 	atoms []atom
 	notS  addrSet // addresses Classify calls public
 	found map[findingKey]*finding
+	// privOver: the special addresses p's allow_private lists and the
+	// boundary's does not (each is a violation of its own).
+	privOver addrSet
+	reps     []string // the names standing for every class (names)
 }
 
 // addresses splits ports into atoms and, on each, works out the address
@@ -301,13 +333,22 @@ func (pr *prover) addresses(open []netip.Prefix) {
 		opens = append(opens, allowFootprint(r))
 	}
 	openS := S.intersect(unionAll(opens)) // special, but opened by the operator
-	reachable := pr.notS.union(openS)     // where a name entry may lead
+	// Where a name entry may lead: public addresses, and the special ones
+	// both the operator and the policy's allow_private open. p's excess
+	// over the boundary's allow_private is a violation of its own
+	// (privates), so the name proofs below take p's as cut to the
+	// boundary's (the same when there is no such violation) and each
+	// finding keeps one reason.
+	pr.privOver = pr.p.priv.minus(pr.b.priv)
+	reachB := pr.notS.union(openS.intersect(pr.b.priv))
+	reachP := pr.notS.union(openS.intersect(pr.p.priv).intersect(pr.b.priv))
+	overP := openS.intersect(pr.privOver) // where only p's allow_private leads
 	type sets struct{ deny, allow, open ruleSets }
 	sideSets := func(s *side) sets {
 		return sets{newRuleSets(s.deny, false), newRuleSets(s.allow, false), newRuleSets(s.allow, true)}
 	}
 	setsP, setsB := sideSets(pr.p), sideSets(pr.b)
-	byAddr := func(s *side, rs sets, port uint16) (addrOK, reach addrSet) {
+	byAddr := func(s *side, rs sets, reachable addrSet, port uint16) (addrOK, reach addrSet) {
 		d := rs.deny.at(port)
 		pub := allAddrs
 		if !s.inet {
@@ -318,8 +359,8 @@ func (pr *prover) addresses(open []netip.Prefix) {
 	}
 	for i := range pr.atoms {
 		a := &pr.atoms[i]
-		okP, reachP := byAddr(pr.p, setsP, a.port)
-		okB, reachB := byAddr(pr.b, setsB, a.port)
+		okP, reachP := byAddr(pr.p, setsP, reachP, a.port)
+		okB, reachB := byAddr(pr.b, setsB, reachB, a.port)
 		a.dB = setsB.deny.at(a.port)
 		if !a.other {
 			a.window = unionAll([]addrSet{setsP.deny.byPort[a.port], setsP.allow.byPort[a.port], setsB.deny.byPort[a.port], setsB.allow.byPort[a.port]})
@@ -327,6 +368,9 @@ func (pr *prover) addresses(open []netip.Prefix) {
 		a.res = okP.minus(okB)
 		a.gapDeny = reachP.minus(reachB)
 		a.gapAddr = reachP.minus(okB)
+		if !overP.empty() {
+			a.privGap = overP.minus(setsP.deny.at(a.port)).minus(okB)
+		}
 	}
 
 	// Which of p's IP/CIDR entries allow what. An entry without a port is
@@ -449,6 +493,7 @@ func (pr *prover) names() {
 		sorted = append(sorted, n)
 	}
 	slices.Sort(sorted)
+	pr.reps = sorted
 	atomOf := map[uint16]int{}
 	for i, a := range pr.atoms {
 		if !a.other {
@@ -514,6 +559,41 @@ func (pr *prover) names() {
 				}
 				rec(kindNameOpaque, a.gapOpaque)
 				rec(kindNameDenied, a.gapDenied)
+			}
+		}
+	}
+}
+
+// privates proves p's allow_private: the special addresses of each entry
+// must lie in the boundary's allow_private. The witness, when there is
+// one, is a name of p reaching such an address on a port where the
+// boundary allows no connection there (the boundary lets no name lead to
+// it, and its address entries do not cover it).
+func (pr *prover) privates() {
+	if pr.privOver.empty() {
+		return
+	}
+	for _, r := range pr.p.privs {
+		over := r.foot.intersect(pr.privOver)
+		if over.empty() {
+			continue
+		}
+		f := pr.add(findingKey{orderPrivate + r.idx, kindPrivate}, fmt.Sprintf("network.allow_private[%d]", r.idx), r.text)
+		f.addrs = over
+		for _, n := range pr.reps {
+			mp := pr.p.match(n)
+			if len(mp) == 0 || f.w.kind != noWitness {
+				continue
+			}
+			for ai := range pr.atoms {
+				a := &pr.atoms[ai]
+				if need, _ := pr.p.level(mp, a.port); need == 0 {
+					continue
+				}
+				if g := a.privGap.intersect(over); !g.empty() {
+					f.setWitness(witness{kind: connWitness, name: n, addr: g.first(), port: a.port})
+					break
+				}
 			}
 		}
 	}
@@ -692,13 +772,15 @@ const (
 	kindRuleDomain
 	kindRuleHeader
 	kindProxy
+	kindPrivate
 )
 
 // Sort keys: violations come in the order of p's fields.
 const (
 	orderAllow    = 0
 	orderInternet = orderAllow + MaxAllowOut
-	orderRules    = orderInternet + 1
+	orderPrivate  = orderInternet + 1
+	orderRules    = orderPrivate + MaxAllowPrivate
 	orderProxy    = orderRules + MaxRules*(2*MaxRuleHeaders+2)
 )
 
@@ -866,6 +948,21 @@ func (pr *prover) word(f *finding) string {
 		return "the boundary does not allow this domain (a rule's domain must be one the boundary lets a sandbox resolve)"
 	case kindRuleHeader:
 		return "the boundary's rule for " + ex + " sets or removes this header; a sandbox's rule may not change what it does"
+	case kindPrivate:
+		r := f.addrs.describe(3) + " is outside the boundary's allow_private"
+		if len(pr.b.privs) == 0 {
+			r += " (it lists none: no name may lead into loopback, private or other special ranges)"
+		} else {
+			var there []string
+			for _, b := range pr.b.privs {
+				there = append(there, b.text)
+			}
+			if len(there) > 4 {
+				there = append(there[:4], "…")
+			}
+			r += " (" + strings.Join(there, ", ") + ")"
+		}
+		return r
 	}
 	return "exceeds the boundary"
 }

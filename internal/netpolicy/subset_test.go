@@ -78,9 +78,11 @@ func TestSubset(t *testing.T) {
 			want: []string{"network.allow_out[0]|with a port, this entry lets any protocol reach api.example.com on port 443; the boundary's api.example.com has no port"}},
 		{name: "internet covers a name's public addresses", p: allow("api.example.com:443"), b: api.NetworkPolicy{Internet: true}},
 		{name: "internet covers a name without a port", p: allow("api.example.com"), b: api.NetworkPolicy{AllowOut: []string{"api.example.com"}, Internet: true}},
-		{name: "but not the private addresses it may resolve to", p: allow("api.example.com:443"), b: api.NetworkPolicy{AllowOut: []string{"api.example.com"}, Internet: true}, o: open10,
+		{name: "but not the private addresses it may resolve to", p: api.NetworkPolicy{AllowOut: []string{"api.example.com:443"}, AllowPrivate: []string{"10.0.0.0/8"}},
+			b: api.NetworkPolicy{AllowOut: []string{"api.example.com"}, Internet: true, AllowPrivate: []string{"10.0.0.0/8"}}, o: open10,
 			want: []string{"network.allow_out[0]|with a port, this entry lets any protocol reach api.example.com on port 443"}},
-		{name: "internet alone: no private for a name", p: allow("api.example.com"), b: api.NetworkPolicy{Internet: true}, o: open10,
+		{name: "internet alone: no private for a name", p: api.NetworkPolicy{AllowOut: []string{"api.example.com"}, AllowPrivate: []string{"10.0.0.0/8"}},
+			b: api.NetworkPolicy{Internet: true, AllowPrivate: []string{"10.0.0.0/8"}}, o: open10,
 			want: []string{"network.allow_out[0]|api.example.com on any port is not allowed by the boundary (its allow_out does not name it there, nor cover every address it may resolve to: 10.0.0.0/8 (and IPv6 forms"}},
 
 		// deny_out must bind p wherever p reaches.
@@ -127,6 +129,30 @@ func TestSubset(t *testing.T) {
 			want: []string{"network.allow_out[0]|10.0.0.0/8 (and IPv6 forms that embed IPv4 addresses) on any port is outside the boundary (its allow_out there: 0.0.0.0/0); a special range"}},
 		{name: "0/0 in 0/0, nothing opened", p: allow("0.0.0.0/0"), b: allow("0.0.0.0/0")},
 		{name: "0/0 not in public ranges", p: allow("0.0.0.0/0"), b: api.NetworkPolicy{Internet: true}},
+
+		// allow_private: the boundary's must cover p's (its special addresses).
+		{name: "allow_private in the boundary's", p: api.NetworkPolicy{AllowOut: []string{"api.example.com"}, AllowPrivate: []string{"10.1.0.0/16"}},
+			b: api.NetworkPolicy{AllowOut: []string{"*.example.com"}, AllowPrivate: []string{"10.0.0.0/8"}}, o: open10},
+		{name: "allow_private in two halves", p: api.NetworkPolicy{AllowPrivate: []string{"10.0.0.0/8"}}, b: api.NetworkPolicy{AllowPrivate: []string{"10.128.0.0/9", "::ffff:10.0.0.0/105"}}},
+		{name: "allow_private the boundary does not list", p: api.NetworkPolicy{AllowOut: []string{"api.example.com"}, AllowPrivate: []string{"10.0.0.0/8"}},
+			b: api.NetworkPolicy{AllowOut: []string{"*.example.com"}}, o: open10,
+			want: []string{`network.allow_private[0]|"10.0.0.0/8": 10.0.0.0/8 (and IPv6 forms that embed IPv4 addresses) is outside the boundary's allow_private (it lists none: no name may lead into loopback, private or other special ranges)`}},
+		{name: "allow_private half outside", p: api.NetworkPolicy{AllowPrivate: []string{"127.0.0.0/8", "10.0.0.0/8"}}, b: api.NetworkPolicy{AllowPrivate: []string{"127.0.0.0/8", "10.0.0.0/9"}},
+			want: []string{`network.allow_private[1]|10.128.0.0/9 (and IPv6 forms that embed IPv4 addresses) is outside the boundary's allow_private (127.0.0.0/8, 10.0.0.0/9)`}},
+		{name: "allow_private: only special addresses count", p: api.NetworkPolicy{AllowPrivate: []string{"0.0.0.0/0"}}, b: api.NetworkPolicy{AllowPrivate: []string{"0.0.0.0/0"}}},
+		{name: "allow_private everything, a boundary of one range", p: api.NetworkPolicy{AllowPrivate: []string{"0.0.0.0/0"}}, b: api.NetworkPolicy{AllowPrivate: []string{"10.0.0.0/8"}},
+			want: []string{`network.allow_private[0]|0.0.0.0/8, 100.64.0.0/10, 127.0.0.0/8 and more (and IPv6 forms that embed IPv4 addresses) is outside the boundary's allow_private (10.0.0.0/8)`}},
+		// Compared as written: nothing opened, no name of p there, still refused.
+		{name: "allow_private with nothing opened", p: api.NetworkPolicy{AllowPrivate: []string{"10.0.0.0/8"}},
+			want: []string{"network.allow_private[0]|is outside the boundary's allow_private (it lists none"}},
+		// A boundary's allow_private lets its own names lead further than p's.
+		{name: "p's names lead nowhere private", p: allow("api.example.com"), b: api.NetworkPolicy{AllowOut: []string{"*.example.com"}, AllowPrivate: []string{"10.0.0.0/8"}}, o: open10},
+		// Without allow_private, a name cannot reach the private ranges
+		// the boundary's internet and CIDRs do not cover.
+		{name: "internet covers a name that leads into no private range", p: allow("api.example.com"), b: api.NetworkPolicy{Internet: true}, o: open10},
+		{name: "a port-named name in a private range", p: api.NetworkPolicy{AllowOut: []string{"db.example.com:5432"}, AllowPrivate: []string{"10.1.0.0/16"}},
+			b: api.NetworkPolicy{AllowOut: []string{"db.example.com"}, AllowPrivate: []string{"10.0.0.0/8"}}, o: open10,
+			want: []string{"network.allow_out[0]|with a port, this entry lets any protocol reach db.example.com on port 5432"}},
 
 		// egress_proxy.
 		{name: "same proxy", p: api.NetworkPolicy{EgressProxy: "socks5://u:p@127.0.0.9:1080"}, b: api.NetworkPolicy{EgressProxy: "socks5://u:p@127.0.0.9:1080"}},
@@ -205,6 +231,28 @@ func TestSubset(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestSubsetAllowPrivateWitness: where a name of p leads into p's extra
+// private range, the violation carries that connection.
+func TestSubsetAllowPrivateWitness(t *testing.T) {
+	o := Options{AllowPrivate: pfx("127.0.0.0/8")}
+	p := api.NetworkPolicy{AllowOut: []string{"*.attacker.example"}, AllowPrivate: []string{"127.0.0.0/8"}}
+	b := api.NetworkPolicy{AllowOut: []string{"*.attacker.example", "127.0.0.2:80"}, AllowPrivate: []string{"127.0.0.0/24"}}
+	vs := Subset(p, b, o)
+	if len(vs) != 1 || vs[0].Field != "network.allow_private[0]" || !strings.Contains(vs[0].Reason, "127.0.1.0/24") {
+		t.Fatalf("got %v", vs)
+	}
+	w := vs[0].w
+	if a := w.addr.Unmap(); w.kind != connWitness || w.name == "" || !netip.MustParsePrefix("127.0.0.0/8").Contains(a) || netip.MustParsePrefix("127.0.0.0/24").Contains(a) {
+		t.Fatalf("witness %+v", w)
+	}
+	if msg := checkWitness(vs[0], mustCompile(t, p, o), mustCompile(t, b, o)); msg != "" {
+		t.Fatal(msg)
+	}
+	if err := SubsetError(vs); !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), `network.allow_private[0] "127.0.0.0/8"`) {
+		t.Fatalf("SubsetError: %v", err)
 	}
 }
 
