@@ -120,7 +120,7 @@ func TestDecideDNSDeny(t *testing.T) {
 		}
 		return actions.Decision{Verdict: actions.Allow}
 	})
-	f := newDecideFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test", "other.test"}}, d, decideOn)
+	f := newDecideFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test", "other.test"}, AllowPrivate: []string{"127.0.0.0/8"}}, d, decideOn)
 	rc, _, err := f.sb.Query(t, gatewayAddr, "other.test", dnsmessage.TypeA)
 	if err != nil || rc != dnsmessage.RCodeNameError {
 		t.Fatalf("denied name: rcode %v err %v", rc, err)
@@ -166,7 +166,7 @@ func TestDecideConnectDeny(t *testing.T) {
 		}
 		return actions.Decision{Verdict: actions.Allow, Rule: "tls-ok"}
 	})
-	f := newDecideFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}}, d, decideOn)
+	f := newDecideFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}, d, decideOn)
 	if _, _, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA); err != nil {
 		t.Fatal(err)
 	}
@@ -242,7 +242,7 @@ func TestDecideAskHolds(t *testing.T) {
 		}
 		return actions.Decision{Verdict: actions.Allow}
 	})
-	f := newDecideFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test", "alias.test", "other.test"}}, d, decideOn)
+	f := newDecideFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test", "alias.test", "other.test"}, AllowPrivate: []string{"127.0.0.0/8"}}, d, decideOn)
 	for _, n := range []string{"allowed.test", "alias.test"} {
 		if _, _, err := f.sb.Query(t, gatewayAddr, n, dnsmessage.TypeA); err != nil {
 			t.Fatal(err)
@@ -320,7 +320,7 @@ func TestDecideDetachEndsWait(t *testing.T) {
 		close(ended)
 		return actions.Decision{Verdict: actions.Ask}
 	})
-	f := newDecideFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}}, d, decideOn)
+	f := newDecideFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}, d, decideOn)
 	if _, _, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA); err != nil {
 		t.Fatal(err)
 	}
@@ -344,7 +344,7 @@ func TestDecideFastPath(t *testing.T) {
 	d := newFakeDecider(func(context.Context, actions.Action) actions.Decision {
 		return actions.Decision{Verdict: actions.Deny, Reason: "everything"}
 	})
-	f := newDecideFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}}, d, LinkOptions{})
+	f := newDecideFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}, d, LinkOptions{})
 	if rc, _, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA); err != nil || rc != dnsmessage.RCodeSuccess {
 		t.Fatalf("query: %v %v", rc, err)
 	}
@@ -368,7 +368,7 @@ func TestDecideFastPath(t *testing.T) {
 // A Decider that returns an unresolved ask (or nothing) denies.
 func TestDecideFailsClosed(t *testing.T) {
 	d := newFakeDecider(func(context.Context, actions.Action) actions.Decision { return actions.Decision{} })
-	f := newDecideFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}}, d, decideOn)
+	f := newDecideFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}, d, decideOn)
 	if rc, _, _ := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA); rc != dnsmessage.RCodeNameError {
 		t.Fatalf("a query with no verdict: %v", rc)
 	}

@@ -257,12 +257,14 @@ func (l *link) answer(query []byte, maxSize int) []byte {
 }
 
 // unreachable says why an answer's address may never be bound, or "":
-// non-public addresses stay out unless the operator opened their range.
+// non-public addresses stay out unless the operator opened their range and
+// the sandbox's policy opens them too (its allow_private, or an allow_out
+// IP/CIDR): netpolicy's UnreachableAnswer.
 func (l *link) unreachable(ip netip.Addr) string {
 	if _, ok := toSandbox(ip); !ok {
 		return "no address in the sandbox for it"
 	}
-	return l.g.opts.Policy.Unreachable(ip, 0)
+	return l.policy.Load().UnreachableAnswer(ip)
 }
 
 // resolve asks the upstream for q's A records, following the CNAME chain

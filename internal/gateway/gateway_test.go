@@ -123,7 +123,7 @@ func (f *fixture) hasEvent(t *testing.T, match func(api.NetworkEvent) bool) bool
 }
 
 func TestAllowedNameResolvesAndConnects(t *testing.T) {
-	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test", "alias.test"}})
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test", "alias.test"}, AllowPrivate: []string{"127.0.0.0/8"}})
 	rc, ips, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA)
 	if err != nil || rc != dnsmessage.RCodeSuccess || len(ips) != 1 || ips[0] != ip2 {
 		t.Fatalf("query allowed.test: rcode %v ips %v err %v", rc, ips, err)
@@ -168,7 +168,7 @@ func TestAllowedNameResolvesAndConnects(t *testing.T) {
 }
 
 func TestDeniedNamesAndAddresses(t *testing.T) {
-	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test", "*.zone.test", "rebind-meta.test", "rebind-lan.test", "rebind-local.test", "rebind-mixed.test"}})
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test", "*.zone.test", "rebind-meta.test", "rebind-lan.test", "rebind-local.test", "rebind-mixed.test"}, AllowPrivate: []string{"127.0.0.0/8"}})
 	// A denied name: NXDOMAIN, never forwarded.
 	rc, _, err := f.sb.Query(t, gatewayAddr, "other.test", dnsmessage.TypeA)
 	if err != nil || rc != dnsmessage.RCodeNameError {
@@ -277,7 +277,7 @@ func TestLivePolicyChangeClosesConnections(t *testing.T) {
 func TestZoneExfiltrationBounded(t *testing.T) {
 	lim := DefaultLimits
 	lim.NamesPerZone = 3
-	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"*.zone.test"}}, lim)
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"*.zone.test"}, AllowPrivate: []string{"127.0.0.0/8"}}, lim)
 	for i := range 3 {
 		if rc, _, err := f.sb.Query(t, gatewayAddr, fmt.Sprintf("n%d.zone.test", i), dnsmessage.TypeA); err != nil || rc == dnsmessage.RCodeRefused {
 			t.Fatalf("query %d: %v %v", i, rc, err)
@@ -298,7 +298,7 @@ func TestZoneExfiltrationBounded(t *testing.T) {
 }
 
 func TestHTTPEveryRequestIsChecked(t *testing.T) {
-	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}})
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}})
 	if _, _, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA); err != nil {
 		t.Fatal(err)
 	}
@@ -378,7 +378,7 @@ func ping(t *testing.T, sb *gatewaytest.SandboxStack, dst netip.Addr) bool {
 }
 
 func TestPingAndDNSOverTCP(t *testing.T) {
-	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}})
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}})
 	if !ping(t, f.sb, gatewayAddr) {
 		t.Fatal("ping of the gateway got no reply")
 	}
@@ -424,7 +424,7 @@ func TestPingAndDNSOverTCP(t *testing.T) {
 }
 
 func TestPolicyUpdateEndsNameConnections(t *testing.T) {
-	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test", "other.test"}})
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test", "other.test"}, AllowPrivate: []string{"127.0.0.0/8"}})
 	for _, n := range []string{"allowed.test", "other.test"} {
 		if _, _, err := f.sb.Query(t, gatewayAddr, n, dnsmessage.TypeA); err != nil {
 			t.Fatal(err)
@@ -432,7 +432,7 @@ func TestPolicyUpdateEndsNameConnections(t *testing.T) {
 	}
 	keep, keepR := f.keptAlive(t, ip2, "allowed.test")
 	gone, goneR := f.keptAlive(t, ip3, "other.test")
-	if err := f.g.SetPolicy("sb1", api.NetworkPolicy{AllowOut: []string{"allowed.test"}}); err != nil {
+	if err := f.g.SetPolicy("sb1", api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}); err != nil {
 		t.Fatal(err)
 	}
 	_ = gone.SetReadDeadline(time.Now().Add(5 * time.Second))
@@ -510,7 +510,7 @@ func TestDialSandbox(t *testing.T) {
 // TestHTTPHeadIsBounded: a request whose head never ends is cut off at
 // 64 KiB; the gateway (which every sandbox shares) holds no more of it.
 func TestHTTPHeadIsBounded(t *testing.T) {
-	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}})
+	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}})
 	if _, _, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA); err != nil {
 		t.Fatal(err)
 	}
@@ -606,7 +606,7 @@ func TestOpaqueProtocolNeedsAPort(t *testing.T) {
 		entry string
 		want  bool
 	}{{fmt.Sprintf("allowed.test:%d", port), true}, {"allowed.test", false}} {
-		f := newFixture(t, api.NetworkPolicy{AllowOut: []string{c.entry}})
+		f := newFixture(t, api.NetworkPolicy{AllowOut: []string{c.entry}, AllowPrivate: []string{"127.0.0.0/8"}})
 		if _, _, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA); err != nil {
 			t.Fatal(err)
 		}

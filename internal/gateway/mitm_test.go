@@ -247,7 +247,7 @@ func (f *brokerFixture) waitEvent(t *testing.T, match func(api.NetworkEvent) boo
 	return api.NetworkEvent{}
 }
 
-var allowBroker = api.NetworkPolicy{AllowOut: []string{"api.test", "plain.test", "wrong.test", "*.svc.test"}}
+var allowBroker = api.NetworkPolicy{AllowOut: []string{"api.test", "plain.test", "wrong.test", "*.svc.test"}, AllowPrivate: []string{"127.0.0.0/8"}}
 
 // (a) and (f): a placeholder in Authorization and in the query reaches the
 // real host as the value; the client saw a leaf of its own CA.
@@ -634,7 +634,7 @@ func issuePEM(t *testing.T, ca *gatewaytest.CA) []byte {
 // not allow gets nothing, even with a name claimed over an allowed one's
 // address.
 func TestBrokerPolicyFirst(t *testing.T) {
-	f := newBrokerFixture(t, api.NetworkPolicy{AllowOut: []string{"plain.test"}})
+	f := newBrokerFixture(t, api.NetworkPolicy{AllowOut: []string{"plain.test"}, AllowPrivate: []string{"127.0.0.0/8"}})
 	if err := f.g.SetBroker("sb1", f.config(keySecret("api.test"))); err != nil {
 		t.Fatal(err)
 	}

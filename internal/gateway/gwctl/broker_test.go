@@ -85,7 +85,7 @@ func TestSupervisedGatewayBroker(t *testing.T) {
 		t.Fatal(err)
 	}
 	nic := os.NewFile(uintptr(fds[0]), "nic")
-	if err := c.AttachDecide(ctx, "sb1", nic, api.NetworkPolicy{AllowOut: []string{"api.test"}}, false); err != nil {
+	if err := c.AttachDecide(ctx, "sb1", nic, api.NetworkPolicy{AllowOut: []string{"api.test"}, AllowPrivate: []string{"127.0.0.0/8"}}, false); err != nil {
 		t.Fatal(err)
 	}
 	nic.Close()

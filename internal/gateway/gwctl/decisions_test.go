@@ -247,7 +247,7 @@ func TestDecisionsReconnectAfterGatewayRestart(t *testing.T) {
 	t0 := time.Now()
 	waitStream(t, p2.sd)
 	t.Logf("stream back %v after the restart", time.Since(t0))
-	pol := api.NetworkPolicy{AllowOut: []string{"allowed.test"}}
+	pol := api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}
 	sbAsk := attachPair(t, cl, "sb-ask", pol, true)
 	sbFast := attachPair(t, cl, "sb-fast", pol, false)
 	if rc, _, err := sbAsk.Query(t, netip.MustParseAddr("198.18.0.1"), "allowed.test", dnsmessage.TypeA); err != nil || rc != dnsmessage.RCodeNameError {

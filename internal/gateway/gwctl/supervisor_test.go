@@ -97,7 +97,7 @@ func TestSupervisedGateway(t *testing.T) {
 	nic := os.NewFile(uintptr(fds[0]), "nic")
 	c := sup.Client()
 	// No rules for it (no server answers decisions here): the fast path.
-	if err := c.AttachDecide(ctx, "sb1", nic, api.NetworkPolicy{AllowOut: []string{"allowed.test"}}, false); err != nil {
+	if err := c.AttachDecide(ctx, "sb1", nic, api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}, false); err != nil {
 		t.Fatal(err)
 	}
 	nic.Close()
