@@ -127,6 +127,7 @@ func parseRequest(head string) Result {
 
 	hostSeen := false
 	var host string
+	var fr framing
 	for fields != "" {
 		var line string
 		line, fields, _ = strings.Cut(fields, "\r\n")
@@ -152,9 +153,15 @@ func parseRequest(head string) Result {
 			}
 			hostSeen, host = true, value
 		}
+		if err := fr.field(name, value); err != nil {
+			return Result{Err: err}
+		}
+	}
+	if err := fr.check(method, version); err != nil {
+		return Result{Err: err}
 	}
 
-	var res Result
+	res := Result{Method: method, Upgrade: fr.upgrade, Body: fr.body()}
 	if hostSeen {
 		n, p, err := parseHostPort(host)
 		if err != nil {
@@ -184,6 +191,91 @@ func parseRequest(head string) Result {
 		}
 	}
 	return res
+}
+
+// framing collects the header fields that decide where a request's body
+// ends and whether it asks to switch protocols.
+type framing struct {
+	cl, te  []string
+	upgrade bool
+}
+
+func (f *framing) field(name, value string) error {
+	switch {
+	case strings.EqualFold(name, "Content-Length"):
+		f.cl = append(f.cl, value)
+	case strings.EqualFold(name, "Transfer-Encoding"):
+		f.te = append(f.te, value)
+	case strings.EqualFold(name, "Upgrade"):
+		f.upgrade = true
+	case strings.EqualFold(name, "Connection"):
+		// A proxy drops the fields Connection lists before it forwards:
+		// listing a framing field would make the next hop frame the
+		// message differently from us.
+		for _, tok := range strings.Split(value, ",") {
+			switch strings.ToLower(strings.Trim(tok, " \t")) {
+			case "host", "content-length", "transfer-encoding", "trailer", "te":
+				return fmt.Errorf("%w: Connection lists %.32q", ErrFraming, strings.Trim(tok, " \t"))
+			}
+		}
+	case strings.EqualFold(name, "Trailer"):
+		// Fields after the body are read by some servers as headers (a
+		// Host there would be a second, unchecked one).
+		return fmt.Errorf("%w: Trailer", ErrFraming)
+	}
+	return nil
+}
+
+// noBody are the methods whose requests carry no content here: RFC 9110
+// gives a body on them no meaning, and servers that ignore it read the
+// body as the next request (a second, unchecked Host).
+var noBody = map[string]bool{"GET": true, "HEAD": true, "TRACE": true, "CONNECT": true}
+
+// check refuses every framing that two RFC 9112 readers could read
+// differently (RFC 9112 §6.1, §6.3): more than one length, a length and a
+// transfer coding, a coding other than chunked, a coding in HTTP/1.0, a
+// length that is not plain digits, and a body where the method has none.
+func (f *framing) check(method, version string) error {
+	if len(f.cl) > 1 {
+		return fmt.Errorf("%w: more than one Content-Length", ErrFraming)
+	}
+	if len(f.te) > 1 {
+		return fmt.Errorf("%w: more than one Transfer-Encoding", ErrFraming)
+	}
+	if len(f.cl) == 1 && len(f.te) == 1 {
+		return fmt.Errorf("%w: Content-Length with Transfer-Encoding", ErrFraming)
+	}
+	if len(f.te) == 1 {
+		if !strings.EqualFold(f.te[0], "chunked") {
+			return fmt.Errorf("%w: Transfer-Encoding %.32q (only chunked)", ErrFraming, f.te[0])
+		}
+		if version == "HTTP/1.0" {
+			return fmt.Errorf("%w: Transfer-Encoding in HTTP/1.0", ErrFraming)
+		}
+	}
+	if len(f.cl) == 1 {
+		v := f.cl[0]
+		if v == "" || len(v) > 15 {
+			return fmt.Errorf("%w: Content-Length %.32q", ErrFraming, v)
+		}
+		for i := 0; i < len(v); i++ {
+			if v[i] < '0' || v[i] > '9' {
+				return fmt.Errorf("%w: Content-Length %.32q", ErrFraming, v)
+			}
+		}
+	}
+	if noBody[method] && f.body() {
+		return fmt.Errorf("%w: a %s request with a body", ErrFraming, method)
+	}
+	return nil
+}
+
+// body: the request has content (a chunked coding or a non-zero length).
+func (f *framing) body() bool {
+	if len(f.te) > 0 {
+		return true
+	}
+	return len(f.cl) == 1 && strings.TrimLeft(f.cl[0], "0") != ""
 }
 
 func isToken(s string) bool {

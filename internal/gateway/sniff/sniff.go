@@ -9,12 +9,16 @@
 // than resolved one way, because the upstream server might resolve them the
 // other way.
 //
+// ParseRequestHead applies the same rules to every later request of a
+// connection, one head at a time.
+//
 // Peek only sees the start of a connection: the first HTTP request of a
 // kept-alive connection, the outer ClientHello of TLS. What follows is the
 // gateway's business.
 package sniff
 
 import (
+	"bytes"
 	"errors"
 	"io"
 )
@@ -55,6 +59,9 @@ var (
 	ErrMissingHost   = errors.New("missing Host")
 	ErrHostMismatch  = errors.New("the Host header disagrees with the request URI")
 	ErrDuplicateSNI  = errors.New("more than one server name")
+	// ErrFraming: where the request's body ends (or whether it has one) is
+	// not something every HTTP/1.1 reader agrees on.
+	ErrFraming = errors.New("ambiguous message framing")
 )
 
 // Result is what Peek learnt.
@@ -72,6 +79,11 @@ type Result struct {
 	// ECH: the ClientHello carries encrypted_client_hello; Name is then the
 	// outer (public) name, and the real one is hidden.
 	ECH bool
+	// HTTP only: the request's method, whether it carries an Upgrade
+	// header (asks to switch protocols), and whether it has a body.
+	Method  string
+	Upgrade bool
+	Body    bool
 	// Err, when not nil, says why the request is not acceptable as seen
 	// (one of the Err… values above, possibly wrapped with detail); Kind
 	// still says what the bytes are.
@@ -157,4 +169,27 @@ func decide(buf []byte, max int, st *state) (Result, bool, int) {
 		return Result{Kind: res.Kind, Err: ErrTooLarge}, true, 0
 	}
 	return res, false, need
+}
+
+// ParseRequestHead parses one HTTP/1.x request head: the request line and
+// the header fields up to and without the empty line that ends them, every
+// line ending in CRLF. It applies Peek's rules (a request Peek would find
+// malformed or ambiguous has Err set) and also refuses framing two readers
+// could disagree on (ErrFraming). Kind is HTTP unless the method is not one
+// Peek recognises (Unknown).
+func ParseRequestHead(head []byte) Result {
+	if !methodPrefix(head) || bytes.IndexByte(head, ' ') < 0 {
+		return Result{Kind: Unknown, Err: malformed("request line")}
+	}
+	for i, c := range head {
+		if c == '\n' && (i == 0 || head[i-1] != '\r') {
+			return Result{Kind: HTTP, Err: malformed("bare LF")}
+		}
+		if c == '\r' && (i+1 == len(head) || head[i+1] != '\n') {
+			return Result{Kind: HTTP, Err: malformed("bare CR")}
+		}
+	}
+	res := parseRequest(string(head))
+	res.Kind = HTTP
+	return res
 }
