@@ -663,6 +663,7 @@ func cloneConfig(c api.TemplateConfig) api.TemplateConfig {
 		n := *c.Network
 		n.AllowOut = slices.Clone(c.Network.AllowOut)
 		n.DenyOut = slices.Clone(c.Network.DenyOut)
+		n.AllowPrivate = slices.Clone(c.Network.AllowPrivate)
 		n.Rules = slices.Clone(c.Network.Rules)
 		out.Network = &n
 	}

@@ -73,7 +73,7 @@ var (
 		"COPY":    {"chown"},
 		"ADD":     {"chown"},
 		"READY":   {"timeout", "interval"},
-		"NETWORK": {"internet", "deny"},
+		"NETWORK": {"internet", "deny", "allow-private"},
 	}
 	flagsRefused = map[string]string{
 		"from":     "multi-stage builds are not supported",
@@ -462,8 +462,9 @@ func checkEnvName(name string) error {
 
 // NetworkPolicy is the default egress policy a NETWORK instruction gives
 // sandboxes of the template: "NETWORK none" reaches nothing; otherwise the
-// words are allow_out entries, --internet allows every public destination and
-// --deny=CIDR[,CIDR] are deny_out entries.
+// words are allow_out entries, --internet allows every public destination,
+// --deny=CIDR[,CIDR] are deny_out entries and --allow-private=CIDR[,CIDR]
+// allow_private entries (the special ranges its names may lead into).
 func (in *Instruction) NetworkPolicy() (api.NetworkPolicy, error) {
 	var p api.NetworkPolicy
 	words := strings.Fields(in.Raw)
@@ -484,6 +485,12 @@ func (in *Instruction) NetworkPolicy() (api.NetworkPolicy, error) {
 			return p, fmt.Errorf("--deny needs CIDR[,CIDR]")
 		}
 		p.DenyOut = strings.Split(v, ",")
+	}
+	if v, ok := in.Flags["allow-private"]; ok {
+		if v == "" {
+			return p, fmt.Errorf("--allow-private needs CIDR[,CIDR]")
+		}
+		p.AllowPrivate = strings.Split(v, ",")
 	}
 	p.AllowOut = words
 	if err := netpolicy.Validate(p); err != nil {

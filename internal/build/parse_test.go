@@ -239,3 +239,23 @@ func TestParseEnv(t *testing.T) {
 		t.Errorf("legacy parseEnv = %q, %v; want %q", got, err, want)
 	}
 }
+
+// TestNetworkAllowPrivate: NETWORK --allow-private lists the special
+// ranges the template's names may lead into (allow_private), checked at
+// parse time like the rest of the policy.
+func TestNetworkAllowPrivate(t *testing.T) {
+	f := mustParse(t, "FROM base\nNETWORK --allow-private=10.0.0.0/8,127.0.0.2 db.internal.example\n")
+	p, err := f.Instructions[1].NetworkPolicy()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(p.AllowPrivate, []string{"10.0.0.0/8", "127.0.0.2"}) || !reflect.DeepEqual(p.AllowOut, []string{"db.internal.example"}) {
+		t.Fatalf("%+v", p)
+	}
+	for _, bad := range []string{"NETWORK --allow-private= a.example", "NETWORK --allow-private=8.8.8.0/24 a.example", "NETWORK --allow-private=db.example a.example"} {
+		_, err := Parse(strings.NewReader("FROM base\n" + bad + "\n"))
+		if err == nil || !strings.Contains(err.Error(), "line 2") {
+			t.Errorf("%q: %v, want an error on line 2", bad, err)
+		}
+	}
+}

@@ -17,22 +17,24 @@ import (
 // netFlags are the egress policy flags of `run`, `sandbox create` and
 // `net set`.
 type netFlags struct {
-	internet    bool
-	allowOut    []string
-	denyOut     []string
-	egressProxy string
+	internet     bool
+	allowOut     []string
+	denyOut      []string
+	allowPrivate []string
+	egressProxy  string
 }
 
 func (f *netFlags) register(fl *pflag.FlagSet) {
 	fl.BoolVar(&f.internet, "internet", false, "allow every public destination (--deny-out still applies)")
 	fl.StringArrayVar(&f.allowOut, "allow-out", nil, `allow a destination: domain, "*.suffix", IP or CIDR, optionally ":port" (repeatable)`)
 	fl.StringArrayVar(&f.denyOut, "deny-out", nil, `deny an IP or CIDR, optionally ":port" (repeatable; wins over allows)`)
+	fl.StringArrayVar(&f.allowPrivate, "allow-private", nil, `let allowed names lead into this loopback/private/link-local IP or CIDR (repeatable; only inside the server's --egress-allow-private)`)
 	fl.StringVar(&f.egressProxy, "egress-proxy", "", "re-originate every allowed connection through this SOCKS5 proxy (socks5://host:port)")
 }
 
 // given reports whether any policy flag was set.
 func (f *netFlags) given() bool {
-	return f.internet || len(f.allowOut) > 0 || len(f.denyOut) > 0 || f.egressProxy != ""
+	return f.internet || len(f.allowOut) > 0 || len(f.denyOut) > 0 || len(f.allowPrivate) > 0 || f.egressProxy != ""
 }
 
 // policy builds the policy the flags describe. Entries are checked by the
@@ -44,7 +46,7 @@ func (f *netFlags) policy() (api.NetworkPolicy, error) {
 		flag string
 		in   []string
 		out  *[]string
-	}{{"allow-out", f.allowOut, &p.AllowOut}, {"deny-out", f.denyOut, &p.DenyOut}} {
+	}{{"allow-out", f.allowOut, &p.AllowOut}, {"deny-out", f.denyOut, &p.DenyOut}, {"allow-private", f.allowPrivate, &p.AllowPrivate}} {
 		for _, e := range l.in {
 			for _, part := range strings.Split(e, ",") {
 				part = strings.TrimSpace(part)
@@ -93,12 +95,12 @@ func newNetSetCmd(a *app) *cobra.Command {
 	var f netFlags
 	var none bool
 	cmd := &cobra.Command{
-		Use:   "set ID [--internet] [--allow-out P]... [--deny-out CIDR]... [--egress-proxy URL] | --none",
+		Use:   "set ID [--internet] [--allow-out P]... [--deny-out CIDR]... [--allow-private CIDR]... [--egress-proxy URL] | --none",
 		Short: "Replace a sandbox's whole network policy (a running sandbox's link applies it at once)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if none == f.given() {
-				return usagef("give the new policy (--internet, --allow-out, --deny-out, --egress-proxy) or --none, not both")
+				return usagef("give the new policy (--internet, --allow-out, --deny-out, --allow-private, --egress-proxy) or --none, not both")
 			}
 			p, err := f.policy()
 			if err != nil {
@@ -196,6 +198,9 @@ func policySummary(p api.NetworkPolicy) string {
 	if len(p.DenyOut) > 0 {
 		parts = append(parts, "deny "+strings.Join(p.DenyOut, ","))
 	}
+	if len(p.AllowPrivate) > 0 {
+		parts = append(parts, "private "+strings.Join(p.AllowPrivate, ","))
+	}
 	if p.EgressProxy != "" {
 		parts = append(parts, "via "+p.EgressProxy)
 	}
@@ -221,6 +226,9 @@ func printNetwork(a *app, info *api.NetworkInfo) error {
 	t.row("Internet:", yesNo(p.Internet))
 	t.row("Allow out:", orDash(strings.Join(p.AllowOut, ", ")))
 	t.row("Deny out:", orDash(strings.Join(p.DenyOut, ", ")))
+	if len(p.AllowPrivate) > 0 {
+		t.row("Allow private:", strings.Join(p.AllowPrivate, ", "))
+	}
 	t.row("Egress proxy:", orDash(p.EgressProxy))
 	for _, r := range p.Rules {
 		// Header names only: values may be credentials.

@@ -89,3 +89,39 @@ func TestNetCommands(t *testing.T) {
 		t.Fatalf("log --json: %d %q", code, out)
 	}
 }
+
+// TestAllowPrivateFlag: --allow-private (repeatable, comma lists) is the
+// policy's allow_private on create, run and net set, and is shown.
+func TestAllowPrivateFlag(t *testing.T) {
+	f, url := newFakeServer(t)
+	if code, _, errOut := runCLI(t, url, "", "sandbox", "create", "-q", "--allow-out", "db.internal.example",
+		"--allow-private", "10.0.0.0/8", "--allow-private", "127.0.0.2,192.168.1.0/24"); code != 0 {
+		t.Fatalf("create: %d %s", code, errOut)
+	}
+	want := api.NetworkPolicy{AllowOut: []string{"db.internal.example"}, AllowPrivate: []string{"10.0.0.0/8", "127.0.0.2", "192.168.1.0/24"}}
+	if got := f.creates[0].Network; got == nil || !reflect.DeepEqual(*got, want) {
+		t.Fatalf("create sent %+v", got)
+	}
+	if code, _, errOut := runCLI(t, url, "", "run", "--allow-private", "127.0.0.0/8", "--", "true"); code != 0 {
+		t.Fatalf("run: %d %s", code, errOut)
+	}
+	if got := f.creates[1].Network; got == nil || !reflect.DeepEqual(got.AllowPrivate, []string{"127.0.0.0/8"}) {
+		t.Fatalf("run sent %+v", got)
+	}
+	code, out, errOut := runCLI(t, url, "", "net", "set", "sb-1", "--allow-private", "10.1.0.0/16")
+	if code != 0 {
+		t.Fatalf("net set: %d %q %s", code, out, errOut)
+	}
+	if want := []string{`{"allow_private":["10.1.0.0/16"]}`}; !reflect.DeepEqual(f.netPuts, want) {
+		t.Fatalf("PUT bodies %q", f.netPuts)
+	}
+	if code, _, _ := runCLI(t, url, "", "net", "set", "sb-1", "--none", "--allow-private", "10.1.0.0/16"); code != ExitUsage {
+		t.Fatalf("--none with --allow-private: %d", code)
+	}
+	if code, _, _ := runCLI(t, url, "", "create", "--allow-private", "10.0.0.0/8,,"); code != ExitUsage {
+		t.Fatalf("empty entry: %d", code)
+	}
+	if got := policySummary(want); !strings.Contains(got, "private 10.0.0.0/8,127.0.0.2,192.168.1.0/24") {
+		t.Fatalf("summary %q", got)
+	}
+}

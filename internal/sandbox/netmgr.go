@@ -41,6 +41,7 @@ func ClonePolicy(p api.NetworkPolicy) api.NetworkPolicy {
 	out := p
 	out.AllowOut = slices.Clone(p.AllowOut)
 	out.DenyOut = slices.Clone(p.DenyOut)
+	out.AllowPrivate = slices.Clone(p.AllowPrivate)
 	if p.Rules != nil {
 		out.Rules = make([]api.HeaderRule, len(p.Rules))
 		for i, r := range p.Rules {

@@ -76,6 +76,7 @@ type serverNetFlags struct {
 	allowPrivate    []string
 	dnsUpstream     string
 	defaultAllowOut []string
+	defaultPrivate  []string
 	defaultInternet bool
 	dialGuard       string
 	bandwidth       string
@@ -84,9 +85,10 @@ type serverNetFlags struct {
 
 func (f *serverNetFlags) register(cmd *cobra.Command) {
 	fl := cmd.Flags()
-	fl.StringSliceVar(&f.allowPrivate, "egress-allow-private", nil, "CIDR[,CIDR]: loopback, private or link-local ranges sandboxes may reach when their policy allows them (none by default)")
+	fl.StringSliceVar(&f.allowPrivate, "egress-allow-private", nil, "CIDR[,CIDR]: loopback, private or link-local ranges sandboxes may reach when their policy allows them — an allow_out IP/CIDR inside one, or allow_private for names (none by default; the outer limit of every policy)")
 	fl.StringVar(&f.dnsUpstream, "dns-upstream", "", "HOST:PORT of the resolver the gateway asks for allowed names (default: the first nameserver of /etc/resolv.conf, port 53)")
 	fl.StringArrayVar(&f.defaultAllowOut, "default-allow-out", nil, "allow-out entry of the default policy, for sandboxes whose request and template set none (repeatable)")
+	fl.StringArrayVar(&f.defaultPrivate, "default-allow-private", nil, "allow_private entry of the default policy: a loopback/private CIDR its names may lead into, within --egress-allow-private (repeatable)")
 	fl.BoolVar(&f.defaultInternet, "default-internet", false, "the default policy allows every public destination")
 	fl.StringVar(&f.bandwidth, "egress-bandwidth", "", "cap on what one sandbox moves in each direction through the gateway, per second (e.g. 10m, 1g; default no cap)")
 	// Tests: the gateway refuses (and logs as a violation) any dial off this machine.
@@ -111,7 +113,7 @@ func (f *serverNetFlags) options() (server.NetworkOptions, error) {
 		}
 	}
 	o := server.NetworkOptions{DNSUpstream: f.dnsUpstream, DialGuard: f.dialGuard, BandwidthMiB: bw, UpstreamCA: f.upstreamCA,
-		Default: api.NetworkPolicy{Internet: f.defaultInternet, AllowOut: f.defaultAllowOut}}
+		Default: api.NetworkPolicy{Internet: f.defaultInternet, AllowOut: f.defaultAllowOut, AllowPrivate: f.defaultPrivate}}
 	for _, s := range f.allowPrivate {
 		p, err := netip.ParsePrefix(s)
 		if err != nil {

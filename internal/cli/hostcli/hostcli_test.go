@@ -11,14 +11,14 @@ import (
 
 func TestServerNetworkFlags(t *testing.T) {
 	f := serverNetFlags{allowPrivate: []string{"10.1.2.3/8", "192.168.1.5"}, dnsUpstream: "9.9.9.9:53",
-		defaultAllowOut: []string{"pypi.org"}, defaultInternet: true}
+		defaultAllowOut: []string{"pypi.org"}, defaultInternet: true, defaultPrivate: []string{"10.1.0.0/16"}}
 	o, err := f.options()
 	if err != nil {
 		t.Fatal(err)
 	}
 	wantPrefixes := []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("192.168.1.5/32")}
 	if !reflect.DeepEqual(o.AllowPrivate, wantPrefixes) || o.DNSUpstream != "9.9.9.9:53" ||
-		!o.Default.Internet || !reflect.DeepEqual(o.Default.AllowOut, []string{"pypi.org"}) {
+		!o.Default.Internet || !reflect.DeepEqual(o.Default.AllowOut, []string{"pypi.org"}) || !reflect.DeepEqual(o.Default.AllowPrivate, []string{"10.1.0.0/16"}) {
 		t.Fatalf("options %+v", o)
 	}
 	f.allowPrivate = []string{"not-a-cidr"}
@@ -26,7 +26,7 @@ func TestServerNetworkFlags(t *testing.T) {
 		t.Fatal("a bad CIDR was accepted")
 	}
 	cmd := newServerCmd(cli.Env{})
-	for _, name := range []string{"egress-allow-private", "dns-upstream", "default-allow-out", "default-internet"} {
+	for _, name := range []string{"egress-allow-private", "dns-upstream", "default-allow-out", "default-allow-private", "default-internet"} {
 		if cmd.Flags().Lookup(name) == nil {
 			t.Errorf("space server has no --%s", name)
 		}
