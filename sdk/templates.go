@@ -179,12 +179,13 @@ type BuildOptions struct {
 	// Network asks for network access in RUN steps; the server refuses
 	// the build if the host cannot give it.
 	Network bool
-	// AllowOut, DenyOut and Internet are the egress policy of RUN steps
-	// with network (any of them implies Network); none: every public
-	// destination.
-	AllowOut []string
-	DenyOut  []string
-	Internet bool
+	// AllowOut, DenyOut, AllowPrivate and Internet are the egress policy
+	// of RUN steps with network (any of them implies Network); none: every
+	// public destination.
+	AllowOut     []string
+	DenyOut      []string
+	AllowPrivate []string
+	Internet     bool
 }
 
 // maxBuildEvent bounds one line of a build stream (RUN output comes in
@@ -249,6 +250,9 @@ func (c *Client) BuildTemplateTar(ctx context.Context, contextTar io.Reader, o B
 	}
 	for _, d := range o.DenyOut {
 		q.Add("deny_out", d)
+	}
+	for _, p := range o.AllowPrivate {
+		q.Add("allow_private", p)
 	}
 	if o.Internet {
 		q.Set("internet", "true")

@@ -200,7 +200,7 @@ func newTenantCmd(a *app) *cobra.Command {
 				dec := json.NewDecoder(strings.NewReader(string(b)))
 				dec.DisallowUnknownFields()
 				if err := dec.Decode(&p); err != nil {
-					return usagef("--boundary %s: not a network policy (JSON: allow_out, deny_out, internet, rules, egress_proxy): %v", boundaryFile, err)
+					return usagef("--boundary %s: not a network policy (JSON: allow_out, deny_out, internet, allow_private, rules, egress_proxy): %v", boundaryFile, err)
 				}
 				t.Boundary = &p
 			}

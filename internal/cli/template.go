@@ -294,6 +294,7 @@ func newTemplateBuildCmd(a *app) *cobra.Command {
 		noCache           bool
 		network           bool
 		allowOut, denyOut []string
+		allowPrivate      []string
 		internet          bool
 	)
 	cmd := &cobra.Command{
@@ -335,7 +336,7 @@ func newTemplateBuildCmd(a *app) *cobra.Command {
 			}
 			p := &buildPrinter{w: w}
 			t, err := c.BuildTemplate(a.ctx, dir, sdk.BuildOptions{File: bf, Tags: tags, NoCache: noCache, Network: network,
-				AllowOut: allowOut, DenyOut: denyOut, Internet: internet}, p.event)
+				AllowOut: allowOut, DenyOut: denyOut, AllowPrivate: allowPrivate, Internet: internet}, p.event)
 			p.endOutput()
 			if err != nil {
 				return err
@@ -357,6 +358,7 @@ func newTemplateBuildCmd(a *app) *cobra.Command {
 	cmd.Flags().BoolVar(&network, "network", false, "give RUN steps network access: every public destination unless --allow-out narrows it (refused if the host cannot)")
 	cmd.Flags().StringArrayVar(&allowOut, "allow-out", nil, "egress of RUN steps with network: domain, *.suffix, IP or CIDR, optionally :port (repeatable; implies --network)")
 	cmd.Flags().StringArrayVar(&denyOut, "deny-out", nil, "IP or CIDR RUN steps may never reach (repeatable)")
+	cmd.Flags().StringArrayVar(&allowPrivate, "allow-private", nil, "loopback/private IP or CIDR the --allow-out names of RUN steps may lead into, within the server's --egress-allow-private (repeatable)")
 	cmd.Flags().BoolVar(&internet, "internet", false, "RUN steps with network may reach every public destination (implies --network)")
 	return cmd
 }

@@ -190,8 +190,8 @@ func (s *Server) buildTemplate(w http.ResponseWriter, r *http.Request) {
 	if err == nil {
 		internet, err = queryBool(r, "internet")
 	}
-	if q := r.URL.Query(); err == nil && (internet || len(q["allow_out"]) > 0 || len(q["deny_out"]) > 0) {
-		req.NetworkPolicy = &api.NetworkPolicy{Internet: internet, AllowOut: q["allow_out"], DenyOut: q["deny_out"]}
+	if q := r.URL.Query(); err == nil && (internet || len(q["allow_out"]) > 0 || len(q["deny_out"]) > 0 || len(q["allow_private"]) > 0) {
+		req.NetworkPolicy = &api.NetworkPolicy{Internet: internet, AllowOut: q["allow_out"], DenyOut: q["deny_out"], AllowPrivate: q["allow_private"]}
 	}
 	if err == nil {
 		err = req.Check() // before the body is read
