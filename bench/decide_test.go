@@ -84,7 +84,7 @@ func TestDecideBench(t *testing.T) {
 		hs.Close()
 		s.Close()
 	}()
-	policy := &api.NetworkPolicy{AllowOut: []string{"fast.test"}}
+	policy := &api.NetworkPolicy{AllowOut: []string{"fast.test"}, AllowPrivate: []string{"127.0.0.0/8"}}
 	dec.next.Store(true)
 	ruled := n.create(t, policy)
 	dec.next.Store(false)

@@ -104,7 +104,7 @@ func TestNetworkBench(t *testing.T) {
 	defer srv.Close()
 
 	withNet := startNetServer(t, dns.Addr, false)
-	policy := &api.NetworkPolicy{AllowOut: []string{"fast.test"}}
+	policy := &api.NetworkPolicy{AllowOut: []string{"fast.test"}, AllowPrivate: []string{"127.0.0.0/8"}}
 	sb := withNet.create(t, policy)
 	const downloads = 7
 	curlLoop := func(url string, n int) string {

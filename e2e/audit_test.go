@@ -22,7 +22,7 @@ import (
 func TestAuditTrail(t *testing.T) {
 	e := setup(t)
 	ctx := ctxT(t, 5*time.Minute)
-	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}})
 	if out, code := sh(t, e, sb.ID, "echo audited"); code != 0 || !strings.Contains(out, "audited") {
 		t.Fatalf("exec: %d %q", code, out)
 	}
@@ -240,7 +240,7 @@ func TestAuditNetworkAcrossRestart(t *testing.T) {
 	p := startServer(t, bin, data, addr, flags...)
 	defer func() { p.kill9() }()
 	c := p.client(t)
-	sb, err := c.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+	sb, err := c.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -79,7 +79,7 @@ func TestNetworkDecider(t *testing.T) {
 	defer e.srv.SetDecider(dec)()
 	fi := e.internet
 	hp := fi.httpPort
-	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test", "other.test"}}})
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test", "other.test"}, AllowPrivate: []string{"127.0.0.0/8"}}})
 	curl := fmt.Sprintf("curl -sS --max-time 20 http://allowed.test:%d/", hp)
 
 	// Where curl and python3 really are (readlink -f: /usr/bin/python3 is
@@ -192,7 +192,7 @@ func TestNetworkDecider(t *testing.T) {
 
 	// gvisor: the host cannot see inside, so no executable.
 	dec.set(allow)
-	gsb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "gvisor", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+	gsb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "gvisor", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}})
 	if out, code := sh(t, e, gsb.ID, curl); code != 0 || !strings.Contains(out, "127.0.0.2:") {
 		t.Fatalf("gvisor allowed: %d %q", code, out)
 	}

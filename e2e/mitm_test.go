@@ -29,7 +29,7 @@ func TestBrokerInterceptsFromSandbox(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"api.test", "plain.test"}}})
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"api.test", "plain.test"}, AllowPrivate: []string{"127.0.0.0/8"}}})
 	for path, pem := range map[string][]byte{"/tmp/space-ca.pem": sbCA.CertPEM, "/tmp/internet-ca.pem": upCA.CertPEM} {
 		if _, err := c.WriteFile(ctx, sb.ID, path, strings.NewReader(string(pem)), 0o644); err != nil {
 			t.Fatal(err)

@@ -159,7 +159,7 @@ func TestNetworkEgressPolicy(t *testing.T) {
 func testEgressPolicy(t *testing.T, e *env, runtime string) {
 	fi := e.internet
 	fi.dns.ForgetAsked()
-	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: runtime, Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test", "rebind-local.test", "rebind-meta.test", "rebind-lan.test"}}})
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: runtime, Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test", "rebind-local.test", "rebind-meta.test", "rebind-lan.test"}, AllowPrivate: []string{"127.0.0.0/8"}}})
 	if sb.Network == nil || len(sb.Network.AllowOut) != 4 {
 		t.Fatalf("sandbox does not report its policy: %+v", sb.Network)
 	}
@@ -255,7 +255,7 @@ EOF`, long, fi.udp)
 
 	// Live policy change: other.test becomes reachable at once, and the
 	// old name's open connections end.
-	if _, err := e.client.SetSandboxNetwork(ctxT(t, time.Minute), sb.ID, api.NetworkPolicy{AllowOut: []string{"other.test"}}); err != nil {
+	if _, err := e.client.SetSandboxNetwork(ctxT(t, time.Minute), sb.ID, api.NetworkPolicy{AllowOut: []string{"other.test"}, AllowPrivate: []string{"127.0.0.0/8"}}); err != nil {
 		t.Fatal(err)
 	}
 	if out, code := sh(t, e, sb.ID, fmt.Sprintf("curl -sS --max-time 10 http://other.test:%d/", hp)); code != 0 || !strings.Contains(out, "127.0.0.3:") {
@@ -346,7 +346,7 @@ func TestNetworkSurvivesServerRestart(t *testing.T) {
 	p := startServer(t, bin, data, addr, flags...)
 	defer func() { p.kill9() }()
 	c := p.client(t)
-	sb, err := c.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+	sb, err := c.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -416,7 +416,7 @@ func TestNetworkBuildStep(t *testing.T) {
 	const tag = "e2e-net-build:v1"
 	t.Cleanup(func() { e.client.RemoveTemplate(context.Background(), tag, false) })
 	var evs []api.BuildEvent
-	if _, err := e.client.BuildTemplate(ctx, dir, sdk.BuildOptions{Tags: []string{tag}, NoCache: true, AllowOut: []string{"allowed.test"}},
+	if _, err := e.client.BuildTemplate(ctx, dir, sdk.BuildOptions{Tags: []string{tag}, NoCache: true, AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}},
 		func(ev api.BuildEvent) { evs = append(evs, ev) }); err != nil {
 		t.Fatalf("build: %v (events %+v)", err, evs)
 	}
@@ -439,7 +439,7 @@ func TestNetworkBuildStep(t *testing.T) {
 func TestNetworkSuspendAndFork(t *testing.T) {
 	e := setup(t)
 	hp := e.internet.httpPort
-	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "gvisor", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "gvisor", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}})
 	get := fmt.Sprintf("curl -sS --max-time 10 http://allowed.test:%d/", hp)
 	if out, code := sh(t, e, sb.ID, get); code != 0 || !strings.Contains(out, "host=allowed.test") {
 		t.Fatalf("before suspend: %d %q", code, out)
@@ -500,7 +500,7 @@ func TestNetworkSuspendAndFork(t *testing.T) {
 // comes back by itself.
 func TestNetworkGatewayCrash(t *testing.T) {
 	e := setup(t)
-	sb := newSandbox(t, e, api.CreateSandboxRequest{Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}})
 	get := fmt.Sprintf("curl -sS --max-time 5 http://allowed.test:%d/", e.internet.httpPort)
 	if out, code := sh(t, e, sb.ID, get); code != 0 {
 		t.Fatalf("before: %d %q", code, out)

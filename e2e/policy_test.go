@@ -173,7 +173,7 @@ func TestPolicyOnANativeSandbox(t *testing.T) {
 func TestPolicyProposal(t *testing.T) {
 	e := setup(t)
 	ctx := ctxT(t, 5*time.Minute)
-	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}})
 	for range 2 {
 		sh(t, e, sb.ID, "getent hosts other.test || true")
 	}
@@ -295,7 +295,7 @@ func TestPolicyTenants(t *testing.T) {
 func TestPolicyGatesConnections(t *testing.T) {
 	e := setup(t)
 	ctx := ctxT(t, 5*time.Minute)
-	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}})
 	scope := "sandbox:" + sb.ID
 	t.Cleanup(func() { e.client.DeletePolicyRuleSet(context.Background(), scope) })
 	url := fmt.Sprintf("http://allowed.test:%d/", e.internet.httpPort)

@@ -107,7 +107,7 @@ func TestPoolClaimsThroughTheCLI(t *testing.T) {
 		}
 		return &resp.Sandbox
 	}
-	allowed := claim(&api.NetworkPolicy{AllowOut: []string{"allowed.test"}})
+	allowed := claim(&api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}})
 	url := fmt.Sprintf("http://allowed.test:%d/", e.internet.httpPort)
 	if out, code := sh(t, e, allowed.ID, "curl -sS --max-time 10 "+url); code != 0 || !strings.Contains(out, "127.0.0.2:") {
 		t.Fatalf("claimed sandbox with a policy allowing allowed.test: %d %q", code, out)

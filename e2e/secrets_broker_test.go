@@ -43,7 +43,7 @@ func TestSecretBrokeredEndToEnd(t *testing.T) {
 	}
 	set(value)
 	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: "native", Secrets: []string{"BROKERED_KEY"},
-		Network: &api.NetworkPolicy{AllowOut: []string{"api.test", "plain.test"}}})
+		Network: &api.NetworkPolicy{AllowOut: []string{"api.test", "plain.test"}, AllowPrivate: []string{"127.0.0.0/8"}}})
 	gs, _ := c.SandboxSecrets(ctx, sb.ID)
 	if len(gs) != 1 {
 		t.Fatalf("grants %+v", gs)

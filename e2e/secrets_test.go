@@ -63,7 +63,7 @@ func testSecretNeverEnters(t *testing.T, e *env, runtime string) {
 	}
 	t.Cleanup(func() { e.client.DeleteSecret(context.Background(), name) })
 	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: runtime, Secrets: []string{name},
-		Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+		Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}})
 	gs, err := e.client.SandboxSecrets(ctx, sb.ID)
 	if err != nil || len(gs) != 1 || gs[0].Name != name {
 		t.Fatalf("grants: %v %+v", err, gs)

@@ -28,7 +28,7 @@ func TestSandboxStats(t *testing.T) {
 
 func testSandboxStats(t *testing.T, e *env, rt string) {
 	ctx := ctxT(t, 10*time.Minute)
-	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: rt, Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}}})
+	sb := newSandbox(t, e, api.CreateSandboxRequest{Runtime: rt, Network: &api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}}})
 	stats := func() api.SandboxStats {
 		t.Helper()
 		st, err := e.client.Stats(ctx, sb.ID)
