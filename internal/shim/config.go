@@ -195,8 +195,10 @@ func SandboxRequest(c *Config, ns, id string, ann map[string]string) (api.Create
 
 // ParseEgress parses space.dev/egress: comma-separated allowed
 // destinations (as api.NetworkPolicy.AllowOut: a domain, "*.suffix", an IP
-// or a CIDR, each with an optional ":port"), "internet" for every public
-// destination, or "none" for nothing (the default without the annotation).
+// or a CIDR, each with an optional ":port"), "private=CIDR" for an
+// AllowPrivate entry (a private range the allowed names may lead into),
+// "internet" for every public destination, or "none" for nothing (the
+// default without the annotation).
 func ParseEgress(v string) (api.NetworkPolicy, error) {
 	var p api.NetworkPolicy
 	v = strings.TrimSpace(v)
@@ -211,6 +213,10 @@ func ParseEgress(v string) (api.NetworkPolicy, error) {
 		case "internet":
 			p.Internet = true
 		default:
+			if r, ok := strings.CutPrefix(e, "private="); ok {
+				p.AllowPrivate = append(p.AllowPrivate, r)
+				continue
+			}
 			p.AllowOut = append(p.AllowOut, e)
 		}
 	}

@@ -80,6 +80,10 @@ func TestSandboxRequestAnnotations(t *testing.T) {
 	if req.Runtime != "native" || req.Template != "tiny:1" || req.Network == nil || len(req.Network.AllowOut) != 3 || req.Network.Internet {
 		t.Fatalf("overrides: %+v %+v", req, req.Network)
 	}
+	req, err = SandboxRequest(cfg, "k8s.io", "pod1", map[string]string{AnnotationEgress: "db.default.svc.cluster.local:5432, private=10.96.0.0/12"})
+	if err != nil || req.Network == nil || len(req.Network.AllowOut) != 1 || len(req.Network.AllowPrivate) != 1 || req.Network.AllowPrivate[0] != "10.96.0.0/12" {
+		t.Fatalf("egress with private=: %+v %v", req.Network, err)
+	}
 	req, err = SandboxRequest(cfg, "k8s.io", "pod1", map[string]string{AnnotationEgress: "none"})
 	if err != nil || req.Network == nil || len(req.Network.AllowOut) != 0 {
 		t.Fatalf("egress none: %+v %v", req.Network, err)
@@ -89,6 +93,7 @@ func TestSandboxRequestAnnotations(t *testing.T) {
 		{AnnotationTemplate, "", "template reference"},
 		{AnnotationEgress, "pypi.org,,x", "empty destination"},
 		{AnnotationEgress, "*", "space.dev/egress"},
+		{AnnotationEgress, "db.example,private=8.8.8.0/24", "allow_private[0]"},
 		{"space.dev/memory", "1Gi", "not one the space runtime knows"},
 	} {
 		_, err := SandboxRequest(cfg, "k8s.io", "pod1", map[string]string{c.k: c.v})
