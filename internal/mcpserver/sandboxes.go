@@ -18,6 +18,8 @@ type NetworkIn struct {
 	AllowOut []string `json:"allow_out,omitempty" jsonschema:"destinations the sandbox may connect to: exact domains (pypi.org), wildcards (*.github.com: subdomains only), IPs or CIDRs, each optionally with :port"`
 	DenyOut  []string `json:"deny_out,omitempty" jsonschema:"IPs or CIDRs (optionally with :port) that stay unreachable even if allowed otherwise"`
 	Internet bool     `json:"internet,omitempty" jsonschema:"allow every public destination (deny_out still applies)"`
+	// AllowPrivate is api.NetworkPolicy.AllowPrivate.
+	AllowPrivate []string `json:"allow_private,omitempty" jsonschema:"loopback/private IPs or CIDRs the allowed domains may resolve into (e.g. 10.0.0.0/8 for an internal service's name); only within what the server opens"`
 }
 
 // SandboxCreateIn is sandbox_create's input.
@@ -58,7 +60,7 @@ func sandboxInfo(sb *api.Sandbox) SandboxInfo {
 		Ports: sb.PublicPorts, Error: sb.Error,
 	}
 	if sb.Network != nil {
-		out.Network = &NetworkIn{AllowOut: sb.Network.AllowOut, DenyOut: sb.Network.DenyOut, Internet: sb.Network.Internet}
+		out.Network = &NetworkIn{AllowOut: sb.Network.AllowOut, DenyOut: sb.Network.DenyOut, Internet: sb.Network.Internet, AllowPrivate: sb.Network.AllowPrivate}
 	}
 	if !sb.CreatedAt.IsZero() {
 		out.CreatedAt = sb.CreatedAt.UTC().Format(time.RFC3339)
@@ -173,7 +175,7 @@ func (t *tools) sandboxCreate(ctx context.Context, _ *mcp.CallToolRequest, in Sa
 		Limits: api.Limits{CPUs: in.CPUs, MemoryMiB: in.MemoryMiB},
 	}
 	if in.Network != nil {
-		req.Network = &api.NetworkPolicy{AllowOut: in.Network.AllowOut, DenyOut: in.Network.DenyOut, Internet: in.Network.Internet}
+		req.Network = &api.NetworkPolicy{AllowOut: in.Network.AllowOut, DenyOut: in.Network.DenyOut, Internet: in.Network.Internet, AllowPrivate: in.Network.AllowPrivate}
 	}
 	ctx, cancel := context.WithTimeout(ctx, lifecycleTimeout)
 	defer cancel()
