@@ -42,8 +42,9 @@ type Options struct {
 // Unreachable says why the operator's settings alone keep ip:port out of
 // every sandbox's reach ("protected address", or the Classify class of a
 // special address outside AllowPrivate), or "" if a policy may allow it.
-// Port 0 asks about the address on any port (DNS answers). The gateway's
-// DNS filter and its host dialer both ask this; Check asks more.
+// Port 0 asks about the address on any port. The gateway's host dialer
+// asks this; its DNS filter asks (*Policy).UnreachableAnswer, which adds
+// the sandbox's policy, and Check asks more.
 func (o Options) Unreachable(ip netip.Addr, port uint16) string {
 	ip = ip.Unmap()
 	for _, p := range o.Protected {
