@@ -340,8 +340,8 @@ func (pr *prover) addresses(open []netip.Prefix) {
 	// boundary's (the same when there is no such violation) and each
 	// finding keeps one reason.
 	pr.privOver = pr.p.priv.minus(pr.b.priv)
-	reachB := pr.notS.union(openS.intersect(pr.b.priv))
-	reachP := pr.notS.union(openS.intersect(pr.p.priv).intersect(pr.b.priv))
+	nameReachB := pr.notS.union(openS.intersect(pr.b.priv))
+	nameReachP := pr.notS.union(openS.intersect(pr.p.priv).intersect(pr.b.priv))
 	overP := openS.intersect(pr.privOver) // where only p's allow_private leads
 	type sets struct{ deny, allow, open ruleSets }
 	sideSets := func(s *side) sets {
@@ -359,8 +359,8 @@ func (pr *prover) addresses(open []netip.Prefix) {
 	}
 	for i := range pr.atoms {
 		a := &pr.atoms[i]
-		okP, reachP := byAddr(pr.p, setsP, reachP, a.port)
-		okB, reachB := byAddr(pr.b, setsB, reachB, a.port)
+		okP, reachP := byAddr(pr.p, setsP, nameReachP, a.port)
+		okB, reachB := byAddr(pr.b, setsB, nameReachB, a.port)
 		a.dB = setsB.deny.at(a.port)
 		if !a.other {
 			a.window = unionAll([]addrSet{setsP.deny.byPort[a.port], setsP.allow.byPort[a.port], setsB.deny.byPort[a.port], setsB.allow.byPort[a.port]})
