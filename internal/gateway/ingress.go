@@ -52,7 +52,7 @@ func (g *Gateway) DialSandbox(ctx context.Context, id string, port uint16) (net.
 func (l *link) dialIngress(ctx context.Context, port uint16) (net.Conn, error) {
 	ev := api.NetworkEvent{Protocol: "ingress", IP: sandboxAddr.String(), Port: int(port)}
 	l.mu.Lock()
-	full := len(l.conns)+len(l.ingress) >= l.g.opts.Limits.MaxConns
+	full := int(l.open.Load())+len(l.ingress) >= l.g.opts.Limits.MaxConns
 	l.mu.Unlock()
 	if full {
 		ev.Verdict, ev.Reason = api.VerdictLimit, fmt.Sprintf("more than %d open connections", l.g.opts.Limits.MaxConns)

@@ -69,6 +69,7 @@ type link struct {
 	// answer, and ctx, which ends every wait when the link goes.
 	decideOn atomic.Bool
 	held     atomic.Int32 // connections waiting for a decision
+	open     atomic.Int32 // sandbox-opened connections, from SYN to close (Limits.MaxConns)
 	heldDNS  atomic.Int32 // DNS queries waiting for a decision
 	ctx      context.Context
 	cancel   context.CancelFunc
@@ -193,7 +194,7 @@ func (l *link) setPolicy(pol *netpolicy.Policy) {
 func (l *link) info() api.NetworkInfo {
 	verdicts, dropped := l.events.counts()
 	l.mu.Lock()
-	open := int64(len(l.conns) + len(l.ingress))
+	open := int64(int(l.open.Load()) + len(l.ingress))
 	l.mu.Unlock()
 	return api.NetworkInfo{
 		Policy:   l.policy.Load().Source(),

@@ -213,12 +213,14 @@ func (l *link) serveIntercepted(ctx context.Context, down, up net.Conn, host str
 	ubw := bufio.NewWriterSize(up, 8<<10)
 	n := 0
 	for {
-		// As in the plain HTTP relay: the whole head must fit the buffer.
-		if err := bufferHead(cbr); err != nil {
-			return n
-		}
-		req, err := http.ReadRequest(cbr)
+		// The plain HTTP relay's strict reader: one parser for every
+		// request, framing every reader agrees on.
+		req, res, err := readRequest(cbr)
 		if err != nil {
+			if err != io.EOF && res.Kind == sniff.HTTP {
+				l.events.add(api.NetworkEvent{Protocol: "https", Name: host, IP: dst.String(), Port: int(port),
+					Verdict: api.VerdictDeny, Reason: "http: " + err.Error()})
+			}
 			return n
 		}
 		n++
@@ -246,9 +248,13 @@ func (l *link) serveIntercepted(ctx context.Context, down, up net.Conn, host str
 		if hh, _, err := net.SplitHostPort(h); err == nil {
 			h = hh
 		}
-		if cn, ok := netpolicy.CanonicalName(h); !ok || cn != host {
+		if cn, ok := netpolicy.CanonicalName(h); !ok || cn != host || res.Name != host {
 			return refuse(http.StatusMisdirectedRequest, "request names "+clip(h, 255)+" on a connection to "+host)
 		}
+		if req.Method == http.MethodConnect {
+			return refuse(http.StatusMethodNotAllowed, "CONNECT on an intercepted connection")
+		}
+		req.Host = hostHeader(host, res.HostPort)
 		act := actions.Action{Kind: actions.HTTP, Time: start, Sandbox: l.id, Name: host, IP: dst.String(), Port: int(port),
 			Method: req.Method, Path: req.URL.Path}
 		if d, _ := l.decide(act, nil); !d.Allowed() {
@@ -315,6 +321,9 @@ func (l *link) serveIntercepted(ctx context.Context, down, up net.Conn, host str
 			return n
 		}
 		done(api.VerdictAllow, resp.StatusCode, "intercepted")
+		if resp.StatusCode == http.StatusSwitchingProtocols && !res.Upgrade {
+			return n // a switch nobody asked for: the framing is not ours to trust
+		}
 		if resp.StatusCode == http.StatusSwitchingProtocols {
 			// What follows is not HTTP: relay it, without rewriting.
 			go func() {

@@ -8,10 +8,10 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"net/netip"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/net/proxy"
@@ -81,13 +81,14 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 		refuse(api.VerdictLimit, "new connection rate limit")
 		return
 	}
-	l.mu.Lock()
-	full := len(l.conns)+int(l.held.Load()) >= l.g.opts.Limits.MaxConns
-	l.mu.Unlock()
-	if full {
+	// Every connection counts from its SYN to its close: one still
+	// silent, one waiting for a decision or a dial, one relayed.
+	if int(l.open.Add(1)) > l.g.opts.Limits.MaxConns {
+		l.open.Add(-1)
 		refuse(api.VerdictLimit, fmt.Sprintf("more than %d open connections", l.g.opts.Limits.MaxConns))
 		return
 	}
+	defer l.open.Add(-1)
 	pol := l.policy.Load()
 	// By address alone (an allowed CIDR, or internet): no name to prove.
 	v := pol.Check("", dst, port)
@@ -99,19 +100,19 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 		// Else some allowed name this sandbox resolved to dst must claim it.
 		candidates := l.bindings.names(dst)
 		any := false
+		reason := "not resolved for an allowed name by this sandbox; " + v.Reason
 		for _, n := range candidates {
-			if nv := pol.Check(n, dst, port); nv.Allow {
+			nv := pol.Check(n, dst, port)
+			if nv.Allow {
 				any = true
 				if nv.OpaqueOK && opaque == "" {
 					opaque = n
 				}
+			} else {
+				reason = n + ": " + nv.Reason // why the name bound here does not open it
 			}
 		}
 		if !any {
-			reason := v.Reason
-			if len(candidates) == 0 {
-				reason = "not resolved for an allowed name by this sandbox; " + reason
-			}
 			refuse(api.VerdictDeny, reason)
 			return
 		}
@@ -150,57 +151,7 @@ func (l *link) handleTCP(r *tcp.ForwarderRequest) {
 		l.intercept(c, head, &ev, br, name, dst, port, reason) // credential brokering (mitm.go)
 		return
 	}
-	l.relay(c, head, &ev, name, dst, port, reason)
-}
-
-// httpRequests copies requests from the sandbox to up one at a time,
-// checking that each one's Host is still a name bound to dst that the policy
-// allows: on a kept-alive connection the first request's Host proved
-// nothing about the second's (a shared address serves many names).
-func (l *link) httpRequests(up io.Writer, in io.Reader, dst netip.Addr, port uint16, bw *rate.Limiter, n *int64) error {
-	br := bufio.NewReaderSize(in, maxRequestHead)
-	cw := &countingWriter{w: up, bw: bw, n: n, total: &l.bytesOut}
-	for {
-		// net/http reads a header line of any length: the whole head must
-		// be in the buffer first, so a sandbox cannot make the gateway
-		// (which every sandbox shares) hold an unbounded line.
-		if err := bufferHead(br); err != nil {
-			if err == io.EOF {
-				return nil
-			}
-			return fmt.Errorf("http: %w", err)
-		}
-		req, err := http.ReadRequest(br)
-		if err != nil {
-			if err == io.EOF {
-				return nil
-			}
-			return fmt.Errorf("http: %w", err)
-		}
-		host := req.Host
-		if h, _, err := net.SplitHostPort(host); err == nil {
-			host = h
-		}
-		name, ok := netpolicy.CanonicalName(host)
-		if !ok || !l.bindings.has(name, dst) || !l.policy.Load().Check(name, dst, port).Allow {
-			host = clip(host, 255)
-			l.events.add(api.NetworkEvent{Protocol: "http", Name: host, IP: dst.String(), Port: int(port),
-				Verdict: api.VerdictDeny, Reason: "a later request on the connection names " + host + ", not allowed for this address"})
-			return errors.New("host changed")
-		}
-		if _, has := req.Header["User-Agent"]; !has {
-			req.Header["User-Agent"] = []string{""} // Write adds Go's own otherwise
-		}
-		upgrade := req.Header.Get("Upgrade") != ""
-		if err := req.Write(cw); err != nil {
-			return err
-		}
-		if upgrade {
-			// A protocol switch (WebSocket): what follows is not HTTP.
-			*n += pump(up, br, bw, &l.bytesOut)
-			return nil
-		}
-	}
+	l.relay(c, head, &ev, name, dst, port, reason, !byAddr && ev.Protocol == "tcp")
 }
 
 type countingWriter struct {
@@ -348,7 +299,10 @@ type relay struct {
 	onAbort   func() // an intercepted connection's pending decisions end
 }
 
-func (l *link) relay(c net.Conn, head []byte, ev *api.NetworkEvent, name string, dst netip.Addr, port uint16, rule string) {
+// relay dials dst:port and relays c to it. opaque: the connection was
+// allowed for name as an opaque protocol before the sandbox sent anything
+// naming it (lateProof).
+func (l *link) relay(c net.Conn, head []byte, ev *api.NetworkEvent, name string, dst netip.Addr, port uint16, rule string, opaque bool) {
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), dialTimeout)
 	up, err := l.dial(ctx, l.policy.Load(), dst, port)
@@ -377,32 +331,60 @@ func (l *link) relay(c net.Conn, head []byte, ev *api.NetworkEvent, name string,
 
 	var wg sync.WaitGroup
 	var outN, inN int64
+	var refused atomic.Pointer[refusal]
+	var rs *responses
+	if ev.Protocol == "http" {
+		rs = newResponses()
+	}
 	wg.Add(2)
 	go func() {
 		defer wg.Done()
-		if ev.Protocol == "http" {
-			// A refused request ends the stream to the server; responses
-			// to the requests already sent still come back.
-			_ = l.httpRequests(up, io.MultiReader(bytes.NewReader(head), c), dst, port, l.bwOut, &outN)
-			closeWrite(up)
-			return
-		}
-		if len(head) > 0 {
-			if _, err := up.Write(head); err != nil {
+		var err error
+		switch {
+		case ev.Protocol == "http":
+			br := bufio.NewReaderSize(io.MultiReader(bytes.NewReader(head), c), maxRelayHead)
+			err = l.httpOut(up, br, dst, port, rs, &outN)
+		case opaque:
+			// Allowed as an opaque protocol before the sandbox spoke:
+			// what it sends first is still proved.
+			br := bufio.NewReaderSize(io.MultiReader(bytes.NewReader(head), c), maxRelayHead)
+			var proto, proved string
+			proto, proved, err = l.lateProof(up, c, br, dst, port, &outN)
+			ev.Protocol = proto
+			if proved != "" {
+				ev.Name = proved
+			}
+		default:
+			cw := &countingWriter{w: up, bw: l.bwOut, n: &outN, total: &l.bytesOut}
+			if _, err := cw.Write(head); err != nil {
 				return
 			}
-			outN += int64(len(head))
-			l.bytesOut.Add(int64(len(head)))
+			pump(cw, c, nil, nopCounter{})
 		}
-		outN += pump(up, c, l.bwOut, &l.bytesOut)
+		if r, ok := err.(*refusal); ok {
+			// Nothing more goes upstream; the responses to what was sent
+			// still come back (for a while), then the connection is reset.
+			refused.Store(r)
+			_ = up.SetReadDeadline(time.Now().Add(refusedDrain))
+		}
 		closeWrite(up)
 	}()
 	go func() {
 		defer wg.Done()
-		inN += pump(c, up, l.bwIn, &l.bytesIn)
-		closeWrite(c)
+		down := &countingWriter{w: c, bw: l.bwIn, n: &inN, total: &l.bytesIn}
+		if rs != nil {
+			rs.run(down, up)
+		} else {
+			pump(down, up, nil, nopCounter{})
+		}
+		if refused.Load() == nil {
+			closeWrite(c)
+		}
 	}()
 	wg.Wait()
+	if r := refused.Load(); r != nil {
+		rl.abort("refused: " + r.reason)
+	}
 	rl.abort("")
 	ev.Verdict, ev.Reason = api.VerdictAllow, rule
 	if rl.closedWhy != "" {
@@ -439,10 +421,17 @@ type counter interface{ Add(int64) int64 }
 
 // pump copies src to dst, counting, under an optional bandwidth limit.
 func pump(dst io.Writer, src io.Reader, bw *rate.Limiter, total counter) int64 {
-	buf := make([]byte, relayBuffer)
+	// An idle connection holds a small buffer; one that fills it gets
+	// the bulk one.
+	buf := make([]byte, idleBuffer)
 	var n int64
 	for {
 		k, err := src.Read(buf)
+		if k == len(buf) && len(buf) < relayBuffer {
+			nb := make([]byte, relayBuffer)
+			copy(nb, buf[:k])
+			buf = nb
+		}
 		if k > 0 {
 			if bw != nil {
 				_ = bw.WaitN(context.Background(), min(k, bw.Burst()))
@@ -471,16 +460,23 @@ func closeWrite(c net.Conn) {
 // gateway relays.
 const maxRequestHead = 64 << 10
 
+// maxRelayHead bounds a request head on a plain-HTTP connection: the
+// buffer every such connection holds while idle (the first request's head
+// was bounded by peekMax already).
+const maxRelayHead = 32 << 10
+
 var errHeadTooLarge = errors.New("request head over 64 KiB")
 
 // bufferHead reads until br holds a whole request head (up to the empty
 // line), or fails if it does not fit in br's buffer.
 func bufferHead(br *bufio.Reader) error {
+	from := 0 // scanned already: a trickling peer costs linear work
 	for {
 		b, _ := br.Peek(br.Buffered())
-		if bytes.Contains(b, []byte("\r\n\r\n")) || bytes.Contains(b, []byte("\n\n")) {
+		if bytes.Contains(b[max(from-3, 0):], []byte("\r\n\r\n")) || bytes.Contains(b[max(from-1, 0):], []byte("\n\n")) {
 			return nil
 		}
+		from = len(b)
 		if br.Buffered() >= br.Size() {
 			return errHeadTooLarge
 		}
@@ -501,7 +497,15 @@ func clip(s string, n int) string {
 	return s
 }
 
-// relayBuffer is each direction's copy buffer: big enough for bulk
-// transfers, small enough that a sandbox's 512 connections cost at most
-// 64 MiB of the shared gateway.
-const relayBuffer = 64 << 10
+// relayBuffer is each direction's copy buffer once data flows in bulk: big
+// enough for bulk transfers, small enough that a sandbox's 512 connections
+// cost at most 64 MiB of the shared gateway; idleBuffer is what a
+// direction holds until then.
+const (
+	relayBuffer = 64 << 10
+	idleBuffer  = 4 << 10
+)
+
+// refusedDrain is how long the responses to requests already forwarded
+// may still come back after the relay refused a later one.
+const refusedDrain = 5 * time.Second
