@@ -79,6 +79,9 @@ type FakeDNS struct {
 	mu      sync.Mutex
 	asked   []string
 	answers map[string][]string // name → A records, or "cname:target"
+	// queries are the queries as received (header, questions with the
+	// name's case as sent, additional records), oldest first.
+	queries []dnsmessage.Message
 }
 
 func StartDNS(t testing.TB, answers map[string][]string) *FakeDNS {
@@ -112,6 +115,8 @@ func ServeDNS(addr string, answers map[string][]string) (*FakeDNS, func(), error
 			name := strings.TrimSuffix(strings.ToLower(q.Name.String()), ".")
 			d.mu.Lock()
 			d.asked = append(d.asked, name)
+			d.queries = append(d.queries, dnsmessage.Message{Header: m.Header,
+				Questions: append([]dnsmessage.Question(nil), m.Questions...), Additionals: append([]dnsmessage.Resource(nil), m.Additionals...)})
 			m.Response = true
 			recs, ok := d.answers[name]
 			d.mu.Unlock()
@@ -148,6 +153,14 @@ func (d *FakeDNS) WasAsked(name string) bool {
 		}
 	}
 	return false
+}
+
+// Queries are the queries received so far as they came (the question's
+// name keeps the case it was sent in; WasAsked compares lowercased).
+func (d *FakeDNS) Queries() []dnsmessage.Message {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return append([]dnsmessage.Message(nil), d.queries...)
 }
 
 // SandboxStack is the "sandbox": a netstack of its own on the other end of
@@ -332,6 +345,7 @@ func (d *FakeDNS) ForgetAsked() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.asked = nil
+	d.queries = nil
 }
 
 // Serve listens on port of the sandbox's own address and runs handle on
