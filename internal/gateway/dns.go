@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/netip"
 	"strings"
@@ -180,7 +181,7 @@ func (l *link) answer(query []byte, maxSize int) []byte {
 		return reply(h, qs, dnsmessage.RCodeFormatError, nil, maxSize)
 	}
 	q := qs[0]
-	name := strings.TrimSuffix(strings.ToLower(q.Name.String()), ".")
+	name := canonicalName(q.Name)
 	ev := api.NetworkEvent{Protocol: "dns", Name: name}
 	pol := l.policy.Load()
 	rule, ok := pol.NameAllowed(name)
@@ -216,7 +217,7 @@ func (l *link) answer(query []byte, maxSize int) []byte {
 		return reply(h, qs, dnsmessage.RCodeSuccess, nil, maxSize)
 	}
 	start := time.Now()
-	ips, ttl, rcode, err := l.resolve(q)
+	ips, ttl, rcode, err := l.resolve(name)
 	ev.DurationMS = float64(time.Since(start).Microseconds()) / 1000
 	if err != nil {
 		ev.Verdict, ev.Reason = api.VerdictError, "upstream: "+err.Error()
@@ -249,11 +250,20 @@ func (l *link) answer(query []byte, maxSize int) []byte {
 	for _, ip := range kept {
 		alias, _ := toSandbox(ip)
 		rrs = append(rrs, dnsmessage.Resource{
+			// The sandbox's own question name (and case): resolvers
+			// check the answer matches what they asked.
 			Header: dnsmessage.ResourceHeader{Name: q.Name, Type: dnsmessage.TypeA, Class: dnsmessage.ClassINET, TTL: ttl},
 			Body:   &dnsmessage.AResource{A: alias.As4()},
 		})
 	}
 	return reply(h, qs, rcode, rrs, maxSize)
+}
+
+// canonicalName is the one form of a question's name the gateway uses:
+// lowercase, without the final dot. The policy, the distinct-names bound
+// and the upstream all see this form, never the sandbox's letter case.
+func canonicalName(n dnsmessage.Name) string {
+	return strings.TrimSuffix(strings.ToLower(n.String()), ".")
 }
 
 // unreachable says why an answer's address may never be bound, or "":
@@ -267,12 +277,26 @@ func (l *link) unreachable(ip netip.Addr) string {
 	return l.policy.Load().UnreachableAnswer(ip)
 }
 
-// resolve asks the upstream for q's A records, following the CNAME chain
-// the upstream returns; only the final addresses come back.
-func (l *link) resolve(q dnsmessage.Question) ([]netip.Addr, uint32, dnsmessage.RCode, error) {
+// resolve asks the upstream for name's A records, following the CNAME
+// chain the upstream returns; only the final addresses come back.
+//
+// Nothing in the upstream query is the sandbox's choice but which allowed
+// name it asks for (and when): the name goes in its canonical form (the
+// one the policy and the distinct-names bound counted — sending the
+// sandbox's letter case would let it carry a bit per letter, 0x20
+// encoding, past those bounds), type A and class IN always, a random ID of
+// the gateway's, RD the only flag, no EDNS or other additional records.
+// The sandbox's ID, flags, EDNS options and case stay between it and the
+// gateway.
+func (l *link) resolve(name string) ([]netip.Addr, uint32, dnsmessage.RCode, error) {
 	if l.g.opts.DNSUpstream == "" {
 		return nil, 0, 0, errors.New("no upstream resolver configured (--dns-upstream)")
 	}
+	qn, err := dnsmessage.NewName(name + ".")
+	if err != nil {
+		return nil, 0, 0, err
+	}
+	q := dnsmessage.Question{Name: qn, Type: dnsmessage.TypeA, Class: dnsmessage.ClassINET}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Second)
 	defer cancel()
 	c, err := l.g.opts.Dialer.DialContext(ctx, "udp", l.g.opts.DNSUpstream)
@@ -281,7 +305,7 @@ func (l *link) resolve(q dnsmessage.Question) ([]netip.Addr, uint32, dnsmessage.
 	}
 	defer c.Close()
 	_ = c.SetDeadline(time.Now().Add(3 * time.Second))
-	id := uint16(time.Now().UnixNano())
+	id := uint16(rand.Uint32())
 	msg := dnsmessage.Message{Header: dnsmessage.Header{ID: id, RecursionDesired: true}, Questions: []dnsmessage.Question{q}}
 	b, err := msg.Pack()
 	if err != nil {
@@ -298,13 +322,14 @@ func (l *link) resolve(q dnsmessage.Question) ([]netip.Addr, uint32, dnsmessage.
 		}
 		var resp dnsmessage.Message
 		if resp.Unpack(buf[:n]) != nil || resp.ID != id || !resp.Response || len(resp.Questions) != 1 ||
-			!strings.EqualFold(resp.Questions[0].Name.String(), q.Name.String()) {
+			!strings.EqualFold(resp.Questions[0].Name.String(), qn.String()) ||
+			resp.Questions[0].Type != q.Type || resp.Questions[0].Class != q.Class {
 			continue // not the answer to our question: keep waiting
 		}
 		if resp.RCode != dnsmessage.RCodeSuccess {
 			return nil, 0, resp.RCode, nil
 		}
-		return chain(q.Name, resp.Answers)
+		return chain(qn, resp.Answers)
 	}
 }
 
