@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/net/dns/dnsmessage"
@@ -70,27 +71,91 @@ func (b *bindings) has(name string, ip netip.Addr) bool {
 	return ok && time.Now().Before(until)
 }
 
-// dnsGuard bounds what a sandbox can push through DNS: a query rate, and
+// dnsGuard bounds what a sandbox can push through DNS, and what its DNS
+// can make the gateway (which every sandbox shares) do: a query rate,
 // distinct names per wildcard zone per window (data hidden in
-// <data>.allowed-zone labels).
+// <data>.allowed-zone labels), and a few workers with a short queue for
+// the queries that pass the rate (one goroutine per datagram let a flood
+// of 369k datagrams in 2 s take the gateway from 60 to 305 MB).
 type dnsGuard struct {
 	lim     Limits
 	rate    *rate.Limiter
 	mu      sync.Mutex
 	zones   map[string]map[string]struct{}
 	started time.Time
+
+	work    chan func()  // UDP queries (and lookups after a decision) waiting for a worker
+	workers atomic.Int32 // running workers, ≤ dnsWorkers
+	dropped atomic.Int64 // UDP queries dropped with the queue full
+	// deciding counts the goroutines of UDP queries waiting for a policy
+	// decision, ≤ maxHeldDNS.
+	deciding atomic.Int32
 }
+
+const (
+	// dnsWorkers bounds the goroutines answering one link's UDP queries
+	// at once (a lookup waits up to ~3 s for the upstream).
+	dnsWorkers = 8
+	// dnsQueueLen bounds the queries waiting for a worker; at least the
+	// rate limiter's burst, so a burst the limiter admits is queued whole
+	// unless the upstream is slow. A datagram that finds it full is
+	// dropped (counted; a drop event, rate-bounded).
+	dnsQueueLen = 256
+)
 
 func newDNSGuard(lim Limits) *dnsGuard {
-	return &dnsGuard{lim: lim, rate: rate.NewLimiter(rate.Limit(lim.DNSPerSecond), int(2*lim.DNSPerSecond)+1),
-		zones: map[string]map[string]struct{}{}, started: time.Now()}
+	// Burst: one second's worth, so a burst of queries over t seconds
+	// admits at most rate×(1+t) (Limits.DNSPerSecond).
+	burst := max(1, int(lim.DNSPerSecond))
+	return &dnsGuard{lim: lim, rate: rate.NewLimiter(rate.Limit(lim.DNSPerSecond), burst),
+		zones: map[string]map[string]struct{}{}, started: time.Now(), work: make(chan func(), dnsQueueLen)}
 }
 
-// admit says why a query for name (under zone; "" if none) is refused, or "".
-func (d *dnsGuard) admit(name, zone string) string {
-	if !d.rate.Allow() {
-		return "dns query rate limit"
+// push queues job for one of the link's DNS workers, starting one if
+// fewer than dnsWorkers run; false if the queue is full. Workers exist
+// only while there is work: an idle link has none.
+func (d *dnsGuard) push(job func()) bool {
+	select {
+	case d.work <- job:
+	default:
+		return false
 	}
+	for {
+		n := d.workers.Load()
+		if n >= dnsWorkers {
+			return true
+		}
+		if d.workers.CompareAndSwap(n, n+1) {
+			go d.worker()
+			return true
+		}
+	}
+}
+
+func (d *dnsGuard) worker() {
+	for {
+		select {
+		case job := <-d.work:
+			job()
+			continue
+		default:
+		}
+		d.workers.Add(-1)
+		// A push between the look above and the decrement counted this
+		// worker as running and started none: look again.
+		if len(d.work) == 0 {
+			return
+		}
+		if d.workers.Add(1) > dnsWorkers {
+			d.workers.Add(-1)
+			return
+		}
+	}
+}
+
+// admit says why a query for name (under zone; "" if none) is refused, or
+// "". The rate was checked before (serveDNSUDP, serveDNSTCP).
+func (d *dnsGuard) admit(name, zone string) string {
 	if zone == "" {
 		return ""
 	}
@@ -119,7 +184,12 @@ func (d *dnsGuard) admit(name, zone string) string {
 	return ""
 }
 
-// serveDNSUDP answers queries sent to the gateway's port 53.
+const rateLimited = "dns query rate limit"
+
+// serveDNSUDP answers queries sent to the gateway's port 53. One reader
+// per link takes each datagram, charges it to the rate limiter first (an
+// over-rate query is REFUSED right there, with no copy, goroutine or
+// queue slot), and queues the rest for the link's few workers.
 func (l *link) serveDNSUDP() error {
 	pc, err := gonet.DialUDP(l.stack, &tcpip.FullAddress{NIC: nicID, Addr: tcpip.AddrFrom4(gatewayAddr.As4()), Port: 53}, nil, ipv4.ProtocolNumber)
 	if err != nil {
@@ -133,18 +203,75 @@ func (l *link) serveDNSUDP() error {
 			if err != nil {
 				return // the stack is gone
 			}
-			q := append([]byte(nil), buf[:n]...)
-			go func() {
-				if resp := l.answer(q, 512); resp != nil {
+			l.queries.Add(1)
+			if !l.dns.rate.Allow() {
+				if resp := l.refuse(buf[:n], 512, rateLimited); resp != nil {
 					_, _ = pc.WriteTo(resp, from)
 				}
-			}()
+				continue
+			}
+			q := append([]byte(nil), buf[:n]...)
+			if !l.dns.push(func() { l.answerUDP(pc, q, from) }) {
+				l.dnsQueueFull()
+			}
 		}
 	}()
 	return nil
 }
 
-// serveDNSTCP answers length-prefixed queries on one TCP connection.
+func (l *link) dnsQueueFull() {
+	l.dns.dropped.Add(1)
+	l.dropEvent(api.NetworkEvent{Protocol: "dns", IP: gatewayAddr.String(), Port: 53,
+		Reason: fmt.Sprintf("%d queries already waiting for an answer", dnsQueueLen)})
+}
+
+// answerUDP answers one UDP query in a worker. A query the temporal policy
+// is asked about leaves the worker for a goroutine of its own (the answer
+// may wait for an approval; at most maxHeldDNS wait at once) and comes
+// back to the queue for its lookup.
+func (l *link) answerUDP(pc net.PacketConn, q []byte, from net.Addr) {
+	if l.ctx.Err() != nil {
+		return // the link is gone
+	}
+	write := func(resp []byte) {
+		if resp != nil {
+			_, _ = pc.WriteTo(resp, from)
+		}
+	}
+	resp, x := l.check(q, 512)
+	if x == nil {
+		write(resp)
+		return
+	}
+	if !l.decideOn.Load() {
+		write(l.lookup(x))
+		return
+	}
+	// Counted from before the goroutine starts (heldDNS counts only from
+	// inside decideDNS), so a burst cannot start more than maxHeldDNS.
+	if l.dns.deciding.Add(1) > maxHeldDNS {
+		l.dns.deciding.Add(-1)
+		write(l.tooManyHeld(x))
+		return
+	}
+	go func() {
+		defer l.dns.deciding.Add(-1)
+		if resp := l.decideQuery(x); resp != nil {
+			write(resp)
+			return
+		}
+		if !l.dns.push(func() {
+			if l.ctx.Err() == nil {
+				write(l.lookup(x))
+			}
+		}) {
+			l.dnsQueueFull()
+		}
+	}()
+}
+
+// serveDNSTCP answers length-prefixed queries on one TCP connection, one
+// at a time (the connection's own goroutine; at most maxDNSTCP of them).
 func (l *link) serveDNSTCP(c net.Conn) {
 	defer c.Close()
 	for {
@@ -157,7 +284,13 @@ func (l *link) serveDNSTCP(c net.Conn) {
 		if _, err := io.ReadFull(c, q); err != nil {
 			return
 		}
-		resp := l.answer(q, 65535)
+		l.queries.Add(1)
+		var resp []byte
+		if l.dns.rate.Allow() {
+			resp = l.answer(q, 65535)
+		} else {
+			resp = l.refuse(q, 65535, rateLimited)
+		}
 		if resp == nil {
 			return
 		}
@@ -168,17 +301,65 @@ func (l *link) serveDNSTCP(c net.Conn) {
 	}
 }
 
-// answer builds the reply to one query (nil: drop it, it is not DNS).
-func (l *link) answer(query []byte, maxSize int) []byte {
-	l.queries.Add(1)
+// refuse is the REFUSED reply to a query refused before any other work
+// (why: the limit event's reason), nil if it is not a DNS query.
+func (l *link) refuse(query []byte, maxSize int, why string) []byte {
 	var p dnsmessage.Parser
 	h, err := p.Start(query)
 	if err != nil || h.Response {
 		return nil
 	}
+	qs, _ := p.AllQuestions()
+	ev := api.NetworkEvent{Protocol: "dns", Verdict: api.VerdictLimit, Reason: why}
+	if len(qs) > 0 {
+		ev.Name = canonicalName(qs[0].Name)
+	}
+	l.events.add(ev)
+	return reply(h, qs, dnsmessage.RCodeRefused, nil, maxSize)
+}
+
+// canonicalName is the one form of a question's name the gateway uses:
+// lowercase, without the final dot. The policy, the distinct-names bound
+// and the upstream all see this form, never the sandbox's letter case.
+func canonicalName(n dnsmessage.Name) string {
+	return strings.TrimSuffix(strings.ToLower(n.String()), ".")
+}
+
+// dnsQuery is one query between answer's steps.
+type dnsQuery struct {
+	h       dnsmessage.Header
+	qs      []dnsmessage.Question // as the sandbox asked (the reply echoes them)
+	name    string                // canonicalName of the question
+	rule    string                // what allowed it
+	ev      api.NetworkEvent
+	maxSize int
+}
+
+// answer builds the reply to one query (nil: drop it, it is not DNS); the
+// rate was charged before.
+func (l *link) answer(query []byte, maxSize int) []byte {
+	resp, x := l.check(query, maxSize)
+	if x == nil {
+		return resp
+	}
+	if resp := l.decideQuery(x); resp != nil {
+		return resp
+	}
+	return l.lookup(x)
+}
+
+// check is answer's first step, what never waits: the query parsed and
+// held against the network policy and the zone bounds. It returns the
+// reply, or the query to go on with.
+func (l *link) check(query []byte, maxSize int) ([]byte, *dnsQuery) {
+	var p dnsmessage.Parser
+	h, err := p.Start(query)
+	if err != nil || h.Response {
+		return nil, nil
+	}
 	qs, err := p.AllQuestions()
 	if err != nil || len(qs) != 1 || h.OpCode != 0 {
-		return reply(h, qs, dnsmessage.RCodeFormatError, nil, maxSize)
+		return reply(h, qs, dnsmessage.RCodeFormatError, nil, maxSize), nil
 	}
 	q := qs[0]
 	name := canonicalName(q.Name)
@@ -188,31 +369,47 @@ func (l *link) answer(query []byte, maxSize int) []byte {
 	if !ok || q.Class != dnsmessage.ClassINET {
 		ev.Verdict, ev.Reason = api.VerdictDeny, "name not allowed"
 		l.events.add(ev)
-		return reply(h, qs, dnsmessage.RCodeNameError, nil, maxSize)
+		return reply(h, qs, dnsmessage.RCodeNameError, nil, maxSize), nil
 	}
 	if why := l.dns.admit(name, pol.Zone(name)); why != "" {
 		ev.Verdict, ev.Reason = api.VerdictLimit, why
 		l.events.add(ev)
-		return reply(h, qs, dnsmessage.RCodeRefused, nil, maxSize)
+		return reply(h, qs, dnsmessage.RCodeRefused, nil, maxSize), nil
 	}
-	// The temporal policy has the last word (decide.go); its deny looks
-	// like the network policy's.
-	d, limited := l.decideDNS(name)
+	return nil, &dnsQuery{h: h, qs: qs, name: name, rule: rule, ev: ev, maxSize: maxSize}
+}
+
+// decideQuery asks the temporal policy (decide.go), which has the last
+// word; its deny looks like the network policy's. It returns the reply to
+// a refused query, nil to go on.
+func (l *link) decideQuery(x *dnsQuery) []byte {
+	d, limited := l.decideDNS(x.name)
 	if limited {
-		ev.Verdict, ev.Reason = api.VerdictLimit, "too many dns queries waiting for a policy decision"
-		l.events.add(ev)
-		return reply(h, qs, dnsmessage.RCodeRefused, nil, maxSize)
+		return l.tooManyHeld(x)
 	}
 	if !d.Allowed() {
-		ev.Verdict, ev.Reason = api.VerdictDeny, deniedBy(d)
-		l.events.add(ev)
-		return reply(h, qs, dnsmessage.RCodeNameError, nil, maxSize)
+		x.ev.Verdict, x.ev.Reason = api.VerdictDeny, deniedBy(d)
+		l.events.add(x.ev)
+		return reply(x.h, x.qs, dnsmessage.RCodeNameError, nil, x.maxSize)
 	}
-	rule = allowedBy(rule, d)
+	x.rule = allowedBy(x.rule, d)
+	return nil
+}
+
+func (l *link) tooManyHeld(x *dnsQuery) []byte {
+	x.ev.Verdict, x.ev.Reason = api.VerdictLimit, "too many dns queries waiting for a policy decision"
+	l.events.add(x.ev)
+	return reply(x.h, x.qs, dnsmessage.RCodeRefused, nil, x.maxSize)
+}
+
+// lookup is answer's last step: the upstream's A records, filtered and
+// bound.
+func (l *link) lookup(x *dnsQuery) []byte {
+	q, name, ev, h, qs, maxSize := x.qs[0], x.name, x.ev, x.h, x.qs, x.maxSize
 	if q.Type != dnsmessage.TypeA {
 		// The link is IPv4 only; nothing but addresses ever leaves here
 		// (a TXT or NULL answer is a channel).
-		ev.Verdict, ev.Reason = api.VerdictAllow, rule+" (no data for type "+strings.TrimPrefix(q.Type.String(), "Type")+")"
+		ev.Verdict, ev.Reason = api.VerdictAllow, x.rule+" (no data for type "+strings.TrimPrefix(q.Type.String(), "Type")+")"
 		l.events.add(ev)
 		return reply(h, qs, dnsmessage.RCodeSuccess, nil, maxSize)
 	}
@@ -241,7 +438,7 @@ func (l *link) answer(query []byte, maxSize int) []byte {
 		l.bindings.add(name, ip, until)
 		ev.Answers = append(ev.Answers, ip.String())
 	}
-	ev.Verdict, ev.Reason = api.VerdictAllow, rule
+	ev.Verdict, ev.Reason = api.VerdictAllow, x.rule
 	if len(removed) > 0 {
 		ev.Reason += "; removed " + strings.Join(removed, ", ")
 	}
@@ -257,13 +454,6 @@ func (l *link) answer(query []byte, maxSize int) []byte {
 		})
 	}
 	return reply(h, qs, rcode, rrs, maxSize)
-}
-
-// canonicalName is the one form of a question's name the gateway uses:
-// lowercase, without the final dot. The policy, the distinct-names bound
-// and the upstream all see this form, never the sandbox's letter case.
-func canonicalName(n dnsmessage.Name) string {
-	return strings.TrimSuffix(strings.ToLower(n.String()), ".")
 }
 
 // unreachable says why an answer's address may never be bound, or "":

@@ -53,7 +53,12 @@ type Limits struct {
 	// BandwidthBytesPerSecond, if > 0, caps what one sandbox moves in each
 	// direction, all its connections together (token buckets).
 	BandwidthBytesPerSecond int64
-	DNSPerSecond            float64 // queries per second (burst 2×)
+	// DNSPerSecond bounds the DNS queries of one sandbox, every query
+	// (UDP or TCP, allowed name or not) charged as it arrives, before any
+	// other work. Token bucket, burst one second's worth: of the queries
+	// arriving within any t seconds at most DNSPerSecond×(1+t) are
+	// admitted; the rest get REFUSED.
+	DNSPerSecond float64
 	// NamesPerZone bounds distinct names queried under one wildcard zone
 	// per ZoneWindow (exfiltration through <data>.allowed-zone).
 	NamesPerZone int
