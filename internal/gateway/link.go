@@ -235,12 +235,15 @@ func (l *link) close() {
 	l.events.close()
 }
 
-// dropEvent records a dropped packet, rate-bounded so a flood cannot evict
-// the events that matter.
+// dropEvent records a dropped packet, rate-bounded so a flood of them
+// keeps little of the ring's room for denials; those beyond the bound are
+// counted in the ring's next summary.
 func (l *link) dropEvent(ev api.NetworkEvent) {
+	ev.Verdict = api.VerdictDrop
 	if l.dropEvents.Allow() {
-		ev.Verdict = api.VerdictDrop
 		l.events.add(ev)
+	} else {
+		l.events.aggregate(ev)
 	}
 }
 
