@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"strconv"
 	"sync/atomic"
@@ -21,6 +22,14 @@ import (
 // log holds for the sandbox (NetworkCursor), so nothing is recorded twice
 // and what happened while the server was down is recorded late rather
 // than lost (up to the gateway's 1024-event ring per link).
+//
+// Events the ring evicted before the follower read them leave a gap in the
+// link's numbering; the follower records each gap as a loss record of its
+// own ("network events lost: N (link_seq A..B)"), so the log says where it
+// is incomplete. (The gateway evicts refusals before allow-class events and
+// summarises refusals beyond its rate, so a gap holds only refusals unless
+// the link made more than 1024 allow-class events the follower had not
+// read yet.)
 
 // networkCursor is the audit sink's resume point of a sandbox's link.
 type networkCursor interface {
@@ -57,6 +66,9 @@ func (m *Manager) followNetwork(id string, after uint64) {
 		defer m.netWG.Done()
 		defer close(f.done)
 		err := m.cfg.Network.Events(m.ctx, id, after, true, func(ev api.NetworkEvent) error {
+			if last := f.last.Load(); ev.Seq > last+1 {
+				m.cfg.Audit.Record(m.ctx, networkLoss(id, tenant, last+1, ev.Seq-1))
+			}
 			m.cfg.Audit.Record(m.ctx, networkEvent(id, tenant, ev))
 			f.last.Store(ev.Seq)
 			return nil
@@ -163,6 +175,18 @@ func networkEvent(id, tenant string, ev api.NetworkEvent) audit.Event {
 		res += ": " + ev.Reason
 	}
 	return audit.Event{Kind: audit.KindNetwork, Action: ev.Protocol, Sandbox: id, Target: target, Result: truncate(res, 256), Tenant: tenant, Detail: d}
+}
+
+// networkLoss is the audit record of the link's events from..to (link
+// seq), which the gateway evicted before they were recorded. Its link_seq
+// is to, so a follower resumed from the log's cursor after it goes on at
+// the event that revealed the gap.
+func networkLoss(id, tenant string, from, to uint64) audit.Event {
+	n := to - from + 1
+	res := fmt.Sprintf("network events lost: %d (link_seq %d..%d)", n, from, to)
+	d := map[string]any{"protocol": "audit", "verdict": api.VerdictError, "reason": res,
+		"lost": n, "first_seq": from, "link_seq": to}
+	return audit.Event{Kind: audit.KindNetwork, Action: "events_lost", Sandbox: id, Result: res, Tenant: tenant, Detail: d}
 }
 
 // stopNetAudit waits for the followers to end (Close cancelled m.ctx,
