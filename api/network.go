@@ -89,7 +89,7 @@ const (
 type NetworkEvent struct {
 	Seq        uint64    `json:"seq"`
 	Time       time.Time `json:"time"`
-	Protocol   string    `json:"protocol"` // "dns", "tcp", "tls", "http", "https", "udp", "icmp", "other", "ingress", "policy"
+	Protocol   string    `json:"protocol"` // "dns", "tcp", "tls", "http", "https", "udp", "icmp", "other", "ingress", "policy", "summary" (refusals counted, not recorded one by one)
 	Name       string    `json:"name,omitempty"`
 	IP         string    `json:"ip,omitempty"`
 	Port       int       `json:"port,omitempty"`

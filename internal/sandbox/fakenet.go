@@ -22,7 +22,6 @@ type FakeNetwork struct {
 	mu       sync.Mutex
 	attached map[string]api.NetworkPolicy
 	events   map[string][]api.NetworkEvent
-	seq      uint64
 	changed  chan struct{} // closed and replaced on every Push
 	calls    []NetCall
 	failNext map[string]error  // by method: the next call fails
@@ -168,13 +167,14 @@ func (f *FakeNetwork) Attached(ctx context.Context) ([]string, error) {
 }
 
 // Push records ev for sandbox id (whether or not it is attached), giving it
-// the next sequence number, and wakes followers. It returns the event as
+// the next sequence number of that sandbox's link (numbered per sandbox, as
+// the gateway does: a follower takes a gap for lost events), and wakes
+// followers. It returns the event as
 // stored.
 func (f *FakeNetwork) Push(id string, ev api.NetworkEvent) api.NetworkEvent {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.seq++
-	ev.Seq = f.seq
+	ev.Seq = uint64(len(f.events[id])) + 1
 	f.events[id] = append(f.events[id], ev)
 	close(f.changed)
 	f.changed = make(chan struct{})
