@@ -313,7 +313,11 @@ func TestDNSFloodBounded(t *testing.T) {
 	}
 	t.Logf("%d datagrams written in %v; goroutines: baseline %d, max %d; heap in use: before %.1f MiB, peak %.1f MiB, after %.1f MiB; sys before %.1f MiB, after %.1f MiB; queries received %d, dropped with the queue full %d",
 		n, sent, baseline, maxG.Load(), mib(heapBefore), mib(uint64(maxHeap.Load())), mib(ms.HeapInuse), mib(sysBefore), mib(ms.Sys), l.queries.Load(), l.dns.dropped.Load())
-	if maxG.Load() > int64(baseline+100) {
+	// The bound per link is 1 reader + 8 workers + 64 queries waiting for
+	// a decision, plus the other link's and the runtime's own; unbounded,
+	// a flood makes thousands. 200 leaves room for scheduling noise on a
+	// busy CI machine without hiding a leak.
+	if maxG.Load() > int64(baseline+200) {
 		t.Errorf("goroutines reached %d during the flood (baseline %d):\n%s", maxG.Load(), baseline, profile)
 	}
 	if err := <-during; err != nil {
