@@ -24,6 +24,7 @@ import (
 	"io"
 	"net"
 	"reflect"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -352,10 +353,11 @@ type cdnRecord struct {
 	TLS                     bool
 	SNI, Method, Path, Host string
 	RawHost                 string
+	Names                   []string // every name a lenient router might take from the request
 }
 
 func (r cdnRecord) denied() bool {
-	return strings.Contains(r.Host, "cdn-b") || strings.Contains(r.SNI, "cdn-b")
+	return strings.Contains(r.Host, "cdn-b") || strings.Contains(r.SNI, "cdn-b") || slices.ContainsFunc(r.Names, func(n string) bool { return strings.Contains(n, "cdn-b") })
 }
 
 func (r cdnRecord) String() string {
@@ -486,165 +488,42 @@ func (c *fakeCDN) serve(conn net.Conn, port int) {
 		br, w = bufio.NewReader(tc), tc
 	}
 	for {
-		req, err := readLenient(br)
+		req, err := gatewaytest.Lenient{LengthFirst: true}.Read(br)
 		if err != nil {
-			if errors.Is(err, errLenientBad) {
+			if errors.Is(err, gatewaytest.ErrLenientBad) {
 				_, _ = io.WriteString(w, "HTTP/1.1 400 Bad Request\r\nContent-Length: 11\r\nConnection: close\r\n\r\nbad request")
 			}
 			return
 		}
-		c.add(cdnRecord{Port: port, TLS: isTLS, SNI: sni, Method: req.method, Path: req.target, Host: req.host, RawHost: req.rawHost})
+		c.add(cdnRecord{Port: port, TLS: isTLS, SNI: sni, Method: req.Method, Path: req.Target, Host: req.Route, RawHost: req.RawHost, Names: req.Names})
 		switch {
-		case req.method == "CONNECT":
+		case req.Method == "CONNECT":
 			_, _ = io.WriteString(w, "HTTP/1.1 405 Method Not Allowed\r\nContent-Length: 18\r\n\r\nmethod not allowed")
 			continue
-		case strings.HasSuffix(req.target, "/ws") && strings.Contains(strings.ToLower(req.upgrade), "websocket"):
+		case strings.HasSuffix(req.Target, "/ws") && strings.Contains(strings.ToLower(req.Upgrade), "websocket"):
 			// A protocol this server speaks: switch, then echo.
 			_, _ = io.WriteString(w, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
 			_, _ = io.Copy(w, br)
 			return
 		}
 		status := "200 OK"
-		if req.host != "cdn-a.test" && req.host != "cdn-b.test" {
+		if req.Route != "cdn-a.test" && req.Route != "cdn-b.test" {
 			status = "404 Not Found"
 		}
-		body := "host=" + req.host
-		if len(req.body) > 0 {
-			body += " body=" + string(req.body)
+		body := "host=" + req.Route
+		if len(req.Body) > 0 {
+			body += " body=" + string(req.Body)
 		}
-		if req.method == "HEAD" {
+		if req.Method == "HEAD" {
 			body = ""
 		}
 		if _, err := fmt.Fprintf(w, "HTTP/1.1 %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s", status, len(body), body); err != nil {
 			return
 		}
-		if req.close {
+		if req.Close {
 			return
 		}
 	}
-}
-
-var errLenientBad = errors.New("bad request")
-
-type lenientRequest struct {
-	method, target, host, rawHost, upgrade string
-	body                                   []byte
-	close                                  bool
-}
-
-// readLenient reads one request the way a permissive upstream does.
-func readLenient(br *bufio.Reader) (*lenientRequest, error) {
-	readLine := func() (string, error) {
-		s, err := br.ReadString('\n')
-		if err != nil {
-			return "", err
-		}
-		return strings.TrimSuffix(strings.TrimSuffix(s, "\n"), "\r"), nil
-	}
-	line := ""
-	for i := 0; line == ""; i++ {
-		if i > 16 {
-			return nil, errLenientBad
-		}
-		var err error
-		if line, err = readLine(); err != nil {
-			return nil, err
-		}
-	}
-	f := strings.Fields(line)
-	if len(f) != 3 || !strings.HasPrefix(strings.ToUpper(f[2]), "HTTP/1.") {
-		return nil, errLenientBad
-	}
-	req := &lenientRequest{method: strings.ToUpper(f[0]), target: f[1]}
-	var hdr [][2]string
-	for {
-		l, err := readLine()
-		if err != nil {
-			return nil, err
-		}
-		if l == "" {
-			break
-		}
-		if l[0] == ' ' || l[0] == '\t' { // obs-fold: continues the previous value
-			if len(hdr) > 0 {
-				hdr[len(hdr)-1][1] += " " + strings.TrimSpace(l)
-			}
-			continue
-		}
-		k, v, ok := strings.Cut(l, ":")
-		if !ok {
-			return nil, errLenientBad
-		}
-		hdr = append(hdr, [2]string{strings.ToLower(strings.TrimSpace(k)), strings.TrimSpace(v)})
-	}
-	cl, te := "", ""
-	for _, h := range hdr {
-		switch h[0] {
-		case "host": // the last one wins
-			req.rawHost = h[1]
-		case "content-length": // the first one wins
-			if cl == "" {
-				cl = h[1]
-			}
-		case "transfer-encoding":
-			te += h[1]
-		case "connection":
-			req.close = req.close || strings.Contains(strings.ToLower(h[1]), "close")
-		case "upgrade":
-			req.upgrade = h[1]
-		}
-	}
-	// Route by the last item of a list or a folded value, without a port.
-	toks := strings.FieldsFunc(req.rawHost, func(r rune) bool { return r == ',' || r == ' ' || r == '\t' })
-	if len(toks) > 0 {
-		h := toks[len(toks)-1]
-		if i := strings.LastIndexByte(h, ':'); i >= 0 {
-			h = h[:i]
-		}
-		req.host = strings.ToLower(h)
-	}
-	if req.method == "GET" || req.method == "HEAD" {
-		return req, nil // bodies on GET are ignored: what follows is the next request
-	}
-	switch {
-	case cl != "":
-		n, err := strconv.Atoi(cl)
-		if err != nil || n < 0 || n > 1<<20 {
-			return nil, errLenientBad
-		}
-		req.body = make([]byte, n)
-		if _, err := io.ReadFull(br, req.body); err != nil {
-			return nil, err
-		}
-	case strings.Contains(strings.ToLower(te), "chunked"):
-		for {
-			l, err := readLine()
-			if err != nil {
-				return nil, err
-			}
-			size, _, _ := strings.Cut(l, ";")
-			n, err := strconv.ParseInt(strings.TrimSpace(size), 16, 32)
-			if err != nil || n < 0 || n > 1<<20 {
-				return nil, errLenientBad
-			}
-			if n == 0 {
-				for {
-					if l, err := readLine(); err != nil || l == "" {
-						return req, err
-					}
-				}
-			}
-			chunk := make([]byte, n)
-			if _, err := io.ReadFull(br, chunk); err != nil {
-				return nil, err
-			}
-			req.body = append(req.body, chunk...)
-			if _, err := readLine(); err != nil {
-				return nil, err
-			}
-		}
-	}
-	return req, nil
 }
 
 // ebScript runs in the sandbox: python3 eb.py P1 P2 TAG ONLY DNS_N. Every

@@ -6,153 +6,12 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/spacehq/space/internal/gateway/gatewaytest"
 )
-
-// lenientRequest is one request as a lenient HTTP/1.x server reads it: the
-// union of what real servers forgive (empty lines and white space before
-// the request line, a method in any case, bare LF, obs-fold, white space
-// before a header's colon, a body on GET or HEAD ignored whatever its
-// length says, the first of several lengths, "chunked" anywhere in a
-// Transfer-Encoding). hosts are every name it could route by (each Host
-// value and an absolute URI's authority), lowercased.
-type lenientRequest struct {
-	method, target string
-	hosts          []string
-	upgrade        bool
-	headers        map[string]string
-}
-
-// readLenient reads one request the lenient way.
-func readLenient(br *bufio.Reader) (*lenientRequest, error) {
-	var line string
-	for {
-		l, err := br.ReadString('\n')
-		if err != nil {
-			return nil, err
-		}
-		if line = strings.Trim(l, " \t\r\n"); line != "" {
-			break
-		}
-	}
-	f := strings.Fields(line)
-	if len(f) < 2 {
-		return nil, fmt.Errorf("request line %q", line)
-	}
-	r := &lenientRequest{method: strings.ToUpper(f[0]), target: f[1], headers: map[string]string{}}
-	if i := strings.Index(strings.ToLower(r.target), "://"); i >= 0 {
-		auth := r.target[i+3:]
-		if j := strings.IndexAny(auth, "/?#"); j >= 0 {
-			auth = auth[:j]
-		}
-		r.hosts = append(r.hosts, strings.ToLower(auth))
-	}
-	if r.method == "CONNECT" {
-		r.hosts = append(r.hosts, strings.ToLower(r.target))
-	}
-	var last string
-	var cl, te []string
-	for {
-		l, err := br.ReadString('\n')
-		if err != nil {
-			return nil, err
-		}
-		l = strings.TrimRight(l, "\r\n")
-		if l == "" {
-			break
-		}
-		if (l[0] == ' ' || l[0] == '\t') && last != "" {
-			r.headers[last] += " " + strings.TrimSpace(l) // obs-fold
-			if last == "host" {
-				r.hosts[len(r.hosts)-1] += " " + strings.ToLower(strings.TrimSpace(l))
-			}
-			continue
-		}
-		name, value, ok := strings.Cut(l, ":")
-		if !ok {
-			continue
-		}
-		name = strings.ToLower(strings.TrimSpace(name))
-		value = strings.TrimSpace(value)
-		last = name
-		switch name {
-		case "host":
-			r.hosts = append(r.hosts, strings.ToLower(value))
-		case "content-length":
-			cl = append(cl, value)
-		case "transfer-encoding":
-			te = append(te, value)
-		case "upgrade":
-			r.upgrade = true
-		}
-		if _, seen := r.headers[name]; !seen {
-			r.headers[name] = value
-		}
-	}
-	switch {
-	case r.method == "GET" || r.method == "HEAD":
-		// The body is ignored: what follows is the next request.
-	case strings.Contains(strings.ToLower(strings.Join(te, ",")), "chunked"):
-		for {
-			l, err := br.ReadString('\n')
-			if err != nil {
-				return nil, err
-			}
-			l = strings.TrimSpace(l)
-			if i := strings.IndexByte(l, ';'); i >= 0 {
-				l = l[:i]
-			}
-			n, err := strconv.ParseInt(l, 16, 64)
-			if err != nil || n < 0 {
-				return nil, fmt.Errorf("chunk size %q", l)
-			}
-			if n == 0 {
-				for { // trailer fields
-					t, err := br.ReadString('\n')
-					if err != nil {
-						return nil, err
-					}
-					if strings.TrimRight(t, "\r\n") == "" {
-						break
-					}
-					if h, v, ok := strings.Cut(t, ":"); ok && strings.EqualFold(strings.TrimSpace(h), "host") {
-						r.hosts = append(r.hosts, strings.ToLower(strings.TrimSpace(v)))
-					}
-				}
-				break
-			}
-			if _, err := io.CopyN(io.Discard, br, n); err != nil {
-				return nil, err
-			}
-			if _, err := br.ReadString('\n'); err != nil {
-				return nil, err
-			}
-		}
-	case len(cl) > 0 && !strings.Contains(strings.ToLower(r.headers["connection"]), "content-length"):
-		// (A proxy drops the fields Connection lists, the length too.)
-		v := strings.TrimLeft(cl[0], "+ ")
-		end := 0
-		for end < len(v) && v[end] >= '0' && v[end] <= '9' {
-			end++
-		}
-		n, _ := strconv.ParseInt(v[:end], 10, 64)
-		if _, err := io.CopyN(io.Discard, br, n); err != nil {
-			return nil, err
-		}
-	}
-	return r, nil
-}
-
-// hostOf is the name part of a Host value as a lenient router takes it.
-func hostOf(h string) string {
-	if i := strings.LastIndexByte(h, ':'); i >= 0 && !strings.Contains(h[i:], "]") {
-		h = h[:i]
-	}
-	return strings.TrimSuffix(h, ".")
-}
 
 // lenientCDN is one "shared CDN address" serving every name, routing by
 // Host the lenient way; it records each Host it served. On /ws with
@@ -197,30 +56,26 @@ func (cdn *lenientCDN) serve(c net.Conn) {
 	defer c.Close()
 	br := bufio.NewReader(c)
 	for {
-		r, err := readLenient(br)
+		r, err := gatewaytest.Lenient{}.Read(br)
 		if err != nil {
 			return
 		}
-		host := ""
-		if len(r.hosts) > 0 {
-			host = r.hosts[len(r.hosts)-1]
-		}
 		cdn.mu.Lock()
-		cdn.served = append(cdn.served, r.hosts...)
+		cdn.served = append(cdn.served, r.Names...)
 		cdn.mu.Unlock()
 		switch {
-		case r.method == "CONNECT" && r.headers["x-proxy"] == "yes":
+		case r.Method == "CONNECT" && r.Header["x-proxy"] == "yes":
 			fmt.Fprint(c, "HTTP/1.1 200 Connection established\r\n\r\n")
 			continue // the tunnel: more requests, served here
-		case r.method == "CONNECT":
+		case r.Method == "CONNECT":
 			fmt.Fprint(c, "HTTP/1.1 405 Method Not Allowed\r\nContent-Length: 0\r\n\r\n")
 			continue
-		case r.upgrade && r.target == "/ws":
+		case r.Upgrade != "" && r.Target == "/ws":
 			fmt.Fprint(c, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
 			_, _ = io.Copy(c, br)
 			return
 		}
-		body := "host=" + hostOf(host)
+		body := "host=" + r.Route
 		fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
 	}
 }
@@ -244,11 +99,11 @@ func (cdn *lenientCDN) forget() {
 }
 
 // lenientAll parses a whole forwarded stream the lenient way.
-func lenientAll(b []byte) ([]*lenientRequest, error) {
+func lenientAll(b []byte) ([]*gatewaytest.LenientRequest, error) {
 	br := bufio.NewReader(bytes.NewReader(b))
-	var out []*lenientRequest
+	var out []*gatewaytest.LenientRequest
 	for {
-		r, err := readLenient(br)
+		r, err := gatewaytest.Lenient{}.Read(br)
 		if err == io.EOF {
 			return out, nil
 		}
