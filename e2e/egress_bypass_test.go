@@ -23,6 +23,8 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
+	"path/filepath"
 	"reflect"
 	"slices"
 	"sort"
@@ -218,6 +220,13 @@ func testConnCap(t *testing.T, e *env, rt string, cdn *fakeCDN, other string) {
 		code int
 		err  error
 	}
+	gwRSS := func() int64 {
+		pb, _ := os.ReadFile(filepath.Join(e.data, "network", "gateway.pid"))
+		pid, _ := strconv.Atoi(strings.Fields(string(pb) + " 0")[0])
+		rss, _ := testenv.Rollup(pid)
+		return rss
+	}
+	rssBefore := gwRSS()
 	done := make(chan res, 1)
 	go func() {
 		r, err := e.client.Exec(ctx, b.ID, api.ExecRequest{Cmd: []string{"python3", "/tmp/cap.py", strconv.Itoa(cdn.p1), "600", "4"}})
@@ -231,6 +240,13 @@ func testConnCap(t *testing.T, e *env, rt string, cdn *fakeCDN, other string) {
 	var fcode int
 	for deadline := time.Now().Add(90 * time.Second); ; time.Sleep(200 * time.Millisecond) {
 		if o, c := sh(t, e, b.ID, "cat /tmp/cap-holding 2>/dev/null"); c == 0 && o != "" {
+			rssHeld := gwRSS()
+			t.Logf("conn cap: gateway RSS %d KiB before, %d KiB while the connections are held (%+d KiB)", rssBefore, rssHeld, rssHeld-rssBefore)
+			// The relay's bound for one sandbox's connections is 64 MiB
+			// (docs/network.md); silent ones hold far less.
+			if rssBefore > 0 && rssHeld-rssBefore > 64<<10 {
+				t.Errorf("gateway RSS grew by %d KiB for one sandbox's held connections", rssHeld-rssBefore)
+			}
 			fetched, fcode = sh(t, e, other, fmt.Sprintf("curl -sS --max-time 5 http://cdn-a.test:%d/%s/cap-other", cdn.p1, rt))
 			break
 		}

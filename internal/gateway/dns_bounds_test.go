@@ -52,16 +52,7 @@ func packQuery(t *testing.T, id uint16, name string) []byte {
 // "sandbox".
 func (f *fixture) attachLink(t *testing.T, id string, p api.NetworkPolicy) *gatewaytest.SandboxStack {
 	t.Helper()
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	nic := os.NewFile(uintptr(fds[0]), "nic")
-	defer nic.Close()
-	if err := f.g.Attach(id, nic, p); err != nil {
-		t.Fatal(err)
-	}
-	return gatewaytest.NewSandboxStack(t, fds[1])
+	return gatewaytest.NewSandboxStack(t, f.attachRaw(t, id, p))
 }
 
 // TestDNSCanonicalCaseUpstream: the upstream sees an allowed name in one

@@ -11,13 +11,11 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
-	"os"
 	"strings"
 	"testing"
 	"time"
 
 	"golang.org/x/net/dns/dnsmessage"
-	"golang.org/x/sys/unix"
 	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
 	"gvisor.dev/gvisor/pkg/tcpip/header"
 	"gvisor.dev/gvisor/pkg/tcpip/network/ipv4"
@@ -79,17 +77,8 @@ func newFixture(t *testing.T, p api.NetworkPolicy, lim ...Limits) *fixture {
 		t.Fatal(err)
 	}
 	t.Cleanup(g.Close)
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	nic := os.NewFile(uintptr(fds[0]), "nic")
-	if err := g.Attach("sb1", nic, p); err != nil {
-		t.Fatal(err)
-	}
-	nic.Close()
 	f.g = g
-	f.sb = gatewaytest.NewSandboxStack(t, fds[1])
+	f.sb = f.attachLink(t, "sb1", p)
 	return f
 }
 

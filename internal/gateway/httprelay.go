@@ -170,12 +170,11 @@ func (l *link) httpOut(up io.Writer, br *bufio.Reader, dst netip.Addr, port uint
 			return nil
 		}
 		if err != nil {
-			if errors.Is(err, sniff.ErrMalformed) || errors.Is(err, sniff.ErrFraming) || errors.Is(err, sniff.ErrBadName) ||
-				errors.Is(err, sniff.ErrDuplicateHost) || errors.Is(err, sniff.ErrMissingHost) || errors.Is(err, sniff.ErrHostMismatch) ||
-				errors.Is(err, errHeadTooLarge) || errors.Is(err, errNotHTTP) {
-				return refuse(res.Name, "http: "+err.Error())
+			var ne net.Error
+			if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) || errors.As(err, &ne) {
+				return nil // the stream broke mid-request
 			}
-			return nil // the stream broke mid-request
+			return refuse(res.Name, "http: "+err.Error())
 		}
 		name := res.Name
 		connect := req.Method == http.MethodConnect

@@ -118,9 +118,9 @@ func TestNetAuditRecordsLostEvents(t *testing.T) {
 				netw.Push(id, api.NetworkEvent{Time: time.Now().UTC(), Protocol: "dns", Name: fmt.Sprintf("n%d.example", i+1), Verdict: api.VerdictDeny})
 			}
 			m.followNetwork(id, c.after)
+			networkRecords(t, rec, len(c.want)) // they come
+			time.Sleep(50 * time.Millisecond)   // and nothing more does
 			recs := networkRecords(t, rec, len(c.want))
-			time.Sleep(50 * time.Millisecond) // nothing more comes
-			recs = networkRecords(t, rec, len(c.want))
 			var got []string
 			for _, e := range recs {
 				got = append(got, shape(t, e))
