@@ -51,7 +51,7 @@ func TestEgressBypassGVisor(t *testing.T) { testEgressBypass(t, "gvisor") }
 func TestEgressBypassMicroVM(t *testing.T) { testEgressBypass(t, "microvm") }
 
 // microvmAttacks is the microvm subset of ebScript's cases.
-var microvmAttacks = []string{"P1", "P2", "P5", "1ws", "3a", "6a", "9"}
+var microvmAttacks = []string{"P1", "P2", "P5", "1ws", "2connect", "3a", "3b", "6a", "6d", "9"}
 
 func testEgressBypass(t *testing.T, rt string) {
 	e := setup(t)

@@ -222,8 +222,18 @@ func TestEventsDenialFloodKeepsAllowed(t *testing.T) {
 	if err != nil || !strings.Contains(body, "127.0.0.2:") {
 		t.Fatalf("allowed connection during the flood: %q %v", body, err)
 	}
-	if rc, ips, err := sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA); err != nil || rc != dnsmessage.RCodeSuccess || len(ips) != 1 {
-		t.Fatalf("allowed query during the flood: %v %v %v", rc, ips, err)
+	// The first half's datagrams may still fill the link's DNS queue (a
+	// busy machine): a datagram past it is dropped unanswered, and a
+	// resolver asks again, as this does. What must hold is that the
+	// answered query's event is kept.
+	for try := 1; ; try++ {
+		rc, ips, err := sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA)
+		if err == nil && rc == dnsmessage.RCodeSuccess && len(ips) == 1 {
+			break
+		}
+		if try == 4 {
+			t.Fatalf("allowed query during the flood: %v %v %v", rc, ips, err)
+		}
 	}
 	close(resume)
 	if err := <-done; err != nil {
