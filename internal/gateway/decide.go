@@ -117,8 +117,6 @@ func (l *link) decideConnect(id stack.TransportEndpointID, name, proto string, d
 	if !l.decideOn.Load() {
 		return allowed, ""
 	}
-	l.held.Add(1)
-	defer l.held.Add(-1)
 	a := actions.Action{Kind: actions.Connect, Name: name, IP: dst.String(), Port: int(port)}
 	if proto == "tls" {
 		a.SNI = name

@@ -497,7 +497,8 @@ func TestDialSandbox(t *testing.T) {
 }
 
 // TestHTTPHeadIsBounded: a request whose head never ends is cut off at
-// 64 KiB; the gateway (which every sandbox shares) holds no more of it.
+// 32 KiB (maxRelayHead); the gateway (which every sandbox shares) holds no
+// more of it.
 func TestHTTPHeadIsBounded(t *testing.T) {
 	f := newFixture(t, api.NetworkPolicy{AllowOut: []string{"allowed.test"}, AllowPrivate: []string{"127.0.0.0/8"}})
 	if _, _, err := f.sb.Query(t, gatewayAddr, "allowed.test", dnsmessage.TypeA); err != nil {

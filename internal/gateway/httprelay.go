@@ -80,7 +80,7 @@ func (rs *responses) run(down io.Writer, up io.Reader) {
 	rs.follow(br)
 	close(rs.done)
 	// What br read ahead went to down already (the tee).
-	pump(down, up, nil, nopCounter{})
+	pump(down, up)
 }
 
 func (rs *responses) follow(br *bufio.Reader) {
@@ -151,18 +151,26 @@ type refusal struct{ reason string }
 
 func (r *refusal) Error() string { return r.reason }
 
+// refuseOut records the deny event of what the sandbox sent on a relayed
+// connection to dst:port (name: what it named, "" if nothing parsed) and
+// returns the refusal.
+func (l *link) refuseOut(proto, name string, dst netip.Addr, port uint16, reason string) error {
+	l.events.add(api.NetworkEvent{Protocol: proto, Name: clip(name, 255), IP: dst.String(), Port: int(port),
+		Verdict: api.VerdictDeny, Reason: reason})
+	return &refusal{reason}
+}
+
 // httpOut reads, checks and forwards the sandbox's requests on one
 // connection to dst:port. rs follows the responses (nil: the connection
 // may never switch protocols; every byte is read as requests until it
 // ends). It returns nil when the sandbox ended the stream, a *refusal when
 // it sent something it may not.
 func (l *link) httpOut(up io.Writer, br *bufio.Reader, dst netip.Addr, port uint16, rs *responses, n *int64) error {
-	bw := bufio.NewWriterSize(&countingWriter{w: up, bw: l.bwOut, n: n, total: &l.bytesOut}, 8<<10)
+	cw := &countingWriter{w: up, bw: l.bwOut, n: n, total: &l.bytesOut}
+	bw := bufio.NewWriterSize(cw, 8<<10)
 	tunnel := "" // inside a CONNECT tunnel: the name every request must name
 	refuse := func(host, reason string) error {
-		l.events.add(api.NetworkEvent{Protocol: "http", Name: clip(host, 255), IP: dst.String(), Port: int(port),
-			Verdict: api.VerdictDeny, Reason: reason})
-		return &refusal{reason}
+		return l.refuseOut("http", host, dst, port, reason)
 	}
 	for {
 		req, res, err := readRequest(br)
@@ -213,7 +221,7 @@ func (l *link) httpOut(up io.Writer, br *bufio.Reader, dst netip.Addr, port uint
 		}
 		if !connect {
 			// The upstream answered 101: what follows is another protocol.
-			pump(&countingWriter{w: up, bw: l.bwOut, n: n, total: &l.bytesOut}, br, nil, nopCounter{})
+			pump(cw, br)
 			return nil
 		}
 		// A tunnel to name:port through the upstream, proved like a new
@@ -228,11 +236,10 @@ func (l *link) httpOut(up io.Writer, br *bufio.Reader, dst netip.Addr, port uint
 			if why != "" {
 				return refuse(name, why)
 			}
-			cw := &countingWriter{w: up, bw: l.bwOut, n: n, total: &l.bytesOut}
 			if _, err := cw.Write(head); err != nil {
 				return nil
 			}
-			pump(cw, br, nil, nopCounter{})
+			pump(cw, br)
 			return nil
 		}
 	}
@@ -311,8 +318,11 @@ func readRequest(br *bufio.Reader) (*http.Request, sniff.Result, error) {
 		_, _ = br.Discard(2)
 	}
 	if err := bufferHead(br); err != nil {
-		if err == io.EOF {
+		switch err {
+		case io.EOF:
 			err = io.ErrUnexpectedEOF
+		case errHeadTooLarge:
+			err = fmt.Errorf("request head over %d KiB", br.Size()>>10)
 		}
 		return nil, sniff.Result{}, err
 	}
@@ -381,9 +391,7 @@ func (l *link) lateProof(up io.Writer, c net.Conn, br *bufio.Reader, dst netip.A
 	_ = c.SetReadDeadline(time.Time{})
 	cw := &countingWriter{w: up, bw: l.bwOut, n: n, total: &l.bytesOut}
 	refuse := func(proto, name, reason string) (string, string, error) {
-		l.events.add(api.NetworkEvent{Protocol: proto, Name: clip(name, 255), IP: dst.String(), Port: int(port),
-			Verdict: api.VerdictDeny, Reason: reason})
-		return proto, name, &refusal{reason}
+		return proto, name, l.refuseOut(proto, name, dst, port, reason)
 	}
 	switch kind {
 	case sniff.HTTP:
@@ -410,10 +418,10 @@ func (l *link) lateProof(up io.Writer, c net.Conn, br *bufio.Reader, dst netip.A
 		if _, err := cw.Write(head); err != nil {
 			return "tls", res.Name, nil
 		}
-		pump(cw, br, nil, nopCounter{})
+		pump(cw, br)
 		return "tls", res.Name, nil
 	}
-	pump(cw, br, nil, nopCounter{})
+	pump(cw, br)
 	return "tcp", "", nil
 }
 

@@ -68,7 +68,6 @@ type link struct {
 	// The temporal policy (decide.go): whether to ask, what waits for an
 	// answer, and ctx, which ends every wait when the link goes.
 	decideOn atomic.Bool
-	held     atomic.Int32 // connections waiting for a decision
 	open     atomic.Int32 // sandbox-opened connections, from SYN to close (Limits.MaxConns)
 	heldDNS  atomic.Int32 // DNS queries waiting for a decision
 	ctx      context.Context

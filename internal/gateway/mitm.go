@@ -327,10 +327,10 @@ func (l *link) serveIntercepted(ctx context.Context, down, up net.Conn, host str
 		if resp.StatusCode == http.StatusSwitchingProtocols {
 			// What follows is not HTTP: relay it, without rewriting.
 			go func() {
-				pump(up, cbr, nil, nopCounter{})
+				pump(up, cbr)
 				closeWrite(up)
 			}()
-			pump(down, ubr, nil, nopCounter{})
+			pump(down, ubr)
 			return n
 		}
 		if werr != nil || resp.Close || req.Close {
@@ -583,10 +583,6 @@ func (m *meteredConn) Read(p []byte) (int, error) {
 	}
 	return k, err
 }
-
-type nopCounter struct{}
-
-func (nopCounter) Add(int64) int64 { return 0 }
 
 // brokerEvent records that a sandbox's brokering config was replaced (the
 // names of its secrets, never their values).

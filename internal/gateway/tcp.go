@@ -359,7 +359,7 @@ func (l *link) relay(c net.Conn, head []byte, ev *api.NetworkEvent, name string,
 			if _, err := cw.Write(head); err != nil {
 				return
 			}
-			pump(cw, c, nil, nopCounter{})
+			pump(cw, c)
 		}
 		if r, ok := err.(*refusal); ok {
 			// Nothing more goes upstream; the responses to what was sent
@@ -375,7 +375,7 @@ func (l *link) relay(c net.Conn, head []byte, ev *api.NetworkEvent, name string,
 		if rs != nil {
 			rs.run(down, up)
 		} else {
-			pump(down, up, nil, nopCounter{})
+			pump(down, up)
 		}
 		if refused.Load() == nil {
 			closeWrite(c)
@@ -419,12 +419,12 @@ func (l *link) stillAllowed(pol *netpolicy.Policy, r *relay) bool {
 
 type counter interface{ Add(int64) int64 }
 
-// pump copies src to dst, counting, under an optional bandwidth limit.
-func pump(dst io.Writer, src io.Reader, bw *rate.Limiter, total counter) int64 {
+// pump copies src to dst until either ends (dst a countingWriter where the
+// bytes count and the bandwidth cap applies).
+func pump(dst io.Writer, src io.Reader) {
 	// An idle connection holds a small buffer; one that fills it gets
 	// the bulk one.
 	buf := make([]byte, idleBuffer)
-	var n int64
 	for {
 		k, err := src.Read(buf)
 		if k == len(buf) && len(buf) < relayBuffer {
@@ -433,17 +433,12 @@ func pump(dst io.Writer, src io.Reader, bw *rate.Limiter, total counter) int64 {
 			buf = nb
 		}
 		if k > 0 {
-			if bw != nil {
-				_ = bw.WaitN(context.Background(), min(k, bw.Burst()))
-			}
 			if _, werr := dst.Write(buf[:k]); werr != nil {
-				return n
+				return
 			}
-			n += int64(k)
-			total.Add(int64(k))
 		}
 		if err != nil {
-			return n
+			return
 		}
 	}
 }
@@ -465,7 +460,7 @@ const maxRequestHead = 64 << 10
 // was bounded by peekMax already).
 const maxRelayHead = 32 << 10
 
-var errHeadTooLarge = errors.New("request head over 64 KiB")
+var errHeadTooLarge = errors.New("head larger than its buffer")
 
 // bufferHead reads until br holds a whole request head (up to the empty
 // line), or fails if it does not fit in br's buffer.
