@@ -354,19 +354,14 @@ func within(inner, outer netip.Prefix) bool {
 	return outer.Bits() <= inner.Bits() && outer.Contains(inner.Addr())
 }
 
-func (p *Policy) privateOpen(ip netip.Addr) bool {
-	for _, pf := range p.allowPrivate {
-		if pf.Contains(ip) {
-			return true
-		}
-	}
-	return false
-}
+func (p *Policy) privateOpen(ip netip.Addr) bool { return inAny(p.allowPrivate, ip) }
 
 // namePrivateOpen: may a name entry lead to ip (inside the operator's
 // ranges, checked apart)? Only if the policy's allow_private covers it.
-func (p *Policy) namePrivateOpen(ip netip.Addr) bool {
-	for _, pf := range p.namePrivate {
+func (p *Policy) namePrivateOpen(ip netip.Addr) bool { return inAny(p.namePrivate, ip) }
+
+func inAny(pfs []netip.Prefix, ip netip.Addr) bool {
+	for _, pf := range pfs {
 		if pf.Contains(ip) {
 			return true
 		}
@@ -384,9 +379,10 @@ func (p *Policy) privatePrefixOpen(pf netip.Prefix) bool {
 	return false
 }
 
+// isProtected: is any of ips protected on port (0: on any port)?
 func (p *Policy) isProtected(port uint16, ips ...netip.Addr) bool {
 	for _, a := range p.protected {
-		if a.Port() != 0 && a.Port() != port {
+		if port != 0 && a.Port() != 0 && a.Port() != port {
 			continue
 		}
 		for _, ip := range ips {
@@ -499,10 +495,8 @@ func (p *Policy) UnreachableAnswer(ip netip.Addr) string {
 	orig := ip.WithZone("")
 	ip = orig.Unmap()
 	emb, _, _ := embeddedV4(orig)
-	for _, a := range p.protected {
-		if a.Addr() == ip || emb.IsValid() && a.Addr() == emb {
-			return "protected address"
-		}
+	if p.isProtected(0, ip, emb) {
+		return "protected address"
 	}
 	ci := classify(orig)
 	switch {
