@@ -218,8 +218,7 @@ func (l *link) serveIntercepted(ctx context.Context, down, up net.Conn, host str
 		req, res, err := readRequest(cbr)
 		if err != nil {
 			if err != io.EOF && res.Kind == sniff.HTTP {
-				l.events.add(api.NetworkEvent{Protocol: "https", Name: host, IP: dst.String(), Port: int(port),
-					Verdict: api.VerdictDeny, Reason: "http: " + err.Error()})
+				_ = l.refuseOut("https", host, dst, port, "http: "+err.Error())
 			}
 			return n
 		}
