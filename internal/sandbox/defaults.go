@@ -191,8 +191,12 @@ func (m *Manager) awaitReady(ctx context.Context, c *agentclient.Client, sb api.
 	deadline := time.Now().Add(plan.timeout)
 	env := mergeEnv(sb.Env, nil)
 	var (
-		last  api.ExecResult
-		tries int
+		last api.ExecResult
+		// finished is the last check that ran to its end: when the deadline
+		// cuts the final try short, it is the one that says why it failed.
+		finished    api.ExecResult
+		hasFinished bool
+		tries       int
 	)
 	fail := func(kind error, format string, a ...any) error {
 		w.stop()
@@ -204,11 +208,15 @@ func (m *Manager) awaitReady(ctx context.Context, c *agentclient.Client, sb api.
 		m.commandEnded(rec, exit)
 		msg := fmt.Sprintf(format, a...)
 		if tries > 0 {
-			how := describeExit(api.ExitStatus{ExitCode: last.ExitCode, Signal: last.Signal})
-			if last.TimedOut {
+			shown, note := last, ""
+			if last.TimedOut && hasFinished {
+				shown, note = finished, " (the final try was cut short by the deadline)"
+			}
+			how := describeExit(api.ExitStatus{ExitCode: shown.ExitCode, Signal: shown.Signal})
+			if shown.TimedOut {
 				how += " (timed out)"
 			}
-			msg += fmt.Sprintf("; last ready check %s: %s, output: %s", quoteArgv(plan.ready), how, quoteTail(last.Stdout+last.Stderr))
+			msg += fmt.Sprintf("; last ready check %s: %s, output: %s%s", quoteArgv(plan.ready), how, quoteTail(shown.Stdout+shown.Stderr), note)
 		}
 		msg += fmt.Sprintf("; start command %s output: %s", quoteArgv(plan.cmd), quoteTail(w.tail()))
 		return fmt.Errorf("%s: %w", msg, kind)
@@ -257,6 +265,9 @@ func (m *Manager) awaitReady(ctx context.Context, c *agentclient.Client, sb api.
 		}
 		tries++
 		last = res
+		if !res.TimedOut {
+			finished, hasFinished = res, true
+		}
 		if res.ExitCode == 0 && res.Signal == "" && !res.TimedOut {
 			return nil
 		}
