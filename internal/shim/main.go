@@ -13,6 +13,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"runtime/debug"
 	"strings"
 	"syscall"
 	"time"
@@ -32,7 +33,7 @@ const serveAction = "serve"
 // flags is containerd's shim command line.
 type flags struct {
 	namespace, address, publishBinary, id, bundle, socket string
-	debug                                                 bool
+	debug, version                                        bool
 	action                                                string
 }
 
@@ -47,10 +48,16 @@ func parseFlags(args []string, stderr io.Writer) (*flags, error) {
 	fs.StringVar(&f.bundle, "bundle", "", "bundle directory (delete)")
 	fs.StringVar(&f.socket, "socket", "", "unused")
 	fs.BoolVar(&f.debug, "debug", false, "debug logging")
+	// As containerd's own shims (pkg/shim): -v prints the version and
+	// exits, needing no other flag.
+	fs.BoolVar(&f.version, "v", false, "show the shim version and exit")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
 	f.action = fs.Arg(0)
+	if f.version {
+		return &f, nil
+	}
 	if f.namespace == "" {
 		return nil, errors.New("-namespace is required")
 	}
@@ -61,6 +68,10 @@ func parseFlags(args []string, stderr io.Writer) (*flags, error) {
 func Main(args []string, stdin io.Reader, stdout, stderr io.Writer) error {
 	f, err := parseFlags(args, stderr)
 	if err != nil {
+		return err
+	}
+	if f.version {
+		_, err := io.WriteString(stdout, versionText())
 		return err
 	}
 	switch f.action {
@@ -87,6 +98,25 @@ func Main(args []string, stdin io.Reader, stdout, stderr io.Writer) error {
 	default:
 		return fmt.Errorf("unknown action %q (want start or delete)", f.action)
 	}
+}
+
+// versionText is what -v prints, in the layout of containerd's shims
+// (name, then indented Version, Revision and Go version lines), from the
+// binary's build information.
+func versionText() string {
+	version, revision, goVersion := "unknown", "unknown", "unknown"
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		goVersion = bi.GoVersion
+		if v := bi.Main.Version; v != "" {
+			version = v
+		}
+		for _, s := range bi.Settings {
+			if s.Key == "vcs.revision" {
+				revision = s.Value
+			}
+		}
+	}
+	return fmt.Sprintf("containerd-shim-space-v2:\n  Version:  %s\n  Revision: %s\n  Go version: %s\n", version, revision, goVersion)
 }
 
 // start returns the address of the pod's shim daemon, starting it for the

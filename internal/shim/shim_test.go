@@ -279,3 +279,17 @@ func TestLoadConfigChecksAllowedRuntimes(t *testing.T) {
 		}
 	}
 }
+
+// -v prints the version as containerd's shims do and needs no other flag
+// (issue 26: it failed with "flag provided but not defined").
+func TestVersionFlag(t *testing.T) {
+	for _, args := range [][]string{{"-v"}, {"--v"}, {"-v", "-namespace", "k8s.io"}} {
+		var out, errOut strings.Builder
+		if err := Main(args, strings.NewReader(""), &out, &errOut); err != nil {
+			t.Fatalf("Main(%q) = %v (stderr %q)", args, err, errOut.String())
+		}
+		if !strings.HasPrefix(out.String(), "containerd-shim-space-v2:\n  Version: ") || !strings.Contains(out.String(), "Go version: go") {
+			t.Errorf("Main(%q) printed %q", args, out.String())
+		}
+	}
+}
