@@ -413,7 +413,7 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 
 	// E2B's JS SDK, unmodified, pointed at a replica.
 	if node, err := exec.LookPath("node"); err != nil {
-		testenv.Require(t, "node", false, "node is not on PATH (scripts/setup.sh checks for it)")
+		testenv.Require(t, "node", false, "node is not on PATH (scripts/setup-test.sh checks for it)")
 	} else {
 		cmd := exec.CommandContext(ctx, node, "--test", "--test-reporter=spec", "cluster-e2b.mjs")
 		cmd.Dir = "js"
@@ -932,7 +932,7 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 func tinyRootfs(t *testing.T) io.Reader {
 	t.Helper()
 	bb, err := os.ReadFile("/bin/busybox")
-	testenv.Require(t, "busybox-static", err == nil, "/bin/busybox (Debian's busybox-static, scripts/setup.sh) is missing")
+	testenv.Require(t, "busybox-static", err == nil, "/bin/busybox (Debian's busybox-static, scripts/setup-test.sh) is missing")
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
 	for _, d := range []string{"bin/", "etc/", "tmp/", "root/"} {

@@ -16,13 +16,13 @@ import (
 // TestNodeSuites runs every e2e/js/*.test.mjs file with node's test runner
 // against the shared server: the real npm clients (E2B's SDK, the MCP
 // TypeScript SDK), unmodified, configured only through their environment.
-// scripts/setup.sh installs them from the committed lockfile.
+// scripts/setup-test.sh installs them from the committed lockfile.
 func TestNodeSuites(t *testing.T) {
 	e := setup(t)
 	node, err := exec.LookPath("node")
-	testenv.Require(t, "node", err == nil, "node is not on PATH (scripts/setup.sh checks for it)")
+	testenv.Require(t, "node", err == nil, "node is not on PATH (scripts/setup-test.sh checks for it)")
 	if _, err := os.Stat("js/node_modules/e2b/package.json"); err != nil {
-		t.Fatalf("e2e/js/node_modules is missing: run scripts/setup.sh (npm ci from the lockfile): %v", err)
+		t.Fatalf("e2e/js/node_modules is missing: run scripts/setup-test.sh (npm ci from the lockfile): %v", err)
 	}
 	files, _ := filepath.Glob("js/*.test.mjs")
 	if len(files) == 0 {

@@ -20,7 +20,7 @@ func busyboxTree(t *testing.T, dir string) {
 	t.Helper()
 	const bb = "/bin/busybox"
 	_, err := os.Stat(bb)
-	testenv.Require(t, "busybox-static", err == nil, "apt-get install busybox-static (scripts/setup.sh)")
+	testenv.Require(t, "busybox-static", err == nil, "apt-get install busybox-static (scripts/setup-test.sh)")
 	for _, d := range []string{"bin", "etc", "work", "tmp"} {
 		if err := os.MkdirAll(filepath.Join(dir, d), 0o755); err != nil {
 			t.Fatal(err)

@@ -1,6 +1,6 @@
 //go:build tools
 
-// Package etcd only records, for go mod tidy, that scripts/setup.sh builds
+// Package etcd only records, for go mod tidy, that scripts/setup-test.sh builds
 // the etcd server command; it is never compiled.
 package etcd
 

@@ -1,7 +1,7 @@
 //go:build tools
 
 // Package kube only records, for go mod tidy, which commands of
-// k8s.io/kubernetes scripts/setup.sh builds; it is never compiled.
+// k8s.io/kubernetes scripts/setup-test.sh builds; it is never compiled.
 package kube
 
 import (

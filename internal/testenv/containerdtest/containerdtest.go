@@ -3,7 +3,7 @@
 // state, the gRPC socket, CNI dirs, the space runtimes' config files and
 // the shims' sockets. It never pulls: images come from local OCI tarballs
 // (BuildImage, BusyboxImage), and the CRI sandbox image is one of them.
-// crictl (bin/crictl, pinned by scripts/setup.sh) is wrapped with a config
+// crictl (bin/crictl, pinned by scripts/setup-test.sh) is wrapped with a config
 // naming this containerd only.
 //
 // Start registers the teardown: containerd and every shim it started are
@@ -95,7 +95,7 @@ func Start(t testing.TB, o Options) *Containerd {
 	t.Helper()
 	testenv.RequireRoot(t)
 	_, err := exec.LookPath("containerd")
-	testenv.Require(t, "containerd", err == nil, "apt-get install containerd (scripts/setup.sh)")
+	testenv.Require(t, "containerd", err == nil, "apt-get install containerd (scripts/setup-test.sh)")
 	c := &Containerd{crictl: Crictl(t), RuntimeConfigs: map[string]string{}}
 	shim := o.Shim
 	if shim == "" {
@@ -195,7 +195,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
 }
 
 // Crictl returns the crictl binary: $SPACE_CRICTL_BIN, else bin/crictl of
-// the repository (scripts/setup.sh builds it), else one on PATH.
+// the repository (scripts/setup-test.sh builds it), else one on PATH.
 func Crictl(t testing.TB) string {
 	t.Helper()
 	if p := os.Getenv("SPACE_CRICTL_BIN"); p != "" {
@@ -207,7 +207,7 @@ func Crictl(t testing.TB) string {
 		}
 	}
 	p, err := exec.LookPath("crictl")
-	testenv.Require(t, "crictl", err == nil, "run scripts/setup.sh (builds bin/crictl) or set SPACE_CRICTL_BIN")
+	testenv.Require(t, "crictl", err == nil, "run scripts/setup-test.sh (builds bin/crictl) or set SPACE_CRICTL_BIN")
 	return p
 }
 

@@ -143,7 +143,7 @@ func BusyboxImage(t testing.TB, dir, name string, cmd []string) string {
 	t.Helper()
 	const bb = "/bin/busybox"
 	data, err := os.ReadFile(bb)
-	testenv.Require(t, "busybox-static", err == nil, "apt-get install busybox-static (scripts/setup.sh)")
+	testenv.Require(t, "busybox-static", err == nil, "apt-get install busybox-static (scripts/setup-test.sh)")
 	if out, err := exec.Command("file", "-L", bb).Output(); err == nil && strings.Contains(string(out), "dynamically linked") {
 		t.Fatalf("%s is dynamically linked; install busybox-static", bb)
 	}

@@ -1,6 +1,6 @@
 // Package kubetest runs a real one-node Kubernetes control plane and kubelet
 // on this machine for tests: etcd, kube-apiserver and kubelet as built by
-// scripts/setup.sh (pinned in scripts/kube and scripts/etcd), everything
+// scripts/setup-test.sh (pinned in scripts/kube and scripts/etcd), everything
 // on 127.0.0.1 and under one temporary directory, and kubectl pointed at it.
 //
 // There is no scheduler and no controller-manager: pods name their node
@@ -44,7 +44,7 @@ import (
 	"github.com/spacehq/space/internal/testenv"
 )
 
-// The versions scripts/setup.sh builds (KUBE_VERSION, ETCD_VERSION there;
+// The versions scripts/setup-test.sh builds (KUBE_VERSION, ETCD_VERSION there;
 // TestVersionsMatchSetup keeps them equal).
 const (
 	KubeVersion = "v1.37.2"
@@ -60,14 +60,14 @@ type Binaries struct {
 	Etcd, APIServer, Kubelet, Kubectl string
 }
 
-// FindBinaries returns the builds scripts/setup.sh left in the cache
+// FindBinaries returns the builds scripts/setup-test.sh left in the cache
 // (testenv.CacheDir()/kube/…), or an error saying what is missing.
 func FindBinaries() (Binaries, error) {
 	kdir := filepath.Join(testenv.CacheDir(), "kube", "kubernetes-"+KubeVersion)
 	edir := filepath.Join(testenv.CacheDir(), "kube", "etcd-"+EtcdVersion)
 	for _, d := range []string{kdir, edir} {
 		if _, err := os.Stat(filepath.Join(d, "complete")); err != nil {
-			return Binaries{}, fmt.Errorf("%s has no finished build (run scripts/setup.sh)", d)
+			return Binaries{}, fmt.Errorf("%s has no finished build (run scripts/setup-test.sh)", d)
 		}
 	}
 	return Binaries{
@@ -95,7 +95,7 @@ type Options struct {
 	CNIConfDir string
 	// CNIBinDir, when set, is the CRI's CNI plugin directory: Start links
 	// the plugins the configuration uses there (built by
-	// scripts/setup.sh).
+	// scripts/setup-test.sh).
 	CNIBinDir string
 	// Log receives one line per step with its duration (nil: none).
 	Log func(format string, args ...any)

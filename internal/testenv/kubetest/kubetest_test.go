@@ -18,16 +18,16 @@ import (
 	"github.com/spacehq/space/internal/testenv/containerdtest"
 )
 
-// The harness looks for the builds setup.sh makes: the versions must agree.
+// The harness looks for the builds setup-test.sh makes: the versions must agree.
 func TestVersionsMatchSetup(t *testing.T) {
-	b, err := os.ReadFile("../../../scripts/setup.sh")
+	b, err := os.ReadFile("../../../scripts/setup-test.sh")
 	if err != nil {
 		t.Fatal(err)
 	}
 	for name, want := range map[string]string{"KUBE_VERSION": KubeVersion, "ETCD_VERSION": EtcdVersion} {
 		m := regexp.MustCompile(`(?m)^` + name + `=(\S+)$`).FindSubmatch(b)
 		if m == nil || string(m[1]) != want {
-			t.Errorf("scripts/setup.sh %s = %q, kubetest wants %q", name, m, want)
+			t.Errorf("scripts/setup-test.sh %s = %q, kubetest wants %q", name, m, want)
 		}
 	}
 }

@@ -32,7 +32,7 @@ import (
 	"github.com/spacehq/space/internal/testenv"
 )
 
-// Version is the PostgreSQL major version setup.sh installs (Debian 12).
+// Version is the PostgreSQL major version scripts/setup-test.sh installs (Debian 12).
 const Version = "15"
 
 // dirPrefix names the server directories under os.TempDir, so the sweep at
@@ -70,7 +70,7 @@ func Shared(t testing.TB) *Server {
 	t.Helper()
 	testenv.RequireRoot(t)
 	_, err := os.Stat(filepath.Join(BinDir(), "postgres"))
-	testenv.Require(t, "postgresql", err == nil, "install Debian's postgresql (scripts/setup.sh does)")
+	testenv.Require(t, "postgresql", err == nil, "install Debian's postgresql (scripts/setup-test.sh does)")
 	shared.once.Do(func() { shared.srv, shared.err = Start(context.Background()) })
 	if shared.err != nil {
 		t.Fatalf("start PostgreSQL: %v", shared.err)
