@@ -93,8 +93,11 @@ type pool struct {
 type pools struct {
 	m *Manager
 
-	mu   sync.Mutex
-	byID map[string]*pool
+	// setMu serialises SetPool and EnsureDefaultPool, so two writes
+	// cannot both find no twin (twin reads templates outside mu).
+	setMu sync.Mutex
+	mu    sync.Mutex
+	byID  map[string]*pool
 	// fillSem bounds fills server-wide: one at a time, so refilling never
 	// takes more than one core's worth of runtime work from API calls.
 	fillSem chan struct{}
@@ -250,13 +253,55 @@ func (ps *pools) resolveRuntime(ctx context.Context, p *pool) {
 }
 
 // SetPool creates or updates the pool of spec s (keyed by template,
-// runtime and limits).
+// runtime and limits). A spec another pool already serves under other
+// words (the template's digest or another tag of it, "auto" for the
+// runtime it picks) is refused naming that pool: a claim could not tell
+// the two apart (DECISIONS.md).
 func (m *Manager) SetPool(ctx context.Context, s api.PoolSpec) (api.Pool, error) {
-	s, _, err := m.normalisePool(ctx, s, true)
+	s, rt, err := m.normalisePool(ctx, s, true)
 	if err != nil {
 		return api.Pool{}, err
 	}
+	ps := m.pools
+	ps.setMu.Lock()
+	defer ps.setMu.Unlock()
+	if other, ok := ps.twin(ctx, PoolID(s), s, rt.Name()); ok {
+		return api.Pool{}, fmt.Errorf("pool %s (template %s, runtime %s) already keeps sandboxes of this template, runtime and limits: change or delete it instead: %w",
+			other.ID, truncate(other.Spec.Template, 128), other.Spec.Runtime, errdefs.ErrConflict)
+	}
 	return m.putPool(ctx, s)
+}
+
+// twin returns the pool other than id whose members spec s (normalised,
+// its runtime resolving to rtName) would duplicate: the same limits, the
+// same resolved runtime and the same template — the same digest, or the
+// same reference while either does not resolve.
+func (ps *pools) twin(ctx context.Context, id string, s api.PoolSpec, rtName string) (api.Pool, bool) {
+	digest := func(ref string) string {
+		if t, err := ps.m.cfg.Templates.Get(ctx, ref); err == nil {
+			return t.Digest
+		}
+		return ""
+	}
+	ps.mu.Lock()
+	var others []api.Pool
+	for _, p := range ps.byID {
+		if p.id != id && p.spec.Limits == s.Limits && p.runtime == rtName {
+			others = append(others, ps.view(p))
+		}
+	}
+	ps.mu.Unlock()
+	slices.SortFunc(others, func(a, b api.Pool) int { return strings.Compare(a.ID, b.ID) })
+	want := digest(s.Template)
+	for _, o := range others {
+		if o.Spec.Template == s.Template {
+			return o, true
+		}
+		if d := digest(o.Spec.Template); d != "" && d == want {
+			return o, true
+		}
+	}
+	return api.Pool{}, false
 }
 
 func (m *Manager) putPool(ctx context.Context, s api.PoolSpec) (api.Pool, error) {
@@ -363,11 +408,19 @@ func (m *Manager) EnsureDefaultPool(ctx context.Context, n int) error {
 		}
 		return err
 	}
-	m.pools.mu.Lock()
-	_, exists := m.pools.byID[PoolID(s)]
-	m.pools.mu.Unlock()
+	ps := m.pools
+	ps.setMu.Lock()
+	defer ps.setMu.Unlock()
+	ps.mu.Lock()
+	_, exists := ps.byID[PoolID(s)]
+	ps.mu.Unlock()
 	if exists {
 		return nil // the operator's min and max stand
+	}
+	if rt, _, err := m.pickRuntime(ctx, s.Runtime); err == nil {
+		if _, ok := ps.twin(ctx, PoolID(s), s, rt.Name()); ok {
+			return nil // the operator's pool of the same members stands
+		}
 	}
 	_, err = m.putPool(ctx, s)
 	return err
@@ -430,16 +483,19 @@ func (ps *pools) view(p *pool) api.Pool {
 }
 
 // match returns the pool whose members are digest on runtime rt with
-// limits lim, if any.
+// limits lim, if any. SetPool refuses a second such pool, but a tag moved
+// since, or a cluster's pools, can still make two: the lowest id then
+// serves, every time.
 func (ps *pools) match(digest, rt string, lim api.Limits) *pool {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
+	var best *pool
 	for _, p := range ps.byID {
-		if p.digest == digest && p.runtime == rt && p.spec.Limits == lim && p.spec.Max > 0 {
-			return p
+		if p.digest == digest && p.runtime == rt && p.spec.Limits == lim && p.spec.Max > 0 && (best == nil || p.id < best.id) {
+			best = p
 		}
 	}
-	return nil
+	return best
 }
 
 // take removes and returns a ready member of p (the oldest), or false:

@@ -17,6 +17,7 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
+	"github.com/spacehq/space/internal/runtime/fakeruntime"
 	"github.com/spacehq/space/internal/runtime/gvisor"
 	"github.com/spacehq/space/internal/runtime/microvm"
 	"github.com/spacehq/space/internal/runtime/native"
@@ -556,5 +557,61 @@ func TestCheckAndMirrorPool(t *testing.T) {
 	}
 	if id := h.m.DefaultPoolID(ctx); !strings.HasPrefix(id, "pool-") {
 		t.Fatalf("default pool id %q", id)
+	}
+}
+
+// A second pool of the same members under other words — the template's
+// digest or another tag, "auto" for the runtime it picks — is refused
+// naming the first: a claim could not tell them apart (issue 26). The
+// first stays writable; other limits make another pool.
+func TestPoolTwinRefused(t *testing.T) {
+	h := newHarness(t)
+	ctx := h.ctx()
+	if err := h.m.Reconcile(ctx); err != nil {
+		t.Fatal(err)
+	}
+	first, err := h.m.SetPool(ctx, api.PoolSpec{Template: "tiny:latest", Runtime: fakeruntime.Name, Max: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl, err := h.tmpl.Get(ctx, "tiny:latest")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.tmpl.Tag(ctx, "tiny:latest", "tiny:v2"); err != nil {
+		t.Fatal(err)
+	}
+	for _, twin := range []api.PoolSpec{
+		{Template: tmpl.Digest, Runtime: fakeruntime.Name, Max: 1},
+		{Template: "tiny:v2", Runtime: fakeruntime.Name, Max: 2},
+		{Template: "tiny:latest", Runtime: runtime.Auto, Max: 1},
+		{Template: "tiny:latest", Max: 1},
+	} {
+		if _, err := h.m.SetPool(ctx, twin); !errors.Is(err, errdefs.ErrConflict) || !strings.Contains(err.Error(), first.ID) {
+			t.Errorf("SetPool(%+v) = %v, want a conflict naming %s", twin, err, first.ID)
+		}
+	}
+	if ps := h.m.Pools(ctx); len(ps) != 1 {
+		t.Fatalf("pools after the refused twins: %+v", ps)
+	}
+	if p, err := h.m.SetPool(ctx, api.PoolSpec{Template: "tiny:latest", Runtime: fakeruntime.Name, Min: 1, Max: 2}); err != nil || p.ID != first.ID {
+		t.Fatalf("updating the first pool: %+v %v", p, err)
+	}
+	other, err := h.m.SetPool(ctx, api.PoolSpec{Template: "tiny:v2", Runtime: fakeruntime.Name, Limits: api.Limits{CPUs: 0.5}, Max: 1})
+	if err != nil || other.ID == first.ID {
+		t.Fatalf("a pool of other limits: %+v %v", other, err)
+	}
+	// The default pool (base template "tiny:latest" on auto) does not
+	// duplicate the operator's: theirs stands.
+	if err := h.m.EnsureDefaultPool(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	if ps := h.m.Pools(ctx); len(ps) != 2 {
+		t.Fatalf("EnsureDefaultPool added a twin of the operator's pool: %+v", ps)
+	}
+	for _, p := range h.m.Pools(ctx) {
+		if err := h.m.DeletePool(ctx, p.ID); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
