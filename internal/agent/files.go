@@ -42,7 +42,7 @@ func (a *Agent) handleReadFile(w http.ResponseWriter, r *http.Request) {
 	var fd int
 	err = runAs(id, func() (err error) {
 		// O_NONBLOCK so a FIFO planted at the path cannot hang the open.
-		fd, err = a.root.open(rel, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY)
+		fd, err = a.rootFor(r).open(rel, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY)
 		return err
 	})
 	if err != nil {
@@ -110,7 +110,7 @@ func (a *Agent) handleWriteFile(w http.ResponseWriter, r *http.Request) {
 	}
 	var fi api.FileInfo
 	err = runAs(id, func() (err error) {
-		fi, err = a.root.writeFile(rel, mode, r.Body)
+		fi, err = a.rootFor(r).writeFile(rel, mode, r.Body)
 		return err
 	})
 	if err != nil {
@@ -140,7 +140,7 @@ func (a *Agent) handleRemove(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	if err := runAs(id, func() error { return a.root.remove(rel, recursive) }); err != nil {
+	if err := runAs(id, func() error { return a.rootFor(r).remove(rel, recursive) }); err != nil {
 		writeError(w, err)
 		return
 	}
@@ -160,7 +160,7 @@ func (a *Agent) handleStat(w http.ResponseWriter, r *http.Request) {
 	}
 	var fi api.FileInfo
 	err = runAs(id, func() (err error) {
-		fi, err = a.root.stat(rel)
+		fi, err = a.rootFor(r).stat(rel)
 		return err
 	})
 	if err != nil {
@@ -183,7 +183,7 @@ func (a *Agent) handleList(w http.ResponseWriter, r *http.Request) {
 	}
 	var entries []api.FileInfo
 	err = runAs(id, func() (err error) {
-		entries, err = a.root.list(rel)
+		entries, err = a.rootFor(r).list(rel)
 		return err
 	})
 	if err != nil {
@@ -226,10 +226,10 @@ func (a *Agent) handleMkdir(w http.ResponseWriter, r *http.Request) {
 	}
 	var fi api.FileInfo
 	err = runAs(id, func() error {
-		if err := mkdirAll(a.root.fd, rel, mode); err != nil {
+		if err := a.rootFor(r).mkdirAll(rel, mode); err != nil {
 			return err
 		}
-		fi, err = a.root.stat(rel)
+		fi, err = a.rootFor(r).stat(rel)
 		return err
 	})
 	if err != nil {
@@ -260,9 +260,44 @@ func (a *Agent) handleRename(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	if err := runAs(id, func() error { return a.root.rename(from, to) }); err != nil {
+	if err := runAs(id, func() error { return a.rootFor(r).rename(from, to) }); err != nil {
 		writeError(w, err)
 		return
 	}
 	w.WriteHeader(http.StatusNoContent)
+}
+
+// rootFor is the root a files request acts in: exact (no symlink followed
+// on the way) when the host asks, see agentproto.QueryExact.
+func (a *Agent) rootFor(r *http.Request) *fsRoot {
+	if r.URL.Query().Get(agentproto.QueryExact) != "" {
+		return a.root.exact()
+	}
+	return a.root
+}
+
+// handleResolve answers PathFilesResolve. It resolves as root: the answer
+// is a path, never content, and the operation that follows runs with the
+// caller's credentials.
+func (a *Agent) handleResolve(w http.ResponseWriter, r *http.Request) {
+	rel, err := queryPath(r, "path")
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	var follow bool
+	switch leaf := r.URL.Query().Get("leaf"); leaf {
+	case "follow":
+		follow = true
+	case "name", "":
+	default:
+		writeError(w, fmt.Errorf("leaf must be follow or name, got %q: %w", truncate(leaf, 16), errdefs.ErrInvalidArgument))
+		return
+	}
+	p, err := a.root.resolvePath(rel, follow)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, agentproto.Resolved{Path: p})
 }

@@ -470,3 +470,70 @@ func TestFilesProcMagicLinks(t *testing.T) {
 		t.Fatal("empty /proc/self/status")
 	}
 }
+
+// TestResolveThenExact: Resolve names the path the kernel reaches (symlinks
+// resolved inside the root, the leaf only when asked), and an Exact
+// operation on a path refuses any symlink on the way, so one planted after
+// the host resolved and decided fails instead of redirecting the write.
+func TestResolveThenExact(t *testing.T) {
+	e := newEnv(t, agent.Config{})
+	ctx := ctxT(t)
+	for _, d := range []string{"etc", "tmp/work"} {
+		os.MkdirAll(filepath.Join(e.root, d), 0o755)
+	}
+	os.Symlink("/etc", filepath.Join(e.root, "tmp/abs"))
+	os.Symlink("../etc", filepath.Join(e.root, "tmp/rel"))
+	os.Symlink("/../../tmp/abs", filepath.Join(e.root, "tmp/up"))
+	os.Symlink("loop2", filepath.Join(e.root, "tmp/loop1"))
+	os.Symlink("loop1", filepath.Join(e.root, "tmp/loop2"))
+	for _, c := range []struct {
+		path   string
+		follow bool
+		want   string
+	}{
+		{"/tmp/abs/x", false, "/etc/x"},
+		{"/tmp/rel/x/y", false, "/etc/x/y"},
+		{"/tmp/up/x", true, "/etc/x"},
+		{"/tmp/abs", false, "/tmp/abs"},
+		{"/tmp/abs", true, "/etc"},
+		{"/tmp/../../etc/./x", false, "/etc/x"},
+		{"/tmp/missing/../abs/x", false, "/etc/x"}, // made clean first: the host only sends clean paths
+		{"/", true, "/"},
+	} {
+		got, err := e.c.Resolve(ctx, c.path, c.follow)
+		if err != nil || got != c.want {
+			t.Errorf("Resolve(%s, follow=%v) = %q, %v; want %q", c.path, c.follow, got, err, c.want)
+		}
+	}
+	if _, err := e.c.Resolve(ctx, "/tmp/loop1/x", false); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Errorf("a symlink loop: %v", err)
+	}
+
+	// Resolved, decided, then swapped for a symlink: the Exact write fails.
+	p, err := e.c.Resolve(ctx, "/tmp/work/f", false)
+	if err != nil || p != "/tmp/work/f" {
+		t.Fatal(p, err)
+	}
+	os.Remove(filepath.Join(e.root, "tmp/work"))
+	os.Symlink("/etc", filepath.Join(e.root, "tmp/work"))
+	if _, err := e.c.WriteFile(ctx, p, 0, strings.NewReader("x"), agentclient.Exact()); err == nil {
+		t.Error("an Exact write followed a symlink planted after the resolve")
+	}
+	if err := e.c.TarPut(ctx, p, bytes.NewReader(nil), agentclient.Exact()); err == nil {
+		t.Error("an Exact tar upload followed a symlink planted after the resolve")
+	}
+	if _, err := e.c.Mkdir(ctx, "/tmp/work/d", 0o755, agentclient.Exact()); err == nil {
+		t.Error("an Exact mkdir followed a symlink")
+	}
+	if err := e.c.Rename(ctx, "/tmp/rel", "/tmp/work/r", agentclient.Exact()); err == nil {
+		t.Error("an Exact rename's target followed a symlink")
+	}
+	assertEmptyExcept(t, filepath.Join(e.root, "etc"))
+	// Without Exact the same write goes through the symlink (confined).
+	if _, err := e.c.WriteFile(ctx, p, 0, strings.NewReader("x")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(e.root, "etc/f")); err != nil {
+		t.Error(err)
+	}
+}

@@ -32,6 +32,9 @@ const maxTreeDepth = 256
 // the root and then act on the name relative to that descriptor.
 type fsRoot struct {
 	fd int
+	// resolve is added to resolveFlags on every lookup: RESOLVE_NO_SYMLINKS
+	// for an exact root (see exact).
+	resolve uint64
 }
 
 func openRoot(dir string) (*fsRoot, error) {
@@ -41,6 +44,17 @@ func openRoot(dir string) (*fsRoot, error) {
 	}
 	return &fsRoot{fd: fd}, nil
 }
+
+// exact is the same root refusing every symlink on the way (ELOOP): the
+// host resolved the path (handleResolve), the policy decided on the result,
+// and a symlink planted since must fail the operation instead of moving it
+// somewhere the policy did not see. It shares r's descriptor.
+func (r *fsRoot) exact() *fsRoot {
+	return &fsRoot{fd: r.fd, resolve: r.resolve | unix.RESOLVE_NO_SYMLINKS}
+}
+
+// sub is a root at dirfd (a directory below r) with r's lookup rules.
+func (r *fsRoot) sub(dirfd int) *fsRoot { return &fsRoot{fd: dirfd, resolve: r.resolve} }
 
 func (r *fsRoot) close() { unix.Close(r.fd) }
 
@@ -75,7 +89,16 @@ func apiPath(rel string) string {
 // openat2 opens rel below dirfd, confined, retrying the transient EAGAIN the
 // kernel returns when a concurrent rename might have let ".." escape.
 func openat2(dirfd int, rel string, flags uint64, mode uint64) (int, error) {
-	how := &unix.OpenHow{Flags: flags | unix.O_CLOEXEC, Mode: mode, Resolve: resolveFlags}
+	return openat2With(dirfd, rel, flags, mode, 0)
+}
+
+// at is openat2 below dirfd with r's lookup rules.
+func (r *fsRoot) at(dirfd int, rel string, flags uint64) (int, error) {
+	return openat2With(dirfd, rel, flags, 0, r.resolve)
+}
+
+func openat2With(dirfd int, rel string, flags, mode, resolve uint64) (int, error) {
+	how := &unix.OpenHow{Flags: flags | unix.O_CLOEXEC, Mode: mode, Resolve: resolveFlags | resolve}
 	for i := 0; ; i++ {
 		fd, err := unix.Openat2(dirfd, rel, how)
 		if (err == unix.EAGAIN || err == unix.EINTR) && i < 64 {
@@ -87,7 +110,7 @@ func openat2(dirfd int, rel string, flags uint64, mode uint64) (int, error) {
 
 // open opens rel (following symlinks, confined) with flags.
 func (r *fsRoot) open(rel string, flags int) (int, error) {
-	return openat2(r.fd, rel, uint64(flags), 0)
+	return r.at(r.fd, rel, uint64(flags))
 }
 
 // parent opens the directory containing rel and returns it with rel's last
@@ -262,16 +285,17 @@ func (r *fsRoot) list(rel string) ([]api.FileInfo, error) {
 	return out, nil
 }
 
-// mkdirAll is mkdir -p of rel below dirfd (a root), with perm for the
+// mkdirAll is mkdir -p of rel below the root, with perm for the
 // directories it creates. Every step is resolved through the root.
-func mkdirAll(dirfd int, rel string, perm uint32) error {
+func (r *fsRoot) mkdirAll(rel string, perm uint32) error {
+	dirfd := r.fd
 	if rel == "." {
 		return nil
 	}
 	comps := strings.Split(rel, "/")
 	for i := range comps {
 		prefix := strings.Join(comps[:i+1], "/")
-		fd, err := openat2(dirfd, prefix, unix.O_PATH|unix.O_DIRECTORY, 0)
+		fd, err := r.at(dirfd, prefix, unix.O_PATH|unix.O_DIRECTORY)
 		if err == nil {
 			unix.Close(fd)
 			continue
@@ -283,7 +307,7 @@ func mkdirAll(dirfd int, rel string, perm uint32) error {
 		if i > 0 {
 			parent = strings.Join(comps[:i], "/")
 		}
-		pfd, err := openat2(dirfd, parent, unix.O_PATH|unix.O_DIRECTORY, 0)
+		pfd, err := r.at(dirfd, parent, unix.O_PATH|unix.O_DIRECTORY)
 		if err != nil {
 			return fsError("mkdir", apiPath(prefix), err)
 		}
@@ -302,7 +326,7 @@ func mkdirAll(dirfd int, rel string, perm uint32) error {
 			return fsError("mkdir", apiPath(prefix), err)
 		}
 	}
-	fd, err := openat2(dirfd, rel, unix.O_PATH|unix.O_DIRECTORY, 0)
+	fd, err := r.at(dirfd, rel, unix.O_PATH|unix.O_DIRECTORY)
 	if err != nil {
 		return fsError("mkdir", apiPath(rel), err)
 	}
@@ -441,4 +465,84 @@ func (r *fsRoot) writeFile(rel string, mode int64, body io.Reader) (api.FileInfo
 	f.Close()
 	unix.Fsync(dfd) // make the rename durable
 	return fileInfo(base, p, &st, ""), nil
+}
+
+// maxSymlinks bounds the symlinks one resolution follows, as the kernel's
+// MAXSYMLINKS does.
+const maxSymlinks = 40
+
+// resolvePath is the path rel reaches with every symlink on the way
+// resolved inside the root, as RESOLVE_IN_ROOT resolves it ("/" and ".."
+// stop at the root). With followLeaf false the final component is kept as
+// named (the operation acts on it, not on what it points to). From the
+// first component that does not exist on, the rest is kept lexically: the
+// operation creates it, or fails. Each step opens the part resolved so far
+// with symlinks refused, so a swap mid-walk is an error, not a detour.
+func (r *fsRoot) resolvePath(rel string, followLeaf bool) (string, error) {
+	todo := splitPath(rel)
+	var done []string
+	links := 0
+	for len(todo) > 0 {
+		c := todo[0]
+		todo = todo[1:]
+		if c == ".." {
+			if len(done) > 0 {
+				done = done[:len(done)-1]
+			}
+			continue
+		}
+		if len(todo) == 0 && !followLeaf {
+			done = append(done, c)
+			break
+		}
+		dir := "."
+		if len(done) > 0 {
+			dir = strings.Join(done, "/")
+		}
+		dfd, err := openat2With(r.fd, dir, unix.O_PATH|unix.O_DIRECTORY, 0, unix.RESOLVE_NO_SYMLINKS)
+		if err != nil {
+			return "", fsError("resolve", apiPath(dir), err)
+		}
+		var st unix.Stat_t
+		err = unix.Fstatat(dfd, c, &st, unix.AT_SYMLINK_NOFOLLOW)
+		if err == nil && st.Mode&unix.S_IFMT == unix.S_IFLNK {
+			var target string
+			target, err = readlinkAt(dfd, c)
+			unix.Close(dfd)
+			if err != nil {
+				return "", fsError("resolve", apiPath(path.Join(dir, c)), err)
+			}
+			if links++; links > maxSymlinks {
+				return "", fsError("resolve", apiPath(rel), unix.ELOOP)
+			}
+			if strings.HasPrefix(target, "/") {
+				done = done[:0]
+			}
+			todo = append(splitPath(target), todo...)
+			continue
+		}
+		unix.Close(dfd)
+		if err != nil {
+			// Missing (or not a directory): the rest is what the operation
+			// will try to create or fail on, named as asked.
+			if err != unix.ENOENT && err != unix.ENOTDIR {
+				return "", fsError("resolve", apiPath(path.Join(dir, c)), err)
+			}
+			rest := path.Clean("/" + strings.Join(append([]string{c}, todo...), "/"))
+			return path.Clean("/" + strings.Join(done, "/") + rest), nil
+		}
+		done = append(done, c)
+	}
+	return "/" + strings.Join(done, "/"), nil
+}
+
+// splitPath is the non-empty, non-"." components of p.
+func splitPath(p string) []string {
+	var out []string
+	for _, c := range strings.Split(p, "/") {
+		if c != "" && c != "." {
+			out = append(out, c)
+		}
+	}
+	return out
 }

@@ -159,6 +159,7 @@ func (a *Agent) Handler() http.Handler {
 	mux.HandleFunc("GET "+agentproto.PathFilesTar, a.handleTarGet)
 	mux.HandleFunc("PUT "+agentproto.PathFilesTar, a.handleTarPut)
 	mux.HandleFunc("GET "+agentproto.PathFilesWatch, a.handleWatch)
+	mux.HandleFunc("GET "+agentproto.PathFilesResolve, a.handleResolve)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fmt.Errorf("no route for %s %s: %w", r.Method, r.URL.Path, errdefs.ErrNotFound))
 	})

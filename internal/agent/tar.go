@@ -34,7 +34,7 @@ func (a *Agent) handleTarGet(w http.ResponseWriter, r *http.Request) {
 	}
 	// An error here is a failed switch of credentials (fn did not run) or
 	// of the restore after it (fn answered; the error is only logged).
-	if err := runAs(id, func() error { a.tarGet(w, rel); return nil }); err != nil {
+	if err := runAs(id, func() error { a.tarGet(w, a.rootFor(r), rel); return nil }); err != nil {
 		a.log.Warn("tar as user", "err", err)
 		writeError(w, err)
 	}
@@ -42,15 +42,15 @@ func (a *Agent) handleTarGet(w http.ResponseWriter, r *http.Request) {
 
 // tarGet is handleTarGet after the request is parsed, with the credentials
 // it acts with.
-func (a *Agent) tarGet(w http.ResponseWriter, rel string) {
+func (a *Agent) tarGet(w http.ResponseWriter, root *fsRoot, rel string) {
 	var err error
 	// Resolve the top without following a final symlink, like stat does.
 	var dfd int
 	var base string
 	if rel == "." {
-		dfd, base = a.root.fd, "."
+		dfd, base = root.fd, "."
 	} else {
-		if dfd, base, err = a.root.parent(rel); err != nil {
+		if dfd, base, err = root.parent(rel); err != nil {
 			writeError(w, err)
 			return
 		}
@@ -201,17 +201,18 @@ func (a *Agent) handleTarPut(w http.ResponseWriter, r *http.Request) {
 // tarPut is handleTarPut after the request is parsed, with the credentials
 // it acts with.
 func (a *Agent) tarPut(w http.ResponseWriter, r *http.Request, rel string) {
-	if err := mkdirAll(a.root.fd, rel, 0o755); err != nil {
+	root := a.rootFor(r)
+	if err := root.mkdirAll(rel, 0o755); err != nil {
 		writeError(w, err)
 		return
 	}
-	tfd, err := a.root.open(rel, unix.O_RDONLY|unix.O_DIRECTORY)
+	tfd, err := root.open(rel, unix.O_RDONLY|unix.O_DIRECTORY)
 	if err != nil {
 		writeError(w, fsError("tar extract into", apiPath(rel), err))
 		return
 	}
 	defer unix.Close(tfd)
-	if err := extractTar(tfd, r.Body); err != nil {
+	if err := root.sub(tfd).extractTar(r.Body); err != nil {
 		writeError(w, fmt.Errorf("tar extract into %s: %w", apiPath(rel), err))
 		return
 	}
@@ -234,7 +235,8 @@ func tarName(name string) (string, error) {
 	return path.Clean(name), nil
 }
 
-func extractTar(root int, body io.Reader) error {
+// extractTar extracts body into the root (the target directory).
+func (r *fsRoot) extractTar(body io.Reader) error {
 	tr := tar.NewReader(body)
 	for {
 		hdr, err := tr.Next()
@@ -254,7 +256,7 @@ func extractTar(root int, body io.Reader) error {
 			if name == "." {
 				continue
 			}
-			if err := mkdirAll(root, name, uint32(hdr.Mode)&0o1777|0o700); err != nil {
+			if err := r.mkdirAll(name, uint32(hdr.Mode)&0o1777|0o700); err != nil {
 				return err
 			}
 			continue
@@ -271,14 +273,14 @@ func extractTar(root int, body io.Reader) error {
 		if dir == "" {
 			dir = "."
 		}
-		if err := mkdirAll(root, path.Clean(dir), 0o755); err != nil {
+		if err := r.mkdirAll(path.Clean(dir), 0o755); err != nil {
 			return err
 		}
-		pfd, err := openat2(root, dir, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+		pfd, err := r.at(r.fd, dir, unix.O_RDONLY|unix.O_DIRECTORY)
 		if err != nil {
 			return fsError("extract", name, err)
 		}
-		err = extractEntry(root, pfd, base, name, hdr, perm, tr)
+		err = r.extractEntry(pfd, base, name, hdr, perm, tr)
 		unix.Close(pfd)
 		if err != nil {
 			return err
@@ -288,7 +290,7 @@ func extractTar(root int, body io.Reader) error {
 
 // extractEntry creates one non-directory entry as base in pfd, replacing a
 // file or symlink already there (never writing through it).
-func extractEntry(root, pfd int, base, name string, hdr *tar.Header, perm uint32, data io.Reader) error {
+func (r *fsRoot) extractEntry(pfd int, base, name string, hdr *tar.Header, perm uint32, data io.Reader) error {
 	if err := unix.Unlinkat(pfd, base, 0); err != nil && err != unix.ENOENT {
 		return fsError("extract", name, err) // EISDIR: a directory is in the way
 	}
@@ -309,7 +311,7 @@ func extractEntry(root, pfd int, base, name string, hdr *tar.Header, perm uint32
 		if tdir == "" {
 			tdir = "."
 		}
-		tfd, err := openat2(root, tdir, unix.O_PATH|unix.O_DIRECTORY, 0)
+		tfd, err := r.at(r.fd, tdir, unix.O_PATH|unix.O_DIRECTORY)
 		if err != nil {
 			return fsError("extract hard link", name, err)
 		}

@@ -79,7 +79,7 @@ func (a *Agent) handleWatch(w http.ResponseWriter, r *http.Request) {
 	var dir int
 	err = runAs(id, func() (err error) {
 		// O_NONBLOCK: a FIFO at the path must not hang the open.
-		dir, err = a.root.open(rel, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY)
+		dir, err = a.rootFor(r).open(rel, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY)
 		return err
 	})
 	if err != nil {

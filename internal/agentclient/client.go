@@ -401,7 +401,15 @@ func (c *Client) stream(ctx context.Context, cl call) (io.ReadCloser, error) {
 // FileOption changes how a file operation is performed.
 type FileOption func(*fileOptions)
 
-type fileOptions struct{ user string }
+type fileOptions struct {
+	user  string
+	exact bool
+}
+
+// Exact has the agent refuse every symlink on the way to the path: the
+// path is one Resolve returned and a policy decided on (see
+// agentproto.QueryExact).
+func Exact() FileOption { return func(o *fileOptions) { o.exact = true } }
 
 // AsUser performs a file operation as this sandbox user ("name", "uid" or
 // "uid:gid", resolved by the agent like an exec's user): the sandbox's
@@ -421,7 +429,28 @@ func fileQuery(p string, opts []FileOption) url.Values {
 	if o.user != "" {
 		q.Set(agentproto.QueryUser, o.user)
 	}
+	if o.exact {
+		q.Set(agentproto.QueryExact, "1")
+	}
 	return q
+}
+
+// Resolve returns the path the sandbox's kernel reaches for path, its
+// symlinks resolved inside the sandbox's root; the final component too
+// when followLeaf (see agentproto.PathFilesResolve).
+func (c *Client) Resolve(ctx context.Context, path string, followLeaf bool) (string, error) {
+	q := url.Values{"path": {path}, "leaf": {"name"}}
+	if followLeaf {
+		q.Set("leaf", "follow")
+	}
+	var out agentproto.Resolved
+	if err := c.doJSON(ctx, call{method: http.MethodGet, path: agentproto.PathFilesResolve, query: q}, nil, &out, agentproto.MaxJSONBody); err != nil {
+		return "", err
+	}
+	if !strings.HasPrefix(out.Path, "/") || len(out.Path) > agentproto.MaxPathLen || strings.IndexByte(out.Path, 0) >= 0 {
+		return "", fmt.Errorf("agent resolved %q to an invalid path", path)
+	}
+	return out.Path, nil
 }
 
 // ReadFile streams a regular file. Reading is bounded by ctx only; the

@@ -35,8 +35,8 @@ const (
 // or it sends anything invalid (a line over agentproto.MaxWatchLine, a
 // type it may not send, a name that is not a clean relative path).
 // Event times are the host's clock: the agent's is not trusted.
-func (c *Client) Watch(ctx context.Context, req api.WatchRequest, fn func(api.FileEvent) error) error {
-	q := fileQuery(req.Path, []FileOption{AsUser(req.User)})
+func (c *Client) Watch(ctx context.Context, req api.WatchRequest, fn func(api.FileEvent) error, opts ...FileOption) error {
+	q := fileQuery(req.Path, append([]FileOption{AsUser(req.User)}, opts...))
 	if req.Recursive {
 		q.Set("recursive", "1")
 	}

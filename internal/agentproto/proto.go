@@ -42,7 +42,24 @@ const (
 	// ends when the host goes away, or after a "remove"/"rename" event
 	// of "." (the watched directory itself).
 	PathFilesWatch = "/v1/files/watch"
+	// PathFilesResolve: GET ?path=&leaf=follow|name → Resolved: the path
+	// the sandbox's kernel reaches, every symlink on the way resolved
+	// inside the root (the final component too with leaf=follow; with
+	// leaf=name, the operation acts on the name itself, as write, remove,
+	// rename and stat do). Missing components are kept as named.
+	PathFilesResolve = "/v1/files/resolve"
 )
+
+// QueryExact, on any files route, makes the agent refuse every symlink on
+// the way to the path (ELOOP → 400): the host sends a path it resolved
+// with PathFilesResolve and had the policy decide, and a symlink planted
+// since must fail the operation rather than move it elsewhere.
+const QueryExact = "exact"
+
+// Resolved is the answer to PathFilesResolve.
+type Resolved struct {
+	Path string `json:"path"`
+}
 
 // Every files route takes an optional user= query parameter ("name",
 // "uid" or "uid:gid", resolved like ExecRequest.User): the agent performs

@@ -17,7 +17,6 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
-	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/sandbox"
 )
@@ -108,70 +107,59 @@ func (h *Handler) filesystemRoutes() {
 	})
 }
 
-// fsCall is one filesystem call: its sandbox, E2B user and agent.
+// fsCall is one filesystem call: its sandbox, E2B user and file session
+// (sandbox.FileSession decides every operation by the policy, as for
+// every other front door).
 type fsCall struct {
-	m       *sandbox.Manager // audits changes
-	sb      api.Sandbox
-	user    string
-	c       *agentclient.Client
-	release func()
+	sb   api.Sandbox
+	user string
+	fs   *sandbox.FileSession
 }
 
-// openFS resolves the caller's user and reaches the sandbox's agent
-// (waking the sandbox if needed). The caller must close the call.
+// openFS resolves the caller's user and opens a file session on the
+// sandbox (which wakes it on the first operation the policy allows). The
+// caller must close the call.
 func (h *Handler) openFS(ctx context.Context) (*fsCall, error) {
 	cl := caller(ctx)
 	user := defaultUser(cl.sb, cl.user)
 	if err := checkUser(user); err != nil {
 		return nil, err
 	}
-	c, release, err := h.cfg.Manager.Agent(ctx, cl.sb.ID)
+	fs, err := h.cfg.Manager.OpenFiles(ctx, cl.sb.ID, user)
 	if err != nil {
 		return nil, err
 	}
-	return &fsCall{m: h.cfg.Manager, sb: cl.sb, user: user, c: c, release: release}, nil
+	return &fsCall{sb: cl.sb, user: user, fs: fs}, nil
 }
 
-func (f *fsCall) close() { f.release() }
-
-// as is the one place the call's user reaches the agent: every file
-// operation below runs as that user, so the sandbox's kernel checks its
-// permissions and what it creates is its own.
-func (f *fsCall) as() agentclient.FileOption { return agentclient.AsUser(f.user) }
+func (f *fsCall) close() { f.fs.Close() }
 
 func (f *fsCall) stat(ctx context.Context, p string) (api.FileInfo, error) {
-	return f.c.Stat(ctx, p, f.as())
+	return f.fs.Stat(ctx, p)
 }
 
 func (f *fsCall) list(ctx context.Context, p string) ([]api.FileInfo, error) {
-	return f.c.List(ctx, p, f.as())
+	return f.fs.List(ctx, p)
 }
 
 func (f *fsCall) mkdir(ctx context.Context, p string) (api.FileInfo, error) {
-	fi, err := f.c.Mkdir(ctx, p, 0o755, f.as())
-	f.m.AuditFiles(ctx, f.sb.ID, "mkdir", p, "", err)
-	return fi, err
+	return f.fs.Mkdir(ctx, p, 0o755)
 }
 
 func (f *fsCall) rename(ctx context.Context, from, to string) error {
-	err := f.c.Rename(ctx, from, to, f.as())
-	f.m.AuditFiles(ctx, f.sb.ID, "rename", from, to, err)
-	return err
+	return f.fs.Rename(ctx, from, to)
 }
 
 func (f *fsCall) removeAll(ctx context.Context, p string) error {
-	err := f.c.Remove(ctx, p, true, f.as())
-	f.m.AuditFiles(ctx, f.sb.ID, "remove", p, "", err)
-	return err
+	return f.fs.Remove(ctx, p, true)
 }
 
 func (f *fsCall) readFile(ctx context.Context, p string) (io.ReadCloser, error) {
-	return f.c.ReadFile(ctx, p, f.as())
+	return f.fs.Read(ctx, p)
 }
 
 func (f *fsCall) writeFile(ctx context.Context, p string, r io.Reader) error {
-	_, err := f.c.WriteFile(ctx, p, 0, r, f.as())
-	f.m.AuditFiles(ctx, f.sb.ID, "write", p, "", err)
+	_, err := f.fs.Write(ctx, p, 0, r)
 	return err
 }
 
@@ -251,12 +239,10 @@ func (f *fsCall) names(ctx context.Context) names {
 
 func (f *fsCall) idFile(ctx context.Context, p string) map[uint32]string {
 	m := map[uint32]string{}
-	rc, err := f.c.ReadFile(ctx, p)
+	b, err := f.fs.ReadIDFile(ctx, p, maxIDFile)
 	if err != nil {
 		return m
 	}
-	defer rc.Close()
-	b, _ := io.ReadAll(io.LimitReader(rc, maxIDFile))
 	for _, line := range strings.Split(string(b), "\n") {
 		// name:password:id:…, the same for both files.
 		fields := strings.SplitN(line, ":", 4)

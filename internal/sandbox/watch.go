@@ -5,6 +5,7 @@ import (
 	"strings"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/actions"
 )
 
 // WatchDir reports the changes under directory req.Path of sandbox id to
@@ -29,13 +30,15 @@ func (m *Manager) WatchDir(ctx context.Context, id string, req api.WatchRequest,
 	if !strings.HasPrefix(req.Path, "/") {
 		return invalid("path must be absolute, got %q", req.Path)
 	}
-	if err := ValidateUser(req.User); err != nil {
-		return err
-	}
-	c, release, err := m.Agent(ctx, id)
+	s, err := m.OpenFiles(ctx, id, req.User)
 	if err != nil {
 		return err
 	}
-	defer release()
-	return c.Watch(ctx, req, fn)
+	defer s.Close()
+	c, ps, opts, err := s.prepare(ctx, use{kind: actions.FileRead, path: req.Path, follow: true})
+	if err != nil {
+		return err
+	}
+	req.Path = ps[0]
+	return c.Watch(ctx, req, fn, opts[1:]...) // opts[0] is req.User's
 }

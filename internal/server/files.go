@@ -7,70 +7,33 @@ import (
 	"net/http"
 	"os"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/spacehq/space/api"
-	"github.com/spacehq/space/internal/actions"
-	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/sandbox"
 )
 
-// checkPath validates a sandbox path before it reaches the agent (which
-// resolves it inside the sandbox root; these checks are for clear errors).
-func checkPath(p string) error {
-	switch {
-	case p == "":
-		return fmt.Errorf("path is required: %w", errdefs.ErrInvalidArgument)
-	case strings.IndexByte(p, 0) >= 0:
-		return fmt.Errorf("path contains a NUL byte: %w", errdefs.ErrInvalidArgument)
-	case len(p) > 4096:
-		return fmt.Errorf("path is %d bytes, longer than 4096: %w", len(p), errdefs.ErrInvalidArgument)
-	case !strings.HasPrefix(p, "/"):
-		return fmt.Errorf("path must be absolute, got %q: %w", p, errdefs.ErrInvalidArgument)
-	}
-	return nil
+// fileOp runs fn in a file session (sandbox.FileSession: every front
+// door's one way to a sandbox's files, decided by the policy) on the
+// sandbox of the route, as the query's user (root when absent), with the
+// path from the query. fn writes the success response; any error is
+// written here.
+func (s *Server) fileOp(w http.ResponseWriter, r *http.Request, fn func(fs *sandbox.FileSession, path string) error) {
+	s.fileSession(w, r, r.URL.Query().Get("user"), func(fs *sandbox.FileSession) error {
+		return fn(fs, r.URL.Query().Get("path"))
+	})
 }
 
-// fileOp runs fn against the sandbox's agent (waking the sandbox if needed)
-// with the path from the query, holding the sandbox active meanwhile, as
-// the query's user (root when absent). fn writes the success response; any
-// error is written here.
-func (s *Server) fileOp(w http.ResponseWriter, r *http.Request, fn func(c *agentclient.Client, path string, as agentclient.FileOption) error) {
-	p := r.URL.Query().Get("path")
-	if err := checkPath(p); err != nil {
-		writeError(w, r, err)
-		return
-	}
-	as, err := asUser(r.URL.Query().Get("user"))
+// fileSession runs fn in a file session of the route's sandbox as user.
+func (s *Server) fileSession(w http.ResponseWriter, r *http.Request, user string, fn func(fs *sandbox.FileSession) error) {
+	fs, err := s.mgr.OpenFiles(r.Context(), r.PathValue("id"), user)
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
-	if err := s.decide(r, actions.Action{Kind: fileKind(r.Method), Path: p}); err != nil {
-		writeError(w, r, err)
-		return
-	}
-	s.agentOp(w, r, func(c *agentclient.Client) error { return fn(c, p, as) })
-}
-
-// asUser checks the user a file operation is performed as ("" is root).
-func asUser(u string) (agentclient.FileOption, error) {
-	if err := sandbox.ValidateUser(u); err != nil {
-		return nil, err
-	}
-	return agentclient.AsUser(u), nil
-}
-
-func (s *Server) agentOp(w http.ResponseWriter, r *http.Request, fn func(c *agentclient.Client) error) {
-	c, release, err := s.mgr.Agent(r.Context(), r.PathValue("id"))
-	if err != nil {
-		writeError(w, r, err)
-		return
-	}
-	defer release()
-	if err := fn(c); err != nil {
+	defer fs.Close()
+	if err := fn(fs); err != nil {
 		writeError(w, r, err)
 	}
 }
@@ -88,8 +51,8 @@ func (s *Server) streamOut(w http.ResponseWriter, rc io.ReadCloser, contentType 
 }
 
 func (s *Server) readFile(w http.ResponseWriter, r *http.Request) {
-	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
-		rc, err := c.ReadFile(r.Context(), p, as)
+	s.fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
+		rc, err := fs.Read(r.Context(), p)
 		if err != nil {
 			return err
 		}
@@ -99,8 +62,8 @@ func (s *Server) readFile(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) tarGet(w http.ResponseWriter, r *http.Request) {
-	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
-		rc, err := c.TarGet(r.Context(), p, as)
+	s.fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
+		rc, err := fs.TarGet(r.Context(), p)
 		if err != nil {
 			return err
 		}
@@ -167,9 +130,8 @@ func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
-		fi, err := c.WriteFile(r.Context(), p, mode, body, as)
-		s.mgr.AuditFiles(r.Context(), r.PathValue("id"), "write", p, "", err)
+	s.fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
+		fi, err := fs.Write(r.Context(), p, mode, body)
 		if err != nil {
 			return body.check(err)
 		}
@@ -184,9 +146,8 @@ func (s *Server) tarPut(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
-		err := c.TarPut(r.Context(), p, body, as)
-		s.mgr.AuditFiles(r.Context(), r.PathValue("id"), "tar_put", p, "", err)
+	s.fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
+		err := fs.TarPut(r.Context(), p, body)
 		if err != nil {
 			return body.check(err)
 		}
@@ -201,10 +162,8 @@ func (s *Server) removeFile(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
-		err := c.Remove(r.Context(), p, rec, as)
-		s.mgr.AuditFiles(r.Context(), r.PathValue("id"), "remove", p, "", err)
-		if err != nil {
+	s.fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
+		if err := fs.Remove(r.Context(), p, rec); err != nil {
 			return err
 		}
 		w.WriteHeader(http.StatusNoContent)
@@ -213,8 +172,8 @@ func (s *Server) removeFile(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) statFile(w http.ResponseWriter, r *http.Request) {
-	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
-		fi, err := c.Stat(r.Context(), p, as)
+	s.fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
+		fi, err := fs.Stat(r.Context(), p)
 		if err != nil {
 			return err
 		}
@@ -224,8 +183,8 @@ func (s *Server) statFile(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) listFiles(w http.ResponseWriter, r *http.Request) {
-	s.fileOp(w, r, func(c *agentclient.Client, p string, as agentclient.FileOption) error {
-		list, err := c.List(r.Context(), p, as)
+	s.fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
+		list, err := fs.List(r.Context(), p)
 		if err != nil {
 			return err
 		}
@@ -243,10 +202,6 @@ func (s *Server) mkdir(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	if err := checkPath(req.Path); err != nil {
-		writeError(w, r, err)
-		return
-	}
 	if req.Mode > 0o7777 {
 		writeError(w, r, fmt.Errorf("mode must be permission bits ≤ 07777: %w", errdefs.ErrInvalidArgument))
 		return
@@ -255,18 +210,8 @@ func (s *Server) mkdir(w http.ResponseWriter, r *http.Request) {
 	if mode == 0 {
 		mode = 0o755
 	}
-	as, err := asUser(req.User)
-	if err != nil {
-		writeError(w, r, err)
-		return
-	}
-	if err := s.decide(r, actions.Action{Kind: actions.FileWrite, Path: req.Path}); err != nil {
-		writeError(w, r, err)
-		return
-	}
-	s.agentOp(w, r, func(c *agentclient.Client) error {
-		fi, err := c.Mkdir(r.Context(), req.Path, mode, as)
-		s.mgr.AuditFiles(r.Context(), r.PathValue("id"), "mkdir", req.Path, "", err)
+	s.fileSession(w, r, req.User, func(fs *sandbox.FileSession) error {
+		fi, err := fs.Mkdir(r.Context(), req.Path, mode)
 		if err != nil {
 			return err
 		}
@@ -281,28 +226,8 @@ func (s *Server) rename(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	for _, p := range []string{req.From, req.To} {
-		if err := checkPath(p); err != nil {
-			writeError(w, r, err)
-			return
-		}
-	}
-	as, err := asUser(req.User)
-	if err != nil {
-		writeError(w, r, err)
-		return
-	}
-	// A rename deletes its source and writes its target.
-	for _, a := range []actions.Action{{Kind: actions.FileDelete, Path: req.From}, {Kind: actions.FileWrite, Path: req.To}} {
-		if err := s.decide(r, a); err != nil {
-			writeError(w, r, err)
-			return
-		}
-	}
-	s.agentOp(w, r, func(c *agentclient.Client) error {
-		err := c.Rename(r.Context(), req.From, req.To, as)
-		s.mgr.AuditFiles(r.Context(), r.PathValue("id"), "rename", req.From, req.To, err)
-		if err != nil {
+	s.fileSession(w, r, req.User, func(fs *sandbox.FileSession) error {
+		if err := fs.Rename(r.Context(), req.From, req.To); err != nil {
 			return err
 		}
 		w.WriteHeader(http.StatusNoContent)
@@ -325,15 +250,8 @@ func (s *Server) watchDir(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
+	// WatchDir decides the read, as a file session does.
 	req := api.WatchRequest{Path: q.Get("path"), Recursive: rec, User: q.Get("user")}
-	if err := checkPath(req.Path); err != nil {
-		writeError(w, r, err)
-		return
-	}
-	if err := s.decide(r, actions.Action{Kind: actions.FileRead, Path: req.Path}); err != nil {
-		writeError(w, r, err)
-		return
-	}
 	id := r.PathValue("id")
 	var nd *ndjsonWriter
 	err = s.mgr.WatchDir(r.Context(), id, req, func(ev api.FileEvent) error {

@@ -352,15 +352,3 @@ func (s *Server) answerProposal(w http.ResponseWriter, r *http.Request, id strin
 func (s *Server) decide(r *http.Request, a actions.Action) error {
 	return s.mgr.Decide(r.Context(), r.PathValue("id"), a)
 }
-
-// fileKind is the action a files API request is: GET reads, PUT writes,
-// DELETE deletes.
-func fileKind(method string) string {
-	switch method {
-	case http.MethodPut, http.MethodPost:
-		return actions.FileWrite
-	case http.MethodDelete:
-		return actions.FileDelete
-	}
-	return actions.FileRead
-}
