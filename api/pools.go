@@ -28,7 +28,9 @@ type Pool struct {
 	Filling        int    `json:"filling"`
 	// Target is how many members the pool keeps ready now: min, raised by
 	// misses up to max, lowered again after a minute without one.
-	Target       int     `json:"target"`
+	Target int `json:"target"`
+	// Hits and Misses count claims since the pool was made, across server
+	// restarts (saved at most a second behind).
 	Hits         int64   `json:"hits"`
 	Misses       int64   `json:"misses"`
 	LastRefillMS float64 `json:"last_refill_ms"`

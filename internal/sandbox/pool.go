@@ -76,17 +76,20 @@ type pool struct {
 	runtime string       // resolved runtime name
 	idle    string
 
-	digest     string
-	ready      []member // oldest first
-	filling    int
-	target     int
-	hits       int64
-	misses     int64
-	lastRefill time.Duration
-	lastErr    string
-	lastMiss   time.Time
-	lastShrink time.Time
-	deleted    bool
+	digest  string
+	ready   []member // oldest first
+	filling int
+	target  int
+	hits    int64
+	misses  int64
+	// savedHits and savedMisses are the counters as last written to the
+	// store (save).
+	savedHits, savedMisses int64
+	lastRefill             time.Duration
+	lastErr                string
+	lastMiss               time.Time
+	lastShrink             time.Time
+	deleted                bool
 }
 
 // pools is the manager's set of warm pools.
@@ -114,7 +117,12 @@ CREATE TABLE pool_pools (
 	id   TEXT PRIMARY KEY,
 	data TEXT NOT NULL -- api.PoolSpec JSON
 ) STRICT;
-`}
+`,
+	// The claim counters, kept across restarts (issue 26); save writes
+	// them.
+	`ALTER TABLE pool_pools ADD COLUMN hits INTEGER NOT NULL DEFAULT 0`,
+	`ALTER TABLE pool_pools ADD COLUMN misses INTEGER NOT NULL DEFAULT 0`,
+}
 
 // isPoolMember says whether sb is an unclaimed pool member.
 func isPoolMember(sb api.Sandbox) bool { return sb.Labels[PoolLabel] != "" }
@@ -208,7 +216,7 @@ func (ps *pools) load(ctx context.Context) error {
 	if err := store.MigrateTables(ctx, db, "pool", poolSchema); err != nil {
 		return fmt.Errorf("pool tables: %w", err)
 	}
-	rows, err := db.QueryContext(ctx, `SELECT id, data FROM pool_pools`)
+	rows, err := db.QueryContext(ctx, `SELECT id, data, hits, misses FROM pool_pools`)
 	if err != nil {
 		return err
 	}
@@ -217,7 +225,8 @@ func (ps *pools) load(ctx context.Context) error {
 	defer ps.mu.Unlock()
 	for rows.Next() {
 		var id, data string
-		if err := rows.Scan(&id, &data); err != nil {
+		var hits, misses int64
+		if err := rows.Scan(&id, &data, &hits, &misses); err != nil {
 			return err
 		}
 		var s api.PoolSpec
@@ -225,7 +234,9 @@ func (ps *pools) load(ctx context.Context) error {
 			return fmt.Errorf("pool %s: %w", id, err)
 		}
 		if ps.byID[id] == nil {
-			ps.byID[id] = ps.newPool(ctx, id, s)
+			p := ps.newPool(ctx, id, s)
+			p.hits, p.misses, p.savedHits, p.savedMisses = hits, misses, hits, misses
+			ps.byID[id] = p
 		}
 	}
 	return rows.Err()
@@ -547,6 +558,36 @@ func (ps *pools) giveBack(p *pool, mb member) {
 	ps.destroyAsync(mb.id, "pool deleted")
 }
 
+// save writes the claim counters that changed since the last save. The
+// filler's round calls it (≤ 1 s behind a claim, which itself writes
+// nothing more), and the filler once more as the manager closes: a crash
+// loses at most the last second's counts.
+func (ps *pools) save(ctx context.Context) {
+	type counts struct {
+		id           string
+		hits, misses int64
+	}
+	ps.mu.Lock()
+	var dirty []counts
+	for _, p := range ps.byID {
+		if p.hits != p.savedHits || p.misses != p.savedMisses {
+			dirty = append(dirty, counts{p.id, p.hits, p.misses})
+		}
+	}
+	ps.mu.Unlock()
+	for _, c := range dirty {
+		if _, err := ps.m.cfg.DB.SQL().ExecContext(ctx, `UPDATE pool_pools SET hits = ?, misses = ? WHERE id = ?`, c.hits, c.misses, c.id); err != nil {
+			ps.m.log.Warn("saving a warm pool's claim counters", "pool", c.id, "err", err)
+			continue
+		}
+		ps.mu.Lock()
+		if p := ps.byID[c.id]; p != nil {
+			p.savedHits, p.savedMisses = c.hits, c.misses
+		}
+		ps.mu.Unlock()
+	}
+}
+
 // kick wakes the fill loop.
 func (ps *pools) kick() {
 	select {
@@ -567,6 +608,7 @@ func (ps *pools) run() {
 			ps.round(m.ctx)
 			select {
 			case <-m.ctx.Done():
+				ps.save(context.Background()) // the counts since the last round
 				return
 			case <-tick.C:
 			case <-m.poolKick:
@@ -584,6 +626,7 @@ func (ps *pools) round(ctx context.Context) {
 		list = append(list, p)
 	}
 	ps.mu.Unlock()
+	ps.save(ctx)
 	avail, memErr := ps.memAvailable()
 	low := memErr == nil && avail < m.cfg.PoolMemFloor
 	if low {

@@ -615,3 +615,60 @@ func TestPoolTwinRefused(t *testing.T) {
 		}
 	}
 }
+
+// A pool's hit and miss counters survive a restart (issue 26: they read 0
+// after one).
+func TestPoolCountersSurviveRestart(t *testing.T) {
+	h := newHarness(t)
+	ctx := h.ctx()
+	if err := h.m.Reconcile(ctx); err != nil {
+		t.Fatal(err)
+	}
+	h.m.Run()
+	// min 0: the first create misses (nothing ready) and raises the
+	// target; the next one, once a member is ready, hits.
+	p, err := h.m.SetPool(ctx, api.PoolSpec{Template: "tiny:latest", Runtime: fakeruntime.Name, Min: 0, Max: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	await := func(what string, ok func(api.Pool) bool) {
+		t.Helper()
+		for {
+			got, err := h.m.GetPool(ctx, p.ID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ok(got) {
+				return
+			}
+			select {
+			case <-ctx.Done():
+				t.Fatalf("the pool never %s: %+v", what, got)
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}
+	// A claim matches a pool once the filler resolved its template.
+	await("resolved its template", func(p api.Pool) bool { return p.TemplateDigest != "" })
+	req := api.CreateSandboxRequest{Template: "tiny:latest", Runtime: fakeruntime.Name}
+	h.create(req)
+	await("refilled after its miss", func(p api.Pool) bool { return p.Ready == 1 })
+	h.create(req)
+	before, err := h.m.GetPool(ctx, p.ID)
+	if err != nil || before.Hits != 1 || before.Misses != 1 {
+		t.Fatalf("before the restart: %+v %v, want 1 hit and 1 miss", before, err)
+	}
+	h.m.Close()
+	h.m = h.manager()
+	if err := h.m.Reconcile(ctx); err != nil {
+		t.Fatal(err)
+	}
+	h.m.Run()
+	after, err := h.m.GetPool(ctx, p.ID)
+	if err != nil || after.Hits != before.Hits || after.Misses != before.Misses {
+		t.Fatalf("after the restart: %+v %v, want %d hits and %d misses", after, err, before.Hits, before.Misses)
+	}
+	if err := h.m.DeletePool(ctx, p.ID); err != nil {
+		t.Fatal(err)
+	}
+}
