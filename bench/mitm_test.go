@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/brokerconf"
 	"github.com/spacehq/space/internal/gateway"
 	"github.com/spacehq/space/internal/gateway/gatewaytest"
 	"github.com/spacehq/space/internal/netpolicy"
@@ -72,7 +73,7 @@ func TestMITMBench(t *testing.T) {
 	}
 	nic.Close()
 	const ph = "SPACE_PH_bench_0123456789"
-	if err := g.SetBroker("sb", gateway.BrokerConfig{CACertPEM: sbCA.CertPEM, CAKeyPEM: sbCA.KeyPEM, Secrets: []gateway.BrokeredSecret{{
+	if err := g.SetBroker("sb", brokerconf.Config{CACertPEM: sbCA.CertPEM, CAKeyPEM: sbCA.KeyPEM, Secrets: []brokerconf.Secret{{
 		Name: "KEY", Hosts: []string{"api.test"}, Placeholder: ph, Value: []byte("sk-bench-real")}}}); err != nil {
 		t.Fatal(err)
 	}

@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
-	"github.com/spacehq/space/internal/gateway"
+	"github.com/spacehq/space/internal/brokerconf"
 	"github.com/spacehq/space/internal/gateway/gatewaytest"
 	"github.com/spacehq/space/internal/gateway/gwctl"
 )
@@ -36,8 +36,8 @@ func TestBrokerInterceptsFromSandbox(t *testing.T) {
 		}
 	}
 	const ph = "SPACE_PH_e2e_0123456789abcdef"
-	secret := func(value string) gateway.BrokerConfig {
-		return gateway.BrokerConfig{CACertPEM: sbCA.CertPEM, CAKeyPEM: sbCA.KeyPEM, Secrets: []gateway.BrokeredSecret{{
+	secret := func(value string) brokerconf.Config {
+		return brokerconf.Config{CACertPEM: sbCA.CertPEM, CAKeyPEM: sbCA.KeyPEM, Secrets: []brokerconf.Secret{{
 			Name: "API_KEY", Hosts: []string{"api.test"}, Placeholder: ph, Value: []byte(value)}}}
 	}
 	gw := &gwctl.Client{Path: filepath.Join(data, "network", "ctl.sock")}

@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/spacehq/space/internal/brokerconf"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/netpolicy"
 )
@@ -29,7 +30,7 @@ const (
 	// maxLeaves bounds a link's cache: a "*.suffix" host lets a sandbox
 	// name any number of subdomains.
 	maxLeaves = 256
-	// maxSecrets bounds one BrokerConfig.
+	// maxSecrets bounds one brokerconf.Config.
 	maxSecrets = 256
 )
 
@@ -41,7 +42,7 @@ var forbiddenSecretHeaders = map[string]bool{
 	"keep-alive": true, "proxy-connection": true,
 }
 
-// broker is a link's compiled BrokerConfig. Immutable but for the leaf
+// broker is a link's compiled brokerconf.Config. Immutable but for the leaf
 // cache; SetBroker replaces it whole, so a request sees one config.
 type broker struct {
 	ca      *x509.Certificate
@@ -91,7 +92,7 @@ func invalidBroker(format string, a ...any) error {
 
 // compileBroker validates b and parses its CA. A config with no secrets and
 // no CA is nil: nothing is intercepted. Errors never quote a value.
-func compileBroker(b BrokerConfig) (*broker, error) {
+func compileBroker(b brokerconf.Config) (*broker, error) {
 	if len(b.CACertPEM) == 0 && len(b.CAKeyPEM) == 0 && len(b.Secrets) == 0 {
 		return nil, nil
 	}
@@ -279,7 +280,7 @@ func (b *broker) serverConfig(name string) (*tls.Config, error) {
 // as long as the link (the server pushes it after every attach, and a
 // gateway that restarts has none), so no secret stays in memory for a
 // sandbox this gateway does not serve.
-func (g *Gateway) SetBroker(id string, b BrokerConfig) error {
+func (g *Gateway) SetBroker(id string, b brokerconf.Config) error {
 	br, err := compileBroker(b)
 	if err != nil {
 		return err

@@ -25,6 +25,7 @@ import (
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/actions"
+	"github.com/spacehq/space/internal/brokerconf"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/gateway/gatewaytest"
 	"github.com/spacehq/space/internal/netpolicy"
@@ -142,12 +143,12 @@ func newBrokerFixture(t *testing.T, p api.NetworkPolicy) *brokerFixture {
 	return f
 }
 
-func (f *brokerFixture) config(secrets ...BrokeredSecret) BrokerConfig {
-	return BrokerConfig{CACertPEM: f.sbCA.CertPEM, CAKeyPEM: f.sbCA.KeyPEM, Secrets: secrets}
+func (f *brokerFixture) config(secrets ...brokerconf.Secret) brokerconf.Config {
+	return brokerconf.Config{CACertPEM: f.sbCA.CertPEM, CAKeyPEM: f.sbCA.KeyPEM, Secrets: secrets}
 }
 
-func keySecret(hosts ...string) BrokeredSecret {
-	return BrokeredSecret{Name: "API_KEY", Hosts: hosts, Placeholder: phKey, Value: []byte(realKey)}
+func keySecret(hosts ...string) brokerconf.Secret {
+	return brokerconf.Secret{Name: "API_KEY", Hosts: hosts, Placeholder: phKey, Value: []byte(realKey)}
 }
 
 // sbConn is an HTTPS connection from inside the sandbox.
@@ -306,7 +307,7 @@ func TestBrokerHeaderTemplateAndRules(t *testing.T) {
 	p.Rules = []api.HeaderRule{{Domain: "*.svc.test", SetHeaders: map[string]string{"X-Rule": "r-{secret:TOKEN}", "X-Bad": "{secret:API_KEY}"},
 		RemoveHeaders: []string{"X-Drop"}}}
 	f := newBrokerFixture(t, p)
-	tok := BrokeredSecret{Name: "TOKEN", Hosts: []string{"*.svc.test"}, Header: "x-api-key: tok {}", Placeholder: phTok, Value: []byte(realTok)}
+	tok := brokerconf.Secret{Name: "TOKEN", Hosts: []string{"*.svc.test"}, Header: "x-api-key: tok {}", Placeholder: phTok, Value: []byte(realTok)}
 	if err := f.g.SetBroker("sb1", f.config(tok, keySecret("api.test"))); err != nil {
 		t.Fatal(err)
 	}
@@ -581,35 +582,35 @@ func TestBrokerConfigValidation(t *testing.T) {
 		t.Fatal(err)
 	}
 	other, _ := gatewaytest.NewCA("other")
-	good := BrokeredSecret{Name: "K", Hosts: []string{"api.test"}, Placeholder: phKey, Value: []byte(realKey)}
-	cfg := func(mut func(*BrokerConfig)) BrokerConfig {
-		c := BrokerConfig{CACertPEM: ca.CertPEM, CAKeyPEM: ca.KeyPEM, Secrets: []BrokeredSecret{good}}
+	good := brokerconf.Secret{Name: "K", Hosts: []string{"api.test"}, Placeholder: phKey, Value: []byte(realKey)}
+	cfg := func(mut func(*brokerconf.Config)) brokerconf.Config {
+		c := brokerconf.Config{CACertPEM: ca.CertPEM, CAKeyPEM: ca.KeyPEM, Secrets: []brokerconf.Secret{good}}
 		mut(&c)
 		return c
 	}
-	if br, err := compileBroker(cfg(func(*BrokerConfig) {})); err != nil || br == nil {
+	if br, err := compileBroker(cfg(func(*brokerconf.Config) {})); err != nil || br == nil {
 		t.Fatalf("good config: %v", err)
 	}
-	if br, err := compileBroker(BrokerConfig{}); err != nil || br != nil {
+	if br, err := compileBroker(brokerconf.Config{}); err != nil || br != nil {
 		t.Fatalf("empty config: %v %v", br, err)
 	}
-	bad := map[string]func(*BrokerConfig){
-		"no CA":             func(c *BrokerConfig) { c.CACertPEM, c.CAKeyPEM = nil, nil },
-		"key of another CA": func(c *BrokerConfig) { c.CAKeyPEM = other.KeyPEM },
-		"not a CA":          func(c *BrokerConfig) { c.CACertPEM = issuePEM(t, ca) },
-		"no name":           func(c *BrokerConfig) { c.Secrets[0].Name = "" },
-		"twice":             func(c *BrokerConfig) { c.Secrets = append(c.Secrets, good) },
-		"short placeholder": func(c *BrokerConfig) { c.Secrets[0].Placeholder = "x" },
-		"value with CRLF":   func(c *BrokerConfig) { c.Secrets[0].Value = []byte(realKey + "\r\nX-Evil: 1") },
-		"no hosts":          func(c *BrokerConfig) { c.Secrets[0].Hosts = nil },
-		"bad host":          func(c *BrokerConfig) { c.Secrets[0].Hosts = []string{"https://api.test/"} },
-		"bare wildcard":     func(c *BrokerConfig) { c.Secrets[0].Hosts = []string{"*.com"} },
-		"header without {}": func(c *BrokerConfig) { c.Secrets[0].Header = "Authorization: Bearer" },
-		"framing header":    func(c *BrokerConfig) { c.Secrets[0].Header = "Host: {}" },
-		"header no colon":   func(c *BrokerConfig) { c.Secrets[0].Header = "Authorization {}" },
+	bad := map[string]func(*brokerconf.Config){
+		"no CA":             func(c *brokerconf.Config) { c.CACertPEM, c.CAKeyPEM = nil, nil },
+		"key of another CA": func(c *brokerconf.Config) { c.CAKeyPEM = other.KeyPEM },
+		"not a CA":          func(c *brokerconf.Config) { c.CACertPEM = issuePEM(t, ca) },
+		"no name":           func(c *brokerconf.Config) { c.Secrets[0].Name = "" },
+		"twice":             func(c *brokerconf.Config) { c.Secrets = append(c.Secrets, good) },
+		"short placeholder": func(c *brokerconf.Config) { c.Secrets[0].Placeholder = "x" },
+		"value with CRLF":   func(c *brokerconf.Config) { c.Secrets[0].Value = []byte(realKey + "\r\nX-Evil: 1") },
+		"no hosts":          func(c *brokerconf.Config) { c.Secrets[0].Hosts = nil },
+		"bad host":          func(c *brokerconf.Config) { c.Secrets[0].Hosts = []string{"https://api.test/"} },
+		"bare wildcard":     func(c *brokerconf.Config) { c.Secrets[0].Hosts = []string{"*.com"} },
+		"header without {}": func(c *brokerconf.Config) { c.Secrets[0].Header = "Authorization: Bearer" },
+		"framing header":    func(c *brokerconf.Config) { c.Secrets[0].Header = "Host: {}" },
+		"header no colon":   func(c *brokerconf.Config) { c.Secrets[0].Header = "Authorization {}" },
 	}
 	for what, mut := range bad {
-		c := cfg(func(c *BrokerConfig) { c.Secrets = append([]BrokeredSecret(nil), c.Secrets...) })
+		c := cfg(func(c *brokerconf.Config) { c.Secrets = append([]brokerconf.Secret(nil), c.Secrets...) })
 		mut(&c)
 		_, err := compileBroker(c)
 		if !errors.Is(err, errdefs.ErrInvalidArgument) {
@@ -674,7 +675,7 @@ func TestBrokerRuleOnly(t *testing.T) {
 		t.Fatalf("upstream saw:\n%s", body)
 	}
 	// Without a CA nothing can be intercepted: the rule's domain is relayed.
-	if err := f.g.SetBroker("sb1", BrokerConfig{}); err != nil {
+	if err := f.g.SetBroker("sb1", brokerconf.Config{}); err != nil {
 		t.Fatal(err)
 	}
 	c2 := f.openH1(t, "plain.test")

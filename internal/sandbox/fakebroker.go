@@ -5,7 +5,7 @@ import (
 	"slices"
 	"sync"
 
-	"github.com/spacehq/space/internal/gateway"
+	"github.com/spacehq/space/internal/brokerconf"
 )
 
 // FakeBroker is a Broker for tests: it records every config it is sent.
@@ -19,13 +19,13 @@ type FakeBroker struct {
 // BrokerCall is one recorded SetBroker.
 type BrokerCall struct {
 	ID     string
-	Config gateway.BrokerConfig
+	Config brokerconf.Config
 }
 
 var _ Broker = (*FakeBroker)(nil)
 
 // SetBroker records b for id (or fails with the error FailWith set).
-func (f *FakeBroker) SetBroker(_ context.Context, id string, b gateway.BrokerConfig) error {
+func (f *FakeBroker) SetBroker(_ context.Context, id string, b brokerconf.Config) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.fail != nil {
@@ -57,10 +57,10 @@ func (f *FakeBroker) Calls(id string) []BrokerCall {
 }
 
 // Last returns the last config sent for id and whether there was one.
-func (f *FakeBroker) Last(id string) (gateway.BrokerConfig, bool) {
+func (f *FakeBroker) Last(id string) (brokerconf.Config, bool) {
 	cs := f.Calls(id)
 	if len(cs) == 0 {
-		return gateway.BrokerConfig{}, false
+		return brokerconf.Config{}, false
 	}
 	return cs[len(cs)-1].Config, true
 }

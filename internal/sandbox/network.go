@@ -10,7 +10,8 @@ import (
 
 // Network is the manager's view of the network gateway: the process that
 // serves every sandbox's virtual NIC and enforces its policy
-// (internal/gateway; the real one is gateway/supervisor.Client).
+// (internal/gateway; the real one is gwctl.Client, which implements this
+// interface: this package imports nothing of the gateway).
 type Network interface {
 	// Attach hands the gateway one sandbox's NIC descriptor (the gateway
 	// keeps its own copy; the caller may close nic) with the policy in

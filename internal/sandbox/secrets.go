@@ -10,7 +10,7 @@ package sandbox
 //     name-constrained to exactly those hosts; after its agent is ready on
 //     every boot, restore and fork, and after every change while it runs,
 //     the CA certificate is written into its trust stores (installTrust);
-//   - the gateway gets the sandbox's BrokerConfig (CA and granted secrets
+//   - the gateway gets the sandbox's brokerconf.Config (CA and granted secrets
 //     with their current values) on every link attach and after every
 //     change: grant, revoke, rotation, deletion, policy change (pushBroker),
 //     so a revocation or rotation holds from the next request on;
@@ -31,8 +31,8 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/brokerconf"
 	"github.com/spacehq/space/internal/errdefs"
-	"github.com/spacehq/space/internal/gateway"
 	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/secrets"
 )
@@ -42,7 +42,7 @@ import (
 type Broker interface {
 	// SetBroker replaces the brokering config of sandbox id's link. An
 	// empty config intercepts nothing.
-	SetBroker(ctx context.Context, id string, b gateway.BrokerConfig) error
+	SetBroker(ctx context.Context, id string, b brokerconf.Config) error
 }
 
 // Where the sandbox CA goes inside a sandbox, and the env that points
@@ -211,7 +211,7 @@ func (m *Manager) forkSecrets(ctx context.Context, parent api.Sandbox, child *ap
 // brokerPlan is what the gateway must know about one sandbox.
 type brokerPlan struct {
 	hosts   []string // the CA's name constraints
-	secrets []gateway.BrokeredSecret
+	secrets []brokerconf.Secret
 }
 
 // planBroker collects sb's grants (with current values) and the header
@@ -227,7 +227,7 @@ func (m *Manager) planBroker(ctx context.Context, sb api.Sandbox, pol api.Networ
 		return plan, err
 	}
 	hosts := map[string]bool{}
-	byName := map[string]*gateway.BrokeredSecret{}
+	byName := map[string]*brokerconf.Secret{}
 	var order []string
 	for _, g := range gs {
 		sec, val, err := m.cfg.Secrets.Value(ctx, g.Tenant, g.Name)
@@ -237,7 +237,7 @@ func (m *Manager) planBroker(ctx context.Context, sb api.Sandbox, pol api.Networ
 		if err != nil {
 			return plan, err
 		}
-		byName[g.Name] = &gateway.BrokeredSecret{Name: g.Name, Hosts: slices.Clone(sec.Hosts), Header: sec.Header, Placeholder: g.Placeholder, Value: val}
+		byName[g.Name] = &brokerconf.Secret{Name: g.Name, Hosts: slices.Clone(sec.Hosts), Header: sec.Header, Placeholder: g.Placeholder, Value: val}
 		order = append(order, g.Name)
 	}
 	for _, r := range pol.Rules {
@@ -276,7 +276,7 @@ func (m *Manager) planBroker(ctx context.Context, sb api.Sandbox, pol api.Networ
 	return plan, nil
 }
 
-// pushBroker sends sandbox sb's BrokerConfig (policy pol) to the gateway.
+// pushBroker sends sandbox sb's brokerconf.Config (policy pol) to the gateway.
 // With nothing to broker it sends an empty config only when force (a
 // change may have emptied it), so plain sandboxes cost nothing at attach.
 func (m *Manager) pushBroker(ctx context.Context, sb api.Sandbox, pol api.NetworkPolicy, force bool) error {
@@ -284,13 +284,13 @@ func (m *Manager) pushBroker(ctx context.Context, sb api.Sandbox, pol api.Networ
 	if err != nil {
 		return err
 	}
-	var cfg gateway.BrokerConfig
+	var cfg brokerconf.Config
 	if len(plan.hosts) > 0 {
 		ca, err := m.cfg.Secrets.EnsureCA(ctx, sb.ID, plan.hosts)
 		if err != nil {
 			return fmt.Errorf("the sandbox's CA: %w", err)
 		}
-		cfg = gateway.BrokerConfig{CACertPEM: ca.CertPEM, CAKeyPEM: ca.KeyPEM, Secrets: plan.secrets}
+		cfg = brokerconf.Config{CACertPEM: ca.CertPEM, CAKeyPEM: ca.KeyPEM, Secrets: plan.secrets}
 	} else if !force {
 		return nil
 	}

@@ -11,8 +11,8 @@ import (
 	"testing"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/brokerconf"
 	"github.com/spacehq/space/internal/errdefs"
-	"github.com/spacehq/space/internal/gateway"
 	"github.com/spacehq/space/internal/runtime/fakeruntime"
 	"github.com/spacehq/space/internal/secrets"
 )
@@ -41,15 +41,15 @@ func (h *harness) env(id, name string) string {
 }
 
 // brokered finds name in c, checking the gateway's rule: one entry per name.
-func brokered(c gateway.BrokerConfig, name string) (gateway.BrokeredSecret, bool) {
-	var out []gateway.BrokeredSecret
+func brokered(c brokerconf.Config, name string) (brokerconf.Secret, bool) {
+	var out []brokerconf.Secret
 	for _, s := range c.Secrets {
 		if s.Name == name {
 			out = append(out, s)
 		}
 	}
 	if len(out) != 1 {
-		return gateway.BrokeredSecret{}, false
+		return brokerconf.Secret{}, false
 	}
 	return out[0], true
 }

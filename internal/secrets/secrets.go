@@ -480,7 +480,7 @@ func (s *Store) Get(ctx context.Context, tenant, name string) (Secret, error) {
 }
 
 // Value returns a secret's description and decrypted value. Its one use is
-// the BrokerConfig the gateway gets.
+// the brokerconf.Config the gateway gets.
 func (s *Store) Value(ctx context.Context, tenant, name string) (Secret, []byte, error) {
 	tenant = tenantOr(tenant)
 	var sealed []byte

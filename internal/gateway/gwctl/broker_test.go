@@ -19,8 +19,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/brokerconf"
 	"github.com/spacehq/space/internal/errdefs"
-	"github.com/spacehq/space/internal/gateway"
 	"github.com/spacehq/space/internal/gateway/gatewaytest"
 	"github.com/spacehq/space/internal/runtime/hostnet"
 	"github.com/spacehq/space/internal/testenv"
@@ -74,7 +74,7 @@ func TestSupervisedGatewayBroker(t *testing.T) {
 	if p, err := c.Probe(ctx); err != nil || p["broker"] != "ok" {
 		t.Fatalf("probe: %v %v", p, err)
 	}
-	cfg := gateway.BrokerConfig{CACertPEM: sbCA.CertPEM, CAKeyPEM: sbCA.KeyPEM, Secrets: []gateway.BrokeredSecret{{
+	cfg := brokerconf.Config{CACertPEM: sbCA.CertPEM, CAKeyPEM: sbCA.KeyPEM, Secrets: []brokerconf.Secret{{
 		Name: "API_KEY", Hosts: []string{"api.test"}, Header: "X-Api-Key: {}", Placeholder: "SPACE_PH_0123456789", Value: []byte("sk-real-value"),
 	}}}
 	if err := c.SetBroker(ctx, "sb1", cfg); errdefs.Code(err) != "not_found" {

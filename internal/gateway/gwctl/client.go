@@ -12,8 +12,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/brokerconf"
 	"github.com/spacehq/space/internal/errdefs"
-	"github.com/spacehq/space/internal/gateway"
 	"github.com/spacehq/space/internal/sandbox"
 )
 
@@ -108,7 +108,7 @@ func (c *Client) SetPolicy(ctx context.Context, id string, p api.NetworkPolicy) 
 // sandbox id (gateway.SetBroker): its CA and granted secrets, values
 // included. An id with no link is errdefs.ErrNotFound; push it again after
 // every attach.
-func (c *Client) SetBroker(ctx context.Context, id string, b gateway.BrokerConfig) error {
+func (c *Client) SetBroker(ctx context.Context, id string, b brokerconf.Config) error {
 	_, err := c.call(ctx, request{Op: opBroker, ID: id, Broker: &b}, nil)
 	return err
 }

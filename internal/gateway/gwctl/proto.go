@@ -12,8 +12,8 @@ import (
 	"fmt"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/brokerconf"
 	"github.com/spacehq/space/internal/errdefs"
-	"github.com/spacehq/space/internal/gateway"
 )
 
 // maxRequest bounds one request (a policy of 2×1024 entries and its rules
@@ -52,13 +52,13 @@ const (
 )
 
 type request struct {
-	Op     string                `json:"op"`
-	ID     string                `json:"id,omitempty"`
-	Policy *api.NetworkPolicy    `json:"policy,omitempty"`
-	After  uint64                `json:"after,omitempty"`
-	Follow bool                  `json:"follow,omitempty"`
-	Port   uint16                `json:"port,omitempty"`
-	Broker *gateway.BrokerConfig `json:"broker,omitempty"`
+	Op     string             `json:"op"`
+	ID     string             `json:"id,omitempty"`
+	Policy *api.NetworkPolicy `json:"policy,omitempty"`
+	After  uint64             `json:"after,omitempty"`
+	Follow bool               `json:"follow,omitempty"`
+	Port   uint16             `json:"port,omitempty"`
+	Broker *brokerconf.Config `json:"broker,omitempty"`
 	// Decide (attach, set-decide): whether the gateway asks the server's
 	// policy about this sandbox's DNS queries and connections. An attach
 	// that does not say asks (fail closed).
