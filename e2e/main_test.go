@@ -152,6 +152,15 @@ func hostLeaks(data string) []string {
 	return out
 }
 
+// ensureBase builds the base template base:latest if it is missing (a
+// no-op once it is there), so a test naming it passes run alone.
+func (e *env) ensureBase(t *testing.T, ctx context.Context) {
+	t.Helper()
+	if _, err := e.client.BuildBaseTemplate(ctx, nil); err != nil {
+		t.Fatalf("base template: %v", err)
+	}
+}
+
 // spaceCLI runs the CLI in-process against the shared server.
 func (e *env) spaceCLI(t *testing.T, stdin string, args ...string) (stdout, stderr string, code int) {
 	t.Helper()

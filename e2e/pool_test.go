@@ -57,6 +57,7 @@ func TestPoolAPIBadInputs(t *testing.T) {
 func TestPoolClaimsThroughTheCLI(t *testing.T) {
 	e := setup(t)
 	ctx := ctxT(t, 5*time.Minute)
+	e.ensureBase(t, ctx)
 	out, errOut, code := e.spaceCLI(t, "", "pool", "set", "base:latest", "--runtime", "gvisor", "--memory", "384m", "--min", "1", "--max", "2", "--json")
 	if code != 0 {
 		t.Fatalf("pool set: %d %s %s", code, out, errOut)

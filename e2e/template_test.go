@@ -70,9 +70,7 @@ func TestTemplateBuildLifecycle(t *testing.T) {
 	e := setup(t)
 	ctx := ctxT(t, 3*time.Minute)
 	c := e.client
-	if _, err := c.BuildBaseTemplate(ctx, nil); err != nil {
-		t.Fatalf("base template: %v", err)
-	}
+	e.ensureBase(t, ctx)
 	dir := t.TempDir()
 	os.WriteFile(filepath.Join(dir, "Dockerfile"), []byte(
 		"FROM base:latest\n"+
@@ -220,9 +218,7 @@ func TestTemplateBuildLifecycle(t *testing.T) {
 func TestTemplateBuildCLI(t *testing.T) {
 	e := setup(t)
 	ctx := ctxT(t, 2*time.Minute)
-	if _, err := e.client.BuildBaseTemplate(ctx, nil); err != nil {
-		t.Fatalf("base template: %v", err)
-	}
+	e.ensureBase(t, ctx)
 	dir := t.TempDir()
 	os.WriteFile(filepath.Join(dir, "Dockerfile"), []byte("FROM base:latest\nRUN echo out-line; echo err-line >&2; exit 3\n"), 0o644)
 	out, errOut, code := e.spaceCLI(t, "", "template", "build", "--no-cache", "-t", "e2e-fail:1", dir)
