@@ -229,48 +229,43 @@ func (m *Manager) SetNetwork(ctx context.Context, id string, p api.NetworkPolicy
 	}
 	// Under the sandbox's lock, so a start in flight attaches either the
 	// old policy before this or the new one after it, never loses it.
-	e := m.entry(id)
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	sb, err := m.cfg.DB.GetSandbox(ctx, id)
-	if err != nil {
-		return api.Sandbox{}, err
-	}
-	if sb.State == api.StateDeleting {
-		return api.Sandbox{}, wrongState(id, sb.State, "change the network policy of")
-	}
-	if err := m.bound(ctx, TenantOf(sb), p); err != nil {
-		return api.Sandbox{}, err
-	}
-	p = ClonePolicy(p)
-	sb.Network = &p
-	sb.UpdatedAt = time.Now().UTC()
-	m.withActivity(&sb)
-	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
-		return api.Sandbox{}, err
-	}
+	return m.updateRecord(ctx, id, "change the network policy of", func(sb *api.Sandbox) (bool, error) {
+		if err := m.bound(ctx, TenantOf(*sb), p); err != nil {
+			return false, err
+		}
+		p = ClonePolicy(p)
+		sb.Network = &p
+		return true, nil
+	}, func(e *entry, sb api.Sandbox) error {
+		return m.applyNetwork(ctx, e, sb, p)
+	})
+}
+
+// applyNetwork applies policy p, just stored for sb, to its live link;
+// the caller holds the sandbox's lock.
+func (m *Manager) applyNetwork(ctx context.Context, e *entry, sb api.Sandbox, p api.NetworkPolicy) error {
 	if m.cfg.Network == nil || !linked(sb.State) {
-		return sb, nil
+		return nil
 	}
-	err = m.cfg.Network.SetPolicy(ctx, id, ClonePolicy(p))
+	err := m.cfg.Network.SetPolicy(ctx, sb.ID, ClonePolicy(p))
 	if err == nil {
 		// Header rules may name secrets and add intercepted domains.
 		if berr := m.secretsChanged(ctx, e, sb); berr != nil {
-			m.log.Warn("updating the sandbox's brokered secrets after a policy change failed", "sandbox", id, "err", berr)
+			m.log.Warn("updating the sandbox's brokered secrets after a policy change failed", "sandbox", sb.ID, "err", berr)
 		}
 	}
 	switch {
 	case err == nil, errors.Is(err, errdefs.ErrNotFound):
 		// Not attached (no NIC, or a restarted gateway): the next attach
 		// reads the stored policy.
-		return sb, nil
+		return nil
 	default:
 		// Fail closed: the old policy must not stay in force. Without a
 		// link the sandbox reaches nothing until reconcile re-attaches it
 		// with the stored policy.
-		m.detachNetwork(id, "a policy update the gateway refused")
-		return sb, fmt.Errorf("the policy of sandbox %s is stored but the network gateway did not apply it (%v); its link was dropped and is re-attached with the new policy: %w",
-			id, err, errdefs.ErrUnavailable)
+		m.detachNetwork(sb.ID, "a policy update the gateway refused")
+		return fmt.Errorf("the policy of sandbox %s is stored but the network gateway did not apply it (%v); its link was dropped and is re-attached with the new policy: %w",
+			sb.ID, err, errdefs.ErrUnavailable)
 	}
 }
 

@@ -7,7 +7,6 @@ import (
 	"net"
 	"slices"
 	"sync"
-	"time"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
@@ -96,30 +95,19 @@ func (m *Manager) SetPortPublic(ctx context.Context, id string, port int, public
 	if err := ValidID(id); err != nil {
 		return api.Sandbox{}, err
 	}
-	e := m.entry(id)
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	sb, err := m.cfg.DB.GetSandbox(ctx, id)
-	if err != nil {
-		return api.Sandbox{}, err
-	}
-	if sb.State == api.StateDeleting {
-		return api.Sandbox{}, wrongState(id, sb.State, "change the ports of")
-	}
-	has := slices.Contains(sb.PublicPorts, port)
-	if has == public {
-		return sb, nil
-	}
-	if public {
-		sb.PublicPorts = append(slices.Clone(sb.PublicPorts), port)
-		slices.Sort(sb.PublicPorts)
-	} else {
-		sb.PublicPorts = slices.DeleteFunc(slices.Clone(sb.PublicPorts), func(p int) bool { return p == port })
-		if len(sb.PublicPorts) == 0 {
-			sb.PublicPorts = nil
+	return m.updateRecord(ctx, id, "change the ports of", func(sb *api.Sandbox) (bool, error) {
+		if slices.Contains(sb.PublicPorts, port) == public {
+			return false, nil
 		}
-	}
-	sb.UpdatedAt = time.Now().UTC()
-	m.withActivity(&sb)
-	return sb, m.cfg.DB.PutSandbox(ctx, sb)
+		if public {
+			sb.PublicPorts = append(slices.Clone(sb.PublicPorts), port)
+			slices.Sort(sb.PublicPorts)
+		} else {
+			sb.PublicPorts = slices.DeleteFunc(slices.Clone(sb.PublicPorts), func(p int) bool { return p == port })
+			if len(sb.PublicPorts) == 0 {
+				sb.PublicPorts = nil
+			}
+		}
+		return true, nil
+	}, nil)
 }
