@@ -1,10 +1,7 @@
 package sdk
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
-	"fmt"
 	"io"
 	"net/http"
 	"net/url"
@@ -67,24 +64,7 @@ func (c *Client) FollowAudit(ctx context.Context, f AuditFilter, fn func(api.Aud
 		return err
 	}
 	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 4<<10), maxAuditLine)
-	for sc.Scan() {
-		if len(sc.Bytes()) == 0 {
-			continue
-		}
-		var r api.AuditRecord
-		if err := json.Unmarshal(sc.Bytes(), &r); err != nil {
-			return fmt.Errorf("audit stream: bad record line: %w", err)
-		}
-		if err := fn(r); err != nil {
-			return err
-		}
-	}
-	if err := sc.Err(); err != nil && ctx.Err() == nil {
-		return fmt.Errorf("audit stream: %w", err)
-	}
-	return nil
+	return readNDJSON(ctx, resp.Body, ndjsonStream{what: "audit stream", item: "record", maxLine: maxAuditLine}, fn)
 }
 
 // ExportAudit copies GET /v1/audit/export to w: JSON Lines from the

@@ -1,9 +1,7 @@
 package sdk
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"io/fs"
@@ -236,24 +234,14 @@ func (c *Client) WatchDir(ctx context.Context, id string, req api.WatchRequest, 
 		return err
 	}
 	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 4<<10), maxFileEvent)
+	what := fmt.Sprintf("watch %s in %s", req.Path, id)
 	gone := false
-	for sc.Scan() {
-		var ev api.FileEvent
-		if err := json.Unmarshal(sc.Bytes(), &ev); err != nil {
-			return fmt.Errorf("watch %s in %s: bad event line: %w", req.Path, id, err)
-		}
+	err = readNDJSON(ctx, resp.Body, ndjsonStream{what: what, item: "event", maxLine: maxFileEvent, broken: errdefs.ErrUnavailable}, func(ev api.FileEvent) error {
 		gone = ev.Name == "." && (ev.Type == api.FileEventRemove || ev.Type == api.FileEventRename)
-		if err := fn(ev); err != nil {
-			return err
-		}
-	}
-	if ctx.Err() != nil {
-		return nil
-	}
-	if err := sc.Err(); err != nil {
-		return fmt.Errorf("watch %s in %s: %w: %w", req.Path, id, err, errdefs.ErrUnavailable)
+		return fn(ev)
+	})
+	if err != nil || ctx.Err() != nil {
+		return err
 	}
 	if gone {
 		return fmt.Errorf("watch %s in %s: the directory was removed or moved: %w", req.Path, id, errdefs.ErrNotFound)

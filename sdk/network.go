@@ -1,10 +1,7 @@
 package sdk
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
-	"fmt"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -62,22 +59,5 @@ func (c *Client) NetworkEvents(ctx context.Context, id string, after uint64, fol
 		return err
 	}
 	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 4<<10), maxNetworkEvent)
-	for sc.Scan() {
-		if len(sc.Bytes()) == 0 {
-			continue
-		}
-		var ev api.NetworkEvent
-		if err := json.Unmarshal(sc.Bytes(), &ev); err != nil {
-			return fmt.Errorf("network events of %s: bad event line: %w", id, err)
-		}
-		if err := fn(ev); err != nil {
-			return err
-		}
-	}
-	if err := sc.Err(); err != nil && ctx.Err() == nil {
-		return fmt.Errorf("network events of %s: %w", id, err)
-	}
-	return nil
+	return readNDJSON(ctx, resp.Body, ndjsonStream{what: "network events of " + id, item: "event", maxLine: maxNetworkEvent}, fn)
 }

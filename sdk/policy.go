@@ -1,10 +1,7 @@
 package sdk
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
-	"fmt"
 	"net/http"
 	"net/url"
 
@@ -98,24 +95,7 @@ func (c *Client) FollowApprovals(ctx context.Context, o ApprovalsOptions, fn fun
 		return err
 	}
 	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 4<<10), maxApprovalLine)
-	for sc.Scan() {
-		if len(sc.Bytes()) == 0 {
-			continue
-		}
-		var ap api.Approval
-		if err := json.Unmarshal(sc.Bytes(), &ap); err != nil {
-			return fmt.Errorf("approvals: bad line: %w", err)
-		}
-		if err := fn(ap); err != nil {
-			return err
-		}
-	}
-	if err := sc.Err(); err != nil && ctx.Err() == nil {
-		return fmt.Errorf("approvals: %w", err)
-	}
-	return nil
+	return readNDJSON(ctx, resp.Body, ndjsonStream{what: "approvals", item: "approval", maxLine: maxApprovalLine}, fn)
 }
 
 // Approve is POST /v1/approvals/{id}/approve: the held action proceeds; a

@@ -1,9 +1,7 @@
 package sdk
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -52,22 +50,5 @@ func (c *Client) FollowStats(ctx context.Context, id string, interval time.Durat
 		return err
 	}
 	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 4<<10), maxStatsLine)
-	for sc.Scan() {
-		if len(sc.Bytes()) == 0 {
-			continue
-		}
-		var st api.SandboxStats
-		if err := json.Unmarshal(sc.Bytes(), &st); err != nil {
-			return fmt.Errorf("stats of %s: bad sample line: %w", id, err)
-		}
-		if err := fn(st); err != nil {
-			return err
-		}
-	}
-	if err := sc.Err(); err != nil && ctx.Err() == nil {
-		return fmt.Errorf("stats of %s: %w", id, err)
-	}
-	return nil
+	return readNDJSON(ctx, resp.Body, ndjsonStream{what: "stats of " + id, item: "sample", maxLine: maxStatsLine}, fn)
 }

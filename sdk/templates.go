@@ -1,9 +1,7 @@
 package sdk
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -262,35 +260,42 @@ func (c *Client) BuildTemplateTar(ctx context.Context, contextTar io.Reader, o B
 		return nil, err
 	}
 	defer resp.Body.Close()
-	return readBuildStream(resp, onEvent)
+	return readBuildStream(ctx, resp, onEvent)
 }
 
 // readBuildStream reads BuildEvent lines until the final one.
-func readBuildStream(resp *http.Response, onEvent func(api.BuildEvent)) (*api.Template, error) {
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), maxBuildEvent)
-	for sc.Scan() {
-		if len(sc.Bytes()) == 0 {
-			continue
-		}
-		var ev api.BuildEvent
-		if err := json.Unmarshal(sc.Bytes(), &ev); err != nil {
-			return nil, fmt.Errorf("building template: bad event line: %w", err)
-		}
+func readBuildStream(ctx context.Context, resp *http.Response, onEvent func(api.BuildEvent)) (*api.Template, error) {
+	const what = "building template"
+	var tmpl *api.Template
+	err := readNDJSON(ctx, resp.Body, ndjsonStream{what: what, item: "event", maxLine: maxBuildEvent}, func(ev api.BuildEvent) error {
 		if onEvent != nil {
 			onEvent(ev)
 		}
 		switch {
 		case ev.Error != nil:
-			return nil, &APIError{Status: resp.StatusCode, Code: ev.Error.Code, Message: ev.Error.Message}
+			return &APIError{Status: resp.StatusCode, Code: ev.Error.Code, Message: ev.Error.Message}
 		case ev.Template != nil:
-			return ev.Template, nil
+			tmpl = ev.Template
+			return errStopStream
 		}
+		return nil
+	})
+	return buildResult(ctx, what, tmpl, err)
+}
+
+// buildResult is the outcome of a build stream: the template once it
+// came; else err; else the caller's ended ctx; else a stream cut short,
+// ErrUnavailable.
+func buildResult(ctx context.Context, what string, tmpl *api.Template, err error) (*api.Template, error) {
+	switch {
+	case tmpl != nil:
+		return tmpl, nil
+	case err != nil:
+		return nil, err
+	case ctx.Err() != nil:
+		return nil, fmt.Errorf("%s: %w", what, ctx.Err())
 	}
-	if err := sc.Err(); err != nil {
-		return nil, fmt.Errorf("building template: reading events: %w", err)
-	}
-	return nil, fmt.Errorf("building template: stream ended without a result: %w", errdefs.ErrUnavailable)
+	return nil, fmt.Errorf("%s: stream ended without a result: %w", what, errdefs.ErrUnavailable)
 }
 
 // BuildProgress is one progress line of BuildBaseTemplate.
@@ -322,27 +327,19 @@ func (c *Client) BuildBaseTemplate(ctx context.Context, progress func(BuildProgr
 		return nil, err
 	}
 	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), maxBuildLine)
-	for sc.Scan() {
-		if len(sc.Bytes()) == 0 {
-			continue
-		}
-		var l buildLine
-		if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
-			return nil, fmt.Errorf("building base template: bad progress line: %w", err)
-		}
+	const what = "building base template"
+	var tmpl *api.Template
+	err = readNDJSON(ctx, resp.Body, ndjsonStream{what: what, item: "progress", maxLine: maxBuildLine}, func(l buildLine) error {
 		switch {
 		case l.Error != nil:
-			return nil, &APIError{Status: resp.StatusCode, Code: l.Error.Code, Message: l.Error.Message}
+			return &APIError{Status: resp.StatusCode, Code: l.Error.Code, Message: l.Error.Message}
 		case l.Template != nil:
-			return l.Template, nil
+			tmpl = l.Template
+			return errStopStream
 		case progress != nil:
 			progress(l.BuildProgress)
 		}
-	}
-	if err := sc.Err(); err != nil {
-		return nil, fmt.Errorf("building base template: reading progress: %w", err)
-	}
-	return nil, fmt.Errorf("building base template: stream ended without a result: %w", errdefs.ErrUnavailable)
+		return nil
+	})
+	return buildResult(ctx, what, tmpl, err)
 }
