@@ -32,7 +32,8 @@ const (
 	StateError     = "error"
 )
 
-// Operation kinds (DESIGN.md lifecycle verbs).
+// Operation kinds: one for each lifecycle verb, every verb run as a recorded
+// Operation (docs/ARCHITECTURE.md, "How a request flows").
 const (
 	OpCreate  = "create"
 	OpDelete  = "delete"

@@ -14,7 +14,8 @@ import (
 )
 
 // Defaults and bounds for sandbox limits. Every sandbox gets a limit on every
-// resource: DESIGN.md's security defaults say limits are on by default.
+// resource: a limit left at zero is the default, never "unlimited"
+// (docs/DECISIONS.md, "Limits are always on").
 var (
 	DefaultLimits = api.Limits{CPUs: 1, MemoryMiB: 512, Pids: 512, DiskMiB: 2048}
 	maxLimits     = api.Limits{CPUs: 64, MemoryMiB: 1 << 20, Pids: 1 << 20, DiskMiB: 1 << 20}
