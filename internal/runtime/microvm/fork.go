@@ -39,11 +39,11 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 		return nil, fmt.Errorf("fork sandbox %s: not running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
 	t0 := time.Now()
-	parentVM, err := i.readVM()
+	parentVM, err := i.files.readVM()
 	if err != nil {
 		return nil, fmt.Errorf("fork sandbox %s: %w", i.spec.ID, err)
 	}
-	state, err := os.CreateTemp(i.dir, "fork-*.state")
+	state, err := os.CreateTemp(i.files.dir, "fork-*.state")
 	if err != nil {
 		return nil, err
 	}
@@ -57,7 +57,7 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 		Snapshot: func(ctx context.Context, kids []*instance) error {
 			copyDisks := func() error {
 				for _, k := range kids {
-					if err := hostfs.CopySparse(i.diskImage(), k.diskImage()); err != nil {
+					if err := hostfs.CopySparse(i.files.diskImage(), k.files.diskImage()); err != nil {
 						return fmt.Errorf("copying the disk to %s: %w", k.spec.ID, err)
 					}
 				}
@@ -97,16 +97,16 @@ func (r *Runtime) newChild(spec runtime.Spec) (*instance, error) {
 	if spec.Hostname != "" && !hostnameRE.MatchString(spec.Hostname) {
 		return nil, fmt.Errorf("hostname %q: %w", spec.Hostname, errdefs.ErrInvalidArgument)
 	}
-	if err := hostfs.MkdirSandbox(k.dir, spec.ID); err != nil {
+	if err := hostfs.MkdirSandbox(k.files.dir, spec.ID); err != nil {
 		return nil, err
 	}
-	if err := os.Mkdir(k.vmDir(), 0o700); err != nil {
-		os.RemoveAll(k.dir)
+	if err := os.Mkdir(k.files.vmDir(), 0o700); err != nil {
+		os.RemoveAll(k.files.dir)
 		return nil, err
 	}
 	// Restored children count as booted: their disk is not fresh (warm.go).
 	if err := k.markBooted(); err != nil {
-		os.RemoveAll(k.dir)
+		os.RemoveAll(k.files.dir)
 		return nil, err
 	}
 	return k, nil
@@ -115,13 +115,13 @@ func (r *Runtime) newChild(spec runtime.Spec) (*instance, error) {
 // childVM is the parent's VM with the child's own files and hostname.
 func (k *instance) childVM(parent VM) VM {
 	vm := parent
-	vm.AgentSocket = k.agentSocket()
-	vm.ConsoleLog = k.consoleLog()
-	vm.Disk = k.diskImage()
-	vm.CtlSocket = k.ctlSocket()
-	vm.QMPSocket = k.qmpSocket()
+	vm.AgentSocket = k.files.agentSocket()
+	vm.ConsoleLog = k.files.consoleLog()
+	vm.Disk = k.files.diskImage()
+	vm.CtlSocket = k.files.ctlSocket()
+	vm.QMPSocket = k.files.qmpSocket()
 	if parent.NetSocket != "" {
-		vm.NetSocket, vm.NetPeer = k.netSocket(), k.netPeer()
+		vm.NetSocket, vm.NetPeer = k.files.netSocket(), k.files.netPeer()
 	}
 	vm.Hostname = k.hostname()
 	vm.IncomingFD = 0
@@ -132,7 +132,7 @@ func (k *instance) childVM(parent VM) VM {
 func (k *instance) restoreChild(ctx context.Context, parent VM, state string) error {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	if err := k.writeVM(k.childVM(parent)); err != nil {
+	if err := k.files.writeVM(k.childVM(parent)); err != nil {
 		return err
 	}
 	return k.restoreFromLocked(ctx, state, k.hostname())

@@ -2,12 +2,10 @@ package microvm
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
 	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -73,11 +71,11 @@ const warmHostname = "sandbox"
 //   - setPausedLocked(true) before a QMP stop keeps the watchdog from
 //     counting a paused guest's silence; cont + setPausedLocked(false).
 //   - stopLocked kills QEMU (the exit is not reported as a crash) and
-//     leaves disk and state/ alone; i.diskImage(), i.stateDir(), i.dir.
+//     leaves disk and state/ alone; i.files.diskImage(), i.files.stateDir(), i.files.dir.
 type instance struct {
-	rt   *Runtime
-	spec runtime.Spec
-	dir  string
+	rt    *Runtime
+	spec  runtime.Spec
+	files layout // the sandbox's directory
 
 	// mu serializes lifecycle changes; it may be held for a whole boot.
 	mu sync.Mutex
@@ -97,19 +95,6 @@ var (
 	_ runtime.ExitReasoner = (*instance)(nil)
 	_ runtime.NICProvider  = (*instance)(nil)
 )
-
-func (i *instance) vmFile() string      { return filepath.Join(i.dir, "vm.json") }
-func (i *instance) pidFile() string     { return filepath.Join(i.dir, "qemu.pid") }
-func (i *instance) qemuErrLog() string  { return filepath.Join(i.dir, "qemu.err") }
-func (i *instance) stateDir() string    { return filepath.Join(i.dir, "state") }
-func (i *instance) vmDir() string       { return filepath.Join(i.dir, "vm") }
-func (i *instance) diskImage() string   { return filepath.Join(i.vmDir(), "disk.img") }
-func (i *instance) consoleLog() string  { return filepath.Join(i.vmDir(), "console.log") }
-func (i *instance) agentSocket() string { return filepath.Join(i.vmDir(), "agent.sock") }
-func (i *instance) ctlSocket() string   { return filepath.Join(i.vmDir(), "ctl.sock") }
-func (i *instance) qmpSocket() string   { return filepath.Join(i.vmDir(), "qmp.sock") }
-func (i *instance) netSocket() string   { return filepath.Join(i.vmDir(), "net.sock") }
-func (i *instance) netPeer() string     { return filepath.Join(i.vmDir(), "gw.sock") }
 
 // ID implements runtime.Instance.
 func (i *instance) ID() string { return i.spec.ID }
@@ -208,7 +193,7 @@ func (i *instance) ExitReason() string {
 	return i.exitReason
 }
 
-func (i *instance) consoleTail(max int64) string { return readTail(i.consoleLog(), max) }
+func (i *instance) consoleTail(max int64) string { return readTail(i.files.consoleLog(), max) }
 
 // DialAgent implements runtime.Instance. A VM that ended says why, with
 // its console's tail.
@@ -220,7 +205,7 @@ func (i *instance) DialAgent(ctx context.Context) (net.Conn, error) {
 		}
 		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrUnavailable)
 	}
-	c, err := dialAgentSocket(ctx, i.agentSocket())
+	c, err := dialAgentSocket(ctx, i.files.agentSocket())
 	if err != nil {
 		return nil, fmt.Errorf("dial agent of %s: %w: %w", i.spec.ID, err, errdefs.ErrUnavailable)
 	}
@@ -259,14 +244,14 @@ func (i *instance) coldVM(accel string) (VM, error) {
 		Accel:            accel,
 		CPUs:             vcpus(l.CPUs),
 		MemoryMiB:        int(l.MemoryMiB) + guestOverheadMiB,
-		AgentSocket:      i.agentSocket(),
-		ConsoleLog:       i.consoleLog(),
+		AgentSocket:      i.files.agentSocket(),
+		ConsoleLog:       i.files.consoleLog(),
 		RootImage:        img,
-		Disk:             i.diskImage(),
-		CtlSocket:        i.ctlSocket(),
-		QMPSocket:        i.qmpSocket(),
-		NetSocket:        i.netSocket(),
-		NetPeer:          i.netPeer(),
+		Disk:             i.files.diskImage(),
+		CtlSocket:        i.files.ctlSocket(),
+		QMPSocket:        i.files.qmpSocket(),
+		NetSocket:        i.files.netSocket(),
+		NetPeer:          i.files.netPeer(),
 		Hostname:         hostname,
 		SandboxMemoryMiB: l.MemoryMiB,
 		Pids:             l.Pids,
@@ -287,32 +272,6 @@ func vcpus(cpus float64) int {
 	return max(n, 1)
 }
 
-// writeVM stores the VM description launch starts from.
-func (i *instance) writeVM(vm VM) error {
-	b, err := json.MarshalIndent(vm, "", "  ")
-	if err != nil {
-		return err
-	}
-	tmp := i.vmFile() + ".tmp"
-	if err := os.WriteFile(tmp, b, 0o600); err != nil {
-		return err
-	}
-	return os.Rename(tmp, i.vmFile())
-}
-
-// readVM loads the stored VM description.
-func (i *instance) readVM() (VM, error) {
-	var vm VM
-	b, err := os.ReadFile(i.vmFile())
-	if err != nil {
-		return vm, fmt.Errorf("sandbox %s has no VM description: %w: %w", i.spec.ID, err, errdefs.ErrNotFound)
-	}
-	if err := json.Unmarshal(b, &vm); err != nil {
-		return vm, fmt.Errorf("sandbox %s: VM description: %w", i.spec.ID, err)
-	}
-	return vm, nil
-}
-
 // Start implements runtime.Instance: a warm restore when warm.go has a
 // snapshot for this sandbox's kind, else a cold boot. It returns when the
 // agent has answered a health check and the guest's init its control
@@ -323,10 +282,10 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if i.Alive() {
 		return fmt.Errorf("sandbox %s is already running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	if i.hasSavedState() {
+	if i.files.hasSavedState() {
 		return fmt.Errorf("sandbox %s is suspended (restore or destroy it): %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	if _, err := os.Stat(i.diskImage()); err != nil {
+	if _, err := os.Stat(i.files.diskImage()); err != nil {
 		return fmt.Errorf("sandbox %s: %w", i.spec.ID, errdefs.ErrNotFound)
 	}
 	ctx, cancel := context.WithTimeout(ctx, startTimeout)
@@ -367,7 +326,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if warmEligible {
 		bootVM.Hostname = warmHostname
 	}
-	if err := i.writeVM(bootVM); err != nil {
+	if err := i.files.writeVM(bootVM); err != nil {
 		return err
 	}
 	if err := i.launch(ctx, nil); err != nil {
@@ -380,7 +339,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	i.rt.log.Debug("sandbox booted", "id", i.spec.ID, "launch", tLaunched.Sub(t0), "boot", time.Since(tLaunched))
 	i.afterColdBoot(ctx)
 	if warmEligible {
-		if err := i.writeVM(vm); err != nil {
+		if err := i.files.writeVM(vm); err != nil {
 			return err
 		}
 		if err := i.restoredLocked(ctx, vm.Hostname); err != nil {
@@ -438,7 +397,7 @@ func (i *instance) launch(ctx context.Context, incoming *os.File) (err error) {
 	if i.Alive() {
 		return fmt.Errorf("sandbox %s: QEMU already runs: %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	vm, err := i.readVM()
+	vm, err := i.files.readVM()
 	if err != nil {
 		return err
 	}
@@ -446,14 +405,14 @@ func (i *instance) launch(ctx context.Context, incoming *os.File) (err error) {
 	if incoming != nil {
 		vm.IncomingFD = 3
 	}
-	releaseConns(i.agentSocket(), i.qmpSocket(), i.ctlSocket())
+	releaseConns(i.files.agentSocket(), i.files.qmpSocket(), i.files.ctlSocket())
 	// QEMU truncates the console log itself (-serial file: opens it so).
-	p, err := Launch(vm, LaunchOptions{Incoming: incoming, Detached: true, StderrPath: i.qemuErrLog(), Jail: i.jailOptions(vm)})
+	p, err := Launch(vm, LaunchOptions{Incoming: incoming, Detached: true, StderrPath: i.files.qemuErrLog(), Jail: i.jailOptions(vm)})
 	if err != nil {
 		return err
 	}
 	pr := &vmProc{pid: p.Pid(), exited: make(chan struct{}), p: p}
-	_ = os.Remove(i.hungFile())
+	_ = os.Remove(i.files.hungFile())
 	go i.reap(pr, p.Done())
 	defer func() {
 		if err != nil {
@@ -463,10 +422,10 @@ func (i *instance) launch(ctx context.Context, incoming *os.File) (err error) {
 	}()
 	rec, err := hostproc.Identify(pr.pid)
 	if err != nil {
-		return fmt.Errorf("QEMU exited at once: %v", pr.qemuError(i.qemuErrLog()))
+		return fmt.Errorf("QEMU exited at once: %v", pr.qemuError(i.files.qemuErrLog()))
 	}
 	pr.startTime = rec.StartTime
-	if err := hostproc.WritePidFile(i.pidFile(), rec); err != nil {
+	if err := hostproc.WritePidFile(i.files.pidFile(), rec); err != nil {
 		return err
 	}
 	i.smu.Lock()
@@ -497,7 +456,7 @@ func (i *instance) jailOptions(vm VM) *JailOptions {
 	o := &JailOptions{
 		ID:       i.spec.ID,
 		Binary:   i.rt.jailBinary(),
-		Writable: []string{i.vmDir()},
+		Writable: []string{i.files.vmDir()},
 		Limits:   jail.Limits{MemoryBytes: mem, CPUs: float64(max(vm.CPUs, 1)) + 0.5},
 	}
 	if i.spec.Background {
@@ -516,14 +475,14 @@ var _ runtime.Foregrounder = (*instance)(nil)
 // pid file must name a live process with the recorded start time whose
 // command line names this sandbox's directory.
 func (i *instance) adoptLocked(ctx context.Context) {
-	hp, err := hostproc.Adopt(i.pidFile())
+	hp, err := hostproc.Adopt(i.files.pidFile())
 	if err != nil {
 		return
 	}
 	// Read after the pidfd was opened and the start time matched, so it
 	// is that process's command line.
 	cmdline, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", hp.Pid()))
-	if !strings.Contains(string(cmdline), i.dir+"/") {
+	if !strings.Contains(string(cmdline), i.files.dir+"/") {
 		_ = hp.Close()
 		return
 	}
@@ -550,7 +509,7 @@ func (i *instance) qmpClient(ctx context.Context) (*QMP, error) {
 	if !i.Alive() {
 		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrUnavailable)
 	}
-	return sharedQMP(ctx, i.qmpSocket())
+	return sharedQMP(ctx, i.files.qmpSocket())
 }
 
 // ctlClient is the guest init's vmctl client (dialled when there is none).
@@ -558,7 +517,7 @@ func (i *instance) ctlClient(ctx context.Context) (*vmctl.Client, error) {
 	if !i.Alive() {
 		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrUnavailable)
 	}
-	c, err := sharedCtl(ctx, i.ctlSocket())
+	c, err := sharedCtl(ctx, i.files.ctlSocket())
 	if err != nil {
 		return nil, fmt.Errorf("sandbox %s: control port: %w: %w", i.spec.ID, err, errdefs.ErrUnavailable)
 	}
@@ -573,7 +532,7 @@ func (i *instance) qmp(ctx context.Context, cmd string) error {
 	}
 	if _, err := q.Execute(ctx, cmd, nil); err != nil {
 		if errors.Is(err, errdefs.ErrUnavailable) {
-			dropQMP(i.qmpSocket(), q)
+			dropQMP(i.files.qmpSocket(), q)
 		}
 		return fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
 	}
@@ -587,7 +546,7 @@ func (i *instance) ping(ctx context.Context) error {
 		return err
 	}
 	if err := c.Ping(ctx); err != nil {
-		dropCtl(i.ctlSocket(), c)
+		dropCtl(i.files.ctlSocket(), c)
 		return err
 	}
 	return nil
@@ -614,11 +573,6 @@ func (i *instance) reap(pr *vmProc, dead <-chan struct{}) {
 	i.recordExit(pr)
 	close(pr.exited)
 }
-
-// hungFile holds the watchdog's verdict on the running QEMU, written
-// before it kills it: every instance value of the sandbox, and a server
-// started later, then tell a hung guest from a crash.
-func (i *instance) hungFile() string { return filepath.Join(i.dir, "hung") }
 
 // watch waits for pr to exit, pinging the guest's init meanwhile, and
 // records why it ended when the runtime did not end it.
@@ -663,7 +617,7 @@ func (i *instance) watch(pr *vmProc) {
 		if misses >= watchdogMisses && time.Since(first) >= watchdogHang {
 			why := fmt.Sprintf("the guest hung: its init answered no ping for %v (%d in a row; last: %v); QEMU was killed",
 				time.Since(first).Round(time.Second), misses, oneLine(err.Error(), 200))
-			_ = os.WriteFile(i.hungFile(), []byte(why), 0o600)
+			_ = os.WriteFile(i.files.hungFile(), []byte(why), 0o600)
 			_ = pr.kill(10 * time.Second)
 		}
 	}
@@ -676,7 +630,7 @@ func (i *instance) recordExit(pr *vmProc) {
 	}
 	// Another instance value of this sandbox (an Open in this process)
 	// stopped it: it removed or replaced the pid file first.
-	if rec, err := hostproc.ReadPidFile(i.pidFile()); err != nil || rec != (hostproc.Record{Pid: pr.pid, StartTime: pr.startTime}) {
+	if rec, err := hostproc.ReadPidFile(i.files.pidFile()); err != nil || rec != (hostproc.Record{Pid: pr.pid, StartTime: pr.startTime}) {
 		return
 	}
 	why := i.describeExit(pr)
@@ -692,9 +646,9 @@ func (i *instance) recordExit(pr *vmProc) {
 func (i *instance) describeExit(pr *vmProc) string {
 	tail := strings.TrimSpace(i.consoleTail(2048))
 	var how string
-	switch qerr := pr.qemuError(i.qemuErrLog()); {
-	case readTail(i.hungFile(), 1024) != "":
-		how = readTail(i.hungFile(), 1024)
+	switch qerr := pr.qemuError(i.files.qemuErrLog()); {
+	case readTail(i.files.hungFile(), 1024) != "":
+		how = readTail(i.files.hungFile(), 1024)
 	case strings.Contains(tail, "Kernel panic"):
 		how = "the guest kernel panicked"
 	case qerr != nil:
@@ -717,7 +671,7 @@ func (i *instance) Stop(ctx context.Context) error {
 	if err := i.stopLocked(ctx); err != nil {
 		return err
 	}
-	if err := os.RemoveAll(i.stateDir()); err != nil {
+	if err := os.RemoveAll(i.files.stateDir()); err != nil {
 		return fmt.Errorf("sandbox %s: removing its suspend image: %w", i.spec.ID, err)
 	}
 	return nil
@@ -748,7 +702,7 @@ func (i *instance) flushLocked(ctx context.Context) {
 	c, err := i.ctlClient(ctx)
 	if err == nil {
 		if err = c.Sync(ctx); err != nil && errors.Is(err, errdefs.ErrUnavailable) {
-			dropCtl(i.ctlSocket(), c)
+			dropCtl(i.files.ctlSocket(), c)
 		}
 	}
 	if err != nil {
@@ -769,12 +723,12 @@ func (i *instance) stopLocked(ctx context.Context) error {
 		// First, so that other instance values of the sandbox see a
 		// stop, not a crash (recordExit); a QEMU that survives is still
 		// found by its cgroup and command line.
-		_ = os.Remove(i.pidFile())
+		_ = os.Remove(i.files.pidFile())
 		if err := pr.kill(15 * time.Second); err != nil {
 			return fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
 		}
 	}
-	releaseConns(i.agentSocket(), i.qmpSocket(), i.ctlSocket())
+	releaseConns(i.files.agentSocket(), i.files.qmpSocket(), i.files.ctlSocket())
 	i.smu.Lock()
 	if i.proc == pr {
 		i.proc, i.paused = nil, false
@@ -787,7 +741,7 @@ func (i *instance) stopLocked(ctx context.Context) error {
 	}
 	// The NIC's sockets too: a descriptor NIC returned for this QEMU is
 	// dead with it, and the next QEMU's NIC binds a fresh host end.
-	for _, p := range []string{i.pidFile(), i.agentSocket(), i.ctlSocket(), i.qmpSocket(), i.netSocket(), i.netPeer()} {
+	for _, p := range []string{i.files.pidFile(), i.files.agentSocket(), i.files.ctlSocket(), i.files.qmpSocket(), i.files.netSocket(), i.files.netPeer()} {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, err)
 		}
@@ -808,13 +762,7 @@ func (i *instance) Destroy(ctx context.Context) error {
 	for _, pid := range qemuProcessesUnder(i.rt.sandboxesDir())[i.spec.ID] {
 		killPid(pid)
 	}
-	return hostfs.RemoveSandbox(i.dir, i.spec.ID)
-}
-
-// hasSavedState reports whether a suspend image waits in state/.
-func (i *instance) hasSavedState() bool {
-	ents, err := os.ReadDir(i.stateDir())
-	return err == nil && len(ents) > 0
+	return hostfs.RemoveSandbox(i.files.dir, i.spec.ID)
 }
 
 // Pause implements runtime.Pauser: QMP stop; the vCPUs stop, memory stays.
@@ -878,7 +826,7 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 		}
 		if gs, err = c.Stats(ctx); err != nil {
 			if errors.Is(err, errdefs.ErrUnavailable) {
-				dropCtl(i.ctlSocket(), c)
+				dropCtl(i.files.ctlSocket(), c)
 			}
 			return runtime.Stats{}, fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
 		}

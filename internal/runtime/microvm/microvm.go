@@ -179,9 +179,9 @@ func (r *Runtime) newInstance(spec runtime.Spec) (*instance, error) {
 	if !idRE.MatchString(spec.ID) {
 		return nil, fmt.Errorf("sandbox id %q: %w", spec.ID, errdefs.ErrInvalidArgument)
 	}
-	i := &instance{rt: r, spec: spec, dir: filepath.Join(r.sandboxesDir(), spec.ID)}
+	i := &instance{rt: r, spec: spec, files: layout{id: spec.ID, dir: filepath.Join(r.sandboxesDir(), spec.ID)}}
 	// QEMU binds the sockets at these paths: they must fit a sockaddr_un.
-	if p := i.qmpSocket(); len(p) > maxUnixPath {
+	if p := i.files.qmpSocket(); len(p) > maxUnixPath {
 		return nil, fmt.Errorf("microvm runtime: DataDir %s is too long for the sandboxes' unix sockets (%s): %w", r.cfg.DataDir, p, errdefs.ErrInvalidArgument)
 	}
 	return i, nil
@@ -206,7 +206,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (_ runtime.Inst
 	if spec.Hostname != "" && !hostnameRE.MatchString(spec.Hostname) {
 		return nil, fmt.Errorf("hostname %q: %w", spec.Hostname, errdefs.ErrInvalidArgument)
 	}
-	if err := hostfs.MkdirSandbox(i.dir, spec.ID); err != nil {
+	if err := hostfs.MkdirSandbox(i.files.dir, spec.ID); err != nil {
 		return nil, err
 	}
 	defer func() {
@@ -219,12 +219,12 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (_ runtime.Inst
 	if _, err := r.images.Prepare(ctx, spec.TemplateDigest, spec.RootFS); err != nil {
 		return nil, fmt.Errorf("root image of %s: %w", spec.TemplateDigest, err)
 	}
-	if err := os.Mkdir(i.vmDir(), 0o700); err != nil {
+	if err := os.Mkdir(i.files.vmDir(), 0o700); err != nil {
 		return nil, err
 	}
 	fctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	if err := hostfs.FormatExt4(fctx, i.diskImage(), l.DiskMiB, diskRootID); err != nil {
+	if err := hostfs.FormatExt4(fctx, i.files.diskImage(), l.DiskMiB, diskRootID); err != nil {
 		return nil, err
 	}
 	return i, nil
@@ -238,7 +238,7 @@ func (r *Runtime) Open(ctx context.Context, spec runtime.Spec) (runtime.Instance
 	if err != nil {
 		return nil, err
 	}
-	if _, err := os.Stat(i.dir); err != nil {
+	if _, err := os.Stat(i.files.dir); err != nil {
 		return nil, fmt.Errorf("sandbox %s: %w", spec.ID, errdefs.ErrNotFound)
 	}
 	i.mu.Lock()

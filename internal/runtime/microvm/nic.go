@@ -60,7 +60,7 @@ func (i *instance) NIC(ctx context.Context) (*os.File, error) {
 	if !i.Alive() {
 		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	vm, err := i.readVM()
+	vm, err := i.files.readVM()
 	if err != nil {
 		return nil, err
 	}

@@ -191,7 +191,7 @@ func (r *Runtime) probeBoot(ctx context.Context, accel string) (probeResult, err
 	if err != nil {
 		return probeResult{}, err
 	}
-	if err := i.writeVM(vm); err != nil {
+	if err := i.files.writeVM(vm); err != nil {
 		return probeResult{}, err
 	}
 	t0 := time.Now()

@@ -237,17 +237,17 @@ func TestExitReasonAndWatchdog(t *testing.T) {
 		t.Fatalf("Open adopted pid %d, running %d", p, i.Pid())
 	}
 	// A recycled pid is not adopted: the start time must match.
-	rec, err := hostproc.ReadPidFile(i.pidFile())
+	rec, err := hostproc.ReadPidFile(i.files.pidFile())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := hostproc.WritePidFile(i.pidFile(), hostproc.Record{Pid: rec.Pid, StartTime: rec.StartTime + 1}); err != nil {
+	if err := hostproc.WritePidFile(i.files.pidFile(), hostproc.Record{Pid: rec.Pid, StartTime: rec.StartTime + 1}); err != nil {
 		t.Fatal(err)
 	}
 	if inst3, err := r.Open(ctx, sb.Spec); err != nil || inst3.Alive() {
 		t.Fatalf("Open with a wrong start time: alive %v, %v", inst3 != nil && inst3.Alive(), err)
 	}
-	if err := hostproc.WritePidFile(i.pidFile(), rec); err != nil {
+	if err := hostproc.WritePidFile(i.files.pidFile(), rec); err != nil {
 		t.Fatal(err)
 	}
 
@@ -340,7 +340,7 @@ func TestSweepOrphanQEMU(t *testing.T) {
 		t.Fatal(err)
 	}
 	pid := inst.(*instance).Pid()
-	if err := os.Remove(inst.(*instance).pidFile()); err != nil {
+	if err := os.Remove(inst.(*instance).files.pidFile()); err != nil {
 		t.Fatal(err)
 	}
 	if reopened, err := r.Open(ctx, spec); err != nil || reopened.Alive() {

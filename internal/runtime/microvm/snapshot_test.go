@@ -432,11 +432,11 @@ func TestSuspendClockAndForkRefusals(t *testing.T) {
 
 	// An image QEMU cannot load: Restore fails, nothing runs, the image
 	// stays for another try.
-	good, err := os.ReadFile(inst.stateFile())
+	good, err := os.ReadFile(inst.files.stateFile())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(inst.stateFile(), good[:4096], 0o600); err != nil {
+	if err := os.WriteFile(inst.files.stateFile(), good[:4096], 0o600); err != nil {
 		t.Fatal(err)
 	}
 	if err := inst.Restore(ctx); err == nil {
@@ -447,7 +447,7 @@ func TestSuspendClockAndForkRefusals(t *testing.T) {
 	if inst.Alive() || !inst.Suspended() {
 		t.Fatalf("after a failed restore: alive %v suspended %v", inst.Alive(), inst.Suspended())
 	}
-	if err := os.WriteFile(inst.stateFile(), good, 0o600); err != nil {
+	if err := os.WriteFile(inst.files.stateFile(), good, 0o600); err != nil {
 		t.Fatal(err)
 	}
 	if err := inst.Restore(ctx); err != nil {

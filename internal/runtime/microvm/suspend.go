@@ -46,12 +46,10 @@ const (
 	seedBytes = 64
 )
 
-func (i *instance) stateFile() string { return filepath.Join(i.stateDir(), stateName) }
-
 // Suspended implements runtime.Suspender.
 func (i *instance) Suspended() bool {
 	var st unix.Stat_t
-	return unix.Lstat(i.stateFile(), &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFREG
+	return unix.Lstat(i.files.stateFile(), &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFREG
 }
 
 // Suspend implements runtime.Suspender. The manager has quiesced the agent
@@ -72,14 +70,14 @@ func (i *instance) Suspend(ctx context.Context) error {
 		i.rt.log.Warn("suspend: the guest did not sync its disk", "id", i.spec.ID, "err", err)
 	}
 	tSynced := time.Now()
-	tmp := filepath.Join(i.dir, stateName+".tmp")
+	tmp := filepath.Join(i.files.dir, stateName+".tmp")
 	info, err := i.snapshotLocked(ctx, tmp, true, nil)
 	if err != nil {
 		return fmt.Errorf("suspend sandbox %s: %w", i.spec.ID, err)
 	}
 	// The guest stays stopped from here on: whatever fails, it is either
 	// saved or running again.
-	if err := publishState(tmp, i.stateDir(), i.stateFile()); err != nil {
+	if err := publishState(tmp, i.files.stateDir(), i.files.stateFile()); err != nil {
 		os.Remove(tmp)
 		return errors.Join(fmt.Errorf("suspend sandbox %s: %w", i.spec.ID, err), i.continueLocked(ctx, info))
 	}
@@ -114,7 +112,7 @@ func (i *instance) syncGuestLocked(ctx context.Context) error {
 	}
 	if err := c.Sync(ctx); err != nil {
 		if errors.Is(err, errdefs.ErrUnavailable) {
-			dropCtl(i.ctlSocket(), c)
+			dropCtl(i.files.ctlSocket(), c)
 		}
 		return err
 	}
@@ -136,7 +134,7 @@ func (i *instance) snapshotLocked(ctx context.Context, path string, durable bool
 	}
 	defer func() {
 		if err != nil && errors.Is(err, errdefs.ErrUnavailable) {
-			dropQMP(i.qmpSocket(), q)
+			dropQMP(i.files.qmpSocket(), q)
 		}
 	}()
 	_ = os.Remove(path)
@@ -190,7 +188,7 @@ func (i *instance) waitAgentReleasedLocked(ctx context.Context) error {
 	ok, err := WaitAgentPortReleased(ctx, q, agentReleaseWait)
 	if err != nil {
 		if errors.Is(err, errdefs.ErrUnavailable) {
-			dropQMP(i.qmpSocket(), q)
+			dropQMP(i.files.qmpSocket(), q)
 		}
 		return err
 	}
@@ -214,7 +212,7 @@ func (i *instance) continueLocked(ctx context.Context, info SaveInfo) error {
 	defer cancel()
 	if err := ContinueAfterSave(cctx, q); err != nil {
 		if errors.Is(err, errdefs.ErrUnavailable) {
-			dropQMP(i.qmpSocket(), q)
+			dropQMP(i.files.qmpSocket(), q)
 		}
 		return err
 	}
@@ -255,11 +253,11 @@ func (i *instance) Restore(ctx context.Context) (err error) {
 		return fmt.Errorf("restore sandbox %s: no suspend image: %w", i.spec.ID, errdefs.ErrConflict)
 	}
 	t0 := time.Now()
-	if err := i.restoreFromLocked(ctx, i.stateFile(), i.hostname()); err != nil {
+	if err := i.restoreFromLocked(ctx, i.files.stateFile(), i.hostname()); err != nil {
 		return fmt.Errorf("restore sandbox %s: %w", i.spec.ID, err)
 	}
 	tRestored := time.Now()
-	if err := os.RemoveAll(i.stateDir()); err != nil {
+	if err := os.RemoveAll(i.files.stateDir()); err != nil {
 		return fmt.Errorf("restore sandbox %s: removing its image: %w", i.spec.ID, err)
 	}
 	i.rt.log.Debug("sandbox restored", "id", i.spec.ID, "restore", tRestored.Sub(t0))
@@ -295,7 +293,7 @@ func (i *instance) restoreFromLocked(ctx context.Context, state, hostname string
 	if err := i.launch(ctx, f); err != nil {
 		// A stream QEMU cannot load ends it before its monitor answers:
 		// its stderr says why.
-		if msg := strings.TrimSpace(readTail(i.qemuErrLog(), 1024)); msg != "" {
+		if msg := strings.TrimSpace(readTail(i.files.qemuErrLog(), 1024)); msg != "" {
 			return fmt.Errorf("%w; QEMU: %s", err, msg)
 		}
 		return err
@@ -337,7 +335,7 @@ func (i *instance) restoredLocked(ctx context.Context, hostname string) error {
 		return err
 	}
 	if err := c.Restored(cctx, seed, time.Now(), hostname); err != nil {
-		dropCtl(i.ctlSocket(), c)
+		dropCtl(i.files.ctlSocket(), c)
 		return fmt.Errorf("the restored guest's init: %w", err)
 	}
 	return nil

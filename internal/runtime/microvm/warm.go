@@ -58,12 +58,12 @@ var WarmStats struct {
 }
 
 func (i *instance) booted() bool {
-	_, err := os.Lstat(filepath.Join(i.dir, bootedMarker))
+	_, err := os.Lstat(i.files.bootedFile())
 	return err == nil
 }
 
 func (i *instance) markBooted() error {
-	return os.WriteFile(filepath.Join(i.dir, bootedMarker), nil, 0o600)
+	return os.WriteFile(i.files.bootedFile(), nil, 0o600)
 }
 
 func (r *Runtime) warmDir() string { return filepath.Join(r.cfg.DataDir, "warm") }
@@ -202,7 +202,7 @@ func (i *instance) startWarm(ctx context.Context) (err error) {
 		}
 	}
 	t0 := time.Now()
-	disk := i.diskImage()
+	disk := i.files.diskImage()
 	fresh := disk + ".fresh"
 	if err := os.Rename(disk, fresh); err != nil {
 		return err
@@ -220,7 +220,7 @@ func (i *instance) startWarm(ctx context.Context) (err error) {
 	if err := hostfs.CopySparse(filepath.Join(dir, "disk.img"), disk); err != nil {
 		return fmt.Errorf("copying the warm disk: %w", err)
 	}
-	if err := i.writeVM(vm); err != nil {
+	if err := i.files.writeVM(vm); err != nil {
 		return err
 	}
 	tCopied := time.Now()
@@ -301,7 +301,7 @@ func (i *instance) buildWarm(ctx context.Context) error {
 		return err
 	}
 	defer os.RemoveAll(tmp)
-	vm, err := i.readVM()
+	vm, err := i.files.readVM()
 	if err != nil {
 		return err
 	}
@@ -309,7 +309,7 @@ func (i *instance) buildWarm(ctx context.Context) error {
 		return err
 	}
 	copyDisk := func() error {
-		if err := hostfs.CopySparse(i.diskImage(), filepath.Join(tmp, "disk.img")); err != nil {
+		if err := hostfs.CopySparse(i.files.diskImage(), filepath.Join(tmp, "disk.img")); err != nil {
 			return fmt.Errorf("copying the disk: %w", err)
 		}
 		return nil
