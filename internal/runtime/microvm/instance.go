@@ -19,7 +19,6 @@ import (
 	"github.com/spacehq/space/internal/runtime/hostfs"
 	"github.com/spacehq/space/internal/runtime/hostproc"
 	"github.com/spacehq/space/internal/runtime/microvm/jail"
-	"github.com/spacehq/space/internal/runtime/microvm/vmctl"
 )
 
 // warmHostname is the hostname of a first boot that may become a warm
@@ -66,7 +65,7 @@ const warmHostname = "sandbox"
 //     the pid and starts the exit watcher and the watchdog, which counts
 //     silence only after the guest's init first answered. writeVM stores
 //     a description first (cold boots do).
-//   - qmpClient(ctx) and ctlClient(ctx) are the VM's QMP and vmctl clients;
+//   - qmpClient(ctx) and i.guest are the VM's QMP and vmctl clients;
 //     after a failed call, dropClients() makes the next call dial again.
 //   - setPausedLocked(true) before a QMP stop keeps the watchdog from
 //     counting a paused guest's silence; cont + setPausedLocked(false).
@@ -75,7 +74,8 @@ const warmHostname = "sandbox"
 type instance struct {
 	rt    *Runtime
 	spec  runtime.Spec
-	files layout // the sandbox's directory
+	files layout    // the sandbox's directory
+	guest *guestCtl // the guest init's control port
 
 	// mu serializes lifecycle changes; it may be held for a whole boot.
 	mu sync.Mutex
@@ -85,8 +85,7 @@ type instance struct {
 	smu        sync.Mutex
 	proc       *vmProc // the running QEMU; nil when none
 	paused     bool
-	exitReason string      // why the last QEMU ended on its own
-	lastStats  vmctl.Stats // the guest's last answer to stats
+	exitReason string // why the last QEMU ended on its own
 }
 
 var (
@@ -342,7 +341,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		if err := i.files.writeVM(vm); err != nil {
 			return err
 		}
-		if err := i.restoredLocked(ctx, vm.Hostname); err != nil {
+		if err := i.guest.restored(ctx, vm.Hostname); err != nil {
 			return fmt.Errorf("naming the sandbox after its first boot: %w", err)
 		}
 	}
@@ -372,7 +371,7 @@ func (i *instance) waitReady(ctx context.Context) error {
 	}
 	for {
 		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		err := i.ping(pctx)
+		err := i.guest.ping(pctx)
 		cancel()
 		if err == nil {
 			pr.armed.Store(true)
@@ -429,8 +428,9 @@ func (i *instance) launch(ctx context.Context, incoming *os.File) (err error) {
 		return err
 	}
 	i.smu.Lock()
-	i.proc, i.paused, i.exitReason, i.lastStats = pr, false, "", vmctl.Stats{}
+	i.proc, i.paused, i.exitReason = pr, false, ""
 	i.smu.Unlock()
+	i.guest.forget()
 	qctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	if _, err := i.qmpClient(qctx); err != nil {
@@ -512,18 +512,6 @@ func (i *instance) qmpClient(ctx context.Context) (*QMP, error) {
 	return sharedQMP(ctx, i.files.qmpSocket())
 }
 
-// ctlClient is the guest init's vmctl client (dialled when there is none).
-func (i *instance) ctlClient(ctx context.Context) (*vmctl.Client, error) {
-	if !i.Alive() {
-		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrUnavailable)
-	}
-	c, err := sharedCtl(ctx, i.files.ctlSocket())
-	if err != nil {
-		return nil, fmt.Errorf("sandbox %s: control port: %w: %w", i.spec.ID, err, errdefs.ErrUnavailable)
-	}
-	return c, nil
-}
-
 // qmp runs one QMP command; a failed transport drops the client.
 func (i *instance) qmp(ctx context.Context, cmd string) error {
 	q, err := i.qmpClient(ctx)
@@ -535,19 +523,6 @@ func (i *instance) qmp(ctx context.Context, cmd string) error {
 			dropQMP(i.files.qmpSocket(), q)
 		}
 		return fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
-	}
-	return nil
-}
-
-// ping asks the guest's init for a sign of life.
-func (i *instance) ping(ctx context.Context) error {
-	c, err := i.ctlClient(ctx)
-	if err != nil {
-		return err
-	}
-	if err := c.Ping(ctx); err != nil {
-		dropCtl(i.files.ctlSocket(), c)
-		return err
 	}
 	return nil
 }
@@ -595,7 +570,7 @@ func (i *instance) watch(pr *vmProc) {
 			continue
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), watchdogTimeout)
-		err := i.ping(ctx)
+		err := i.guest.ping(ctx)
 		cancel()
 		i.smu.Lock()
 		paused = i.paused // paused while the ping was out: not a miss
@@ -699,13 +674,7 @@ func (i *instance) flushLocked(ctx context.Context) {
 			return
 		}
 	}
-	c, err := i.ctlClient(ctx)
-	if err == nil {
-		if err = c.Sync(ctx); err != nil && errors.Is(err, errdefs.ErrUnavailable) {
-			dropCtl(i.files.ctlSocket(), c)
-		}
-	}
-	if err != nil {
+	if err := i.guest.sync(ctx); err != nil {
 		i.rt.log.Warn("stop: the guest did not flush its disk", "id", i.spec.ID, "err", err)
 		return
 	}
@@ -813,26 +782,18 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 		return runtime.Stats{}, nil
 	}
 	i.smu.Lock()
-	paused, gs := i.paused, i.lastStats
+	paused := i.paused
 	i.smu.Unlock()
 	// A paused guest cannot answer: its counters are the ones it had
 	// when it stopped, which the last answer is as good as.
+	gs := i.guest.last()
 	if !paused {
 		ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		defer cancel()
-		c, err := i.ctlClient(ctx)
-		if err != nil {
+		var err error
+		if gs, err = i.guest.stats(ctx); err != nil {
 			return runtime.Stats{}, err
 		}
-		if gs, err = c.Stats(ctx); err != nil {
-			if errors.Is(err, errdefs.ErrUnavailable) {
-				dropCtl(i.files.ctlSocket(), c)
-			}
-			return runtime.Stats{}, fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
-		}
-		i.smu.Lock()
-		i.lastStats = gs
-		i.smu.Unlock()
 	}
 	cpu, err := jail.CgroupCPU(i.spec.ID)
 	if err != nil {

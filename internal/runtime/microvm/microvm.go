@@ -180,6 +180,7 @@ func (r *Runtime) newInstance(spec runtime.Spec) (*instance, error) {
 		return nil, fmt.Errorf("sandbox id %q: %w", spec.ID, errdefs.ErrInvalidArgument)
 	}
 	i := &instance{rt: r, spec: spec, files: layout{id: spec.ID, dir: filepath.Join(r.sandboxesDir(), spec.ID)}}
+	i.guest = &guestCtl{id: spec.ID, sock: i.files.ctlSocket(), running: i.Alive}
 	// QEMU binds the sockets at these paths: they must fit a sockaddr_un.
 	if p := i.files.qmpSocket(); len(p) > maxUnixPath {
 		return nil, fmt.Errorf("microvm runtime: DataDir %s is too long for the sandboxes' unix sockets (%s): %w", r.cfg.DataDir, p, errdefs.ErrInvalidArgument)

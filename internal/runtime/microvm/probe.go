@@ -225,7 +225,7 @@ func probeSnapshot(ctx context.Context, i *instance) error {
 	}
 	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	if err := i.ping(pctx); err != nil {
+	if err := i.guest.ping(pctx); err != nil {
 		return fmt.Errorf("the restored guest does not answer: %w", err)
 	}
 	return nil

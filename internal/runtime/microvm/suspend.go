@@ -2,7 +2,6 @@ package microvm
 
 import (
 	"context"
-	"crypto/rand"
 	"errors"
 	"fmt"
 	"os"
@@ -42,8 +41,6 @@ const (
 	// agentReleaseWait bounds the wait for the quiesced agent to let go of
 	// its port (it closes sessions the host left open after 0.5 s).
 	agentReleaseWait = 3 * time.Second
-	// seedBytes is the entropy handed to a restored guest's kernel.
-	seedBytes = 64
 )
 
 // Suspended implements runtime.Suspender.
@@ -106,17 +103,7 @@ func (i *instance) syncGuestLocked(ctx context.Context) error {
 	}
 	ctx, cancel := context.WithTimeout(ctx, guestSyncTimeout)
 	defer cancel()
-	c, err := i.ctlClient(ctx)
-	if err != nil {
-		return err
-	}
-	if err := c.Sync(ctx); err != nil {
-		if errors.Is(err, errdefs.ErrUnavailable) {
-			dropCtl(i.files.ctlSocket(), c)
-		}
-		return err
-	}
-	return nil
+	return i.guest.sync(ctx)
 }
 
 // snapshotLocked waits for the agent to release its port, stops the guest
@@ -154,7 +141,7 @@ func (i *instance) snapshotLocked(ctx context.Context, path string, durable bool
 		// call. One round trip now waits for any call in flight, and the
 		// watchdog leaves a paused guest alone.
 		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		if err := i.ping(pctx); err != nil {
+		if err := i.guest.ping(pctx); err != nil {
 			i.rt.log.Warn("snapshot: the guest's init did not answer a ping", "id", i.spec.ID, "err", err)
 		}
 		cancel()
@@ -312,31 +299,11 @@ func (i *instance) restoreFromLocked(ctx context.Context, state, hostname string
 	}
 	i.setPausedLocked(false)
 	tLoaded := time.Now()
-	if err := i.restoredLocked(ctx, hostname); err != nil {
+	if err := i.guest.restored(ctx, hostname); err != nil {
 		return err
 	}
 	// launch: jail + QEMU up to its monitor; load: the state read and the
 	// guest continued; reseed: vmctl restored answered by the running guest.
 	i.rt.log.Debug("guest restored", "id", i.spec.ID, "launch", tLaunched.Sub(t0), "load", tLoaded.Sub(tLaunched), "reseed", time.Since(tLoaded))
-	return nil
-}
-
-// restoredLocked tells the restored guest's init: fresh entropy, the
-// current time, its hostname.
-func (i *instance) restoredLocked(ctx context.Context, hostname string) error {
-	seed := make([]byte, seedBytes)
-	if _, err := rand.Read(seed); err != nil {
-		return err
-	}
-	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	c, err := i.ctlClient(cctx)
-	if err != nil {
-		return err
-	}
-	if err := c.Restored(cctx, seed, time.Now(), hostname); err != nil {
-		dropCtl(i.files.ctlSocket(), c)
-		return fmt.Errorf("the restored guest's init: %w", err)
-	}
 	return nil
 }
