@@ -101,6 +101,7 @@ func setup(t *testing.T) *env {
 }
 
 func TestMain(m *testing.M) {
+	procs := startProcWatch()
 	code := m.Run()
 	if shared != nil {
 		// Delete whatever the tests left, then check nothing leaked.
@@ -127,9 +128,16 @@ func TestMain(m *testing.M) {
 			os.Stderr.WriteString("e2e: host resources leaked after deleting every sandbox:\n  " + strings.Join(leaks, "\n  ") + "\n")
 			code = 1
 		}
+		procs.addDirs(shared.data)
 		os.RemoveAll(shared.data)
 	}
 	pgtest.StopShared()
+	// No runsc, QEMU, agent or gateway the suite started may outlive it
+	// (procleak_test.go); a few seconds for exits already under way.
+	if left := procs.finish(10 * time.Second); len(left) > 0 {
+		os.Stderr.WriteString("e2e: processes the suite started outlive it:\n  " + strings.Join(left, "\n  ") + "\n")
+		code = 1
+	}
 	os.Exit(code)
 }
 
