@@ -34,6 +34,21 @@ type Local interface {
 	Apply(ctx context.Context, id, verb string) error
 }
 
+// Discarder is a Local that deletes a sandbox as the node's own cleanup
+// (an orphan, a stale copy), apart from Apply, whose verbs replicas asked
+// for and the node's policy decides.
+type Discarder interface {
+	Discard(ctx context.Context, id string) error
+}
+
+// discard deletes sandbox id as the node's own cleanup.
+func (n *Node) discard(ctx context.Context, id string) error {
+	if d, ok := n.Local.(Discarder); ok {
+		return d.Discard(ctx, id)
+	}
+	return n.Local.Apply(ctx, id, api.OpDelete)
+}
+
 // Node keeps one node's sandboxes and the cluster's rows of them in step:
 // it applies the desired state replicas wrote (Pending), reports every
 // change of a local sandbox (Report), and deletes a sandbox it made that
@@ -287,7 +302,7 @@ func (n *Node) orphan(ctx context.Context, sb api.Sandbox) {
 		// The cluster moved it while this node was lost (a suspended
 		// sandbox continued elsewhere): this copy is stale.
 		n.Log.Warn("cluster: deleting the stale copy of a sandbox now on another node", "sandbox", sb.ID, "node", row.Node)
-		if err := n.Local.Apply(ctx, sb.ID, api.OpDelete); err != nil {
+		if err := n.discard(ctx, sb.ID); err != nil {
 			n.Log.Warn("cluster: deleting a stale copy", "sandbox", sb.ID, "err", err)
 		}
 		return
@@ -303,7 +318,7 @@ func (n *Node) orphan(ctx context.Context, sb api.Sandbox) {
 		return // its replica may still be writing the row
 	}
 	n.Log.Warn("cluster: deleting a sandbox that never got a row", "sandbox", sb.ID, "created", sb.CreatedAt)
-	if err := n.Local.Apply(ctx, sb.ID, api.OpDelete); err != nil {
+	if err := n.discard(ctx, sb.ID); err != nil {
 		n.Log.Warn("cluster: deleting orphan", "sandbox", sb.ID, "err", err)
 	}
 }

@@ -300,8 +300,9 @@ func (h *Handler) create(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if op.Error != nil {
-		// The create failed: nothing of it should linger.
-		h.cfg.Manager.Lifecycle(context.WithoutCancel(r.Context()), sb.ID, api.OpDelete, true)
+		// The create failed: nothing of it should linger. Cleanup, not
+		// the caller's delete: the policy does not decide it.
+		h.cfg.Manager.Discard(context.WithoutCancel(r.Context()), sb.ID)
 		h.writeAPIError(w, r, templateNotFound(sandbox.OpError(op), tmpl))
 		return
 	}

@@ -159,7 +159,7 @@ func (m *Manager) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Ste
 		return code, err
 	}
 
-	stop, err := m.Lifecycle(ctx, sb.ID, api.OpStop, false)
+	stop, err := m.systemLifecycle(ctx, sb.ID, api.OpStop, false)
 	if err != nil {
 		return -1, fmt.Errorf("build step: stopping its sandbox: %w", err)
 	}
@@ -296,7 +296,7 @@ func copyStepOutput(ctx context.Context, conn *websocket.Conn, out io.Writer) (a
 func (m *Manager) deleteStepSandbox(id string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), buildCleanupTimeout)
 	defer cancel()
-	op, err := m.Lifecycle(ctx, id, api.OpDelete, true)
+	op, err := m.systemLifecycle(ctx, id, api.OpDelete, true)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return nil
 	}

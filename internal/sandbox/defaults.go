@@ -169,7 +169,11 @@ func (m *Manager) startFromTemplate(ctx context.Context, p *phases, c *agentclie
 		if err := m.cfg.DB.PutCommand(ctx, rec); err != nil {
 			return err
 		}
-		if err := m.startCommand(ctx, c, sb, &rec, false); err != nil {
+		err := m.decideCommand(ctx, sb, &rec)
+		if err == nil {
+			err = m.startCommand(ctx, c, sb, &rec, false)
+		}
+		if err != nil {
 			m.commandEnded(&rec, api.ExitStatus{ExitCode: -1, Reason: "could not start: " + err.Error()})
 			return fmt.Errorf("template start command %s: %w", quoteArgv(plan.cmd), err)
 		}

@@ -106,11 +106,12 @@ func (m *Manager) Exec(ctx context.Context, id string, req api.ExecRequest) (api
 	if req.TTY {
 		return api.ExecResult{}, invalid("tty needs a command session (POST …/commands), not synchronous exec")
 	}
-	c, sb, release, err := m.agent(ctx, id)
+	// Decided from the record, before the sandbox is woken: a refused
+	// exec must not restore a suspended sandbox.
+	sb, err := m.Get(ctx, id)
 	if err != nil {
 		return api.ExecResult{}, err
 	}
-	defer release()
 	workdir, user := req.Workdir, req.User
 	// A process chrooted into Root resolves paths and users in that tree:
 	// the sandbox's own defaults name things of the sandbox's tree.
@@ -123,6 +124,11 @@ func (m *Manager) Exec(ctx context.Context, id string, req api.ExecRequest) (api
 	if err := m.decide(ctx, sb, actions.Action{Kind: actions.Exec, Argv: req.Cmd, User: user, Cwd: workdir}); err != nil {
 		return api.ExecResult{}, err
 	}
+	c, sb, release, err := m.agent(ctx, id)
+	if err != nil {
+		return api.ExecResult{}, err
+	}
+	defer release()
 	m.obs.Exec("sync")
 	oomBefore := m.oomKills(ctx, id)
 	m.auditCommandStart(ctx, sb, "exec", "exec", req.Cmd, user, workdir, nil)
@@ -193,6 +199,10 @@ func (m *Manager) CreateCommand(ctx context.Context, id string, req api.CreateCo
 		return api.Command{}, err
 	}
 	if req.Detached {
+		// Decided before the sandbox is woken.
+		if err := m.decideCommand(ctx, sb, &rec); err != nil {
+			return api.Command{}, err
+		}
 		c, sb, release, err := m.agent(ctx, id)
 		if err != nil {
 			return api.Command{}, err
@@ -209,17 +219,23 @@ func (m *Manager) CreateCommand(ctx context.Context, id string, req api.CreateCo
 	return out, nil
 }
 
-// startCommand starts the recorded process through c, the agent of the
-// running sandbox sb, if it has not started yet. attaching says the caller
-// attaches next: the agent then keeps the output from the first byte for
-// it, so a fast producer cannot overwrite output before the attach exists.
-func (m *Manager) startCommand(ctx context.Context, c *agentclient.Client, sb api.Sandbox, rec *store.CommandRecord, attaching bool) error {
+// decideCommand asks the policy about the recorded process, if it has not
+// started yet. Callers ask before they wake the sandbox to start it.
+func (m *Manager) decideCommand(ctx context.Context, sb api.Sandbox, rec *store.CommandRecord) error {
 	if rec.State != api.CommandCreated {
 		return nil
 	}
-	// The process has not started: the policy decides before it does.
-	if err := m.decide(ctx, sb, actions.Action{Kind: actions.Exec, Argv: rec.Spec.Cmd, User: rec.Spec.User, Cwd: rec.Spec.Workdir}); err != nil {
-		return err
+	return m.decide(ctx, sb, actions.Action{Kind: actions.Exec, Argv: rec.Spec.Cmd, User: rec.Spec.User, Cwd: rec.Spec.Workdir})
+}
+
+// startCommand starts the recorded process through c, the agent of the
+// running sandbox sb, if it has not started yet; the caller has had it
+// decided (decideCommand). attaching says the caller attaches next: the
+// agent then keeps the output from the first byte for it, so a fast
+// producer cannot overwrite output before the attach exists.
+func (m *Manager) startCommand(ctx context.Context, c *agentclient.Client, sb api.Sandbox, rec *store.CommandRecord, attaching bool) error {
+	if rec.State != api.CommandCreated {
+		return nil
 	}
 	m.obs.Exec("session")
 	info, err := c.StartProc(ctx, agentproto.ProcStart{
@@ -362,6 +378,16 @@ type Attachment struct {
 func (m *Manager) Attach(ctx context.Context, rec store.CommandRecord, stdoutOff, stderrOff int64) (*Attachment, error) {
 	if stdoutOff < 0 || stderrOff < 0 {
 		return nil, invalid("offsets must not be negative")
+	}
+	if rec.State == api.CommandCreated {
+		// The process starts on this attach: decided before the wake.
+		sb, err := m.Get(ctx, rec.SandboxID)
+		if err != nil {
+			return nil, err
+		}
+		if err := m.decideCommand(ctx, sb, &rec); err != nil {
+			return nil, err
+		}
 	}
 	c, sb, release, err := m.agent(ctx, rec.SandboxID)
 	if err != nil {

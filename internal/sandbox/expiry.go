@@ -52,17 +52,17 @@ func (m *Manager) expire(ctx context.Context, sb api.Sandbox) {
 			return
 		}
 		m.log.Info("sandbox deadline passed; suspending", "sandbox", sb.ID)
-		if _, err := m.Lifecycle(ctx, sb.ID, api.OpSuspend, false); err == nil {
+		if _, err := m.systemLifecycle(ctx, sb.ID, api.OpSuspend, false); err == nil {
 			m.SetExpiry(ctx, sb.ID, nil)
 			return
 		}
 		// A runtime that cannot suspend stops instead: the disk survives.
 		m.log.Info("sandbox cannot suspend; stopping it at its deadline", "sandbox", sb.ID)
-		if _, err := m.Lifecycle(ctx, sb.ID, api.OpStop, true); err == nil {
+		if _, err := m.systemLifecycle(ctx, sb.ID, api.OpStop, true); err == nil {
 			m.SetExpiry(ctx, sb.ID, nil)
 		}
 		return
 	}
 	m.log.Info("sandbox TTL expired; deleting", "sandbox", sb.ID)
-	m.Lifecycle(ctx, sb.ID, api.OpDelete, true)
+	m.systemLifecycle(ctx, sb.ID, api.OpDelete, true)
 }

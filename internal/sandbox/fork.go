@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/runtime"
@@ -28,9 +29,15 @@ const (
 // MaxForkCount) new sandboxes. The child records exist (state creating)
 // when Fork returns; their ids are in the operation's Children. A paused or
 // suspended parent is refused (wake it first): forking must not change the
-// parent's state.
+// parent's state. The temporal policy decides it (lifecycle verb fork)
+// before any child exists.
 func (m *Manager) Fork(ctx context.Context, id string, req api.ForkRequest) (api.Operation, error) {
-	op, err := m.fork(ctx, id, req)
+	return m.forkAndTell(ctx, id, req, true)
+}
+
+// forkAndTell is Fork, decided or not (a snapshot's own fork is not).
+func (m *Manager) forkAndTell(ctx context.Context, id string, req api.ForkRequest, decide bool) (api.Operation, error) {
+	op, err := m.fork(ctx, id, req, decide)
 	if err != nil || m.created.Load() == nil {
 		return op, err
 	}
@@ -48,7 +55,7 @@ func (m *Manager) Fork(ctx context.Context, id string, req api.ForkRequest) (api
 	return op, errors.Join(errs...)
 }
 
-func (m *Manager) fork(ctx context.Context, id string, req api.ForkRequest) (api.Operation, error) {
+func (m *Manager) fork(ctx context.Context, id string, req api.ForkRequest, decide bool) (api.Operation, error) {
 	if req.Count == 0 {
 		req.Count = 1
 	}
@@ -68,6 +75,11 @@ func (m *Manager) fork(ctx context.Context, id string, req api.ForkRequest) (api
 	if sb.Network != nil {
 		// The boundary may have narrowed since the parent's policy was set.
 		if err := m.bound(ctx, TenantOf(sb), *sb.Network); err != nil {
+			return api.Operation{}, err
+		}
+	}
+	if decide {
+		if err := m.decide(ctx, sb, actions.Action{Kind: actions.Lifecycle, Verb: api.OpFork}); err != nil {
 			return api.Operation{}, err
 		}
 	}

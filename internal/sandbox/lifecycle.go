@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 )
@@ -47,14 +48,32 @@ func (m *Manager) dropClient(e *entry) {
 	e.cmu.Unlock()
 }
 
-// Lifecycle requests a verb (api.Op*) on a sandbox and returns its operation.
+// Lifecycle requests a verb (api.Op*) on a sandbox and returns its
+// operation. It is the entry of every front door (REST, E2B, a cluster
+// node's reconciler): the temporal policy decides the verb, after the
+// checks that refuse it anyway and before anything happens.
 func (m *Manager) Lifecycle(ctx context.Context, id, verb string, force bool) (api.Operation, error) {
-	return m.lifecycle(ctx, id, verb, force, nil)
+	return m.lifecycle(ctx, id, verb, force, true, nil)
 }
 
-// lifecycle is Lifecycle with an optional guard the operation runs first,
-// under the sandbox's lock; a guard error fails the operation untouched.
-func (m *Manager) lifecycle(ctx context.Context, id, verb string, force bool, guard func() error) (api.Operation, error) {
+// systemLifecycle is Lifecycle for the platform's own housekeeping
+// (deadlines, rollbacks, build steps, snapshots): not decided, so a
+// tenant's rule cannot keep the platform from cleaning up.
+func (m *Manager) systemLifecycle(ctx context.Context, id, verb string, force bool) (api.Operation, error) {
+	return m.lifecycle(ctx, id, verb, force, false, nil)
+}
+
+// Discard force-deletes sandbox id as the platform's own cleanup — what is
+// left of a create that failed, a cluster node's orphan or stale copy —
+// which no tenant's rule decides. A caller's delete goes through Lifecycle.
+func (m *Manager) Discard(ctx context.Context, id string) (api.Operation, error) {
+	return m.systemLifecycle(ctx, id, api.OpDelete, true)
+}
+
+// lifecycle is Lifecycle, decided or not, with an optional guard the
+// operation runs first, under the sandbox's lock; a guard error fails the
+// operation untouched.
+func (m *Manager) lifecycle(ctx context.Context, id, verb string, force, decide bool, guard func() error) (api.Operation, error) {
 	sb, err := m.Get(ctx, id)
 	if err != nil {
 		return api.Operation{}, err
@@ -86,9 +105,14 @@ func (m *Manager) lifecycle(ctx context.Context, id, verb string, force bool, gu
 		}
 		fn = func(ctx context.Context, p *phases) error { return m.doVerb(ctx, p, id, api.OpRestore) }
 	case api.OpFork:
-		return m.Fork(ctx, id, api.ForkRequest{Count: 1})
+		return m.forkAndTell(ctx, id, api.ForkRequest{Count: 1}, decide)
 	default:
 		return api.Operation{}, invalid("unknown lifecycle verb %q", truncate(verb, 32))
+	}
+	if decide {
+		if err := m.decide(ctx, sb, actions.Action{Kind: actions.Lifecycle, Verb: verb}); err != nil {
+			return api.Operation{}, err
+		}
 	}
 	if guard != nil {
 		do := fn

@@ -306,7 +306,7 @@ func (m *Manager) tellCreated(ctx context.Context, sb api.Sandbox, op api.Operat
 	if err == nil {
 		return nil
 	}
-	if _, derr := m.Lifecycle(principal.With(context.WithoutCancel(ctx), principal.System), sb.ID, api.OpDelete, true); derr != nil {
+	if _, derr := m.systemLifecycle(principal.With(context.WithoutCancel(ctx), principal.System), sb.ID, api.OpDelete, true); derr != nil {
 		m.log.Warn("deleting a sandbox its creation hook refused", "sandbox", sb.ID, "err", derr)
 	}
 	return err

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/actions"
+	"github.com/spacehq/space/internal/audit"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/fakeruntime"
@@ -34,6 +36,9 @@ type harness struct {
 	// defNet its DefaultNetwork.
 	netw   *FakeNetwork
 	defNet api.NetworkPolicy
+	// dec and rec, when set, are the manager's Decider and Audit.
+	dec actions.Decider
+	rec audit.Sink
 }
 
 func newHarness(t *testing.T) *harness {
@@ -89,6 +94,7 @@ func (h *harness) manager() *Manager {
 	if h.netw != nil {
 		cfg.Network = h.netw
 	}
+	cfg.Decider, cfg.Audit = h.dec, h.rec
 	return New(cfg)
 }
 

@@ -242,7 +242,7 @@ func (m *Manager) tick(ctx context.Context) {
 		// A request may arrive between this check and the operation taking
 		// the sandbox's lock: a pause or suspend would then cut it off (a
 		// suspend quiesces the agent). The operation checks again.
-		m.lifecycle(ctx, sb.ID, sb.Idle.Action, false, func() error {
+		m.lifecycle(ctx, sb.ID, sb.Idle.Action, false, false, func() error {
 			if e.active.Load() > 0 || time.Since(time.Unix(0, e.lastActive.Load())) < after {
 				return fmt.Errorf("sandbox %s became active; idle %s skipped: %w", sb.ID, sb.Idle.Action, errdefs.ErrConflict)
 			}

@@ -38,7 +38,7 @@ func (m *Manager) Snapshot(ctx context.Context, id, tag string) (_ api.Template,
 	if sb.State != api.StateRunning {
 		return api.Template{}, wrongState(id, sb.State, "snapshot")
 	}
-	op, err := m.Fork(ctx, id, api.ForkRequest{Count: 1})
+	op, err := m.forkAndTell(ctx, id, api.ForkRequest{Count: 1}, false)
 	if err != nil {
 		if errors.Is(err, errdefs.ErrNotSupported) {
 			return api.Template{}, fmt.Errorf("a snapshot copies the running sandbox by forking it, and %w", err)
@@ -68,7 +68,7 @@ func (m *Manager) Snapshot(ctx context.Context, id, tag string) (_ api.Template,
 	if !ok {
 		return api.Template{}, fmt.Errorf("runtime %s cannot export a sandbox's filesystem changes, so it cannot snapshot: %w", sb.Runtime, errdefs.ErrNotSupported)
 	}
-	stop, err := m.Lifecycle(ctx, child, api.OpStop, true)
+	stop, err := m.systemLifecycle(ctx, child, api.OpStop, true)
 	if err != nil {
 		return api.Template{}, fmt.Errorf("stopping the snapshot's fork: %w", err)
 	}

@@ -343,8 +343,21 @@ func (l *clusterLocal) List(ctx context.Context) ([]api.Sandbox, error) {
 	return out, nil
 }
 
+// Apply runs a verb a replica asked for: the manager's policy decides it,
+// as it does the same verb asked of this node directly.
 func (l *clusterLocal) Apply(ctx context.Context, id, verb string) error {
 	op, err := l.mgr.Lifecycle(ctx, id, verb, verb == api.OpDelete)
+	return l.wait(ctx, op, err, verb)
+}
+
+// Discard deletes an orphan or a stale copy: the node's own cleanup, which
+// no tenant's rule decides.
+func (l *clusterLocal) Discard(ctx context.Context, id string) error {
+	op, err := l.mgr.Discard(ctx, id)
+	return l.wait(ctx, op, err, api.OpDelete)
+}
+
+func (l *clusterLocal) wait(ctx context.Context, op api.Operation, err error, verb string) error {
 	if err != nil {
 		return err
 	}

@@ -13,7 +13,6 @@ import (
 	"github.com/coder/websocket"
 
 	"github.com/spacehq/space/api"
-	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/sandbox"
 )
@@ -128,10 +127,6 @@ func (s *Server) deleteSandbox(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	if err := s.decide(r, actions.Action{Kind: actions.Lifecycle, Verb: api.OpDelete}); err != nil {
-		writeError(w, r, err)
-		return
-	}
 	op, err := s.mgr.Lifecycle(r.Context(), r.PathValue("id"), api.OpDelete, force)
 	if err != nil {
 		writeError(w, r, err)
@@ -152,10 +147,6 @@ func (s *Server) lifecycle(verb string) http.HandlerFunc {
 				return
 			}
 		}
-		if err := s.decide(r, actions.Action{Kind: actions.Lifecycle, Verb: verb}); err != nil {
-			writeError(w, r, err)
-			return
-		}
 		op, err := s.mgr.Lifecycle(r.Context(), r.PathValue("id"), verb, false)
 		if err != nil {
 			writeError(w, r, err)
@@ -173,11 +164,8 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	if err := s.decide(r, actions.Action{Kind: actions.Lifecycle, Verb: api.OpFork}); err != nil {
-		writeError(w, r, err)
-		return
-	}
-	// The manager validates the count (1..api.MaxForkCount, 0 = 1).
+	// The manager validates the count (1..api.MaxForkCount, 0 = 1) and
+	// asks the policy.
 	op, err := s.mgr.Fork(r.Context(), r.PathValue("id"), req)
 	if err != nil {
 		writeError(w, r, err)
