@@ -6,12 +6,8 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
@@ -53,39 +49,42 @@ const warmHostname = "sandbox"
 //	vm/net.sock     QEMU's end of the NIC (unix datagram socket, nic.go)
 //	vm/gw.sock      the host's end of the NIC, bound by NIC
 //
+// An instance is the value the manager holds; its own methods are the
+// runtime interfaces it implements, and each part of the work is a field
+// of its own type:
+//
+//   - files (layout, layout.go): the names above and vm.json;
+//   - vm (vmm, vmm.go): the QEMU process, its QMP monitor, the paused
+//     flag, the watchdog and the exit reason;
+//   - guest (guestCtl, guestctl.go): the guest init's control port.
+//
 // For the snapshot code (suspend.go, fork.go, warm.go, migrate.go):
 //
 //   - i.mu is held by every lifecycle method (Start, Stop, Destroy, Pause,
 //     Resume) for its whole run; startWarm and afterColdBoot are called with
-//     it held, and launch, stopLocked and setPausedLocked expect it held.
-//   - launch(ctx, incoming) starts QEMU from vm.json; with incoming, QEMU
-//     gets -incoming fd:3 on that file and reads the stream itself (QMP
+//     it held, and i.vm.launch, i.vm.stop and i.vm.setPaused expect it held.
+//   - i.vm.launch(ctx, incoming) starts QEMU from vm.json; with incoming,
+//     QEMU gets -incoming fd:3 on that file and reads the stream itself (QMP
 //     "inmigrate" until the migration completes, then "paused"; the caller
 //     waits and sends cont). launch returns once QMP answers; it records
 //     the pid and starts the exit watcher and the watchdog, which counts
-//     silence only after the guest's init first answered. writeVM stores
-//     a description first (cold boots do).
-//   - qmpClient(ctx) and i.guest are the VM's QMP and vmctl clients;
-//     after a failed call, dropClients() makes the next call dial again.
-//   - setPausedLocked(true) before a QMP stop keeps the watchdog from
-//     counting a paused guest's silence; cont + setPausedLocked(false).
-//   - stopLocked kills QEMU (the exit is not reported as a crash) and
-//     leaves disk and state/ alone; i.files.diskImage(), i.files.stateDir(), i.files.dir.
+//     silence only after the guest's init first answered.
+//     i.files.writeVM stores a description first (cold boots do).
+//   - i.vm.qmpClient(ctx) and i.guest are the VM's QMP and vmctl clients;
+//     a failed call drops the shared client, so the next call dials again.
+//   - i.vm.setPaused(true) before a QMP stop keeps the watchdog from
+//     counting a paused guest's silence; cont + i.vm.setPaused(false).
+//   - i.vm.stop kills QEMU (the exit is not reported as a crash) and
+//     leaves disk and state/ alone.
 type instance struct {
 	rt    *Runtime
 	spec  runtime.Spec
 	files layout    // the sandbox's directory
+	vm    *vmm      // the QEMU process
 	guest *guestCtl // the guest init's control port
 
 	// mu serializes lifecycle changes; it may be held for a whole boot.
 	mu sync.Mutex
-
-	// smu guards the fields below for short reads (Alive, Stats, …),
-	// so they never wait for a boot.
-	smu        sync.Mutex
-	proc       *vmProc // the running QEMU; nil when none
-	paused     bool
-	exitReason string // why the last QEMU ended on its own
 }
 
 var (
@@ -98,106 +97,26 @@ var (
 // ID implements runtime.Instance.
 func (i *instance) ID() string { return i.spec.ID }
 
-// vmProc is one QEMU process, started here or re-adopted after a restart.
-type vmProc struct {
-	pid       int
-	startTime uint64
-	exited    chan struct{}     // closed when QEMU has exited
-	p         *Process          // nil when adopted
-	hp        *hostproc.Process // adopted: the pidfd signals go through; nil otherwise
-
-	// stopping marks an exit the runtime caused (Stop, Destroy, a failed
-	// start): not reported as the guest's own end.
-	stopping atomic.Bool
-	// armed: the guest's init has answered once (or the guest ran before
-	// a restart), so silence counts; a booting or incoming guest that
-	// never answered is bounded by its start's timeout instead.
-	armed atomic.Bool
-}
-
-func (pr *vmProc) alive() bool {
-	select {
-	case <-pr.exited:
-		return false
-	default:
-		return true
-	}
-}
-
-// kill SIGKILLs QEMU and waits up to d for it to be gone.
-func (pr *vmProc) kill(d time.Duration) error {
-	if pr.p != nil {
-		_ = pr.p.cmd.Process.Kill()
-	} else if pr.hp != nil {
-		_ = pr.hp.Signal(unix.SIGKILL)
-	}
-	select {
-	case <-pr.exited:
-		return nil
-	case <-time.After(d):
-		return fmt.Errorf("QEMU (pid %d) did not exit after SIGKILL", pr.pid)
-	}
-}
-
-// qemuError is how QEMU exited, when known.
-func (pr *vmProc) qemuError(errLog string) error {
-	if pr.p != nil {
-		return pr.p.Err()
-	}
-	if msg := strings.TrimSpace(readTail(errLog, 2048)); msg != "" {
-		return errors.New("qemu: " + msg)
-	}
-	return nil
-}
-
-func (i *instance) current() *vmProc {
-	i.smu.Lock()
-	defer i.smu.Unlock()
-	return i.proc
-}
-
 // Alive implements runtime.Instance: QEMU runs (the guest may be paused).
-func (i *instance) Alive() bool {
-	pr := i.current()
-	return pr != nil && pr.alive()
-}
+func (i *instance) Alive() bool { return i.vm.alive() }
 
 // Exited implements runtime.Instance.
-func (i *instance) Exited() <-chan struct{} {
-	if pr := i.current(); pr != nil {
-		return pr.exited
-	}
-	return nil
-}
+func (i *instance) Exited() <-chan struct{} { return i.vm.exited() }
 
 // Pid is QEMU's host pid (0 when not running): the conformance suite
 // checks from the host that the process serving the sandbox is
 // unprivileged.
-func (i *instance) Pid() int {
-	if pr := i.current(); pr != nil && pr.alive() {
-		return pr.pid
-	}
-	return 0
-}
+func (i *instance) Pid() int { return i.vm.pid() }
 
 // ExitReason implements runtime.ExitReasoner: why the last QEMU ended on
 // its own (guest panic, guest power-off, QEMU crash, hung guest), with the
 // console's tail. Empty while running or after a Stop.
-func (i *instance) ExitReason() string {
-	i.smu.Lock()
-	defer i.smu.Unlock()
-	if i.proc != nil && i.proc.alive() {
-		return ""
-	}
-	return i.exitReason
-}
-
-func (i *instance) consoleTail(max int64) string { return readTail(i.files.consoleLog(), max) }
+func (i *instance) ExitReason() string { return i.vm.lastExit() }
 
 // DialAgent implements runtime.Instance. A VM that ended says why, with
 // its console's tail.
 func (i *instance) DialAgent(ctx context.Context) (net.Conn, error) {
-	pr := i.current()
+	pr := i.vm.current()
 	if pr == nil || !pr.alive() {
 		if why := i.ExitReason(); why != "" {
 			return nil, fmt.Errorf("sandbox %s is not running: %s: %w", i.spec.ID, why, errdefs.ErrUnavailable)
@@ -291,7 +210,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	defer cancel()
 	defer func() {
 		if err != nil {
-			if serr := i.stopLocked(context.WithoutCancel(ctx)); serr != nil {
+			if serr := i.vm.stop(context.WithoutCancel(ctx)); serr != nil {
 				i.rt.log.Warn("cleaning up a failed start", "id", i.spec.ID, "err", serr)
 			}
 		}
@@ -303,7 +222,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		return nil
 	case !errors.Is(err, errNoWarm):
 		i.rt.log.Warn("warm start failed; booting cold", "id", i.spec.ID, "err", err)
-		if err := i.stopLocked(ctx); err != nil {
+		if err := i.vm.stop(ctx); err != nil {
 			return err
 		}
 	}
@@ -328,7 +247,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if err := i.files.writeVM(bootVM); err != nil {
 		return err
 	}
-	if err := i.launch(ctx, nil); err != nil {
+	if err := i.vm.launch(ctx, nil); err != nil {
 		return err
 	}
 	tLaunched := time.Now()
@@ -351,7 +270,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 // waitReady waits until the agent answers health and the guest's init
 // answers a ping, failing with the console's tail as soon as QEMU exits.
 func (i *instance) waitReady(ctx context.Context) error {
-	pr := i.current()
+	pr := i.vm.current()
 	if pr == nil || pr.p == nil {
 		return fmt.Errorf("sandbox %s: no QEMU to wait for", i.spec.ID)
 	}
@@ -364,7 +283,7 @@ func (i *instance) waitReady(ctx context.Context) error {
 	// this session end and let go of its port, a new connection would be
 	// read by the old session and then cut when that one closes the port
 	// (the conformance lifecycle subtest hit it under load).
-	if q, err := i.qmpClient(ctx); err == nil {
+	if q, err := i.vm.qmpClient(ctx); err == nil {
 		if released, err := WaitAgentPortReleased(ctx, q, 5*time.Second); err != nil || !released {
 			i.rt.log.Warn("the agent did not release its port after the boot's health check", "id", i.spec.ID, "released", released, "err", err)
 		}
@@ -379,7 +298,7 @@ func (i *instance) waitReady(ctx context.Context) error {
 		}
 		select {
 		case <-pr.exited:
-			return fmt.Errorf("sandbox %s ended during boot: %s: %w", i.spec.ID, i.describeExit(pr), errdefs.ErrUnavailable)
+			return fmt.Errorf("sandbox %s ended during boot: %s: %w", i.spec.ID, i.vm.describeExit(pr), errdefs.ErrUnavailable)
 		case <-ctx.Done():
 			return fmt.Errorf("sandbox %s: the guest's init does not answer its control port: %w: %w", i.spec.ID, err, errdefs.ErrUnavailable)
 		case <-time.After(100 * time.Millisecond):
@@ -387,252 +306,11 @@ func (i *instance) waitReady(ctx context.Context) error {
 	}
 }
 
-// launch starts QEMU from vm.json; incoming, when not nil, is the migration
-// stream it restores from (descriptor 3, -incoming fd:3). QEMU is detached
-// from this process (it outlives a server restart). launch records the
-// pid, dials QMP and starts watching. Called with i.mu held and no QEMU
-// running.
-func (i *instance) launch(ctx context.Context, incoming *os.File) (err error) {
-	if i.Alive() {
-		return fmt.Errorf("sandbox %s: QEMU already runs: %w", i.spec.ID, errdefs.ErrConflict)
-	}
-	vm, err := i.files.readVM()
-	if err != nil {
-		return err
-	}
-	vm.IncomingFD = 0
-	if incoming != nil {
-		vm.IncomingFD = 3
-	}
-	releaseConns(i.files.agentSocket(), i.files.qmpSocket(), i.files.ctlSocket())
-	// QEMU truncates the console log itself (-serial file: opens it so).
-	p, err := Launch(vm, LaunchOptions{Incoming: incoming, Detached: true, StderrPath: i.files.qemuErrLog(), Jail: i.jailOptions(vm)})
-	if err != nil {
-		return err
-	}
-	pr := &vmProc{pid: p.Pid(), exited: make(chan struct{}), p: p}
-	_ = os.Remove(i.files.hungFile())
-	go i.reap(pr, p.Done())
-	defer func() {
-		if err != nil {
-			pr.stopping.Store(true)
-			_ = pr.kill(10 * time.Second)
-		}
-	}()
-	rec, err := hostproc.Identify(pr.pid)
-	if err != nil {
-		return fmt.Errorf("QEMU exited at once: %v", pr.qemuError(i.files.qemuErrLog()))
-	}
-	pr.startTime = rec.StartTime
-	if err := hostproc.WritePidFile(i.files.pidFile(), rec); err != nil {
-		return err
-	}
-	i.smu.Lock()
-	i.proc, i.paused, i.exitReason = pr, false, ""
-	i.smu.Unlock()
-	i.guest.forget()
-	qctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	if _, err := i.qmpClient(qctx); err != nil {
-		if !pr.alive() {
-			return fmt.Errorf("sandbox %s: QEMU ended: %s", i.spec.ID, i.describeExit(pr))
-		}
-		return err
-	}
-	go i.watch(pr)
-	return nil
-}
-
-// qemuOverheadMiB is QEMU's own memory beside the guest's RAM and TCG's
-// translation cache: device state, block and I/O buffers, its heap.
-const qemuOverheadMiB = 128
-
-// jailOptions confine the QEMU of vm: it writes only vm/, and its host
-// cgroup bounds its memory to the guest's RAM plus what QEMU needs on
-// top, its CPU to the vCPUs plus half a core for QEMU's own threads (the
-// main loop, I/O), and its threads to jail.DefaultPids.
-func (i *instance) jailOptions(vm VM) *JailOptions {
-	mem := int64(vm.MemoryMiB+vm.TBSizeMiB+qemuOverheadMiB) << 20
-	o := &JailOptions{
-		ID:       i.spec.ID,
-		Binary:   i.rt.jailBinary(),
-		Writable: []string{i.files.vmDir()},
-		Limits:   jail.Limits{MemoryBytes: mem, CPUs: float64(max(vm.CPUs, 1)) + 0.5},
-	}
-	if i.spec.Background {
-		o.Limits.CPUWeight = cgroupfs.BackgroundCPUWeight
-	}
-	return o
-}
-
 // Foreground implements runtime.Foregrounder: QEMU's jail cgroup gets the
 // default CPU weight.
 func (i *instance) Foreground() error { return jail.SetCPUWeight(i.spec.ID, cgroupfs.DefaultCPUWeight) }
 
 var _ runtime.Foregrounder = (*instance)(nil)
-
-// adoptLocked attaches to a QEMU that still runs (a server restart): the
-// pid file must name a live process with the recorded start time whose
-// command line names this sandbox's directory.
-func (i *instance) adoptLocked(ctx context.Context) {
-	hp, err := hostproc.Adopt(i.files.pidFile())
-	if err != nil {
-		return
-	}
-	// Read after the pidfd was opened and the start time matched, so it
-	// is that process's command line.
-	cmdline, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", hp.Pid()))
-	if !strings.Contains(string(cmdline), i.files.dir+"/") {
-		_ = hp.Close()
-		return
-	}
-	pr := &vmProc{pid: hp.Pid(), startTime: hp.Record().StartTime, exited: make(chan struct{}), hp: hp}
-	pr.armed.Store(true) // it ran before the restart
-	go i.reap(pr, hp.Exited())
-	i.smu.Lock()
-	i.proc, i.exitReason = pr, ""
-	i.smu.Unlock()
-	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	if q, err := i.qmpClient(qctx); err == nil {
-		if status, err := q.Status(qctx); err == nil {
-			i.smu.Lock()
-			i.paused = status == "paused"
-			i.smu.Unlock()
-		}
-	}
-	go i.watch(pr)
-}
-
-// qmpClient is the VM's QMP client (dialled when there is none).
-func (i *instance) qmpClient(ctx context.Context) (*QMP, error) {
-	if !i.Alive() {
-		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrUnavailable)
-	}
-	return sharedQMP(ctx, i.files.qmpSocket())
-}
-
-// qmp runs one QMP command; a failed transport drops the client.
-func (i *instance) qmp(ctx context.Context, cmd string) error {
-	q, err := i.qmpClient(ctx)
-	if err != nil {
-		return err
-	}
-	if _, err := q.Execute(ctx, cmd, nil); err != nil {
-		if errors.Is(err, errdefs.ErrUnavailable) {
-			dropQMP(i.files.qmpSocket(), q)
-		}
-		return fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
-	}
-	return nil
-}
-
-// Watchdog: a running, unpaused guest whose init answers no ping for
-// watchdogMisses rounds in a row, over at least watchdogHang, is hung (a
-// kernel stuck with interrupts off, a livelocked guest): it is killed and
-// ExitReason says so. The bounds are generous because a TCG guest on a loaded host is slow, and a
-// sandbox's own load (a fork bomb at its pids limit) must not count.
-const (
-	watchdogInterval = 3 * time.Second
-	watchdogTimeout  = 5 * time.Second
-	watchdogMisses   = 5
-	// watchdogHang is the least silence that counts as hung, however
-	// fast the misses come (a dial refused at once).
-	watchdogHang = 30 * time.Second
-)
-
-// reap records why pr ended once dead is closed, then closes pr.exited:
-// whoever sees Exited fire finds the reason already there.
-func (i *instance) reap(pr *vmProc, dead <-chan struct{}) {
-	<-dead
-	i.recordExit(pr)
-	close(pr.exited)
-}
-
-// watch waits for pr to exit, pinging the guest's init meanwhile, and
-// records why it ended when the runtime did not end it.
-func (i *instance) watch(pr *vmProc) {
-	t := time.NewTicker(watchdogInterval)
-	defer t.Stop()
-	misses := 0
-	var first time.Time
-	for {
-		select {
-		case <-pr.exited:
-			return
-		case <-t.C:
-		}
-		i.smu.Lock()
-		paused, current := i.paused, i.proc == pr
-		i.smu.Unlock()
-		if paused || !current || pr.stopping.Load() {
-			misses = 0
-			continue
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), watchdogTimeout)
-		err := i.guest.ping(ctx)
-		cancel()
-		i.smu.Lock()
-		paused = i.paused // paused while the ping was out: not a miss
-		i.smu.Unlock()
-		if err == nil {
-			pr.armed.Store(true)
-		}
-		if err == nil || paused || !pr.alive() || !pr.armed.Load() {
-			misses, first = 0, time.Time{}
-			continue
-		}
-		if misses == 0 {
-			first = time.Now()
-		}
-		misses++
-		if misses == 1 {
-			i.rt.log.Warn("guest did not answer a ping", "id", i.spec.ID, "err", err)
-		}
-		if misses >= watchdogMisses && time.Since(first) >= watchdogHang {
-			why := fmt.Sprintf("the guest hung: its init answered no ping for %v (%d in a row; last: %v); QEMU was killed",
-				time.Since(first).Round(time.Second), misses, oneLine(err.Error(), 200))
-			_ = os.WriteFile(i.files.hungFile(), []byte(why), 0o600)
-			_ = pr.kill(10 * time.Second)
-		}
-	}
-}
-
-// recordExit keeps the reason of an exit the runtime did not cause.
-func (i *instance) recordExit(pr *vmProc) {
-	if pr.stopping.Load() {
-		return
-	}
-	// Another instance value of this sandbox (an Open in this process)
-	// stopped it: it removed or replaced the pid file first.
-	if rec, err := hostproc.ReadPidFile(i.files.pidFile()); err != nil || rec != (hostproc.Record{Pid: pr.pid, StartTime: pr.startTime}) {
-		return
-	}
-	why := i.describeExit(pr)
-	i.rt.log.Warn("sandbox VM ended", "id", i.spec.ID, "reason", oneLine(why, 400))
-	i.smu.Lock()
-	if i.proc == pr {
-		i.exitReason = why
-	}
-	i.smu.Unlock()
-}
-
-// describeExit says why pr ended, with the console's tail.
-func (i *instance) describeExit(pr *vmProc) string {
-	tail := strings.TrimSpace(i.consoleTail(2048))
-	var how string
-	switch qerr := pr.qemuError(i.files.qemuErrLog()); {
-	case readTail(i.files.hungFile(), 1024) != "":
-		how = readTail(i.files.hungFile(), 1024)
-	case strings.Contains(tail, "Kernel panic"):
-		how = "the guest kernel panicked"
-	case qerr != nil:
-		how = "QEMU failed: " + qerr.Error()
-	default:
-		how = "the guest powered off (its init ended, e.g. the agent exited or was killed)"
-	}
-	return how + "; console:\n" + tail
-}
 
 // Stop implements runtime.Instance: the guest flushes its page cache to
 // its disk, QEMU is killed (the guest's memory is gone), and a suspend
@@ -643,7 +321,7 @@ func (i *instance) Stop(ctx context.Context) error {
 	if i.Alive() {
 		i.flushLocked(ctx)
 	}
-	if err := i.stopLocked(ctx); err != nil {
+	if err := i.vm.stop(ctx); err != nil {
 		return err
 	}
 	if err := os.RemoveAll(i.files.stateDir()); err != nil {
@@ -665,11 +343,9 @@ func (i *instance) flushLocked(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, stopFlushTimeout)
 	defer cancel()
 	t0 := time.Now()
-	i.smu.Lock()
-	paused := i.paused
-	i.smu.Unlock()
+	paused := i.vm.isPaused()
 	if paused {
-		if err := i.qmp(ctx, "cont"); err != nil {
+		if err := i.vm.qmp(ctx, "cont"); err != nil {
 			i.rt.log.Warn("stop: resuming the paused guest to flush its disk", "id", i.spec.ID, "err", err)
 			return
 		}
@@ -681,49 +357,12 @@ func (i *instance) flushLocked(ctx context.Context) {
 	i.rt.log.Debug("stop: guest disk flushed", "id", i.spec.ID, "took", time.Since(t0))
 }
 
-// stopLocked kills QEMU if it runs and removes its run files; the disk,
-// vm.json, the console log and state/ stay.
-func (i *instance) stopLocked(ctx context.Context) error {
-	i.smu.Lock()
-	pr := i.proc
-	i.smu.Unlock()
-	if pr != nil {
-		pr.stopping.Store(true)
-		// First, so that other instance values of the sandbox see a
-		// stop, not a crash (recordExit); a QEMU that survives is still
-		// found by its cgroup and command line.
-		_ = os.Remove(i.files.pidFile())
-		if err := pr.kill(15 * time.Second); err != nil {
-			return fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
-		}
-	}
-	releaseConns(i.files.agentSocket(), i.files.qmpSocket(), i.files.ctlSocket())
-	i.smu.Lock()
-	if i.proc == pr {
-		i.proc, i.paused = nil, false
-	}
-	i.smu.Unlock()
-	var errs []error
-	// Kills whatever else still runs in the jail's cgroup.
-	if err := jail.RemoveCgroup(i.spec.ID); err != nil {
-		errs = append(errs, err)
-	}
-	// The NIC's sockets too: a descriptor NIC returned for this QEMU is
-	// dead with it, and the next QEMU's NIC binds a fresh host end.
-	for _, p := range []string{i.files.pidFile(), i.files.agentSocket(), i.files.ctlSocket(), i.files.qmpSocket(), i.files.netSocket(), i.files.netPeer()} {
-		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-			errs = append(errs, err)
-		}
-	}
-	return errors.Join(errs...)
-}
-
 // Destroy implements runtime.Instance: QEMU, the disk, every file. It
 // works on any partial state and is idempotent.
 func (i *instance) Destroy(ctx context.Context) error {
 	i.mu.Lock()
 	defer i.mu.Unlock()
-	if err := i.stopLocked(ctx); err != nil {
+	if err := i.vm.stop(ctx); err != nil {
 		return err
 	}
 	// A QEMU the pid file does not name (killed server between start
@@ -741,9 +380,9 @@ func (i *instance) Pause(ctx context.Context) error {
 	if !i.Alive() {
 		return fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	i.setPausedLocked(true)
-	if err := i.qmp(ctx, "stop"); err != nil {
-		i.setPausedLocked(false)
+	i.vm.setPaused(true)
+	if err := i.vm.qmp(ctx, "stop"); err != nil {
+		i.vm.setPaused(false)
 		return err
 	}
 	return nil
@@ -756,19 +395,11 @@ func (i *instance) Resume(ctx context.Context) error {
 	if !i.Alive() {
 		return fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	if err := i.qmp(ctx, "cont"); err != nil {
+	if err := i.vm.qmp(ctx, "cont"); err != nil {
 		return err
 	}
-	i.setPausedLocked(false)
+	i.vm.setPaused(false)
 	return nil
-}
-
-// setPausedLocked records whether the guest is stopped on purpose (the
-// watchdog leaves it alone).
-func (i *instance) setPausedLocked(p bool) {
-	i.smu.Lock()
-	i.paused = p
-	i.smu.Unlock()
 }
 
 // Stats implements runtime.Instance: memory, OOM kills and processes of
@@ -777,13 +408,11 @@ func (i *instance) setPausedLocked(p bool) {
 // init, outside the sandbox's confinement; clamped by vmctl), CPU from the
 // host: the jail's cgroup, QEMU's CPU time, which is all the guest ran.
 func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
-	pr := i.current()
+	pr := i.vm.current()
 	if pr == nil || !pr.alive() {
 		return runtime.Stats{}, nil
 	}
-	i.smu.Lock()
-	paused := i.paused
-	i.smu.Unlock()
+	paused := i.vm.isPaused()
 	// A paused guest cannot answer: its counters are the ones it had
 	// when it stopped, which the last answer is as good as.
 	gs := i.guest.last()

@@ -180,7 +180,9 @@ func (r *Runtime) newInstance(spec runtime.Spec) (*instance, error) {
 		return nil, fmt.Errorf("sandbox id %q: %w", spec.ID, errdefs.ErrInvalidArgument)
 	}
 	i := &instance{rt: r, spec: spec, files: layout{id: spec.ID, dir: filepath.Join(r.sandboxesDir(), spec.ID)}}
-	i.guest = &guestCtl{id: spec.ID, sock: i.files.ctlSocket(), running: i.Alive}
+	i.vm = &vmm{rt: r, spec: spec, files: i.files}
+	i.guest = &guestCtl{id: spec.ID, sock: i.files.ctlSocket(), running: i.vm.alive}
+	i.vm.guest = i.guest
 	// QEMU binds the sockets at these paths: they must fit a sockaddr_un.
 	if p := i.files.qmpSocket(); len(p) > maxUnixPath {
 		return nil, fmt.Errorf("microvm runtime: DataDir %s is too long for the sandboxes' unix sockets (%s): %w", r.cfg.DataDir, p, errdefs.ErrInvalidArgument)
@@ -243,7 +245,7 @@ func (r *Runtime) Open(ctx context.Context, spec runtime.Spec) (runtime.Instance
 		return nil, fmt.Errorf("sandbox %s: %w", spec.ID, errdefs.ErrNotFound)
 	}
 	i.mu.Lock()
-	i.adoptLocked(ctx)
+	i.vm.adopt(ctx)
 	i.mu.Unlock()
 	return i, nil
 }
@@ -275,7 +277,7 @@ func (r *Runtime) Sweep(ctx context.Context, keep func(id string) bool) ([]strin
 			continue
 		}
 		i.mu.Lock()
-		i.adoptLocked(ctx)
+		i.vm.adopt(ctx)
 		i.mu.Unlock()
 		if err := i.Destroy(ctx); err != nil {
 			errs = append(errs, fmt.Errorf("sweep %s: %w", id, err))

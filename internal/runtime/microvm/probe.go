@@ -196,7 +196,7 @@ func (r *Runtime) probeBoot(ctx context.Context, accel string) (probeResult, err
 	}
 	t0 := time.Now()
 	i.mu.Lock()
-	err = i.launch(ctx, nil)
+	err = i.vm.launch(ctx, nil)
 	if err == nil {
 		err = i.waitReady(ctx)
 	}

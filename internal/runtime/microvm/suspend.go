@@ -79,7 +79,7 @@ func (i *instance) Suspend(ctx context.Context) error {
 		return errors.Join(fmt.Errorf("suspend sandbox %s: %w", i.spec.ID, err), i.continueLocked(ctx, info))
 	}
 	tSaved := time.Now()
-	if err := i.stopLocked(ctx); err != nil {
+	if err := i.vm.stop(ctx); err != nil {
 		return fmt.Errorf("suspend sandbox %s: saved, but stopping QEMU: %w", i.spec.ID, err)
 	}
 	i.rt.log.Debug("sandbox suspended", "id", i.spec.ID, "guest_sync", tSynced.Sub(t0), "bytes", info.Bytes, "pause", info.Pause,
@@ -95,9 +95,7 @@ const guestSyncTimeout = 20 * time.Second
 // sandbox may be stopped, which discards its RAM and keeps only the disk,
 // and that disk must then hold everything written before the suspend.
 func (i *instance) syncGuestLocked(ctx context.Context) error {
-	i.smu.Lock()
-	paused := i.paused
-	i.smu.Unlock()
+	paused := i.vm.isPaused()
 	if paused {
 		return errors.New("the guest is paused")
 	}
@@ -115,7 +113,7 @@ func (i *instance) snapshotLocked(ctx context.Context, path string, durable bool
 	if err := i.waitAgentReleasedLocked(ctx); err != nil {
 		return info, err
 	}
-	q, err := i.qmpClient(ctx)
+	q, err := i.vm.qmpClient(ctx)
 	if err != nil {
 		return info, err
 	}
@@ -130,10 +128,7 @@ func (i *instance) snapshotLocked(ctx context.Context, path string, durable bool
 		return info, err
 	}
 	defer f.Close()
-	i.smu.Lock()
-	wasPaused := i.paused
-	i.paused = true // the watchdog leaves a stopped guest alone
-	i.smu.Unlock()
+	wasPaused := i.vm.setPaused(true) // the watchdog leaves a stopped guest alone
 	if !wasPaused {
 		// vmctl answers strictly in turn, without request ids: a call in
 		// flight when the guest stops (a watchdog ping) would be answered
@@ -149,7 +144,7 @@ func (i *instance) snapshotLocked(ctx context.Context, path string, durable bool
 	info, err = saveState(ctx, q, f, durable)
 	if err != nil {
 		os.Remove(path)
-		i.setPausedLocked(wasPaused)
+		i.vm.setPaused(wasPaused)
 		return info, err
 	}
 	info.WasPaused = info.WasPaused || wasPaused
@@ -168,7 +163,7 @@ func (i *instance) snapshotLocked(ctx context.Context, path string, durable bool
 // waited for longer: its session would be in a snapshot, and a host
 // dialling the restored guest at once could talk into it.
 func (i *instance) waitAgentReleasedLocked(ctx context.Context) error {
-	q, err := i.qmpClient(ctx)
+	q, err := i.vm.qmpClient(ctx)
 	if err != nil {
 		return err
 	}
@@ -191,7 +186,7 @@ func (i *instance) continueLocked(ctx context.Context, info SaveInfo) error {
 	if info.WasPaused {
 		return nil
 	}
-	q, err := i.qmpClient(ctx)
+	q, err := i.vm.qmpClient(ctx)
 	if err != nil {
 		return err
 	}
@@ -203,7 +198,7 @@ func (i *instance) continueLocked(ctx context.Context, info SaveInfo) error {
 		}
 		return err
 	}
-	i.setPausedLocked(false)
+	i.vm.setPaused(false)
 	return nil
 }
 
@@ -271,13 +266,13 @@ func (i *instance) restoreFromLocked(ctx context.Context, state, hostname string
 	defer f.Close()
 	defer func() {
 		if err != nil {
-			if serr := i.stopLocked(context.WithoutCancel(ctx)); serr != nil {
+			if serr := i.vm.stop(context.WithoutCancel(ctx)); serr != nil {
 				err = errors.Join(err, serr)
 			}
 		}
 	}()
 	t0 := time.Now()
-	if err := i.launch(ctx, f); err != nil {
+	if err := i.vm.launch(ctx, f); err != nil {
 		// A stream QEMU cannot load ends it before its monitor answers:
 		// its stderr says why.
 		if msg := strings.TrimSpace(readTail(i.files.qemuErrLog(), 1024)); msg != "" {
@@ -286,18 +281,18 @@ func (i *instance) restoreFromLocked(ctx context.Context, state, hostname string
 		return err
 	}
 	tLaunched := time.Now()
-	pr := i.current()
-	q, err := i.qmpClient(ctx)
+	pr := i.vm.current()
+	q, err := i.vm.qmpClient(ctx)
 	if err != nil {
 		return err
 	}
 	if err := WaitIncoming(ctx, q, pr.exited); err != nil {
 		if !pr.alive() {
-			return fmt.Errorf("%w: %s", err, i.describeExit(pr))
+			return fmt.Errorf("%w: %s", err, i.vm.describeExit(pr))
 		}
 		return err
 	}
-	i.setPausedLocked(false)
+	i.vm.setPaused(false)
 	tLoaded := time.Now()
 	if err := i.guest.restored(ctx, hostname); err != nil {
 		return err
