@@ -66,11 +66,11 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 			// The state file lives only until the children are restored:
 			// no fsync.
 			var err error
-			if info, err = i.snapshotLocked(ctx, statePath, false, copyDisks); err != nil {
+			if info, err = i.snap.save(ctx, statePath, false, copyDisks); err != nil {
 				return err
 			}
 			tSnap = time.Now()
-			if err := i.continueLocked(ctx, info); err != nil {
+			if err := i.snap.cont(ctx, info); err != nil {
 				return fmt.Errorf("the parent did not run again: %w", err)
 			}
 			return nil
@@ -123,7 +123,7 @@ func (k *instance) childVM(parent VM) VM {
 	if parent.NetSocket != "" {
 		vm.NetSocket, vm.NetPeer = k.files.netSocket(), k.files.netPeer()
 	}
-	vm.Hostname = k.hostname()
+	vm.Hostname = guestHostname(k.spec)
 	vm.IncomingFD = 0
 	return vm
 }
@@ -135,5 +135,5 @@ func (k *instance) restoreChild(ctx context.Context, parent VM, state string) er
 	if err := k.files.writeVM(k.childVM(parent)); err != nil {
 		return err
 	}
-	return k.restoreFromLocked(ctx, state, k.hostname())
+	return k.snap.restoreFrom(ctx, state, guestHostname(k.spec))
 }

@@ -56,7 +56,9 @@ const warmHostname = "sandbox"
 //   - files (layout, layout.go): the names above and vm.json;
 //   - vm (vmm, vmm.go): the QEMU process, its QMP monitor, the paused
 //     flag, the watchdog and the exit reason;
-//   - guest (guestCtl, guestctl.go): the guest init's control port.
+//   - guest (guestCtl, guestctl.go): the guest init's control port;
+//   - snap (snapshots, suspend.go): a guest's state saved to a file and
+//     continued from one, which Suspend, Fork and warm templates use.
 //
 // For the snapshot code (suspend.go, fork.go, warm.go, migrate.go):
 //
@@ -79,9 +81,10 @@ const warmHostname = "sandbox"
 type instance struct {
 	rt    *Runtime
 	spec  runtime.Spec
-	files layout    // the sandbox's directory
-	vm    *vmm      // the QEMU process
-	guest *guestCtl // the guest init's control port
+	files layout     // the sandbox's directory
+	vm    *vmm       // the QEMU process
+	guest *guestCtl  // the guest init's control port
+	snap  *snapshots // save and restore of the guest's state
 
 	// mu serializes lifecycle changes; it may be held for a whole boot.
 	mu sync.Mutex

@@ -183,6 +183,7 @@ func (r *Runtime) newInstance(spec runtime.Spec) (*instance, error) {
 	i.vm = &vmm{rt: r, spec: spec, files: i.files}
 	i.guest = &guestCtl{id: spec.ID, sock: i.files.ctlSocket(), running: i.vm.alive}
 	i.vm.guest = i.guest
+	i.snap = &snapshots{rt: r, id: spec.ID, files: i.files, vm: i.vm, guest: i.guest}
 	// QEMU binds the sockets at these paths: they must fit a sockaddr_un.
 	if p := i.files.qmpSocket(); len(p) > maxUnixPath {
 		return nil, fmt.Errorf("microvm runtime: DataDir %s is too long for the sandboxes' unix sockets (%s): %w", r.cfg.DataDir, p, errdefs.ErrInvalidArgument)

@@ -68,7 +68,7 @@ func (i *instance) Suspend(ctx context.Context) error {
 	}
 	tSynced := time.Now()
 	tmp := filepath.Join(i.files.dir, stateName+".tmp")
-	info, err := i.snapshotLocked(ctx, tmp, true, nil)
+	info, err := i.snap.save(ctx, tmp, true, nil)
 	if err != nil {
 		return fmt.Errorf("suspend sandbox %s: %w", i.spec.ID, err)
 	}
@@ -76,7 +76,7 @@ func (i *instance) Suspend(ctx context.Context) error {
 	// saved or running again.
 	if err := publishState(tmp, i.files.stateDir(), i.files.stateFile()); err != nil {
 		os.Remove(tmp)
-		return errors.Join(fmt.Errorf("suspend sandbox %s: %w", i.spec.ID, err), i.continueLocked(ctx, info))
+		return errors.Join(fmt.Errorf("suspend sandbox %s: %w", i.spec.ID, err), i.snap.cont(ctx, info))
 	}
 	tSaved := time.Now()
 	if err := i.vm.stop(ctx); err != nil {
@@ -102,104 +102,6 @@ func (i *instance) syncGuestLocked(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, guestSyncTimeout)
 	defer cancel()
 	return i.guest.sync(ctx)
-}
-
-// snapshotLocked waits for the agent to release its port, stops the guest
-// and saves its state into the new file path (fsync'd if durable); then,
-// with the guest still stopped, it runs copyDisks (may be nil). On error
-// the file is removed and a guest that ran runs again. On success the guest stays stopped: the
-// caller ends QEMU or calls continueLocked.
-func (i *instance) snapshotLocked(ctx context.Context, path string, durable bool, copyDisks func() error) (info SaveInfo, err error) {
-	if err := i.waitAgentReleasedLocked(ctx); err != nil {
-		return info, err
-	}
-	q, err := i.vm.qmpClient(ctx)
-	if err != nil {
-		return info, err
-	}
-	defer func() {
-		if err != nil && errors.Is(err, errdefs.ErrUnavailable) {
-			dropQMP(i.files.qmpSocket(), q)
-		}
-	}()
-	_ = os.Remove(path)
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
-	if err != nil {
-		return info, err
-	}
-	defer f.Close()
-	wasPaused := i.vm.setPaused(true) // the watchdog leaves a stopped guest alone
-	if !wasPaused {
-		// vmctl answers strictly in turn, without request ids: a call in
-		// flight when the guest stops (a watchdog ping) would be answered
-		// by a restored copy to its own host, as the answer to its first
-		// call. One round trip now waits for any call in flight, and the
-		// watchdog leaves a paused guest alone.
-		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		if err := i.guest.ping(pctx); err != nil {
-			i.rt.log.Warn("snapshot: the guest's init did not answer a ping", "id", i.spec.ID, "err", err)
-		}
-		cancel()
-	}
-	info, err = saveState(ctx, q, f, durable)
-	if err != nil {
-		os.Remove(path)
-		i.vm.setPaused(wasPaused)
-		return info, err
-	}
-	info.WasPaused = info.WasPaused || wasPaused
-	if copyDisks != nil {
-		if err := copyDisks(); err != nil {
-			os.Remove(path)
-			return info, errors.Join(err, i.continueLocked(ctx, info))
-		}
-	}
-	return info, nil
-}
-
-// waitAgentReleasedLocked waits for the guest's agent to close its port
-// after the host dropped its connection (WaitAgentPortReleased). An agent
-// that keeps it open (not quiesced, or no longer ours) is logged and not
-// waited for longer: its session would be in a snapshot, and a host
-// dialling the restored guest at once could talk into it.
-func (i *instance) waitAgentReleasedLocked(ctx context.Context) error {
-	q, err := i.vm.qmpClient(ctx)
-	if err != nil {
-		return err
-	}
-	ok, err := WaitAgentPortReleased(ctx, q, agentReleaseWait)
-	if err != nil {
-		if errors.Is(err, errdefs.ErrUnavailable) {
-			dropQMP(i.files.qmpSocket(), q)
-		}
-		return err
-	}
-	if !ok {
-		i.rt.log.Warn("the agent kept its port open", "id", i.spec.ID, "waited", agentReleaseWait)
-	}
-	return nil
-}
-
-// continueLocked lets the guest run again after snapshotLocked, unless it
-// was paused before.
-func (i *instance) continueLocked(ctx context.Context, info SaveInfo) error {
-	if info.WasPaused {
-		return nil
-	}
-	q, err := i.vm.qmpClient(ctx)
-	if err != nil {
-		return err
-	}
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	defer cancel()
-	if err := ContinueAfterSave(cctx, q); err != nil {
-		if errors.Is(err, errdefs.ErrUnavailable) {
-			dropQMP(i.files.qmpSocket(), q)
-		}
-		return err
-	}
-	i.vm.setPaused(false)
-	return nil
 }
 
 // publishState moves the complete state file tmp to dst in dir.
@@ -235,7 +137,7 @@ func (i *instance) Restore(ctx context.Context) (err error) {
 		return fmt.Errorf("restore sandbox %s: no suspend image: %w", i.spec.ID, errdefs.ErrConflict)
 	}
 	t0 := time.Now()
-	if err := i.restoreFromLocked(ctx, i.files.stateFile(), i.hostname()); err != nil {
+	if err := i.snap.restoreFrom(ctx, i.files.stateFile(), guestHostname(i.spec)); err != nil {
 		return fmt.Errorf("restore sandbox %s: %w", i.spec.ID, err)
 	}
 	tRestored := time.Now()
@@ -246,18 +148,122 @@ func (i *instance) Restore(ctx context.Context) (err error) {
 	return nil
 }
 
-// hostname is the sandbox's hostname in the guest.
-func (i *instance) hostname() string {
-	if i.spec.Hostname != "" {
-		return i.spec.Hostname
-	}
-	return i.spec.ID
+// snapshots owns the snapshot steps of one sandbox's guest that Suspend,
+// Fork and warm templates are made of: saving the stopped guest's state
+// to a file once its agent let go of its port (with the disks copied while
+// it stays stopped), letting it run again, and continuing a new QEMU from
+// a state file, the guest told it was restored. Callers hold the
+// instance's mu.
+type snapshots struct {
+	rt    *Runtime
+	id    string
+	files layout
+	vm    *vmm
+	guest *guestCtl
 }
 
-// restoreFromLocked starts QEMU from vm.json with the state file as its
+// save waits for the agent to release its port, stops the guest
+// and saves its state into the new file path (fsync'd if durable); then,
+// with the guest still stopped, it runs copyDisks (may be nil). On error
+// the file is removed and a guest that ran runs again. On success the guest stays stopped: the
+// caller ends QEMU or calls cont.
+func (sn *snapshots) save(ctx context.Context, path string, durable bool, copyDisks func() error) (info SaveInfo, err error) {
+	if err := sn.waitAgentReleased(ctx); err != nil {
+		return info, err
+	}
+	q, err := sn.vm.qmpClient(ctx)
+	if err != nil {
+		return info, err
+	}
+	defer func() {
+		if err != nil && errors.Is(err, errdefs.ErrUnavailable) {
+			dropQMP(sn.files.qmpSocket(), q)
+		}
+	}()
+	_ = os.Remove(path)
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return info, err
+	}
+	defer f.Close()
+	wasPaused := sn.vm.setPaused(true) // the watchdog leaves a stopped guest alone
+	if !wasPaused {
+		// vmctl answers strictly in turn, without request ids: a call in
+		// flight when the guest stops (a watchdog ping) would be answered
+		// by a restored copy to its own host, as the answer to its first
+		// call. One round trip now waits for any call in flight, and the
+		// watchdog leaves a paused guest alone.
+		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		if err := sn.guest.ping(pctx); err != nil {
+			sn.rt.log.Warn("snapshot: the guest's init did not answer a ping", "id", sn.id, "err", err)
+		}
+		cancel()
+	}
+	info, err = saveState(ctx, q, f, durable)
+	if err != nil {
+		os.Remove(path)
+		sn.vm.setPaused(wasPaused)
+		return info, err
+	}
+	info.WasPaused = info.WasPaused || wasPaused
+	if copyDisks != nil {
+		if err := copyDisks(); err != nil {
+			os.Remove(path)
+			return info, errors.Join(err, sn.cont(ctx, info))
+		}
+	}
+	return info, nil
+}
+
+// waitAgentReleased waits for the guest's agent to close its port
+// after the host dropped its connection (WaitAgentPortReleased). An agent
+// that keeps it open (not quiesced, or no longer ours) is logged and not
+// waited for longer: its session would be in a snapshot, and a host
+// dialling the restored guest at once could talk into it.
+func (sn *snapshots) waitAgentReleased(ctx context.Context) error {
+	q, err := sn.vm.qmpClient(ctx)
+	if err != nil {
+		return err
+	}
+	ok, err := WaitAgentPortReleased(ctx, q, agentReleaseWait)
+	if err != nil {
+		if errors.Is(err, errdefs.ErrUnavailable) {
+			dropQMP(sn.files.qmpSocket(), q)
+		}
+		return err
+	}
+	if !ok {
+		sn.rt.log.Warn("the agent kept its port open", "id", sn.id, "waited", agentReleaseWait)
+	}
+	return nil
+}
+
+// cont lets the guest run again after save, unless it
+// was paused before.
+func (sn *snapshots) cont(ctx context.Context, info SaveInfo) error {
+	if info.WasPaused {
+		return nil
+	}
+	q, err := sn.vm.qmpClient(ctx)
+	if err != nil {
+		return err
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := ContinueAfterSave(cctx, q); err != nil {
+		if errors.Is(err, errdefs.ErrUnavailable) {
+			dropQMP(sn.files.qmpSocket(), q)
+		}
+		return err
+	}
+	sn.vm.setPaused(false)
+	return nil
+}
+
+// restoreFrom starts QEMU from vm.json with the state file as its
 // incoming stream, waits until the guest runs and tells its init it was
 // restored. On error QEMU is stopped.
-func (i *instance) restoreFromLocked(ctx context.Context, state, hostname string) (err error) {
+func (sn *snapshots) restoreFrom(ctx context.Context, state, hostname string) (err error) {
 	fd, err := unix.Open(state, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return &os.PathError{Op: "open", Path: state, Err: err}
@@ -266,39 +272,47 @@ func (i *instance) restoreFromLocked(ctx context.Context, state, hostname string
 	defer f.Close()
 	defer func() {
 		if err != nil {
-			if serr := i.vm.stop(context.WithoutCancel(ctx)); serr != nil {
+			if serr := sn.vm.stop(context.WithoutCancel(ctx)); serr != nil {
 				err = errors.Join(err, serr)
 			}
 		}
 	}()
 	t0 := time.Now()
-	if err := i.vm.launch(ctx, f); err != nil {
+	if err := sn.vm.launch(ctx, f); err != nil {
 		// A stream QEMU cannot load ends it before its monitor answers:
 		// its stderr says why.
-		if msg := strings.TrimSpace(readTail(i.files.qemuErrLog(), 1024)); msg != "" {
+		if msg := strings.TrimSpace(readTail(sn.files.qemuErrLog(), 1024)); msg != "" {
 			return fmt.Errorf("%w; QEMU: %s", err, msg)
 		}
 		return err
 	}
 	tLaunched := time.Now()
-	pr := i.vm.current()
-	q, err := i.vm.qmpClient(ctx)
+	pr := sn.vm.current()
+	q, err := sn.vm.qmpClient(ctx)
 	if err != nil {
 		return err
 	}
 	if err := WaitIncoming(ctx, q, pr.exited); err != nil {
 		if !pr.alive() {
-			return fmt.Errorf("%w: %s", err, i.vm.describeExit(pr))
+			return fmt.Errorf("%w: %s", err, sn.vm.describeExit(pr))
 		}
 		return err
 	}
-	i.vm.setPaused(false)
+	sn.vm.setPaused(false)
 	tLoaded := time.Now()
-	if err := i.guest.restored(ctx, hostname); err != nil {
+	if err := sn.guest.restored(ctx, hostname); err != nil {
 		return err
 	}
 	// launch: jail + QEMU up to its monitor; load: the state read and the
 	// guest continued; reseed: vmctl restored answered by the running guest.
-	i.rt.log.Debug("guest restored", "id", i.spec.ID, "launch", tLaunched.Sub(t0), "load", tLoaded.Sub(tLaunched), "reseed", time.Since(tLoaded))
+	sn.rt.log.Debug("guest restored", "id", sn.id, "launch", tLaunched.Sub(t0), "load", tLoaded.Sub(tLaunched), "reseed", time.Since(tLoaded))
 	return nil
+}
+
+// guestHostname is the sandbox's hostname in the guest.
+func guestHostname(spec runtime.Spec) string {
+	if spec.Hostname != "" {
+		return spec.Hostname
+	}
+	return spec.ID
 }

@@ -224,7 +224,7 @@ func (i *instance) startWarm(ctx context.Context) (err error) {
 		return err
 	}
 	tCopied := time.Now()
-	if err := i.restoreFromLocked(ctx, filepath.Join(dir, stateName), i.hostname()); err != nil {
+	if err := i.snap.restoreFrom(ctx, filepath.Join(dir, stateName), guestHostname(i.spec)); err != nil {
 		if ctx.Err() == nil {
 			// The snapshot does not restore (QEMU refused it, the guest
 			// did not come back): nobody should try it again.
@@ -314,11 +314,11 @@ func (i *instance) buildWarm(ctx context.Context) error {
 		}
 		return nil
 	}
-	info, err := i.snapshotLocked(ctx, filepath.Join(tmp, stateName), true, copyDisk)
+	info, err := i.snap.save(ctx, filepath.Join(tmp, stateName), true, copyDisk)
 	if err != nil {
 		return err
 	}
-	if err := i.continueLocked(ctx, info); err != nil {
+	if err := i.snap.cont(ctx, info); err != nil {
 		return fmt.Errorf("the guest did not run again after its warm snapshot: %w", err)
 	}
 	if err := os.Rename(tmp, dir); err != nil {
