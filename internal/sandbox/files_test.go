@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"net"
 	"strings"
 	"testing"
 
@@ -194,5 +195,60 @@ func TestFilesDeniedBeforeWake(t *testing.T) {
 	}
 	if st := h.state(sb.ID); st != api.StateRunning {
 		t.Fatalf("an allowed write left the sandbox %s", st)
+	}
+}
+
+// TestPortsDecidedAtTheDial: every way in to a sandbox's port dials through
+// DialPort, which asks the policy before it wakes the sandbox; making a
+// port public asks too, making it private does not.
+func TestPortsDecidedAtTheDial(t *testing.T) {
+	h, d, _ := newPolicyHarness(t, fakeruntime.Options{})
+	h.netw = NewFakeNetwork()
+	h.m.Close()
+	h.m = h.manager()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+	h.netw.Serve(8000, ln.Addr().String())
+	h.netw.Serve(8001, ln.Addr().String())
+	sb := h.create(api.CreateSandboxRequest{})
+	h.verb(sb.ID, api.OpStop)
+	d.set(func(a actions.Action) string {
+		if a.Kind == actions.Port && a.Port == 8000 {
+			return "port 8000 stays shut"
+		}
+		return ""
+	})
+	ctx := h.ctx()
+	if _, err := h.m.DialPort(ctx, sb.ID, 8000); !errors.Is(err, errdefs.ErrPolicyDenied) || !strings.Contains(err.Error(), "stays shut") {
+		t.Fatalf("dial 8000: %v", err)
+	}
+	if st := h.state(sb.ID); st != api.StateStopped {
+		t.Fatalf("a refused dial left the sandbox %s", st)
+	}
+	if _, err := h.m.SetPortPublic(ctx, sb.ID, 8000, true); !errors.Is(err, errdefs.ErrPolicyDenied) {
+		t.Fatalf("making 8000 public: %v", err)
+	}
+	if _, err := h.m.SetPortPublic(ctx, sb.ID, 8000, false); err != nil {
+		t.Fatalf("making 8000 private: %v", err)
+	}
+	c, err := h.m.DialPort(ctx, sb.ID, 8001)
+	if err != nil {
+		t.Fatalf("dial 8001: %v", err)
+	}
+	c.Close()
+	if d.count(actions.Port, "") != 3 {
+		t.Errorf("%d port decisions, want 3 (the two dials and making 8000 public)", d.count(actions.Port, ""))
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"sync"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/errdefs"
 )
 
@@ -33,10 +34,14 @@ func (m *Manager) Hold(ctx context.Context, id string) (release func(), err erro
 	return release, err
 }
 
-// DialPort opens a TCP connection to port of sandbox id: it wakes the
-// sandbox if needed, then dials through its network link. The sandbox
-// counts as active while the connection is open. A port nothing listens on
-// is ErrUnavailable.
+// DialPort opens a TCP connection to port of sandbox id: the policy
+// decides it (a port action) before anything else, then it wakes the
+// sandbox if needed and dials through its network link. Every way in to a
+// sandbox's port (the host-routed and path-routed proxies, the raw tunnel,
+// port-forward) comes through here, so this is where port ingress is
+// decided: once per connection to the sandbox (the proxies keep idle
+// upstream connections up to 30 s). The sandbox counts as active while
+// the connection is open. A port nothing listens on is ErrUnavailable.
 func (m *Manager) DialPort(ctx context.Context, id string, port int) (net.Conn, error) {
 	if err := ValidPort(port); err != nil {
 		return nil, err
@@ -46,6 +51,9 @@ func (m *Manager) DialPort(ctx context.Context, id string, port int) (net.Conn, 
 	}
 	if m.cfg.Network == nil {
 		return nil, fmt.Errorf("this server runs no network gateway, so sandbox ports cannot be reached: %w", errdefs.ErrUnavailable)
+	}
+	if err := m.Decide(ctx, id, actions.Action{Kind: actions.Port, Port: port}); err != nil {
+		return nil, err
 	}
 	release, err := m.Hold(ctx, id)
 	if err != nil {
@@ -87,13 +95,20 @@ func (c *heldConn) CloseWrite() error {
 
 // SetPortPublic records whether port of sandbox id is public (reachable
 // through the server without the sandbox's access token) and returns the
-// sandbox as stored.
+// sandbox as stored. Making a port public is a port action the policy
+// decides (so a refused port fails here, not only at its first
+// connection); making it private again is not.
 func (m *Manager) SetPortPublic(ctx context.Context, id string, port int, public bool) (api.Sandbox, error) {
 	if err := ValidPort(port); err != nil {
 		return api.Sandbox{}, err
 	}
 	if err := ValidID(id); err != nil {
 		return api.Sandbox{}, err
+	}
+	if public {
+		if err := m.Decide(ctx, id, actions.Action{Kind: actions.Port, Port: port}); err != nil {
+			return api.Sandbox{}, err
+		}
 	}
 	return m.updateRecord(ctx, id, "change the ports of", func(sb *api.Sandbox) (bool, error) {
 		if slices.Contains(sb.PublicPorts, port) == public {

@@ -5,8 +5,8 @@ import "github.com/spacehq/space/internal/actions"
 // FrontDoorActions is, for every route of the server's table, the policy
 // action kinds a request to it can cause. None of them is decided here:
 // files in sandbox.FileSession, exec and command start in the manager's
-// exec path, lifecycle verbs in Manager.Lifecycle and Manager.Fork, port
-// exposure in putPort (the one kind only this door causes). The list
+// exec path, lifecycle verbs in Manager.Lifecycle and Manager.Fork, ports
+// in Manager.DialPort (every connection in) and Manager.SetPortPublic. The list
 // exists so that a new route must say what it does (TestEveryRouteSaysItsActions)
 // and the e2e front-door matrix must try each pair (e2e/frontdoor_test.go).
 // An empty list: the route causes no action a policy rule decides
@@ -32,13 +32,13 @@ var FrontDoorActions = func() map[string][]string {
 		"GET /v1/sandboxes/{id}/files/watch":      files(actions.FileRead),
 		"PUT /v1/sandboxes/{id}/ports/{port}":     {actions.Port},
 		"POST /v1/sandboxes/{id}/{verb}":          nil, // unknown verbs: refused before any action
-		"GET /v1/sandboxes/{id}/ports/{port}/tcp": nil, // reaches a port PUT exposed (decided there)
+		"GET /v1/sandboxes/{id}/ports/{port}/tcp": {actions.Port},
 	}
 	for _, verb := range lifecycleVerbs {
 		m["POST /v1/sandboxes/{id}/"+verb] = []string{actions.Lifecycle}
 	}
 	for _, meth := range proxyMethods {
-		m[meth+" /v1/sandboxes/{id}/ports/{port}/{path...}"] = nil // as the tcp route
+		m[meth+" /v1/sandboxes/{id}/ports/{port}/{path...}"] = []string{actions.Port}
 	}
 	for _, p := range []string{
 		"GET /healthz", "GET /openapi.yaml", "GET /metrics", "GET /v1/info",
