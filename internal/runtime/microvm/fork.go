@@ -105,7 +105,7 @@ func (r *Runtime) newChild(spec runtime.Spec) (*instance, error) {
 		return nil, err
 	}
 	// Restored children count as booted: their disk is not fresh (warm.go).
-	if err := k.markBooted(); err != nil {
+	if err := k.warm.markBooted(); err != nil {
 		os.RemoveAll(k.files.dir)
 		return nil, err
 	}

@@ -58,12 +58,14 @@ const warmHostname = "sandbox"
 //     flag, the watchdog and the exit reason;
 //   - guest (guestCtl, guestctl.go): the guest init's control port;
 //   - snap (snapshots, suspend.go): a guest's state saved to a file and
-//     continued from one, which Suspend, Fork and warm templates use.
+//     continued from one, which Suspend, Fork and warm templates use;
+//   - warm (warmer, warm.go): the booted marker, a fresh sandbox's start
+//     from its kind's warm snapshot, and taking that snapshot.
 //
 // For the snapshot code (suspend.go, fork.go, warm.go, migrate.go):
 //
 //   - i.mu is held by every lifecycle method (Start, Stop, Destroy, Pause,
-//     Resume) for its whole run; startWarm and afterColdBoot are called with
+//     Resume) for its whole run; i.warm.start and i.warm.afterColdBoot are called with
 //     it held, and i.vm.launch, i.vm.stop and i.vm.setPaused expect it held.
 //   - i.vm.launch(ctx, incoming) starts QEMU from vm.json; with incoming,
 //     QEMU gets -incoming fd:3 on that file and reads the stream itself (QMP
@@ -85,6 +87,7 @@ type instance struct {
 	vm    *vmm       // the QEMU process
 	guest *guestCtl  // the guest init's control port
 	snap  *snapshots // save and restore of the guest's state
+	warm  *warmer    // warm templates of the sandbox's kind
 
 	// mu serializes lifecycle changes; it may be held for a whole boot.
 	mu sync.Mutex
@@ -133,46 +136,46 @@ func (i *instance) DialAgent(ctx context.Context) (net.Conn, error) {
 	return c, nil
 }
 
-// coldVM describes a cold boot of this sandbox: the template's root image,
+// coldVM describes a cold boot of spec's sandbox, whose files are files: the template's root image,
 // the sandbox's disk, its limits and hostname.
-func (i *instance) coldVM(accel string) (VM, error) {
-	bf, err := i.rt.bootFiles()
+func (r *Runtime) coldVM(spec runtime.Spec, files layout, accel string) (VM, error) {
+	bf, err := r.bootFiles()
 	if err != nil {
 		return VM{}, err
 	}
-	img, err := i.rt.images.Path(i.spec.TemplateDigest)
+	img, err := r.images.Path(spec.TemplateDigest)
 	if err != nil {
 		return VM{}, err
 	}
 	if _, err := os.Stat(img); err != nil {
 		// Forgotten since Create (template garbage collection) or never
 		// prepared (an Open after a restart): derive it again.
-		if i.spec.RootFS == "" {
-			return VM{}, fmt.Errorf("root image of %s is missing and no template tree was given: %w", i.spec.TemplateDigest, errdefs.ErrNotFound)
+		if spec.RootFS == "" {
+			return VM{}, fmt.Errorf("root image of %s is missing and no template tree was given: %w", spec.TemplateDigest, errdefs.ErrNotFound)
 		}
-		if img, err = i.rt.images.Prepare(context.Background(), i.spec.TemplateDigest, i.spec.RootFS); err != nil {
+		if img, err = r.images.Prepare(context.Background(), spec.TemplateDigest, spec.RootFS); err != nil {
 			return VM{}, err
 		}
 	}
-	hostname := i.spec.Hostname
+	hostname := spec.Hostname
 	if hostname == "" {
-		hostname = i.spec.ID
+		hostname = spec.ID
 	}
-	l := i.spec.Limits
+	l := spec.Limits
 	vm := VM{
 		Kernel:           bf.kernel.Vmlinuz,
 		Initrd:           bf.initrd,
 		Accel:            accel,
 		CPUs:             vcpus(l.CPUs),
 		MemoryMiB:        int(l.MemoryMiB) + guestOverheadMiB,
-		AgentSocket:      i.files.agentSocket(),
-		ConsoleLog:       i.files.consoleLog(),
+		AgentSocket:      files.agentSocket(),
+		ConsoleLog:       files.consoleLog(),
 		RootImage:        img,
-		Disk:             i.files.diskImage(),
-		CtlSocket:        i.files.ctlSocket(),
-		QMPSocket:        i.files.qmpSocket(),
-		NetSocket:        i.files.netSocket(),
-		NetPeer:          i.files.netPeer(),
+		Disk:             files.diskImage(),
+		CtlSocket:        files.ctlSocket(),
+		QMPSocket:        files.qmpSocket(),
+		NetSocket:        files.netSocket(),
+		NetPeer:          files.netPeer(),
 		Hostname:         hostname,
 		SandboxMemoryMiB: l.MemoryMiB,
 		Pids:             l.Pids,
@@ -219,7 +222,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		}
 	}()
 	t0 := time.Now()
-	switch err := i.startWarm(ctx); {
+	switch err := i.warm.start(ctx); {
 	case err == nil:
 		i.rt.log.Debug("sandbox started warm", "id", i.spec.ID, "took", time.Since(t0))
 		return nil
@@ -234,7 +237,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if accel == "" {
 		accel = AccelTCG
 	}
-	vm, err := i.coldVM(accel)
+	vm, err := i.rt.coldVM(i.spec, i.files, accel)
 	if err != nil {
 		return err
 	}
@@ -243,7 +246,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	// (kernel command line, hostname). It boots as warmHostname and gets
 	// its own name right after the snapshot.
 	bootVM := vm
-	warmEligible := !i.booted() && !i.rt.noWarm.Load()
+	warmEligible := !i.warm.booted() && !i.rt.noWarm.Load()
 	if warmEligible {
 		bootVM.Hostname = warmHostname
 	}
@@ -258,7 +261,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		return err
 	}
 	i.rt.log.Debug("sandbox booted", "id", i.spec.ID, "launch", tLaunched.Sub(t0), "boot", time.Since(tLaunched))
-	i.afterColdBoot(ctx)
+	i.warm.afterColdBoot(ctx)
 	if warmEligible {
 		if err := i.files.writeVM(vm); err != nil {
 			return err

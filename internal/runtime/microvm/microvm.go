@@ -184,6 +184,7 @@ func (r *Runtime) newInstance(spec runtime.Spec) (*instance, error) {
 	i.guest = &guestCtl{id: spec.ID, sock: i.files.ctlSocket(), running: i.vm.alive}
 	i.vm.guest = i.guest
 	i.snap = &snapshots{rt: r, id: spec.ID, files: i.files, vm: i.vm, guest: i.guest}
+	i.warm = &warmer{rt: r, spec: spec, files: i.files, snap: i.snap}
 	// QEMU binds the sockets at these paths: they must fit a sockaddr_un.
 	if p := i.files.qmpSocket(); len(p) > maxUnixPath {
 		return nil, fmt.Errorf("microvm runtime: DataDir %s is too long for the sandboxes' unix sockets (%s): %w", r.cfg.DataDir, p, errdefs.ErrInvalidArgument)

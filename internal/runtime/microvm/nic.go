@@ -40,7 +40,7 @@ import (
 // host's socket is connected to QEMU's, so it receives datagrams from
 // QEMU's socket alone (the kernel drops anything another sender tries).
 // Each QEMU (boot, restore, fork child, warm clone) binds its own
-// net.sock: stopLocked removes both files, so a descriptor of an earlier
+// net.sock: vmm.stop removes both files, so a descriptor of an earlier
 // QEMU can neither block nor reach a later one, and the caller asks NIC
 // again after every start or restore.
 //

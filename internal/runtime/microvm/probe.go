@@ -187,7 +187,7 @@ func (r *Runtime) probeBoot(ctx context.Context, accel string) (probeResult, err
 	i := inst.(*instance)
 	ctx, cancel := context.WithTimeout(ctx, probeBootTimeout)
 	defer cancel()
-	vm, err := i.coldVM(accel)
+	vm, err := r.coldVM(spec, i.files, accel)
 	if err != nil {
 		return probeResult{}, err
 	}

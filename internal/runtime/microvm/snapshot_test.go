@@ -477,13 +477,13 @@ func TestWarmWaitsForABuild(t *testing.T) {
 	}
 	defer inst.Destroy(context.Background())
 	i := inst.(*instance)
-	_, treeDir, key, err := i.warmTarget(ctx)
+	_, treeDir, key, err := i.warm.target(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t0 := time.Now()
-	if err := i.startWarm(ctx); !errors.Is(err, errNoWarm) || time.Since(t0) > time.Second {
-		t.Fatalf("no snapshot, no build: startWarm = %v after %v, want errNoWarm at once", err, time.Since(t0))
+	if err := i.warm.start(ctx); !errors.Is(err, errNoWarm) || time.Since(t0) > time.Second {
+		t.Fatalf("no snapshot, no build: warm.start = %v after %v, want errNoWarm at once", err, time.Since(t0))
 	}
 	if err := os.MkdirAll(treeDir, 0o700); err != nil {
 		t.Fatal(err)
@@ -500,8 +500,8 @@ func TestWarmWaitsForABuild(t *testing.T) {
 		t.Fatal("lockBusy does not see a held lock")
 	}
 	t0 = time.Now()
-	if err := i.startWarm(ctx); !errors.Is(err, errNoWarm) {
-		t.Fatalf("build under way that never finishes: startWarm = %v", err)
+	if err := i.warm.start(ctx); !errors.Is(err, errNoWarm) {
+		t.Fatalf("build under way that never finishes: warm.start = %v", err)
 	}
 	if d := time.Since(t0); d < warmWait || d > warmWait+3*time.Second {
 		t.Fatalf("waited %v for a build, want about %v", d, warmWait)
@@ -512,16 +512,16 @@ func TestWarmWaitsForABuild(t *testing.T) {
 		unix.Flock(int(lf.Fd()), unix.LOCK_UN)
 	}()
 	t0 = time.Now()
-	if err := i.startWarm(ctx); !errors.Is(err, errNoWarm) || time.Since(t0) > warmWait*3/4 {
-		t.Fatalf("build that ended: startWarm = %v after %v", err, time.Since(t0))
+	if err := i.warm.start(ctx); !errors.Is(err, errNoWarm) || time.Since(t0) > warmWait*3/4 {
+		t.Fatalf("build that ended: warm.start = %v after %v", err, time.Since(t0))
 	}
-	if err := i.markBooted(); err != nil {
+	if err := i.warm.markBooted(); err != nil {
 		t.Fatal(err)
 	}
-	if err := i.startWarm(ctx); !errors.Is(err, errNoWarm) {
-		t.Fatalf("a sandbox that ran: startWarm = %v", err)
+	if err := i.warm.start(ctx); !errors.Is(err, errNoWarm) {
+		t.Fatalf("a sandbox that ran: warm.start = %v", err)
 	}
 	if i.Alive() {
-		t.Fatal("startWarm left a QEMU")
+		t.Fatal("warm.start left a QEMU")
 	}
 }

@@ -14,6 +14,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/hostfs"
 )
 
@@ -22,10 +23,10 @@ import (
 // A cold boot under TCG takes seconds; restoring a snapshot of a guest
 // that has just booted takes a fraction of that. So the first cold boot of
 // a kind of sandbox — same template tree, limits, kernel, initramfs,
-// accelerator, QEMU and root image: warmKey — takes a snapshot right after
+// accelerator, QEMU and root image: warmer.key — takes a snapshot right after
 // its agent and init answered, and later creates of that kind copy the
 // snapshot's disk and restore its RAM instead of booting (Start calls
-// startWarm first, afterColdBoot after a cold boot).
+// warmer.start first, warmer.afterColdBoot after a cold boot).
 //
 // Only a fresh sandbox does either: the snapshot must hold nothing of any
 // sandbox's own (it is taken before the manager ever talks to the agent,
@@ -57,13 +58,27 @@ var WarmStats struct {
 	Builds, Starts, Broken atomic.Int64
 }
 
-func (i *instance) booted() bool {
-	_, err := os.Lstat(i.files.bootedFile())
+// warmer owns one sandbox's use of warm templates: whether the sandbox
+// ran yet (the booted marker), the key of its kind, restoring a fresh
+// sandbox from its kind's snapshot (start) and taking that snapshot after
+// its first cold boot (afterColdBoot). Start calls it with the instance's
+// mu held.
+type warmer struct {
+	rt    *Runtime
+	spec  runtime.Spec
+	files layout
+	snap  *snapshots
+}
+
+// booted reports whether the sandbox ran (or was restored).
+func (w *warmer) booted() bool {
+	_, err := os.Lstat(w.files.bootedFile())
 	return err == nil
 }
 
-func (i *instance) markBooted() error {
-	return os.WriteFile(i.files.bootedFile(), nil, 0o600)
+// markBooted records that the sandbox ran: its disk is no longer fresh.
+func (w *warmer) markBooted() error {
+	return os.WriteFile(w.files.bootedFile(), nil, 0o600)
 }
 
 func (r *Runtime) warmDir() string { return filepath.Join(r.cfg.DataDir, "warm") }
@@ -103,13 +118,13 @@ func warmShape(vm VM) VM {
 // snapshot taken without one cannot restore into.
 const warmKeyVersion = 2
 
-// warmKey names the kind of sandbox a warm snapshot serves: a digest over
+// key names the kind of sandbox a warm snapshot serves: a digest over
 // the tree digest, the VM's shape (vCPUs, memory, sandbox memory and
 // pids, kernel and initramfs paths — the initramfs is named by its digest
 // —, accelerator, translation cache, root image path), the disk size, the
 // kernel release and QEMU's version.
-func (i *instance) warmKey(vm VM, qemuVersion string) (string, error) {
-	bf, err := i.rt.bootFiles()
+func (w *warmer) key(vm VM, qemuVersion string) (string, error) {
+	bf, err := w.rt.bootFiles()
 	if err != nil {
 		return "", err
 	}
@@ -121,7 +136,7 @@ func (i *instance) warmKey(vm VM, qemuVersion string) (string, error) {
 		Kernel      string
 		Initramfs   string
 		QEMUVersion string
-	}{warmKeyVersion, i.spec.TemplateDigest, warmShape(vm), i.spec.Limits.DiskMiB, bf.kernel.Release, filepath.Base(bf.initrd), qemuVersion})
+	}{warmKeyVersion, w.spec.TemplateDigest, warmShape(vm), w.spec.Limits.DiskMiB, bf.kernel.Release, filepath.Base(bf.initrd), qemuVersion})
 	if err != nil {
 		return "", err
 	}
@@ -129,10 +144,10 @@ func (i *instance) warmKey(vm VM, qemuVersion string) (string, error) {
 	return hex.EncodeToString(sum[:16]), nil
 }
 
-// warmTarget is the VM this fresh sandbox would cold-boot and where its
+// target is the VM this fresh sandbox would cold-boot and where its
 // kind's snapshot lives.
-func (i *instance) warmTarget(ctx context.Context) (vm VM, treeDir, key string, err error) {
-	caps := i.rt.Probe(ctx)
+func (w *warmer) target(ctx context.Context) (vm VM, treeDir, key string, err error) {
+	caps := w.rt.Probe(ctx)
 	if !caps.Available {
 		return vm, "", "", errNoWarm
 	}
@@ -140,13 +155,13 @@ func (i *instance) warmTarget(ctx context.Context) (vm VM, treeDir, key string, 
 	if accel == "" {
 		accel = AccelTCG
 	}
-	if vm, err = i.coldVM(accel); err != nil {
+	if vm, err = w.rt.coldVM(w.spec, w.files, accel); err != nil {
 		return vm, "", "", err
 	}
-	if key, err = i.warmKey(vm, caps.Details["qemu_version"]); err != nil {
+	if key, err = w.key(vm, caps.Details["qemu_version"]); err != nil {
 		return vm, "", "", err
 	}
-	treeDir, err = i.rt.warmTreeDir(i.spec.TemplateDigest)
+	treeDir, err = w.rt.warmTreeDir(w.spec.TemplateDigest)
 	return vm, treeDir, key, err
 }
 
@@ -174,15 +189,15 @@ func lockBusy(path string) bool {
 	return false
 }
 
-// startWarm restores a fresh sandbox from its kind's warm snapshot:
+// start restores a fresh sandbox from its kind's warm snapshot:
 // errNoWarm when there is none (or the sandbox is not fresh). Called by
-// Start with i.mu held. On any other error no QEMU runs, the sandbox's
+// Start with the instance's mu held. On any other error no QEMU runs, the sandbox's
 // fresh disk is back, and a snapshot that failed to restore is gone.
-func (i *instance) startWarm(ctx context.Context) (err error) {
-	if i.booted() || i.rt.noWarm.Load() {
+func (w *warmer) start(ctx context.Context) (err error) {
+	if w.booted() || w.rt.noWarm.Load() {
 		return errNoWarm
 	}
-	vm, treeDir, key, err := i.warmTarget(ctx)
+	vm, treeDir, key, err := w.target(ctx)
 	if err != nil {
 		if errors.Is(err, errNoWarm) {
 			return err
@@ -202,7 +217,7 @@ func (i *instance) startWarm(ctx context.Context) (err error) {
 		}
 	}
 	t0 := time.Now()
-	disk := i.files.diskImage()
+	disk := w.files.diskImage()
 	fresh := disk + ".fresh"
 	if err := os.Rename(disk, fresh); err != nil {
 		return err
@@ -220,51 +235,53 @@ func (i *instance) startWarm(ctx context.Context) (err error) {
 	if err := hostfs.CopySparse(filepath.Join(dir, "disk.img"), disk); err != nil {
 		return fmt.Errorf("copying the warm disk: %w", err)
 	}
-	if err := i.files.writeVM(vm); err != nil {
+	if err := w.files.writeVM(vm); err != nil {
 		return err
 	}
 	tCopied := time.Now()
-	if err := i.snap.restoreFrom(ctx, filepath.Join(dir, stateName), guestHostname(i.spec)); err != nil {
+	if err := w.snap.restoreFrom(ctx, filepath.Join(dir, stateName), guestHostname(w.spec)); err != nil {
 		if ctx.Err() == nil {
 			// The snapshot does not restore (QEMU refused it, the guest
 			// did not come back): nobody should try it again.
 			WarmStats.Broken.Add(1)
 			if rerr := os.RemoveAll(dir); rerr != nil {
-				i.rt.log.Warn("removing a broken warm snapshot", "dir", dir, "err", rerr)
+				w.rt.log.Warn("removing a broken warm snapshot", "dir", dir, "err", rerr)
 			}
 		}
 		return fmt.Errorf("warm restore of %s: %w", key, err)
 	}
-	if err := i.markBooted(); err != nil {
+	if err := w.markBooted(); err != nil {
 		return err
 	}
 	WarmStats.Starts.Add(1)
-	i.rt.log.Debug("warm start", "id", i.spec.ID, "key", key, "disk_copy", tCopied.Sub(t0), "restore", time.Since(tCopied))
+	w.rt.log.Debug("warm start", "id", w.spec.ID, "key", key, "disk_copy", tCopied.Sub(t0), "restore", time.Since(tCopied))
 	return nil
 }
 
 // afterColdBoot runs after a cold boot whose agent and init answered,
-// with i.mu held: on a sandbox's first boot (fresh disk) it takes its
+// with the instance's mu held: on a sandbox's first boot (fresh disk) it takes its
 // kind's warm snapshot unless one exists or is being built. Failures only
 // cost the snapshot; the sandbox runs on either way.
-func (i *instance) afterColdBoot(ctx context.Context) {
-	if i.booted() {
+func (w *warmer) afterColdBoot(ctx context.Context) {
+	if w.booted() {
 		return
 	}
-	if err := i.markBooted(); err != nil {
-		i.rt.log.Warn("marking a sandbox booted", "id", i.spec.ID, "err", err)
+	if err := w.markBooted(); err != nil {
+		w.rt.log.Warn("marking a sandbox booted", "id", w.spec.ID, "err", err)
 		return
 	}
-	if i.rt.noWarm.Load() {
+	if w.rt.noWarm.Load() {
 		return
 	}
-	if err := i.buildWarm(ctx); err != nil {
-		i.rt.log.Warn("warm snapshot not taken", "id", i.spec.ID, "err", err)
+	if err := w.build(ctx); err != nil {
+		w.rt.log.Warn("warm snapshot not taken", "id", w.spec.ID, "err", err)
 	}
 }
 
-func (i *instance) buildWarm(ctx context.Context) error {
-	_, treeDir, key, err := i.warmTarget(ctx)
+// build takes the warm snapshot of the sandbox's kind unless one exists
+// or another sandbox builds it.
+func (w *warmer) build(ctx context.Context) error {
+	_, treeDir, key, err := w.target(ctx)
 	if err != nil {
 		if errors.Is(err, errNoWarm) {
 			return nil
@@ -301,7 +318,7 @@ func (i *instance) buildWarm(ctx context.Context) error {
 		return err
 	}
 	defer os.RemoveAll(tmp)
-	vm, err := i.files.readVM()
+	vm, err := w.files.readVM()
 	if err != nil {
 		return err
 	}
@@ -309,23 +326,23 @@ func (i *instance) buildWarm(ctx context.Context) error {
 		return err
 	}
 	copyDisk := func() error {
-		if err := hostfs.CopySparse(i.files.diskImage(), filepath.Join(tmp, "disk.img")); err != nil {
+		if err := hostfs.CopySparse(w.files.diskImage(), filepath.Join(tmp, "disk.img")); err != nil {
 			return fmt.Errorf("copying the disk: %w", err)
 		}
 		return nil
 	}
-	info, err := i.snap.save(ctx, filepath.Join(tmp, stateName), true, copyDisk)
+	info, err := w.snap.save(ctx, filepath.Join(tmp, stateName), true, copyDisk)
 	if err != nil {
 		return err
 	}
-	if err := i.snap.cont(ctx, info); err != nil {
+	if err := w.snap.cont(ctx, info); err != nil {
 		return fmt.Errorf("the guest did not run again after its warm snapshot: %w", err)
 	}
 	if err := os.Rename(tmp, dir); err != nil {
 		return err
 	}
 	WarmStats.Builds.Add(1)
-	i.rt.log.Debug("warm snapshot taken", "id", i.spec.ID, "key", key, "state_bytes", info.Bytes, "took", time.Since(t0))
+	w.rt.log.Debug("warm snapshot taken", "id", w.spec.ID, "key", key, "state_bytes", info.Bytes, "took", time.Since(t0))
 	return syncDir(treeDir)
 }
 
