@@ -75,7 +75,16 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 			}
 			return nil
 		},
-		Restore:  func(ctx context.Context, k *instance) error { return k.restoreChild(ctx, parentVM, statePath) },
+		// Each child is restored from the parent's state file.
+		Restore: func(ctx context.Context, k *instance) error {
+			k.mu.Lock()
+			defer k.mu.Unlock()
+			hostname := guestHostname(k.spec)
+			if err := k.files.writeVM(childVM(parentVM, k.files, hostname)); err != nil {
+				return err
+			}
+			return k.snap.restoreFrom(ctx, statePath, hostname)
+		},
 		Parallel: forkParallel,
 		Log:      i.rt.log,
 	})
@@ -112,28 +121,18 @@ func (r *Runtime) newChild(spec runtime.Spec) (*instance, error) {
 	return k, nil
 }
 
-// childVM is the parent's VM with the child's own files and hostname.
-func (k *instance) childVM(parent VM) VM {
+// childVM is the parent's VM with a child's own files and hostname.
+func childVM(parent VM, files layout, hostname string) VM {
 	vm := parent
-	vm.AgentSocket = k.files.agentSocket()
-	vm.ConsoleLog = k.files.consoleLog()
-	vm.Disk = k.files.diskImage()
-	vm.CtlSocket = k.files.ctlSocket()
-	vm.QMPSocket = k.files.qmpSocket()
+	vm.AgentSocket = files.agentSocket()
+	vm.ConsoleLog = files.consoleLog()
+	vm.Disk = files.diskImage()
+	vm.CtlSocket = files.ctlSocket()
+	vm.QMPSocket = files.qmpSocket()
 	if parent.NetSocket != "" {
-		vm.NetSocket, vm.NetPeer = k.files.netSocket(), k.files.netPeer()
+		vm.NetSocket, vm.NetPeer = files.netSocket(), files.netPeer()
 	}
-	vm.Hostname = guestHostname(k.spec)
+	vm.Hostname = hostname
 	vm.IncomingFD = 0
 	return vm
-}
-
-// restoreChild restores the child from the parent's state file.
-func (k *instance) restoreChild(ctx context.Context, parent VM, state string) error {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	if err := k.files.writeVM(k.childVM(parent)); err != nil {
-		return err
-	}
-	return k.snap.restoreFrom(ctx, state, guestHostname(k.spec))
 }
