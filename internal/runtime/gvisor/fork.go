@@ -57,7 +57,7 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 		}
 	}()
 	t0 := time.Now()
-	image, err := os.MkdirTemp(i.dir, "fork-")
+	image, err := os.MkdirTemp(i.files.dir, "fork-")
 	if err != nil {
 		return nil, err
 	}
@@ -103,16 +103,16 @@ func (i *instance) snapshotLocked(ctx context.Context, image string, kids []*ins
 		}
 	}()
 	for _, k := range kids {
-		if err := makeAgentDir(k.agentDir()); err != nil {
+		if err := makeAgentDir(k.files.agentDir()); err != nil {
 			return err
 		}
-		if err := copyAgentDir(i.agentDir(), k.agentDir()); err != nil {
+		if err := copyAgentDir(i.files.agentDir(), k.files.agentDir()); err != nil {
 			return fmt.Errorf("copying /run/space to %s: %w", k.spec.ID, err)
 		}
 	}
-	return withFrozen(i.rwDir(), func() error {
+	return withFrozen(i.files.rwDir(), func() error {
 		for _, k := range kids {
-			if err := hostfs.CopySparse(i.diskImage(), k.diskImage()); err != nil {
+			if err := hostfs.CopySparse(i.files.diskImage(), k.files.diskImage()); err != nil {
 				return fmt.Errorf("copying the disk to %s: %w", k.spec.ID, err)
 			}
 		}
@@ -154,7 +154,7 @@ func (r *Runtime) newChild(spec runtime.Spec) (*instance, error) {
 	if fi, err := os.Stat(spec.RootFS); err != nil || !fi.IsDir() {
 		return nil, fmt.Errorf("template root %q is not a directory: %w", spec.RootFS, errdefs.ErrInvalidArgument)
 	}
-	if err := hostfs.MkdirSandbox(k.dir, spec.ID); err != nil {
+	if err := hostfs.MkdirSandbox(k.files.dir, spec.ID); err != nil {
 		return nil, err
 	}
 	return k, nil
@@ -165,7 +165,7 @@ func (r *Runtime) newChild(spec runtime.Spec) (*instance, error) {
 func (k *instance) restoreChild(ctx context.Context, image string) (err error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	if err := k.mountRootLocked(); err != nil {
+	if err := k.files.mountRoot(k.spec.RootFS, k.rt.usernsFD); err != nil {
 		return err
 	}
 	hostname := k.spec.Hostname
@@ -175,10 +175,10 @@ func (k *instance) restoreChild(ctx context.Context, image string) (err error) {
 	if err := k.prepareNICLocked(); err != nil {
 		return err
 	}
-	if err := writeSpec(k.dir, bundleSpec(k.spec.ID, k.rootfsDir(), hostname, k.agentDir(), k.rt.cfg.AgentBinary, k.netnsPath(), k.spec.Limits)); err != nil {
+	if err := writeSpec(k.files.dir, bundleSpec(k.spec.ID, k.files.rootfsDir(), hostname, k.files.agentDir(), k.rt.cfg.AgentBinary, k.files.netnsPath(), k.spec.Limits)); err != nil {
 		return err
 	}
-	if err := writeResumeMarker(k.agentDir()); err != nil {
+	if err := writeResumeMarker(k.files.agentDir()); err != nil {
 		return err
 	}
 	if err := k.restoreFrom(ctx, image); err != nil {
@@ -187,7 +187,7 @@ func (k *instance) restoreChild(ctx context.Context, image string) (err error) {
 	if err := k.waitSocketPolling(ctx, k.exited); err != nil {
 		return err
 	}
-	removeResumeMarker(k.agentDir())
+	removeResumeMarker(k.files.agentDir())
 	return nil
 }
 

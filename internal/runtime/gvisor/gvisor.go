@@ -147,7 +147,7 @@ func (r *Runtime) newInstance(spec runtime.Spec) (*instance, error) {
 	// The agent socket's host path may be longer than a sockaddr_un
 	// holds: the gofer binds it at its own short path and the host dials
 	// it through an O_PATH descriptor (dialSocket, DialAgent).
-	return &instance{rt: r, rs: rs, spec: spec, dir: dir}, nil
+	return &instance{rt: r, rs: rs, spec: spec, files: layout{dir: dir}}, nil
 }
 
 // Create implements runtime.Runtime: the sandbox directory and its
@@ -163,7 +163,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (_ runtime.Inst
 	if fi, err := os.Stat(spec.RootFS); err != nil || !fi.IsDir() {
 		return nil, fmt.Errorf("template root %q is not a directory: %w", spec.RootFS, errdefs.ErrInvalidArgument)
 	}
-	if err := hostfs.MkdirSandbox(inst.dir, spec.ID); err != nil {
+	if err := hostfs.MkdirSandbox(inst.files.dir, spec.ID); err != nil {
 		return nil, err
 	}
 	defer func() {
@@ -171,7 +171,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (_ runtime.Inst
 			_ = inst.Destroy(context.WithoutCancel(ctx))
 		}
 	}()
-	if err := formatDisk(ctx, inst.diskImage(), spec.Limits.DiskMiB); err != nil {
+	if err := formatDisk(ctx, inst.files.diskImage(), spec.Limits.DiskMiB); err != nil {
 		return nil, err
 	}
 	return inst, nil
@@ -185,7 +185,7 @@ func (r *Runtime) Open(ctx context.Context, spec runtime.Spec) (runtime.Instance
 	if err != nil {
 		return nil, err
 	}
-	if _, err := os.Stat(inst.dir); err != nil {
+	if _, err := os.Stat(inst.files.dir); err != nil {
 		return nil, fmt.Errorf("sandbox %s: %w", spec.ID, errdefs.ErrNotFound)
 	}
 	inst.adopt(ctx)

@@ -27,10 +27,10 @@ import (
 const startTimeout = 60 * time.Second
 
 type instance struct {
-	rt   *Runtime
-	rs   *runsc
-	spec runtime.Spec
-	dir  string
+	rt    *Runtime
+	rs    *runsc
+	spec  runtime.Spec
+	files layout // the sandbox's directory
 
 	mu     sync.Mutex
 	pid    int             // sandbox (sentry) pid on the host; 0 when not running
@@ -61,20 +61,11 @@ var (
 	_ runtime.OOMCounter     = (*instance)(nil)
 )
 
-func (i *instance) diskImage() string { return filepath.Join(i.dir, "disk.img") }
-func (i *instance) rwDir() string     { return filepath.Join(i.dir, "rw") }
-func (i *instance) rootfsDir() string { return filepath.Join(i.dir, "rootfs") }
-func (i *instance) lowerDir() string  { return filepath.Join(i.dir, "lower") }
-func (i *instance) agentDir() string  { return filepath.Join(i.dir, "agent") }
-func (i *instance) sockPath() string  { return filepath.Join(i.agentDir(), agentSock) }
-func (i *instance) pidFile() string   { return filepath.Join(i.dir, "sandbox.pid") }
-func (i *instance) runscPid() string  { return filepath.Join(i.dir, "runsc.pid") }
-
 // ID implements runtime.Instance.
 func (i *instance) ID() string { return i.spec.ID }
 
 // Dir is the sandbox's directory on the host.
-func (i *instance) Dir() string { return i.dir }
+func (i *instance) Dir() string { return i.files.dir }
 
 // Pid is the host pid of the sandbox process (gVisor's sentry), 0 when not
 // running. The sentry runs unprivileged on the host; the conformance suite
@@ -106,7 +97,7 @@ func (i *instance) Exited() <-chan struct{} {
 
 // adopt attaches to a sandbox process that still runs (server restart).
 func (i *instance) adopt(ctx context.Context) {
-	if p, err := hostproc.Adopt(i.pidFile()); err == nil {
+	if p, err := hostproc.Adopt(i.files.pidFile()); err == nil {
 		i.pid, i.exited = p.Pid(), p.Exited()
 	}
 }
@@ -124,14 +115,14 @@ func (i *instance) DialAgent(ctx context.Context) (net.Conn, error) {
 // dialSocket connects to the agent's socket (DialAgent without the
 // liveness check, for callers holding mu).
 func (i *instance) dialSocket(ctx context.Context) (net.Conn, error) {
-	fd, err := unix.Open(i.sockPath(), unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	fd, err := unix.Open(i.files.sockPath(), unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("dial agent of %s: %w: %w", i.spec.ID, err, errdefs.ErrUnavailable)
 	}
 	defer unix.Close(fd)
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFSOCK {
-		return nil, fmt.Errorf("dial agent of %s: %s is not a socket: %w", i.spec.ID, i.sockPath(), errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("dial agent of %s: %s is not a socket: %w", i.spec.ID, i.files.sockPath(), errdefs.ErrUnavailable)
 	}
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "unix", fmt.Sprintf("/proc/self/fd/%d", fd))
@@ -151,7 +142,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if i.suspendedLocked() {
 		return fmt.Errorf("sandbox %s is suspended (restore or destroy it): %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	if _, err := os.Stat(i.dir); err != nil {
+	if _, err := os.Stat(i.files.dir); err != nil {
 		return fmt.Errorf("sandbox %s: %w", i.spec.ID, errdefs.ErrNotFound)
 	}
 	t0 := time.Now()
@@ -162,28 +153,28 @@ func (i *instance) Start(ctx context.Context) (err error) {
 			i.stopLocked(context.WithoutCancel(ctx))
 		}
 	}()
-	if err := i.mountRootLocked(); err != nil {
+	if err := i.files.mountRoot(i.spec.RootFS, i.rt.usernsFD); err != nil {
 		return err
 	}
 	hostname := i.spec.Hostname
 	if hostname == "" {
 		hostname = i.spec.ID
 	}
-	writeHostFiles(i.rootfsDir(), hostname)
+	writeHostFiles(i.files.rootfsDir(), hostname)
 	if err := i.prepareNICLocked(); err != nil {
 		return err
 	}
-	bs := bundleSpec(i.spec.ID, i.rootfsDir(), hostname, i.agentDir(), i.rt.cfg.AgentBinary, i.netnsPath(), i.spec.Limits)
+	bs := bundleSpec(i.spec.ID, i.files.rootfsDir(), hostname, i.files.agentDir(), i.rt.cfg.AgentBinary, i.files.netnsPath(), i.spec.Limits)
 	if i.spec.Background {
 		bs.background()
 	}
-	if err := writeSpec(i.dir, bs); err != nil {
+	if err := writeSpec(i.files.dir, bs); err != nil {
 		return err
 	}
 	tPrepared := time.Now()
 	ctx, cancel := context.WithTimeout(ctx, startTimeout)
 	defer cancel()
-	runArgs := []string{"--detach", "--bundle", i.dir, "--pid-file", i.runscPid(), i.spec.ID}
+	runArgs := []string{"--detach", "--bundle", i.files.dir, "--pid-file", i.files.runscPid(), i.spec.ID}
 	if err := i.rs.runReplacingStale(ctx, startTimeout, "run", i.spec.ID, runArgs...); err != nil {
 		return fmt.Errorf("start sandbox %s: %w", i.spec.ID, err)
 	}
@@ -209,7 +200,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 func (i *instance) waitSocket(ctx context.Context, exited <-chan struct{}) error {
 	ino := -1
 	if fd, err := unix.InotifyInit1(unix.IN_CLOEXEC | unix.IN_NONBLOCK); err == nil {
-		if _, err := unix.InotifyAddWatch(fd, i.agentDir(), unix.IN_CREATE|unix.IN_MOVED_TO|unix.IN_ONLYDIR|unix.IN_DONT_FOLLOW); err == nil {
+		if _, err := unix.InotifyAddWatch(fd, i.files.agentDir(), unix.IN_CREATE|unix.IN_MOVED_TO|unix.IN_ONLYDIR|unix.IN_DONT_FOLLOW); err == nil {
 			ino = fd
 		} else {
 			unix.Close(fd)
@@ -222,7 +213,7 @@ func (i *instance) waitSocket(ctx context.Context, exited <-chan struct{}) error
 	delay := 500 * time.Microsecond
 	for {
 		var st unix.Stat_t
-		if err := unix.Lstat(i.sockPath(), &st); err == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK {
+		if err := unix.Lstat(i.files.sockPath(), &st); err == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK {
 			// The agent binds, then listens: until it listens a connect
 			// is refused. Start promises a socket that can be dialled.
 			c, err := i.dialSocket(ctx)
@@ -313,12 +304,12 @@ func (i *instance) stopLocked(ctx context.Context) error {
 	i.killCgroup()
 	i.oomCounter().Close()
 	_ = removeCgroups(i.spec.ID)
-	for _, p := range []string{i.sockPath(), i.pidFile(), i.runscPid()} {
+	for _, p := range []string{i.files.sockPath(), i.files.pidFile(), i.files.runscPid()} {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, err)
 		}
 	}
-	if err := hostfs.UnmountAll(i.dir); err != nil {
+	if err := hostfs.UnmountAll(i.files.dir); err != nil {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
@@ -342,7 +333,7 @@ func (i *instance) killCgroup() {
 func (i *instance) Destroy(ctx context.Context) error {
 	i.mu.Lock()
 	defer i.mu.Unlock()
-	if _, err := os.Stat(i.dir); errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(i.files.dir); errors.Is(err, os.ErrNotExist) {
 		// Already destroyed; runsc may still know the id if a crash came
 		// between its delete and ours.
 		return i.rs.deleteForce(ctx, i.spec.ID)
@@ -350,7 +341,7 @@ func (i *instance) Destroy(ctx context.Context) error {
 	if err := i.stopLocked(ctx); err != nil {
 		return err
 	}
-	return hostfs.RemoveSandbox(i.dir, i.spec.ID)
+	return hostfs.RemoveSandbox(i.files.dir, i.spec.ID)
 }
 
 // Pause implements runtime.Pauser: the sentry stops every task; the
@@ -382,7 +373,7 @@ func (i *instance) OOMKills() (int64, error) {
 	if err != nil {
 		return 0, err
 	}
-	return n + guardKills(i.agentDir()), nil
+	return n + guardKills(i.files.agentDir()), nil
 }
 
 // Foreground implements runtime.Foregrounder: the host cgroup runsc made
@@ -416,7 +407,7 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	}
 	// The host cgroup counts the host's OOM kills (a backstop that kills
 	// the whole sandbox); the memory guard inside counts its own.
-	s.OOMKills += guardKills(i.agentDir())
+	s.OOMKills += guardKills(i.files.agentDir())
 	var mem int64
 	s.Pids, mem, err = i.sentryCounts(ctx)
 	if err == nil && mem > 0 {
@@ -430,7 +421,7 @@ func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	}
 	// With --overlay2=none the sandbox's writes land in the host
 	// overlay's upper on its ext4 disk, mounted at rwDir while it runs.
-	s.DiskUsedBytes, err = hostfs.DiskUsed(i.rwDir())
+	s.DiskUsedBytes, err = hostfs.DiskUsed(i.files.rwDir())
 	return s, err
 }
 
@@ -474,20 +465,20 @@ func (i *instance) Changes(ctx context.Context) (runtime.Changes, error) {
 	if i.aliveLocked() {
 		return runtime.Changes{}, fmt.Errorf("sandbox %s is running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	mounted := hostfs.IsMountPoint(i.rwDir())
-	if err := mountDisk(i.diskImage(), i.rwDir()); err != nil {
+	mounted := hostfs.IsMountPoint(i.files.rwDir())
+	if err := mountDisk(i.files.diskImage(), i.files.rwDir()); err != nil {
 		return runtime.Changes{}, err
 	}
 	var once sync.Once
 	return runtime.Changes{
-		Dir:         filepath.Join(i.rwDir(), "upper"),
+		Dir:         filepath.Join(i.files.rwDir(), "upper"),
 		OpaqueXattr: "trusted.overlay.opaque",
 		IDBase:      confine.IDBase,
 		Release: func() error {
 			var err error
 			once.Do(func() {
 				if !mounted {
-					err = hostfs.UnmountAll(i.rwDir())
+					err = hostfs.UnmountAll(i.files.rwDir())
 				}
 			})
 			return err
@@ -504,37 +495,10 @@ func makeAgentDir(dir string) error {
 	return os.Lchown(dir, confine.IDBase, confine.IDBase)
 }
 
-// mountRootLocked mounts the writable disk, the id-mapped template and the
-// overlay, and readies the agent's directory (no stale socket or pid files).
-func (i *instance) mountRootLocked() error {
-	if err := mountDisk(i.diskImage(), i.rwDir()); err != nil {
-		return err
-	}
-	userns, err := i.rt.usernsFD()
-	if err != nil {
-		return err
-	}
-	if err := mountIDMapped(i.spec.RootFS, i.lowerDir(), userns); err != nil {
-		return err
-	}
-	if err := mountOverlay(i.lowerDir(), filepath.Join(i.rwDir(), "upper"), filepath.Join(i.rwDir(), "work"), i.rootfsDir()); err != nil {
-		return err
-	}
-	if err := makeAgentDir(i.agentDir()); err != nil {
-		return err
-	}
-	for _, p := range []string{i.sockPath(), i.runscPid(), i.pidFile()} {
-		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return err
-		}
-	}
-	return nil
-}
-
 // trackSandboxLocked reads the pid runsc wrote (run or restore), watches
 // the process and records it for re-adoption.
 func (i *instance) trackSandboxLocked() (<-chan struct{}, int, error) {
-	data, err := os.ReadFile(i.runscPid())
+	data, err := os.ReadFile(i.files.runscPid())
 	if err != nil {
 		return nil, 0, fmt.Errorf("runsc wrote no pid: %v", err)
 	}
@@ -551,7 +515,7 @@ func (i *instance) trackSandboxLocked() (<-chan struct{}, int, error) {
 	if err := raiseHostMemory(i.spec.ID, i.spec.Limits); err != nil {
 		return nil, 0, err
 	}
-	if err := hostproc.WritePidFile(i.pidFile(), proc.Record()); err != nil {
+	if err := hostproc.WritePidFile(i.files.pidFile(), proc.Record()); err != nil {
 		return nil, 0, err
 	}
 	return exited, pid, nil

@@ -46,13 +46,13 @@ func (r *Runtime) Export(ctx context.Context, inst runtime.Instance, dir string)
 	if err := os.MkdirAll(filepath.Join(tmp, movedAgent), 0o700); err != nil {
 		return err
 	}
-	if err := hostfs.CopySparse(i.diskImage(), filepath.Join(tmp, movedDisk)); err != nil {
+	if err := hostfs.CopySparse(i.files.diskImage(), filepath.Join(tmp, movedDisk)); err != nil {
 		return fmt.Errorf("export sandbox %s: disk: %w", i.spec.ID, err)
 	}
-	if err := copyAgentDir(i.agentDir(), filepath.Join(tmp, movedAgent)); err != nil {
+	if err := copyAgentDir(i.files.agentDir(), filepath.Join(tmp, movedAgent)); err != nil {
 		return fmt.Errorf("export sandbox %s: agent directory: %w", i.spec.ID, err)
 	}
-	if err := copyImage(i.imageDir(), filepath.Join(tmp, movedImage)); err != nil {
+	if err := copyImage(i.files.imageDir(), filepath.Join(tmp, movedImage)); err != nil {
 		return fmt.Errorf("export sandbox %s: image: %w", i.spec.ID, err)
 	}
 	return os.Rename(tmp, dir)
@@ -69,10 +69,10 @@ func (r *Runtime) Import(ctx context.Context, spec runtime.Spec, dir string) (_ 
 	if fi, err := os.Stat(spec.RootFS); err != nil || !fi.IsDir() {
 		return nil, fmt.Errorf("template root %q is not a directory: %w", spec.RootFS, errdefs.ErrInvalidArgument)
 	}
-	if _, err := os.Stat(k.dir); err == nil {
+	if _, err := os.Stat(k.files.dir); err == nil {
 		return nil, fmt.Errorf("import sandbox %s: it exists here: %w", spec.ID, errdefs.ErrConflict)
 	}
-	if err := hostfs.MkdirSandbox(k.dir, spec.ID); err != nil {
+	if err := hostfs.MkdirSandbox(k.files.dir, spec.ID); err != nil {
 		return nil, err
 	}
 	defer func() {
@@ -80,28 +80,28 @@ func (r *Runtime) Import(ctx context.Context, spec runtime.Spec, dir string) (_ 
 			_ = k.Destroy(context.WithoutCancel(ctx))
 		}
 	}()
-	if err := hostfs.CopySparse(filepath.Join(dir, movedDisk), k.diskImage()); err != nil {
+	if err := hostfs.CopySparse(filepath.Join(dir, movedDisk), k.files.diskImage()); err != nil {
 		return nil, fmt.Errorf("import sandbox %s: disk: %w", spec.ID, err)
 	}
-	if err := makeAgentDir(k.agentDir()); err != nil {
+	if err := makeAgentDir(k.files.agentDir()); err != nil {
 		return nil, err
 	}
-	if err := copyAgentDir(filepath.Join(dir, movedAgent), k.agentDir()); err != nil {
+	if err := copyAgentDir(filepath.Join(dir, movedAgent), k.files.agentDir()); err != nil {
 		return nil, fmt.Errorf("import sandbox %s: agent directory: %w", spec.ID, err)
 	}
 	hostname := spec.Hostname
 	if hostname == "" {
 		hostname = spec.ID
 	}
-	bs := bundleSpec(spec.ID, k.rootfsDir(), hostname, k.agentDir(), r.cfg.AgentBinary, k.netnsPath(), spec.Limits)
-	if err := writeSpec(k.dir, bs); err != nil {
+	bs := bundleSpec(spec.ID, k.files.rootfsDir(), hostname, k.files.agentDir(), r.cfg.AgentBinary, k.files.netnsPath(), spec.Limits)
+	if err := writeSpec(k.files.dir, bs); err != nil {
 		return nil, err
 	}
 	// The image last: its presence is what makes the instance suspended.
-	if err := copyImage(filepath.Join(dir, movedImage), k.imageDir()+".tmp"); err != nil {
+	if err := copyImage(filepath.Join(dir, movedImage), k.files.imageDir()+".tmp"); err != nil {
 		return nil, fmt.Errorf("import sandbox %s: image: %w", spec.ID, err)
 	}
-	if err := os.Rename(k.imageDir()+".tmp", k.imageDir()); err != nil {
+	if err := os.Rename(k.files.imageDir()+".tmp", k.files.imageDir()); err != nil {
 		return nil, err
 	}
 	return k, nil

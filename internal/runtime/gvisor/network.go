@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"path/filepath"
 
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime/hostnet"
@@ -34,12 +33,10 @@ import (
 // last process in it, is gone; a TAP descriptor the gateway still holds
 // keeps it until closed.
 
-func (i *instance) netnsPath() string { return filepath.Join(i.dir, "netns") }
-
 // prepareNICLocked makes a fresh namespace with the configured TAP at
 // netnsPath, replacing whatever a previous start left there.
 func (i *instance) prepareNICLocked() error {
-	p := i.netnsPath()
+	p := i.files.netnsPath()
 	if err := hostnet.RemoveNetNS(p); err != nil {
 		return err
 	}
@@ -64,5 +61,5 @@ func (i *instance) NIC(ctx context.Context) (*os.File, error) {
 	if !i.aliveLocked() {
 		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	return hostnet.OpenTAP(i.netnsPath())
+	return hostnet.OpenTAP(i.files.netnsPath())
 }

@@ -47,8 +47,6 @@ const (
 	restoreTimeout    = 2 * time.Minute
 )
 
-func (i *instance) imageDir() string { return filepath.Join(i.dir, "checkpoint") }
-
 // Suspended implements runtime.Suspender.
 func (i *instance) Suspended() bool {
 	i.mu.Lock()
@@ -57,13 +55,13 @@ func (i *instance) Suspended() bool {
 }
 
 func (i *instance) suspendedLocked() bool {
-	fi, err := os.Lstat(i.imageDir())
+	fi, err := os.Lstat(i.files.imageDir())
 	return err == nil && fi.IsDir()
 }
 
 // discardImageLocked removes a suspended instance's image (Stop).
 func (i *instance) discardImageLocked() error {
-	for _, d := range []string{i.imageDir(), i.imageDir() + ".tmp"} {
+	for _, d := range []string{i.files.imageDir(), i.files.imageDir() + ".tmp"} {
 		if err := os.RemoveAll(d); err != nil {
 			return fmt.Errorf("sandbox %s: discarding its checkpoint: %w", i.spec.ID, err)
 		}
@@ -86,7 +84,7 @@ func (i *instance) Suspend(ctx context.Context) error {
 		return fmt.Errorf("suspend sandbox %s: %w", i.spec.ID, err)
 	}
 	tQuiesced := time.Now()
-	tmp := i.imageDir() + ".tmp"
+	tmp := i.files.imageDir() + ".tmp"
 	if err := os.RemoveAll(tmp); err != nil {
 		return i.checkpointFailed(ctx, "suspend", err)
 	}
@@ -97,7 +95,7 @@ func (i *instance) Suspend(ctx context.Context) error {
 		os.RemoveAll(tmp)
 		return i.checkpointFailed(ctx, "suspend", err)
 	}
-	if err := os.Rename(tmp, i.imageDir()); err != nil {
+	if err := os.Rename(tmp, i.files.imageDir()); err != nil {
 		os.RemoveAll(tmp)
 		i.resumeLocked(ctx)
 		return i.checkpointFailed(ctx, "suspend", err)
@@ -172,7 +170,7 @@ func (i *instance) waitQuiesced(ctx context.Context) error {
 	defer cancel()
 	for {
 		var st unix.Stat_t
-		if err := unix.Lstat(i.sockPath(), &st); errors.Is(err, unix.ENOENT) {
+		if err := unix.Lstat(i.files.sockPath(), &st); errors.Is(err, unix.ENOENT) {
 			return nil
 		}
 		select {
@@ -195,13 +193,13 @@ func (i *instance) checkpointFailed(ctx context.Context, verb string, err error)
 
 // resumeAgent writes the resume marker and waits for the agent's socket.
 func (i *instance) resumeAgent(ctx context.Context) error {
-	if err := writeResumeMarker(i.agentDir()); err != nil {
+	if err := writeResumeMarker(i.files.agentDir()); err != nil {
 		return err
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), quiesceWait)
 	defer cancel()
 	err := i.waitSocketPolling(ctx, i.exited)
-	removeResumeMarker(i.agentDir())
+	removeResumeMarker(i.files.agentDir())
 	return err
 }
 
@@ -245,10 +243,10 @@ func (i *instance) Restore(ctx context.Context) (err error) {
 			i.stopLocked(context.WithoutCancel(ctx))
 		}
 	}()
-	if err := i.mountRootLocked(); err != nil {
+	if err := i.files.mountRoot(i.spec.RootFS, i.rt.usernsFD); err != nil {
 		return err
 	}
-	if err := writeResumeMarker(i.agentDir()); err != nil {
+	if err := writeResumeMarker(i.files.agentDir()); err != nil {
 		return err
 	}
 	// A fresh namespace and TAP at the same path the bundle names: the
@@ -257,15 +255,15 @@ func (i *instance) Restore(ctx context.Context) (err error) {
 		return err
 	}
 	tPrepared := time.Now()
-	if err := i.restoreFrom(ctx, i.imageDir()); err != nil {
+	if err := i.restoreFrom(ctx, i.files.imageDir()); err != nil {
 		return fmt.Errorf("restore sandbox %s: %w", i.spec.ID, err)
 	}
 	tRestored := time.Now()
 	if err := i.waitSocketPolling(ctx, i.exited); err != nil {
 		return err
 	}
-	removeResumeMarker(i.agentDir())
-	if err := os.RemoveAll(i.imageDir()); err != nil {
+	removeResumeMarker(i.files.agentDir())
+	if err := os.RemoveAll(i.files.imageDir()); err != nil {
 		return fmt.Errorf("restore sandbox %s: removing its image: %w", i.spec.ID, err)
 	}
 	i.rt.log.Debug("sandbox restored", "id", i.spec.ID, "prepare", tPrepared.Sub(t0),
@@ -276,7 +274,7 @@ func (i *instance) Restore(ctx context.Context) (err error) {
 // restoreFrom runs `runsc restore` of this instance's bundle from image and
 // tracks the sandbox process.
 func (i *instance) restoreFrom(ctx context.Context, image string) error {
-	args := []string{"--detach", "--image-path", image, "--bundle", i.dir, "--pid-file", i.runscPid(), i.spec.ID}
+	args := []string{"--detach", "--image-path", image, "--bundle", i.files.dir, "--pid-file", i.files.runscPid(), i.spec.ID}
 	if err := i.rs.runReplacingStale(ctx, restoreTimeout, "restore", i.spec.ID, args...); err != nil {
 		return err
 	}
@@ -292,7 +290,7 @@ func (i *instance) waitSocketPolling(ctx context.Context, exited <-chan struct{}
 	defer t.Stop()
 	for {
 		var st unix.Stat_t
-		if err := unix.Lstat(i.sockPath(), &st); err == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK {
+		if err := unix.Lstat(i.files.sockPath(), &st); err == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK {
 			return nil
 		}
 		select {
