@@ -147,7 +147,9 @@ func (r *Runtime) newInstance(spec runtime.Spec) (*instance, error) {
 	// The agent socket's host path may be longer than a sockaddr_un
 	// holds: the gofer binds it at its own short path and the host dials
 	// it through an O_PATH descriptor (dialSocket, DialAgent).
-	return &instance{rt: r, rs: rs, spec: spec, files: layout{dir: dir}}, nil
+	files := layout{dir: dir}
+	return &instance{rt: r, rs: rs, spec: spec, files: files,
+		meter: &meter{rs: rs, id: spec.ID, files: files}}, nil
 }
 
 // Create implements runtime.Runtime: the sandbox directory and its

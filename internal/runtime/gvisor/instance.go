@@ -2,7 +2,6 @@ package gvisor
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -36,22 +35,8 @@ type instance struct {
 	pid    int             // sandbox (sentry) pid on the host; 0 when not running
 	exited <-chan struct{} // closed when the sandbox process exits
 
-	// The sandbox's task count comes from the sentry through a runsc
-	// process, which costs tens of milliseconds; the manager reads Stats
-	// around every exec, so the count is reused for pidsTTL.
-	pidsMu   sync.Mutex
-	pidsAt   time.Time
-	pidsLast int64
-	memLast  int64 // the sentry's memory accounting, read with pidsLast
-
-	// oom reads the sandbox's host cgroup's OOM count for OOMKills,
-	// found once (finding it walks the cgroup mounts); closed at stop.
-	oomOnce sync.Once
-	oom     *cgroupfs.OOMCounter
+	meter *meter // stats and the OOM count
 }
-
-// pidsTTL is how long a task count from the sentry is reused.
-const pidsTTL = time.Second
 
 var (
 	_ runtime.Instance       = (*instance)(nil)
@@ -296,13 +281,10 @@ func (i *instance) stopLocked(ctx context.Context) error {
 		return errors.Join(errs...)
 	}
 	i.pid, i.exited = 0, nil
-	i.pidsMu.Lock()
-	i.pidsAt = time.Time{}
-	i.pidsMu.Unlock()
 	// runsc removes the cgroups it made; a sandbox that died without runsc
 	// may leave them (with a gofer still in them).
 	i.killCgroup()
-	i.oomCounter().Close()
+	i.meter.stopped()
 	_ = removeCgroups(i.spec.ID)
 	for _, p := range []string{i.files.sockPath(), i.files.pidFile(), i.files.runscPid()} {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -369,11 +351,7 @@ func (i *instance) OOMKills() (int64, error) {
 	if !i.Alive() {
 		return 0, nil
 	}
-	n, err := i.oomCounter().Read()
-	if err != nil {
-		return 0, err
-	}
-	return n + guardKills(i.files.agentDir()), nil
+	return i.meter.oomKills()
 }
 
 // Foreground implements runtime.Foregrounder: the host cgroup runsc made
@@ -384,11 +362,6 @@ func (i *instance) Foreground() error {
 
 var _ runtime.Foregrounder = (*instance)(nil)
 
-func (i *instance) oomCounter() *cgroupfs.OOMCounter {
-	i.oomOnce.Do(func() { i.oom = sandboxCgroup(i.spec.ID).OOMCounter() })
-	return i.oom
-}
-
 var _ runtime.OOMCounter = (*instance)(nil)
 
 // Stats implements runtime.Instance: OOM kills and CPU from the host's
@@ -396,64 +369,12 @@ var _ runtime.OOMCounter = (*instance)(nil)
 // the sentry (runsc events), since on the host the sandbox's processes are
 // not host processes and the host cgroup also holds the sentry's own
 // overhead (its limit has headroom for it): the sentry's accounting is
-// what the sandbox's limit applies to.
+// what the sandbox's limit applies to (meter).
 func (i *instance) Stats(ctx context.Context) (runtime.Stats, error) {
 	if !i.Alive() {
 		return runtime.Stats{}, nil
 	}
-	s, err := cgroupStats(i.spec.ID)
-	if err != nil {
-		return s, err
-	}
-	// The host cgroup counts the host's OOM kills (a backstop that kills
-	// the whole sandbox); the memory guard inside counts its own.
-	s.OOMKills += guardKills(i.files.agentDir())
-	var mem int64
-	s.Pids, mem, err = i.sentryCounts(ctx)
-	if err == nil && mem > 0 {
-		s.MemoryBytes = mem
-	}
-	// The host cgroup's page cache is the sentry's (its memory file is
-	// file-backed), not the sandbox's, and runsc events leaves its cache
-	// field empty: MemoryCacheBytes stays 0, "cannot tell".
-	if err != nil {
-		return s, err
-	}
-	// With --overlay2=none the sandbox's writes land in the host
-	// overlay's upper on its ext4 disk, mounted at rwDir while it runs.
-	s.DiskUsedBytes, err = hostfs.DiskUsed(i.files.rwDir())
-	return s, err
-}
-
-// sentryCounts is the number of tasks in the sandbox and its memory usage
-// as the sentry counts them, at most pidsTTL old.
-func (i *instance) sentryCounts(ctx context.Context) (pids, mem int64, err error) {
-	i.pidsMu.Lock()
-	defer i.pidsMu.Unlock()
-	if time.Since(i.pidsAt) < pidsTTL {
-		return i.pidsLast, i.memLast, nil
-	}
-	out, err := i.rs.run(ctx, 10*time.Second, "events", "--stats", i.spec.ID)
-	if err != nil {
-		return 0, 0, err
-	}
-	var ev struct {
-		Data struct {
-			Pids struct {
-				Current int64 `json:"current"`
-			} `json:"pids"`
-			Memory struct {
-				Usage struct {
-					Usage int64 `json:"usage"`
-				} `json:"usage"`
-			} `json:"memory"`
-		} `json:"data"`
-	}
-	if err := json.Unmarshal(out, &ev); err != nil {
-		return 0, 0, fmt.Errorf("runsc events --stats: %v", err)
-	}
-	i.pidsAt, i.pidsLast, i.memLast = time.Now(), ev.Data.Pids.Current, ev.Data.Memory.Usage.Usage
-	return i.pidsLast, i.memLast, nil
+	return i.meter.stats(ctx)
 }
 
 // Changes implements runtime.ChangeExporter: the overlay's upper directory
