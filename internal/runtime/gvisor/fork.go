@@ -43,7 +43,7 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 	if !i.aliveLocked() {
 		return nil, fmt.Errorf("fork sandbox %s: not running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	if err := i.waitQuiesced(ctx); err != nil {
+	if err := i.agent.waitQuiesced(ctx); err != nil {
 		return nil, fmt.Errorf("fork sandbox %s: %w", i.spec.ID, err)
 	}
 	// From here on the parent's agent is quiet: whatever fails, it must
@@ -51,7 +51,7 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 	agentBack := false
 	defer func() {
 		if err != nil && !agentBack && i.aliveLocked() {
-			if rerr := i.resumeAgent(ctx); rerr != nil {
+			if rerr := i.agent.resume(ctx, i.exited); rerr != nil {
 				err = errors.Join(err, fmt.Errorf("and the parent's agent did not listen again: %w", rerr))
 			}
 		}
@@ -70,7 +70,7 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 				return err
 			}
 			agentBack = true
-			if err := i.resumeAgent(ctx); err != nil {
+			if err := i.agent.resume(ctx, i.exited); err != nil {
 				return fmt.Errorf("the parent's agent did not listen again: %w", err)
 			}
 			tSnap = time.Since(t0)
@@ -184,7 +184,7 @@ func (k *instance) restoreChild(ctx context.Context, image string) (err error) {
 	if err := k.restoreFrom(ctx, image); err != nil {
 		return err
 	}
-	if err := k.waitSocketPolling(ctx, k.exited); err != nil {
+	if err := k.agent.waitPolling(ctx, k.exited); err != nil {
 		return err
 	}
 	removeResumeMarker(k.files.agentDir())

@@ -146,9 +146,10 @@ func (r *Runtime) newInstance(spec runtime.Spec) (*instance, error) {
 	dir := filepath.Join(r.sandboxesDir(), spec.ID)
 	// The agent socket's host path may be longer than a sockaddr_un
 	// holds: the gofer binds it at its own short path and the host dials
-	// it through an O_PATH descriptor (dialSocket, DialAgent).
+	// it through an O_PATH descriptor (agentChan.dial, DialAgent).
 	files := layout{dir: dir}
 	return &instance{rt: r, rs: rs, spec: spec, files: files,
+		agent: &agentChan{id: spec.ID, files: files},
 		meter: &meter{rs: rs, id: spec.ID, files: files}}, nil
 }
 

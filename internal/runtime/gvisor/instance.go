@@ -35,7 +35,8 @@ type instance struct {
 	pid    int             // sandbox (sentry) pid on the host; 0 when not running
 	exited <-chan struct{} // closed when the sandbox process exits
 
-	meter *meter // stats and the OOM count
+	agent *agentChan // the agent's socket
+	meter *meter     // stats and the OOM count
 }
 
 var (
@@ -94,27 +95,7 @@ func (i *instance) DialAgent(ctx context.Context) (net.Conn, error) {
 	if !i.Alive() {
 		return nil, fmt.Errorf("sandbox %s is not running: %w", i.spec.ID, errdefs.ErrUnavailable)
 	}
-	return i.dialSocket(ctx)
-}
-
-// dialSocket connects to the agent's socket (DialAgent without the
-// liveness check, for callers holding mu).
-func (i *instance) dialSocket(ctx context.Context) (net.Conn, error) {
-	fd, err := unix.Open(i.files.sockPath(), unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("dial agent of %s: %w: %w", i.spec.ID, err, errdefs.ErrUnavailable)
-	}
-	defer unix.Close(fd)
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFSOCK {
-		return nil, fmt.Errorf("dial agent of %s: %s is not a socket: %w", i.spec.ID, i.files.sockPath(), errdefs.ErrUnavailable)
-	}
-	var d net.Dialer
-	c, err := d.DialContext(ctx, "unix", fmt.Sprintf("/proc/self/fd/%d", fd))
-	if err != nil {
-		return nil, fmt.Errorf("dial agent of %s: %w: %w", i.spec.ID, err, errdefs.ErrUnavailable)
-	}
-	return c, nil
+	return i.agent.dial(ctx)
 }
 
 // Start implements runtime.Instance.
@@ -168,77 +149,12 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return fmt.Errorf("start sandbox %s: %w", i.spec.ID, err)
 	}
-	if err := i.waitSocket(ctx, exited); err != nil {
+	if err := i.agent.waitListening(ctx, exited); err != nil {
 		return err
 	}
 	i.rt.log.Debug("sandbox started", "id", i.spec.ID, "pid", pid,
 		"prepare", tPrepared.Sub(t0), "runsc_run", tRun.Sub(tPrepared), "agent_socket", time.Since(tRun))
 	return nil
-}
-
-// waitSocket waits until the agent has bound its socket (it listens right
-// after), the sandbox dies, or ctx ends. An inotify watch on the agent's
-// directory wakes it as the socket appears; the periodic Lstat stays as the
-// check that counts (events are only a hint: the directory is the
-// sandbox's, which can make any events it likes) and as the fallback if
-// inotify is unavailable.
-func (i *instance) waitSocket(ctx context.Context, exited <-chan struct{}) error {
-	ino := -1
-	if fd, err := unix.InotifyInit1(unix.IN_CLOEXEC | unix.IN_NONBLOCK); err == nil {
-		if _, err := unix.InotifyAddWatch(fd, i.files.agentDir(), unix.IN_CREATE|unix.IN_MOVED_TO|unix.IN_ONLYDIR|unix.IN_DONT_FOLLOW); err == nil {
-			ino = fd
-		} else {
-			unix.Close(fd)
-		}
-	}
-	if ino >= 0 {
-		defer unix.Close(ino)
-	}
-	buf := make([]byte, 4096)
-	delay := 500 * time.Microsecond
-	for {
-		var st unix.Stat_t
-		if err := unix.Lstat(i.files.sockPath(), &st); err == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK {
-			// The agent binds, then listens: until it listens a connect
-			// is refused. Start promises a socket that can be dialled.
-			c, err := i.dialSocket(ctx)
-			if err == nil {
-				c.Close()
-				return nil
-			}
-			if !errors.Is(err, unix.ECONNREFUSED) {
-				return err
-			}
-			time.Sleep(200 * time.Microsecond)
-			continue
-		}
-		select {
-		case <-exited:
-			return fmt.Errorf("sandbox %s exited before its agent listened", i.spec.ID)
-		case <-ctx.Done():
-			return fmt.Errorf("sandbox %s: agent did not listen: %w", i.spec.ID, errors.Join(ctx.Err(), errdefs.ErrTimeout))
-		default:
-		}
-		if ino >= 0 {
-			// Wait for an event in the directory for at most 10 ms, then
-			// look again (and at exited and ctx).
-			fds := []unix.PollFd{{Fd: int32(ino), Events: unix.POLLIN}}
-			if n, _ := unix.Poll(fds, 10); n > 0 {
-				for {
-					if n, err := unix.Read(ino, buf); n <= 0 || err != nil {
-						break
-					}
-				}
-			}
-			continue
-		}
-		select {
-		case <-exited:
-		case <-ctx.Done():
-		case <-time.After(delay):
-		}
-		delay = min(2*delay, 20*time.Millisecond)
-	}
 }
 
 // Stop implements runtime.Instance: runsc deletes the container (killing

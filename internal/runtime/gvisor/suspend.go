@@ -80,7 +80,7 @@ func (i *instance) Suspend(ctx context.Context) error {
 		return fmt.Errorf("suspend sandbox %s: already holds a checkpoint: %w", i.spec.ID, errdefs.ErrConflict)
 	}
 	t0 := time.Now()
-	if err := i.waitQuiesced(ctx); err != nil {
+	if err := i.agent.waitQuiesced(ctx); err != nil {
 		return fmt.Errorf("suspend sandbox %s: %w", i.spec.ID, err)
 	}
 	tQuiesced := time.Now()
@@ -164,42 +164,13 @@ func (i *instance) resumeLocked(ctx context.Context) error {
 	return err
 }
 
-// waitQuiesced waits for the agent to remove its socket (PathQuiesce).
-func (i *instance) waitQuiesced(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, quiesceWait)
-	defer cancel()
-	for {
-		var st unix.Stat_t
-		if err := unix.Lstat(i.files.sockPath(), &st); errors.Is(err, unix.ENOENT) {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("its agent still listens (not quiesced): %w", errdefs.ErrConflict)
-		case <-time.After(time.Millisecond):
-		}
-	}
-}
-
 // checkpointFailed lets the agent listen again after a failed checkpoint
 // (the sandbox kept running) and returns runsc's error.
 func (i *instance) checkpointFailed(ctx context.Context, verb string, err error) error {
 	err = fmt.Errorf("%s sandbox %s: %w", verb, i.spec.ID, err)
-	if rerr := i.resumeAgent(ctx); rerr != nil {
+	if rerr := i.agent.resume(ctx, i.exited); rerr != nil {
 		return errors.Join(err, fmt.Errorf("and its agent did not listen again: %w", rerr))
 	}
-	return err
-}
-
-// resumeAgent writes the resume marker and waits for the agent's socket.
-func (i *instance) resumeAgent(ctx context.Context) error {
-	if err := writeResumeMarker(i.files.agentDir()); err != nil {
-		return err
-	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), quiesceWait)
-	defer cancel()
-	err := i.waitSocketPolling(ctx, i.exited)
-	removeResumeMarker(i.files.agentDir())
 	return err
 }
 
@@ -259,7 +230,7 @@ func (i *instance) Restore(ctx context.Context) (err error) {
 		return fmt.Errorf("restore sandbox %s: %w", i.spec.ID, err)
 	}
 	tRestored := time.Now()
-	if err := i.waitSocketPolling(ctx, i.exited); err != nil {
+	if err := i.agent.waitPolling(ctx, i.exited); err != nil {
 		return err
 	}
 	removeResumeMarker(i.files.agentDir())
@@ -280,25 +251,4 @@ func (i *instance) restoreFrom(ctx context.Context, image string) error {
 	}
 	_, _, err := i.trackSandboxLocked()
 	return err
-}
-
-// waitSocketPolling waits for the agent's socket like waitSocket but polls
-// every millisecond: after a restore the socket comes back within tens of
-// milliseconds, and that wait counts against every wake.
-func (i *instance) waitSocketPolling(ctx context.Context, exited <-chan struct{}) error {
-	t := time.NewTicker(time.Millisecond)
-	defer t.Stop()
-	for {
-		var st unix.Stat_t
-		if err := unix.Lstat(i.files.sockPath(), &st); err == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK {
-			return nil
-		}
-		select {
-		case <-exited:
-			return fmt.Errorf("sandbox %s exited before its agent listened", i.spec.ID)
-		case <-ctx.Done():
-			return fmt.Errorf("sandbox %s: agent did not listen: %w", i.spec.ID, errors.Join(ctx.Err(), errdefs.ErrTimeout))
-		case <-t.C:
-		}
-	}
 }
