@@ -94,11 +94,11 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 // running: --leave-running), copies its frozen disk to every child, and
 // resumes it whatever happened.
 func (i *instance) snapshotLocked(ctx context.Context, image string, kids []*instance) (err error) {
-	if err := i.checkpointPausedLocked(ctx, image, true); err != nil {
+	if err := i.ckpt.savePaused(ctx, image, true); err != nil {
 		return err
 	}
 	defer func() {
-		if rerr := i.resumeLocked(ctx); rerr != nil {
+		if rerr := i.ckpt.resume(ctx); rerr != nil {
 			err = errors.Join(err, rerr)
 		}
 	}()

@@ -148,8 +148,9 @@ func (r *Runtime) newInstance(spec runtime.Spec) (*instance, error) {
 	// holds: the gofer binds it at its own short path and the host dials
 	// it through an O_PATH descriptor (agentChan.dial, DialAgent).
 	files := layout{dir: dir}
-	return &instance{rt: r, rs: rs, spec: spec, files: files,
-		agent: &agentChan{id: spec.ID, files: files},
+	agent := &agentChan{id: spec.ID, files: files}
+	return &instance{rt: r, rs: rs, spec: spec, files: files, agent: agent,
+		ckpt:  &checkpointer{rt: r, rs: rs, id: spec.ID, files: files, agent: agent},
 		meter: &meter{rs: rs, id: spec.ID, files: files}}, nil
 }
 

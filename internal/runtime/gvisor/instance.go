@@ -35,8 +35,9 @@ type instance struct {
 	pid    int             // sandbox (sentry) pid on the host; 0 when not running
 	exited <-chan struct{} // closed when the sandbox process exits
 
-	agent *agentChan // the agent's socket
-	meter *meter     // stats and the OOM count
+	agent *agentChan    // the agent's socket
+	ckpt  *checkpointer // suspend images and checkpoints
+	meter *meter        // stats and the OOM count
 }
 
 var (
@@ -105,7 +106,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 	if i.aliveLocked() {
 		return fmt.Errorf("sandbox %s is already running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	if i.suspendedLocked() {
+	if i.ckpt.saved() {
 		return fmt.Errorf("sandbox %s is suspended (restore or destroy it): %w", i.spec.ID, errdefs.ErrConflict)
 	}
 	if _, err := os.Stat(i.files.dir); err != nil {
@@ -167,7 +168,7 @@ func (i *instance) Stop(ctx context.Context) error {
 	if err := i.stopLocked(ctx); err != nil {
 		return err
 	}
-	return i.discardImageLocked()
+	return i.ckpt.discard()
 }
 
 func (i *instance) stopLocked(ctx context.Context) error {

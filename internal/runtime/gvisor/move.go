@@ -30,7 +30,7 @@ func (r *Runtime) Export(ctx context.Context, inst runtime.Instance, dir string)
 	}
 	i.mu.Lock()
 	defer i.mu.Unlock()
-	if i.aliveLocked() || !i.suspendedLocked() {
+	if i.aliveLocked() || !i.ckpt.saved() {
 		return fmt.Errorf("export sandbox %s: not suspended: %w", i.spec.ID, errdefs.ErrConflict)
 	}
 	if _, err := os.Lstat(dir); err == nil {

@@ -51,22 +51,7 @@ const (
 func (i *instance) Suspended() bool {
 	i.mu.Lock()
 	defer i.mu.Unlock()
-	return i.suspendedLocked()
-}
-
-func (i *instance) suspendedLocked() bool {
-	fi, err := os.Lstat(i.files.imageDir())
-	return err == nil && fi.IsDir()
-}
-
-// discardImageLocked removes a suspended instance's image (Stop).
-func (i *instance) discardImageLocked() error {
-	for _, d := range []string{i.files.imageDir(), i.files.imageDir() + ".tmp"} {
-		if err := os.RemoveAll(d); err != nil {
-			return fmt.Errorf("sandbox %s: discarding its checkpoint: %w", i.spec.ID, err)
-		}
-	}
-	return nil
+	return i.ckpt.saved()
 }
 
 // Suspend implements runtime.Suspender. The agent must have been quiesced.
@@ -76,7 +61,7 @@ func (i *instance) Suspend(ctx context.Context) error {
 	if !i.aliveLocked() {
 		return fmt.Errorf("suspend sandbox %s: not running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	if i.suspendedLocked() {
+	if i.ckpt.saved() {
 		return fmt.Errorf("suspend sandbox %s: already holds a checkpoint: %w", i.spec.ID, errdefs.ErrConflict)
 	}
 	t0 := time.Now()
@@ -86,19 +71,19 @@ func (i *instance) Suspend(ctx context.Context) error {
 	tQuiesced := time.Now()
 	tmp := i.files.imageDir() + ".tmp"
 	if err := os.RemoveAll(tmp); err != nil {
-		return i.checkpointFailed(ctx, "suspend", err)
+		return i.ckpt.failed(ctx, "suspend", err, i.exited)
 	}
 	if err := os.Mkdir(tmp, 0o700); err != nil {
-		return i.checkpointFailed(ctx, "suspend", err)
+		return i.ckpt.failed(ctx, "suspend", err, i.exited)
 	}
-	if err := i.checkpointPausedLocked(ctx, tmp, false); err != nil {
+	if err := i.ckpt.savePaused(ctx, tmp, false); err != nil {
 		os.RemoveAll(tmp)
-		return i.checkpointFailed(ctx, "suspend", err)
+		return i.ckpt.failed(ctx, "suspend", err, i.exited)
 	}
 	if err := os.Rename(tmp, i.files.imageDir()); err != nil {
 		os.RemoveAll(tmp)
-		i.resumeLocked(ctx)
-		return i.checkpointFailed(ctx, "suspend", err)
+		i.ckpt.resume(ctx)
+		return i.ckpt.failed(ctx, "suspend", err, i.exited)
 	}
 	tCheckpoint := time.Now()
 	// Still paused, nothing changed since the save: release the
@@ -113,65 +98,6 @@ func (i *instance) Suspend(ctx context.Context) error {
 	i.rt.log.Debug("sandbox suspended", "id", i.spec.ID, "quiesce_wait", tQuiesced.Sub(t0),
 		"checkpoint", tCheckpoint.Sub(tQuiesced), "stop", time.Since(tCheckpoint))
 	return nil
-}
-
-// checkpointPausedLocked pauses the sandbox and saves it into image with
-// --leave-running. Without --leave-running gVisor kills the sandbox after
-// the save whether or not the save succeeded; with it a failed save leaves
-// the sandbox as it was. Paused first, the sandbox stays paused after the
-// save (runsc resumes only what it paused itself), so nothing — no disk
-// write — happens between the image and what the caller does next. On
-// error the sandbox is resumed.
-//
-// verifyPaused asks runsc whether the sandbox is still paused afterwards
-// (one more runsc call): Fork does, since it copies the disk while the
-// parent must not run; Suspend deletes the sandbox right away instead.
-func (i *instance) checkpointPausedLocked(ctx context.Context, image string, verifyPaused bool) (err error) {
-	t0 := time.Now()
-	if _, err := i.rs.run(ctx, 0, "pause", i.spec.ID); err != nil {
-		return err
-	}
-	defer func() {
-		if err != nil {
-			if rerr := i.resumeLocked(ctx); rerr != nil {
-				err = errors.Join(err, rerr)
-			}
-		}
-	}()
-	tPaused := time.Now()
-	if _, err := i.rs.run(ctx, checkpointTimeout, "checkpoint", "--leave-running", "--image-path", image, i.spec.ID); err != nil {
-		return err
-	}
-	tSaved := time.Now()
-	defer func() {
-		i.rt.log.Debug("checkpoint", "id", i.spec.ID, "pause", tPaused.Sub(t0), "save", tSaved.Sub(tPaused), "state", time.Since(tSaved))
-	}()
-	if !verifyPaused {
-		return nil
-	}
-	st, err := i.rs.state(ctx, i.spec.ID)
-	if err != nil {
-		return err
-	}
-	if st.Status != "paused" {
-		return fmt.Errorf("runsc left the container %s after checkpoint --leave-running, not paused: the image may not match its disk", st.Status)
-	}
-	return nil
-}
-
-func (i *instance) resumeLocked(ctx context.Context) error {
-	_, err := i.rs.run(context.WithoutCancel(ctx), 0, "resume", i.spec.ID)
-	return err
-}
-
-// checkpointFailed lets the agent listen again after a failed checkpoint
-// (the sandbox kept running) and returns runsc's error.
-func (i *instance) checkpointFailed(ctx context.Context, verb string, err error) error {
-	err = fmt.Errorf("%s sandbox %s: %w", verb, i.spec.ID, err)
-	if rerr := i.agent.resume(ctx, i.exited); rerr != nil {
-		return errors.Join(err, fmt.Errorf("and its agent did not listen again: %w", rerr))
-	}
-	return err
 }
 
 // writeResumeMarker creates the marker in the agent's directory. The
@@ -205,7 +131,7 @@ func (i *instance) Restore(ctx context.Context) (err error) {
 	if i.aliveLocked() {
 		return fmt.Errorf("restore sandbox %s: running: %w", i.spec.ID, errdefs.ErrConflict)
 	}
-	if !i.suspendedLocked() {
+	if !i.ckpt.saved() {
 		return fmt.Errorf("restore sandbox %s: no checkpoint: %w", i.spec.ID, errdefs.ErrConflict)
 	}
 	t0 := time.Now()
@@ -250,5 +176,95 @@ func (i *instance) restoreFrom(ctx context.Context, image string) error {
 		return err
 	}
 	_, _, err := i.trackSandboxLocked()
+	return err
+}
+
+// checkpointer owns one sandbox's checkpoints through runsc: the suspend
+// image in checkpoint/ (whether there is one, discarding it), pausing the
+// sandbox and saving it with --leave-running, resuming it, and letting
+// the agent listen again after a failed save. Restoring from an image is
+// the instance's (it tracks the new sandbox process). Callers hold the
+// instance's mu.
+type checkpointer struct {
+	rt    *Runtime
+	rs    *runsc
+	id    string
+	files layout
+	agent *agentChan
+}
+
+// saved reports whether a suspend image waits in checkpoint/.
+func (c *checkpointer) saved() bool {
+	fi, err := os.Lstat(c.files.imageDir())
+	return err == nil && fi.IsDir()
+}
+
+// discard removes a suspended instance's image (Stop).
+func (c *checkpointer) discard() error {
+	for _, d := range []string{c.files.imageDir(), c.files.imageDir() + ".tmp"} {
+		if err := os.RemoveAll(d); err != nil {
+			return fmt.Errorf("sandbox %s: discarding its checkpoint: %w", c.id, err)
+		}
+	}
+	return nil
+}
+
+// savePaused pauses the sandbox and saves it into image with
+// --leave-running. Without --leave-running gVisor kills the sandbox after
+// the save whether or not the save succeeded; with it a failed save leaves
+// the sandbox as it was. Paused first, the sandbox stays paused after the
+// save (runsc resumes only what it paused itself), so nothing — no disk
+// write — happens between the image and what the caller does next. On
+// error the sandbox is resumed.
+//
+// verifyPaused asks runsc whether the sandbox is still paused afterwards
+// (one more runsc call): Fork does, since it copies the disk while the
+// parent must not run; Suspend deletes the sandbox right away instead.
+func (c *checkpointer) savePaused(ctx context.Context, image string, verifyPaused bool) (err error) {
+	t0 := time.Now()
+	if _, err := c.rs.run(ctx, 0, "pause", c.id); err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			if rerr := c.resume(ctx); rerr != nil {
+				err = errors.Join(err, rerr)
+			}
+		}
+	}()
+	tPaused := time.Now()
+	if _, err := c.rs.run(ctx, checkpointTimeout, "checkpoint", "--leave-running", "--image-path", image, c.id); err != nil {
+		return err
+	}
+	tSaved := time.Now()
+	defer func() {
+		c.rt.log.Debug("checkpoint", "id", c.id, "pause", tPaused.Sub(t0), "save", tSaved.Sub(tPaused), "state", time.Since(tSaved))
+	}()
+	if !verifyPaused {
+		return nil
+	}
+	st, err := c.rs.state(ctx, c.id)
+	if err != nil {
+		return err
+	}
+	if st.Status != "paused" {
+		return fmt.Errorf("runsc left the container %s after checkpoint --leave-running, not paused: the image may not match its disk", st.Status)
+	}
+	return nil
+}
+
+// resume lets the paused sandbox run again.
+func (c *checkpointer) resume(ctx context.Context) error {
+	_, err := c.rs.run(context.WithoutCancel(ctx), 0, "resume", c.id)
+	return err
+}
+
+// failed lets the agent listen again after a failed checkpoint
+// (the sandbox kept running) and returns runsc's error.
+func (c *checkpointer) failed(ctx context.Context, verb string, err error, exited <-chan struct{}) error {
+	err = fmt.Errorf("%s sandbox %s: %w", verb, c.id, err)
+	if rerr := c.agent.resume(ctx, exited); rerr != nil {
+		return errors.Join(err, fmt.Errorf("and its agent did not listen again: %w", rerr))
+	}
 	return err
 }
