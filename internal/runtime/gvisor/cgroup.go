@@ -1,6 +1,10 @@
 package gvisor
 
 import (
+	"time"
+
+	"golang.org/x/sys/unix"
+
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/cgroupfs"
 )
@@ -48,3 +52,17 @@ func removeCgroups(id string) error { return sandboxCgroup(id).Remove() }
 
 // cgroupIDs lists the sandbox ids that have a cgroup of this runtime.
 func cgroupIDs() []string { return cgroupfs.Host().Names(cgroupBase, v1Controllers) }
+
+// killCgroup SIGKILLs every host process in sandbox id's cgroups.
+func killCgroup(id string) {
+	for round := 0; round < 50; round++ {
+		pids := cgroupProcs(id)
+		if len(pids) == 0 {
+			return
+		}
+		for _, p := range pids {
+			_ = unix.Kill(p, unix.SIGKILL)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

@@ -66,7 +66,7 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 	out, err := forkutil.Run(ctx, i.spec.ID, children, forkutil.Ops[*instance]{
 		New: i.rt.newChild,
 		Snapshot: func(ctx context.Context, kids []*instance) error {
-			if err := i.snapshotLocked(ctx, image, kids); err != nil {
+			if err := i.ckpt.forkSnapshot(ctx, image, kids); err != nil {
 				return err
 			}
 			agentBack = true
@@ -90,15 +90,15 @@ func (i *instance) Fork(ctx context.Context, children []runtime.Spec) (_ []runti
 	return out, nil
 }
 
-// snapshotLocked pauses the parent, checkpoints it into image (it keeps
+// forkSnapshot pauses the parent, checkpoints it into image (it keeps
 // running: --leave-running), copies its frozen disk to every child, and
 // resumes it whatever happened.
-func (i *instance) snapshotLocked(ctx context.Context, image string, kids []*instance) (err error) {
-	if err := i.ckpt.savePaused(ctx, image, true); err != nil {
+func (c *checkpointer) forkSnapshot(ctx context.Context, image string, kids []*instance) (err error) {
+	if err := c.savePaused(ctx, image, true); err != nil {
 		return err
 	}
 	defer func() {
-		if rerr := i.ckpt.resume(ctx); rerr != nil {
+		if rerr := c.resume(ctx); rerr != nil {
 			err = errors.Join(err, rerr)
 		}
 	}()
@@ -106,13 +106,13 @@ func (i *instance) snapshotLocked(ctx context.Context, image string, kids []*ins
 		if err := makeAgentDir(k.files.agentDir()); err != nil {
 			return err
 		}
-		if err := copyAgentDir(i.files.agentDir(), k.files.agentDir()); err != nil {
+		if err := copyAgentDir(c.files.agentDir(), k.files.agentDir()); err != nil {
 			return fmt.Errorf("copying /run/space to %s: %w", k.spec.ID, err)
 		}
 	}
-	return withFrozen(i.files.rwDir(), func() error {
+	return withFrozen(c.files.rwDir(), func() error {
 		for _, k := range kids {
-			if err := hostfs.CopySparse(i.files.diskImage(), k.files.diskImage()); err != nil {
+			if err := hostfs.CopySparse(c.files.diskImage(), k.files.diskImage()); err != nil {
 				return fmt.Errorf("copying the disk to %s: %w", k.spec.ID, err)
 			}
 		}
@@ -172,7 +172,7 @@ func (k *instance) restoreChild(ctx context.Context, image string) (err error) {
 	if hostname == "" {
 		hostname = k.spec.ID
 	}
-	if err := k.prepareNICLocked(); err != nil {
+	if err := prepareNIC(k.files.netnsPath(), k.spec.ID); err != nil {
 		return err
 	}
 	if err := writeSpec(k.files.dir, bundleSpec(k.spec.ID, k.files.rootfsDir(), hostname, k.files.agentDir(), k.rt.cfg.AgentBinary, k.files.netnsPath(), k.spec.Limits)); err != nil {

@@ -12,8 +12,6 @@ import (
 	"sync"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/runtime/cgroupfs"
@@ -25,6 +23,21 @@ import (
 // startTimeout bounds `runsc run` plus the agent binding its socket.
 const startTimeout = 60 * time.Second
 
+// An instance is one sandbox: one gVisor sandbox (runsc container) at a
+// time, started from a bundle over the sandbox's overlay root, or
+// restored from a checkpoint. It is the value the manager holds; its own
+// methods are the runtime interfaces it implements and the lifecycle
+// steps that change pid and exited, which mu guards with the lifecycle
+// itself. The rest of the work is in fields of their own types:
+//
+//   - files (layout, layout.go): the sandbox directory's names, and
+//     mounting the root there;
+//   - agent (agentChan, agentchan.go): the host's side of the agent's
+//     socket;
+//   - ckpt (checkpointer, suspend.go, fork.go): suspend images and
+//     checkpoints of the paused sandbox;
+//   - meter (meter, stats.go): what Stats and OOMKills read;
+//   - rs (runsc, runsc.go): the runsc command runner.
 type instance struct {
 	rt    *Runtime
 	rs    *runsc
@@ -128,7 +141,7 @@ func (i *instance) Start(ctx context.Context) (err error) {
 		hostname = i.spec.ID
 	}
 	writeHostFiles(i.files.rootfsDir(), hostname)
-	if err := i.prepareNICLocked(); err != nil {
+	if err := prepareNIC(i.files.netnsPath(), i.spec.ID); err != nil {
 		return err
 	}
 	bs := bundleSpec(i.spec.ID, i.files.rootfsDir(), hostname, i.files.agentDir(), i.rt.cfg.AgentBinary, i.files.netnsPath(), i.spec.Limits)
@@ -177,7 +190,7 @@ func (i *instance) stopLocked(ctx context.Context) error {
 		// runsc could not (it timed out, its state is damaged): kill the
 		// sandbox's host processes directly, then let runsc forget it.
 		i.rt.log.Warn("runsc delete failed; killing the sandbox's processes", "id", i.spec.ID, "err", err)
-		i.killCgroup()
+		killCgroup(i.spec.ID)
 		if err := i.rs.deleteForce(ctx, i.spec.ID); err != nil {
 			errs = append(errs, err)
 		}
@@ -186,7 +199,7 @@ func (i *instance) stopLocked(ctx context.Context) error {
 		select {
 		case <-i.exited:
 		case <-time.After(10 * time.Second):
-			i.killCgroup()
+			killCgroup(i.spec.ID)
 			select {
 			case <-i.exited:
 			case <-time.After(5 * time.Second):
@@ -200,7 +213,7 @@ func (i *instance) stopLocked(ctx context.Context) error {
 	i.pid, i.exited = 0, nil
 	// runsc removes the cgroups it made; a sandbox that died without runsc
 	// may leave them (with a gofer still in them).
-	i.killCgroup()
+	killCgroup(i.spec.ID)
 	i.meter.stopped()
 	_ = removeCgroups(i.spec.ID)
 	for _, p := range []string{i.files.sockPath(), i.files.pidFile(), i.files.runscPid()} {
@@ -212,20 +225,6 @@ func (i *instance) stopLocked(ctx context.Context) error {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
-}
-
-// killCgroup SIGKILLs every host process in the sandbox's cgroups.
-func (i *instance) killCgroup() {
-	for round := 0; round < 50; round++ {
-		pids := cgroupProcs(i.spec.ID)
-		if len(pids) == 0 {
-			return
-		}
-		for _, p := range pids {
-			_ = unix.Kill(p, unix.SIGKILL)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }
 
 // Destroy implements runtime.Instance. It works on any partial state.

@@ -33,19 +33,18 @@ import (
 // last process in it, is gone; a TAP descriptor the gateway still holds
 // keeps it until closed.
 
-// prepareNICLocked makes a fresh namespace with the configured TAP at
-// netnsPath, replacing whatever a previous start left there.
-func (i *instance) prepareNICLocked() error {
-	p := i.files.netnsPath()
+// prepareNIC makes a fresh namespace with the configured TAP at p (the
+// netnsPath of sandbox id), replacing whatever a previous start left there.
+func prepareNIC(p, id string) error {
 	if err := hostnet.RemoveNetNS(p); err != nil {
 		return err
 	}
 	if err := hostnet.NewNetNS(p); err != nil {
-		return fmt.Errorf("sandbox %s: %w", i.spec.ID, err)
+		return fmt.Errorf("sandbox %s: %w", id, err)
 	}
 	tap, err := hostnet.CreateTAP(p)
 	if err != nil {
-		return fmt.Errorf("sandbox %s NIC: %w", i.spec.ID, err)
+		return fmt.Errorf("sandbox %s NIC: %w", id, err)
 	}
 	// The device is persistent: it stays, unattached, for runsc to find
 	// and for NIC to attach to.

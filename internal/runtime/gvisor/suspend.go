@@ -148,7 +148,7 @@ func (i *instance) Restore(ctx context.Context) (err error) {
 	}
 	// A fresh namespace and TAP at the same path the bundle names: the
 	// suspended sandbox's namespace ended with it.
-	if err := i.prepareNICLocked(); err != nil {
+	if err := prepareNIC(i.files.netnsPath(), i.spec.ID); err != nil {
 		return err
 	}
 	tPrepared := time.Now()
