@@ -15,7 +15,11 @@
 //     agent and the guest's init answer. QEMU is detached from the server
 //     and re-adopted by Open (pid + start time). A watchdog pings the
 //     guest's init; ExitReason tells a panic, a power-off, a QEMU crash
-//     and a hung guest apart, with the console's tail.
+//     and a hung guest apart, with the console's tail. Its parts are
+//     fields of their own types: layout (layout.go, the directory's
+//     files), vmm (vmm.go, the QEMU process, QMP and the watchdog),
+//     guestCtl (guestctl.go, the guest init's control port), snapshots
+//     (suspend.go) and warmer (warm.go).
 //   - Snapshots (suspend.go, fork.go, warm.go, migrate.go): QMP migration
 //     to a file and back; fork; warm templates.
 //   - Boot: FindKernel locates the pinned Debian cloud kernel that
