@@ -329,11 +329,14 @@ func TestBadNetworkPolicyIsInvalid(t *testing.T) {
 	}
 }
 
-// TestRealValidatorRefusesBareStar runs once netpolicy.Validate is real.
+// TestRealValidatorRefusesBareStar: a bare "*" in allow_out is refused,
+// naming the entry, by netpolicy.Validate and by the manager's check (a
+// validator that lets it through is broken: the test fails, it does not
+// skip).
 func TestRealValidatorRefusesBareStar(t *testing.T) {
 	bad := api.NetworkPolicy{AllowOut: []string{"pypi.org", "*"}}
-	if netpolicy.Validate(bad) == nil {
-		t.Skip("netpolicy.Validate is still the placeholder")
+	if err := netpolicy.Validate(bad); err == nil {
+		t.Fatal(`netpolicy.Validate accepted allow_out "*"`)
 	}
 	err := validatePolicy(bad)
 	if !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), "allow_out[1]") {
