@@ -11,10 +11,19 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/spacehq/space/internal/audit/chain"
 	"github.com/spacehq/space/internal/errdefs"
 )
+
+// AuditHeadStore keeps each node's audit chain head: the witness, outside
+// the node, that its audit log was not rolled back or rewritten. A node
+// anchors its newest signed checkpoint and reports a log that stopped
+// continuing it; an admin forgets a head to let the node start afresh.
+type AuditHeadStore struct {
+	pool *pgxpool.Pool
+}
 
 // AuditHead is a node's audit chain head as the cluster keeps it: the
 // newest signed checkpoint the node published, and the problem the node
@@ -40,7 +49,7 @@ var ErrAuditHeadStale = fmt.Errorf("audit head does not advance the anchored one
 // AnchorAudit publishes node's newest signed checkpoint (its stored line)
 // as its head, if the line is a checkpoint whose hash and signature hold
 // with publicKey, and it advances the head on record under the same key.
-func (s *Store) AnchorAudit(ctx context.Context, node, line string, publicKey ed25519.PublicKey) error {
+func (a *AuditHeadStore) AnchorAudit(ctx context.Context, node, line string, publicKey ed25519.PublicKey) error {
 	if node == "" {
 		return fmt.Errorf("audit head needs the node: %w", errdefs.ErrInvalidArgument)
 	}
@@ -52,7 +61,7 @@ func (s *Store) AnchorAudit(ctx context.Context, node, line string, publicKey ed
 	if json.Unmarshal([]byte(line), &rec) != nil || rec.Kind != chain.KindCheckpoint || !rep.OK() || rep.Checkpoints != 1 {
 		return fmt.Errorf("audit head of %s is not a checkpoint signed by its key (%v): %w", node, rep.Problems, errdefs.ErrInvalidArgument)
 	}
-	tag, err := s.pool.Exec(ctx, `
+	tag, err := a.pool.Exec(ctx, `
 		INSERT INTO audit_heads (node, seq, hash, key_id, public_key, checkpoint, signed_at)
 		VALUES ($1, $2, $3, $4, $5, $6, $7)
 		ON CONFLICT (node) DO UPDATE SET seq = EXCLUDED.seq, hash = EXCLUDED.hash, checkpoint = EXCLUDED.checkpoint,
@@ -70,12 +79,12 @@ func (s *Store) AnchorAudit(ctx context.Context, node, line string, publicKey ed
 
 // ReportAuditProblem records that node's log no longer continues its head.
 // The head stays as it was: it is the evidence.
-func (s *Store) ReportAuditProblem(ctx context.Context, node, problem string) error {
+func (a *AuditHeadStore) ReportAuditProblem(ctx context.Context, node, problem string) error {
 	if problem == "" {
 		return fmt.Errorf("an audit problem needs its description: %w", errdefs.ErrInvalidArgument)
 	}
 	// The first report stands; a node with no head has nothing to contradict.
-	if _, err := s.pool.Exec(ctx, `UPDATE audit_heads SET problem = $2, problem_at = now() WHERE node = $1 AND problem = ''`, node, problem); err != nil {
+	if _, err := a.pool.Exec(ctx, `UPDATE audit_heads SET problem = $2, problem_at = now() WHERE node = $1 AND problem = ''`, node, problem); err != nil {
 		return fmt.Errorf("audit problem of %s: %w", node, err)
 	}
 	return nil
@@ -84,8 +93,8 @@ func (s *Store) ReportAuditProblem(ctx context.Context, node, problem string) er
 // ForgetAuditHead drops node's head (and its problem): the node anchors
 // its log afresh from its newest checkpoint. An admin's decision after
 // looking into a problem, or for a node rebuilt on purpose.
-func (s *Store) ForgetAuditHead(ctx context.Context, node string) error {
-	tag, err := s.pool.Exec(ctx, `DELETE FROM audit_heads WHERE node = $1`, node)
+func (a *AuditHeadStore) ForgetAuditHead(ctx context.Context, node string) error {
+	tag, err := a.pool.Exec(ctx, `DELETE FROM audit_heads WHERE node = $1`, node)
 	if err != nil {
 		return fmt.Errorf("forget audit head of %s: %w", node, err)
 	}
@@ -106,8 +115,8 @@ func scanAuditHead(r pgx.CollectableRow) (AuditHead, error) {
 }
 
 // AuditHead is node's head; ErrNotFound when it has published none.
-func (s *Store) AuditHead(ctx context.Context, node string) (AuditHead, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+auditHeadColumns+` FROM audit_heads WHERE node = $1`, node)
+func (a *AuditHeadStore) AuditHead(ctx context.Context, node string) (AuditHead, error) {
+	rows, err := a.pool.Query(ctx, `SELECT `+auditHeadColumns+` FROM audit_heads WHERE node = $1`, node)
 	if err != nil {
 		return AuditHead{}, fmt.Errorf("audit head of %s: %w", node, err)
 	}
@@ -122,8 +131,8 @@ func (s *Store) AuditHead(ctx context.Context, node string) (AuditHead, error) {
 }
 
 // AuditHeads lists every node's head, by node.
-func (s *Store) AuditHeads(ctx context.Context) ([]AuditHead, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+auditHeadColumns+` FROM audit_heads ORDER BY node`)
+func (a *AuditHeadStore) AuditHeads(ctx context.Context) ([]AuditHead, error) {
+	rows, err := a.pool.Query(ctx, `SELECT `+auditHeadColumns+` FROM audit_heads ORDER BY node`)
 	if err != nil {
 		return nil, fmt.Errorf("list audit heads: %w", err)
 	}

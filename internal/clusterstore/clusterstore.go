@@ -3,6 +3,14 @@
 // capacity, and (as cluster mode grows) what every API replica must agree
 // on. The single-box server never imports it; SQLite stays its store.
 //
+// Open returns a Store: the one connection pool and the schema, and the
+// parts that keep what is stored, which share that pool — NodeStore
+// (nodes, heartbeats, placement), SandboxStore (sandbox rows: desired and
+// observed state, moves, the nodes' wake-ups), KeyStore (API keys),
+// SettingsStore (what every node mirrors: tenants, policy rule sets, warm
+// pools), SecretStore (sealed secrets, mirrored too) and AuditHeadStore
+// (each node's audit chain head).
+//
 // Time comparisons use the database's clock (now()), never a replica's, so
 // replicas with skewed clocks agree on which node is late.
 package clusterstore
@@ -23,9 +31,32 @@ import (
 // could write rows the new one misreads.
 var ErrSchemaTooNew = errors.New("cluster database schema is newer than this binary")
 
-// Store is a connection pool to the cluster database.
+// Store is a connection pool to the cluster database, with the schema
+// migrated, and the parts of the cluster's state that share it. Embedding
+// makes each part's methods the Store's, so one *Store serves a caller that
+// needs several parts; a caller that needs one can take just that part
+// (store.NodeStore, store.SandboxStore, ...). Close closes the pool for all.
 type Store struct {
 	pool *pgxpool.Pool
+
+	*NodeStore
+	*SandboxStore
+	*KeyStore
+	*SettingsStore
+	*SecretStore
+	*AuditHeadStore
+}
+
+func newStore(pool *pgxpool.Pool) *Store {
+	return &Store{
+		pool:           pool,
+		NodeStore:      &NodeStore{pool: pool},
+		SandboxStore:   &SandboxStore{pool: pool},
+		KeyStore:       &KeyStore{pool: pool},
+		SettingsStore:  &SettingsStore{pool: pool},
+		SecretStore:    &SecretStore{pool: pool},
+		AuditHeadStore: &AuditHeadStore{pool: pool},
+	}
 }
 
 // Open connects to the PostgreSQL database at dsn (a URL or key=value
@@ -42,7 +73,7 @@ func Open(ctx context.Context, dsn string) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("connect cluster store: %w", err)
 	}
-	s := &Store{pool: pool}
+	s := newStore(pool)
 	if err := s.migrate(ctx); err != nil {
 		pool.Close()
 		return nil, err
@@ -50,7 +81,7 @@ func Open(ctx context.Context, dsn string) (*Store, error) {
 	return s, nil
 }
 
-// Close closes the pool.
+// Close closes the pool (every part's).
 func (s *Store) Close() { s.pool.Close() }
 
 // SchemaVersion is the schema version the database is at.

@@ -7,18 +7,25 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
 )
+
+// KeyStore keeps the cluster's API keys by the digest of their secret
+// (never the secret), which every replica checks a caller's key against.
+type KeyStore struct {
+	pool *pgxpool.Pool
+}
 
 // firstKeyLock serialises replicas that start on an empty key table, so
 // exactly one of them stores the first admin key.
 const firstKeyLock = 0x73706163655f6b31 // "space_k1"
 
 // AddKey stores an API key by its digest (the secret is never stored).
-func (s *Store) AddKey(ctx context.Context, k api.APIKey, digest string) error {
-	_, err := s.pool.Exec(ctx, `INSERT INTO api_keys (id, digest, name, tenant, scopes, prefix, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7)`,
+func (ks *KeyStore) AddKey(ctx context.Context, k api.APIKey, digest string) error {
+	_, err := ks.pool.Exec(ctx, `INSERT INTO api_keys (id, digest, name, tenant, scopes, prefix, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7)`,
 		k.ID, digest, k.Name, k.Tenant, k.Scopes, k.Prefix, k.CreatedAt)
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "23505" {
@@ -29,9 +36,9 @@ func (s *Store) AddKey(ctx context.Context, k api.APIKey, digest string) error {
 
 // AddFirstKey stores k only if the cluster has no key at all, under a lock
 // every replica takes for it; it reports whether k was stored.
-func (s *Store) AddFirstKey(ctx context.Context, k api.APIKey, digest string) (bool, error) {
+func (ks *KeyStore) AddFirstKey(ctx context.Context, k api.APIKey, digest string) (bool, error) {
 	stored := false
-	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+	err := pgx.BeginFunc(ctx, ks.pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(firstKeyLock)); err != nil {
 			return err
 		}
@@ -60,8 +67,8 @@ func scanKey(r pgx.CollectableRow) (api.APIKey, error) {
 }
 
 // LiveKey returns the unrevoked key with this digest.
-func (s *Store) LiveKey(ctx context.Context, digest string) (api.APIKey, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+keyColumns+` FROM api_keys WHERE digest = $1 AND revoked_at IS NULL`, digest)
+func (ks *KeyStore) LiveKey(ctx context.Context, digest string) (api.APIKey, error) {
+	rows, err := ks.pool.Query(ctx, `SELECT `+keyColumns+` FROM api_keys WHERE digest = $1 AND revoked_at IS NULL`, digest)
 	if err != nil {
 		return api.APIKey{}, fmt.Errorf("look up key: %w", err)
 	}
@@ -73,8 +80,8 @@ func (s *Store) LiveKey(ctx context.Context, digest string) (api.APIKey, error) 
 }
 
 // Keys lists keys, of one tenant or ("") all, oldest first.
-func (s *Store) Keys(ctx context.Context, tenant string) ([]api.APIKey, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+keyColumns+` FROM api_keys WHERE $1 = '' OR tenant = $1 ORDER BY created_at, id`, tenant)
+func (ks *KeyStore) Keys(ctx context.Context, tenant string) ([]api.APIKey, error) {
+	rows, err := ks.pool.Query(ctx, `SELECT `+keyColumns+` FROM api_keys WHERE $1 = '' OR tenant = $1 ORDER BY created_at, id`, tenant)
 	if err != nil {
 		return nil, fmt.Errorf("list keys: %w", err)
 	}
@@ -83,8 +90,8 @@ func (s *Store) Keys(ctx context.Context, tenant string) ([]api.APIKey, error) {
 
 // RevokeKey revokes a key (a revoked key stays revoked, with its first
 // revocation time) and returns it.
-func (s *Store) RevokeKey(ctx context.Context, id string) (api.APIKey, error) {
-	rows, err := s.pool.Query(ctx, `UPDATE api_keys SET revoked_at = coalesce(revoked_at, now()) WHERE id = $1 RETURNING `+keyColumns, id)
+func (ks *KeyStore) RevokeKey(ctx context.Context, id string) (api.APIKey, error) {
+	rows, err := ks.pool.Query(ctx, `UPDATE api_keys SET revoked_at = coalesce(revoked_at, now()) WHERE id = $1 RETURNING `+keyColumns, id)
 	if err != nil {
 		return api.APIKey{}, fmt.Errorf("revoke key: %w", err)
 	}

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/spacehq/space/internal/errdefs"
 )
@@ -44,9 +45,17 @@ type Node struct {
 	Heartbeat   time.Time
 }
 
+// NodeStore keeps the nodes that run sandboxes: their heartbeats (and,
+// through MarkLost, the loss of one that stopped beating, with its
+// sandboxes), an admin's drain, and placement, which picks the node for a
+// new sandbox and charges it until that node's next heartbeat.
+type NodeStore struct {
+	pool *pgxpool.Pool
+}
+
 // Heartbeat records that the node is alive with status s, registering it on
 // first call. A node that had been marked lost and beats again is ready.
-func (s *Store) Heartbeat(ctx context.Context, st NodeStatus) error {
+func (ns *NodeStore) Heartbeat(ctx context.Context, st NodeStatus) error {
 	if st.ID == "" || st.Address == "" {
 		return fmt.Errorf("heartbeat needs the node's id and address: %w", errdefs.ErrInvalidArgument)
 	}
@@ -59,7 +68,7 @@ func (s *Store) Heartbeat(ctx context.Context, st NodeStatus) error {
 	if st.Warm == nil {
 		st.Warm = []string{}
 	}
-	_, err := s.pool.Exec(ctx, `
+	_, err := ns.pool.Exec(ctx, `
 		INSERT INTO nodes (id, address, mem_free, cpus, sandboxes, templates, warm)
 		VALUES ($1, $2, $3, $4, $5, $6, $7)
 		ON CONFLICT (id) DO UPDATE SET
@@ -80,12 +89,12 @@ func (s *Store) Heartbeat(ctx context.Context, st NodeStatus) error {
 // as lost with "node <id> lost: <reason>", in one transaction; it returns
 // the nodes' ids. Any replica may call it: each node is reported by exactly
 // one caller.
-func (s *Store) MarkLost(ctx context.Context, window time.Duration) ([]string, error) {
+func (ns *NodeStore) MarkLost(ctx context.Context, window time.Duration) ([]string, error) {
 	if window <= 0 {
 		return nil, fmt.Errorf("heartbeat window %v must be positive: %w", window, errdefs.ErrInvalidArgument)
 	}
 	var ids []string
-	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+	err := pgx.BeginFunc(ctx, ns.pool, func(tx pgx.Tx) error {
 		rows, err := tx.Query(ctx, `
 			UPDATE nodes SET state = 'lost',
 				state_reason = format('no heartbeat for %s (last at %s)',
@@ -110,8 +119,8 @@ func (s *Store) MarkLost(ctx context.Context, window time.Duration) ([]string, e
 }
 
 // Drain stops placement on a node (its sandboxes keep running).
-func (s *Store) Drain(ctx context.Context, id, reason string) error {
-	tag, err := s.pool.Exec(ctx, `UPDATE nodes SET state = 'draining', state_reason = $2 WHERE id = $1`, id, reason)
+func (ns *NodeStore) Drain(ctx context.Context, id, reason string) error {
+	tag, err := ns.pool.Exec(ctx, `UPDATE nodes SET state = 'draining', state_reason = $2 WHERE id = $1`, id, reason)
 	if err != nil {
 		return fmt.Errorf("drain node %q: %w", id, err)
 	}
@@ -123,8 +132,8 @@ func (s *Store) Drain(ctx context.Context, id, reason string) error {
 
 // Undrain lets placement use a draining node again (a lost one stays
 // lost until it beats).
-func (s *Store) Undrain(ctx context.Context, id string) error {
-	tag, err := s.pool.Exec(ctx, `UPDATE nodes SET state = CASE WHEN state = 'draining' THEN 'ready' ELSE state END,
+func (ns *NodeStore) Undrain(ctx context.Context, id string) error {
+	tag, err := ns.pool.Exec(ctx, `UPDATE nodes SET state = CASE WHEN state = 'draining' THEN 'ready' ELSE state END,
 		state_reason = CASE WHEN state = 'draining' THEN '' ELSE state_reason END WHERE id = $1`, id)
 	if err != nil {
 		return fmt.Errorf("undrain node %q: %w", id, err)
@@ -145,8 +154,8 @@ func scanNode(r pgx.CollectableRow) (Node, error) {
 }
 
 // Nodes lists every node, by id.
-func (s *Store) Nodes(ctx context.Context) ([]Node, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+nodeColumns+` FROM nodes ORDER BY id`)
+func (ns *NodeStore) Nodes(ctx context.Context) ([]Node, error) {
+	rows, err := ns.pool.Query(ctx, `SELECT `+nodeColumns+` FROM nodes ORDER BY id`)
 	if err != nil {
 		return nil, fmt.Errorf("list nodes: %w", err)
 	}
@@ -159,8 +168,8 @@ func (s *Store) Nodes(ctx context.Context) ([]Node, error) {
 // template, then the one with the fewest sandboxes per CPU, then the most
 // free memory, then by id (deterministic).
 // ErrUnavailable when none fits.
-func (s *Store) Place(ctx context.Context, digest string, mem int64, window time.Duration) (Node, error) {
-	return s.PlaceExcept(ctx, digest, mem, window, nil)
+func (ns *NodeStore) Place(ctx context.Context, digest string, mem int64, window time.Duration) (Node, error) {
+	return ns.PlaceExcept(ctx, digest, mem, window, nil)
 }
 
 // PlaceExcept is Place among the nodes not in exclude (a replica retrying
@@ -169,11 +178,11 @@ func (s *Store) Place(ctx context.Context, digest string, mem int64, window time
 // until its next heartbeat says what it really has, and one warm member
 // of the template is taken off it, so a burst of creates spreads instead
 // of piling onto the node that looked emptiest or warmest.
-func (s *Store) PlaceExcept(ctx context.Context, digest string, mem int64, window time.Duration, exclude []string) (Node, error) {
+func (ns *NodeStore) PlaceExcept(ctx context.Context, digest string, mem int64, window time.Duration, exclude []string) (Node, error) {
 	if exclude == nil {
 		exclude = []string{}
 	}
-	rows, err := s.pool.Query(ctx, `UPDATE nodes SET mem_free = greatest(mem_free - $2, 0), sandboxes = sandboxes + 1,
+	rows, err := ns.pool.Query(ctx, `UPDATE nodes SET mem_free = greatest(mem_free - $2, 0), sandboxes = sandboxes + 1,
 			warm = CASE WHEN array_position(warm, $1) IS NULL THEN warm
 				ELSE warm[:array_position(warm, $1) - 1] || warm[array_position(warm, $1) + 1:] END
 		WHERE id = (SELECT id FROM nodes

@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
@@ -28,6 +29,15 @@ const (
 // notifyChannel carries, as payload, the id of a node that has new desired
 // state to apply. One channel: node ids are data, not identifiers.
 const notifyChannel = "space_node"
+
+// SandboxStore keeps the sandbox rows: what replicas ask of each sandbox
+// (its desired state, with a generation that counts the changes) and what
+// its node last observed, a create's idempotency key, and the move of a
+// lost node's sandbox. Every change of desired state NOTIFYs the node that
+// runs the sandbox; Listen is the node's side of that.
+type SandboxStore struct {
+	pool *pgxpool.Pool
+}
 
 // Sandbox is one sandbox's row: what a replica asked for and what its node
 // last reported.
@@ -56,8 +66,8 @@ var ErrIdempotencyKeyUsed = fmt.Errorf("idempotency key already used: %w", errde
 
 // AddSandbox records a new sandbox placed on node and wakes that node. An
 // id that exists is ErrConflict.
-func (s *Store) AddSandbox(ctx context.Context, id, node, tenant string, req api.CreateSandboxRequest) error {
-	return s.AddSandboxRecord(ctx, NewSandbox{ID: id, Node: node, Tenant: tenant, Request: req})
+func (ss *SandboxStore) AddSandbox(ctx context.Context, id, node, tenant string, req api.CreateSandboxRequest) error {
+	return ss.AddSandboxRecord(ctx, NewSandbox{ID: id, Node: node, Tenant: tenant, Request: req})
 }
 
 // NewSandbox is the row of a sandbox a node has just made.
@@ -73,7 +83,7 @@ type NewSandbox struct {
 // AddSandboxRecord is AddSandbox with the create's idempotency key and
 // operation: a key the tenant already used is ErrIdempotencyKeyUsed, so of
 // two creates with one key exactly one gets a row.
-func (s *Store) AddSandboxRecord(ctx context.Context, n NewSandbox) error {
+func (ss *SandboxStore) AddSandboxRecord(ctx context.Context, n NewSandbox) error {
 	id, node, tenant, key, req := n.ID, n.Node, n.Tenant, n.IdempotencyKey, n.Request
 	if id == "" || node == "" {
 		return fmt.Errorf("a sandbox row needs an id and a node: %w", errdefs.ErrInvalidArgument)
@@ -86,7 +96,7 @@ func (s *Store) AddSandboxRecord(ctx context.Context, n NewSandbox) error {
 	if key != "" {
 		idem = &key
 	}
-	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+	err = pgx.BeginFunc(ctx, ss.pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `INSERT INTO sandboxes (id, node, tenant, request, desired, idempotency_key, create_operation) VALUES ($1, $2, $3, $4, 'running', $5, $6)`,
 			id, node, tenant, body, idem, n.CreateOperation); err != nil {
 			return err
@@ -117,8 +127,8 @@ const StateMoving = "moving"
 // ClaimMove takes a lost sandbox for a move from node from to node to: one
 // UPDATE, so of replicas racing to move it exactly one wins (the others get
 // ErrConflict and follow the row). EndMove settles it.
-func (s *Store) ClaimMove(ctx context.Context, id, from, to string) error {
-	tag, err := s.pool.Exec(ctx, `UPDATE sandboxes SET node = $3, state = 'moving', state_reason = 'moving from ' || $2,
+func (ss *SandboxStore) ClaimMove(ctx context.Context, id, from, to string) error {
+	tag, err := ss.pool.Exec(ctx, `UPDATE sandboxes SET node = $3, state = 'moving', state_reason = 'moving from ' || $2,
 			updated_at = now()
 		WHERE id = $1 AND node = $2 AND state = 'lost'`, id, from, to)
 	if err != nil {
@@ -132,13 +142,13 @@ func (s *Store) ClaimMove(ctx context.Context, id, from, to string) error {
 
 // EndMove settles a claimed move: done, the row is the new node's
 // suspended sandbox; failed, it goes back to the old node, lost, with why.
-func (s *Store) EndMove(ctx context.Context, id, from, to string, failure error) error {
+func (ss *SandboxStore) EndMove(ctx context.Context, id, from, to string, failure error) error {
 	var err error
 	if failure == nil {
-		_, err = s.pool.Exec(ctx, `UPDATE sandboxes SET state = 'suspended', state_reason = '', updated_at = now()
+		_, err = ss.pool.Exec(ctx, `UPDATE sandboxes SET state = 'suspended', state_reason = '', updated_at = now()
 			WHERE id = $1 AND node = $2 AND state = 'moving'`, id, to)
 	} else {
-		_, err = s.pool.Exec(ctx, `UPDATE sandboxes SET node = $3, state = 'lost', state_reason = $4, updated_at = now()
+		_, err = ss.pool.Exec(ctx, `UPDATE sandboxes SET node = $3, state = 'lost', state_reason = $4, updated_at = now()
 			WHERE id = $1 AND node = $2 AND state = 'moving'`, id, to, from, "moving to "+to+" failed: "+failure.Error())
 	}
 	if err != nil {
@@ -148,8 +158,8 @@ func (s *Store) EndMove(ctx context.Context, id, from, to string, failure error)
 }
 
 // SandboxByKey returns the tenant's sandbox created under an idempotency key.
-func (s *Store) SandboxByKey(ctx context.Context, tenant, key string) (Sandbox, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes WHERE tenant = $1 AND idempotency_key = $2`, tenant, key)
+func (ss *SandboxStore) SandboxByKey(ctx context.Context, tenant, key string) (Sandbox, error) {
+	rows, err := ss.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes WHERE tenant = $1 AND idempotency_key = $2`, tenant, key)
 	if err != nil {
 		return Sandbox{}, fmt.Errorf("sandbox by idempotency key: %w", err)
 	}
@@ -161,8 +171,8 @@ func (s *Store) SandboxByKey(ctx context.Context, tenant, key string) (Sandbox, 
 }
 
 // Sandboxes lists the sandbox rows of tenant ("" for every tenant), oldest first.
-func (s *Store) Sandboxes(ctx context.Context, tenant string) ([]Sandbox, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes
+func (ss *SandboxStore) Sandboxes(ctx context.Context, tenant string) ([]Sandbox, error) {
+	rows, err := ss.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes
 		WHERE $1 = '' OR tenant = $1 ORDER BY created_at, id`, tenant)
 	if err != nil {
 		return nil, fmt.Errorf("list sandboxes: %w", err)
@@ -172,13 +182,13 @@ func (s *Store) Sandboxes(ctx context.Context, tenant string) ([]Sandbox, error)
 
 // SetDesired changes what a sandbox should be, bumps its generation and
 // wakes its node.
-func (s *Store) SetDesired(ctx context.Context, id, desired string) error {
+func (ss *SandboxStore) SetDesired(ctx context.Context, id, desired string) error {
 	switch desired {
 	case DesiredRunning, DesiredPaused, DesiredSuspended, DesiredDeleted:
 	default:
 		return fmt.Errorf("desired state %q: want running, paused, suspended or deleted: %w", desired, errdefs.ErrInvalidArgument)
 	}
-	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+	return pgx.BeginFunc(ctx, ss.pool, func(tx pgx.Tx) error {
 		var node string
 		err := tx.QueryRow(ctx, `UPDATE sandboxes SET desired = $2, generation = generation + 1, updated_at = now()
 			WHERE id = $1 RETURNING node`, id, desired).Scan(&node)
@@ -215,8 +225,8 @@ func scanSandbox(r pgx.CollectableRow) (Sandbox, error) {
 }
 
 // GetSandbox returns one sandbox's row.
-func (s *Store) GetSandbox(ctx context.Context, id string) (Sandbox, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes WHERE id = $1`, id)
+func (ss *SandboxStore) GetSandbox(ctx context.Context, id string) (Sandbox, error) {
+	rows, err := ss.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes WHERE id = $1`, id)
 	if err != nil {
 		return Sandbox{}, fmt.Errorf("get sandbox %q: %w", id, err)
 	}
@@ -229,8 +239,8 @@ func (s *Store) GetSandbox(ctx context.Context, id string) (Sandbox, error) {
 
 // Pending returns the sandboxes on node whose desired state the node has
 // not applied yet (generation > observed), oldest first.
-func (s *Store) Pending(ctx context.Context, node string) ([]Sandbox, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes
+func (ss *SandboxStore) Pending(ctx context.Context, node string) ([]Sandbox, error) {
+	rows, err := ss.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes
 		WHERE node = $1 AND generation > observed ORDER BY created_at, id`, node)
 	if err != nil {
 		return nil, fmt.Errorf("pending sandboxes of %q: %w", node, err)
@@ -240,8 +250,8 @@ func (s *Store) Pending(ctx context.Context, node string) ([]Sandbox, error) {
 
 // OnNode returns every sandbox row placed on node (a node reconciling after
 // its restart compares them with what it runs).
-func (s *Store) OnNode(ctx context.Context, node string) ([]Sandbox, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes WHERE node = $1 ORDER BY id`, node)
+func (ss *SandboxStore) OnNode(ctx context.Context, node string) ([]Sandbox, error) {
+	rows, err := ss.pool.Query(ctx, `SELECT `+sandboxColumns+` FROM sandboxes WHERE node = $1 ORDER BY id`, node)
 	if err != nil {
 		return nil, fmt.Errorf("sandboxes of %q: %w", node, err)
 	}
@@ -254,13 +264,13 @@ func (s *Store) OnNode(ctx context.Context, node string) ([]Sandbox, error) {
 // observed never goes backwards. A sandbox reported deleted loses its row,
 // whoever asked for the deletion (a replica, or a call to the node's own
 // API): it is gone, and the cluster answers 404 for it as a single box does.
-func (s *Store) Report(ctx context.Context, node, id string, gen int64, status api.Sandbox) error {
+func (ss *SandboxStore) Report(ctx context.Context, node, id string, gen int64, status api.Sandbox) error {
 	body, err := json.Marshal(status)
 	if err != nil {
 		return err
 	}
 	if status.State == api.StateDeleted {
-		tag, err := s.pool.Exec(ctx, `DELETE FROM sandboxes WHERE id = $1 AND node = $2`, id, node)
+		tag, err := ss.pool.Exec(ctx, `DELETE FROM sandboxes WHERE id = $1 AND node = $2`, id, node)
 		if err != nil {
 			return fmt.Errorf("report deletion of %q: %w", id, err)
 		}
@@ -269,7 +279,7 @@ func (s *Store) Report(ctx context.Context, node, id string, gen int64, status a
 		}
 		return nil
 	}
-	tag, err := s.pool.Exec(ctx, `UPDATE sandboxes SET status = $4, state = $5, state_reason = $6,
+	tag, err := ss.pool.Exec(ctx, `UPDATE sandboxes SET status = $4, state = $5, state_reason = $6,
 			observed = greatest(observed, $3), updated_at = now()
 		WHERE id = $1 AND node = $2`, id, node, gen, body, status.State, status.Error)
 	if err != nil {
@@ -281,48 +291,18 @@ func (s *Store) Report(ctx context.Context, node, id string, gen int64, status a
 	return nil
 }
 
+// CountSandboxes is how many sandbox rows tenant has (what a replica checks
+// a cluster-wide sandbox quota against).
+func (ss *SandboxStore) CountSandboxes(ctx context.Context, tenant string) (int, error) {
+	var n int
+	err := ss.pool.QueryRow(ctx, `SELECT count(*) FROM sandboxes WHERE tenant = $1 AND desired <> 'deleted'`, tenant).Scan(&n)
+	return n, err
+}
+
 // Listen calls wake each time a replica notifies node of new desired state,
 // until ctx ends; it reconnects after a lost connection and calls wake once
 // after every (re)connect, since notifications sent while it was away are
 // gone. Nodes poll Pending too: a notification is a hint, not the truth.
-func (s *Store) Listen(ctx context.Context, node string, wake func()) error {
-	return s.listen(ctx, notifyChannel, func(payload string) bool { return payload == node }, wake)
-}
-
-func (s *Store) listen(ctx context.Context, channel string, match func(string) bool, wake func()) error {
-	for ctx.Err() == nil {
-		err := s.listenOnce(ctx, channel, match, wake)
-		if ctx.Err() != nil {
-			break
-		}
-		_ = err // the caller's poll covers the gap; retry after a pause
-		select {
-		case <-ctx.Done():
-		case <-time.After(500 * time.Millisecond):
-		}
-	}
-	return ctx.Err()
-}
-
-func (s *Store) listenOnce(ctx context.Context, channel string, match func(string) bool, wake func()) error {
-	pooled, err := s.pool.Acquire(ctx)
-	if err != nil {
-		return err
-	}
-	// A LISTENing connection must not go back to the pool.
-	conn := pooled.Hijack()
-	defer conn.Close(context.Background())
-	if _, err := conn.Exec(ctx, "LISTEN "+channel); err != nil {
-		return err
-	}
-	wake()
-	for {
-		n, err := conn.WaitForNotification(ctx)
-		if err != nil {
-			return err
-		}
-		if match(n.Payload) {
-			wake()
-		}
-	}
+func (ss *SandboxStore) Listen(ctx context.Context, node string, wake func()) error {
+	return listen(ctx, ss.pool, notifyChannel, func(payload string) bool { return payload == node }, wake)
 }

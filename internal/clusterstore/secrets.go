@@ -7,9 +7,18 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/spacehq/space/internal/errdefs"
 )
+
+// SecretStore keeps the tenants' secrets set through replicas, sealed
+// with the cluster's secrets key (never in the clear here). Every change
+// NOTIFYs the settings channel, so nodes mirror secrets as they do the
+// SettingsStore's rows (ListenSettings wakes for both).
+type SecretStore struct {
+	pool *pgxpool.Pool
+}
 
 // Secret is a secret as the cluster keeps it: its value sealed with the
 // cluster's secrets key (secrets.Sealer) for its tenant, name and version.
@@ -26,11 +35,11 @@ type Secret struct {
 
 // PutSecret creates or rotates tenant's secret name: the version goes up
 // by one and seal seals the value for that version. created says which.
-func (s *Store) PutSecret(ctx context.Context, tenant, name string, hosts []string, header string, seal func(version int) ([]byte, error)) (sec Secret, created bool, err error) {
+func (sc *SecretStore) PutSecret(ctx context.Context, tenant, name string, hosts []string, header string, seal func(version int) ([]byte, error)) (sec Secret, created bool, err error) {
 	if hosts == nil {
 		hosts = []string{}
 	}
-	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+	err = pgx.BeginFunc(ctx, sc.pool, func(tx pgx.Tx) error {
 		var version int
 		err := tx.QueryRow(ctx, `SELECT version FROM secrets WHERE tenant = $1 AND name = $2 FOR UPDATE`, tenant, name).Scan(&version)
 		switch {
@@ -63,8 +72,8 @@ func (s *Store) PutSecret(ctx context.Context, tenant, name string, hosts []stri
 }
 
 // DeleteSecret removes tenant's secret name (ErrNotFound if none).
-func (s *Store) DeleteSecret(ctx context.Context, tenant, name string) error {
-	err := s.changeSettings(ctx, `DELETE FROM secrets WHERE tenant = $1 AND name = $2`, tenant, name)
+func (sc *SecretStore) DeleteSecret(ctx context.Context, tenant, name string) error {
+	err := changeSettings(ctx, sc.pool, `DELETE FROM secrets WHERE tenant = $1 AND name = $2`, tenant, name)
 	if errors.Is(err, errNoRow) {
 		return fmt.Errorf("secret %q: %w", name, errdefs.ErrNotFound)
 	}
@@ -81,8 +90,8 @@ func scanSecret(r pgx.CollectableRow) (Secret, error) {
 
 // Secrets lists the secrets of tenant ("": every tenant's), by tenant and
 // name.
-func (s *Store) Secrets(ctx context.Context, tenant string) ([]Secret, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+secretColumns+` FROM secrets WHERE $1 = '' OR tenant = $1 ORDER BY tenant, name`, tenant)
+func (sc *SecretStore) Secrets(ctx context.Context, tenant string) ([]Secret, error) {
+	rows, err := sc.pool.Query(ctx, `SELECT `+secretColumns+` FROM secrets WHERE $1 = '' OR tenant = $1 ORDER BY tenant, name`, tenant)
 	if err != nil {
 		return nil, fmt.Errorf("list secrets: %w", err)
 	}
@@ -90,8 +99,8 @@ func (s *Store) Secrets(ctx context.Context, tenant string) ([]Secret, error) {
 }
 
 // GetSecret is tenant's secret name (ErrNotFound if none).
-func (s *Store) GetSecret(ctx context.Context, tenant, name string) (Secret, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+secretColumns+` FROM secrets WHERE tenant = $1 AND name = $2`, tenant, name)
+func (sc *SecretStore) GetSecret(ctx context.Context, tenant, name string) (Secret, error) {
+	rows, err := sc.pool.Query(ctx, `SELECT `+secretColumns+` FROM secrets WHERE tenant = $1 AND name = $2`, tenant, name)
 	if err != nil {
 		return Secret{}, fmt.Errorf("secret %s: %w", name, err)
 	}

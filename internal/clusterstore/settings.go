@@ -7,10 +7,18 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
 )
+
+// SettingsStore keeps the cluster's settings every node mirrors: tenants
+// (quotas and network boundary), policy rule sets by scope and warm pools.
+// Every change NOTIFYs the settings channel, which ListenSettings follows.
+type SettingsStore struct {
+	pool *pgxpool.Pool
+}
 
 // settingsChannel is NOTIFYed after every change of tenants, policy
 // rules, secrets or pools, so nodes mirror it without waiting for their next poll.
@@ -27,18 +35,18 @@ type Settings struct {
 }
 
 // PutPool stores the warm pool id with its (normalised) spec.
-func (s *Store) PutPool(ctx context.Context, id string, spec api.PoolSpec) error {
+func (st *SettingsStore) PutPool(ctx context.Context, id string, spec api.PoolSpec) error {
 	b, err := json.Marshal(spec)
 	if err != nil {
 		return err
 	}
-	return s.changeSettings(ctx, `INSERT INTO pools (id, spec) VALUES ($1, $2)
+	return changeSettings(ctx, st.pool, `INSERT INTO pools (id, spec) VALUES ($1, $2)
 		ON CONFLICT (id) DO UPDATE SET spec = excluded.spec, updated_at = now()`, id, b)
 }
 
 // DeletePool removes warm pool id (ErrNotFound if the cluster has none).
-func (s *Store) DeletePool(ctx context.Context, id string) error {
-	err := s.changeSettings(ctx, `DELETE FROM pools WHERE id = $1`, id)
+func (st *SettingsStore) DeletePool(ctx context.Context, id string) error {
+	err := changeSettings(ctx, st.pool, `DELETE FROM pools WHERE id = $1`, id)
 	if errors.Is(err, errNoRow) {
 		return fmt.Errorf("the cluster has no warm pool %s: %w", id, errdefs.ErrNotFound)
 	}
@@ -46,29 +54,29 @@ func (s *Store) DeletePool(ctx context.Context, id string) error {
 }
 
 // PutTenant stores a tenant's quotas and boundary (validated by the caller).
-func (s *Store) PutTenant(ctx context.Context, t api.Tenant) error {
+func (st *SettingsStore) PutTenant(ctx context.Context, t api.Tenant) error {
 	t.Usage, t.UpdatedAt = nil, nil
 	spec, err := json.Marshal(t)
 	if err != nil {
 		return err
 	}
-	return s.changeSettings(ctx, `INSERT INTO tenants (name, spec) VALUES ($1, $2)
+	return changeSettings(ctx, st.pool, `INSERT INTO tenants (name, spec) VALUES ($1, $2)
 		ON CONFLICT (name) DO UPDATE SET spec = excluded.spec, updated_at = now()`, t.Name, spec)
 }
 
 // PutRules stores the rule set of a scope (compiled by the caller).
-func (s *Store) PutRules(ctx context.Context, rs api.PolicyRuleSet) error {
+func (st *SettingsStore) PutRules(ctx context.Context, rs api.PolicyRuleSet) error {
 	spec, err := json.Marshal(rs)
 	if err != nil {
 		return err
 	}
-	return s.changeSettings(ctx, `INSERT INTO policy_rules (scope, spec) VALUES ($1, $2)
+	return changeSettings(ctx, st.pool, `INSERT INTO policy_rules (scope, spec) VALUES ($1, $2)
 		ON CONFLICT (scope) DO UPDATE SET spec = excluded.spec, updated_at = now()`, rs.Scope, spec)
 }
 
 // DeleteRules removes the rule set of a scope (ErrNotFound if none).
-func (s *Store) DeleteRules(ctx context.Context, scope string) error {
-	err := s.changeSettings(ctx, `DELETE FROM policy_rules WHERE scope = $1`, scope)
+func (st *SettingsStore) DeleteRules(ctx context.Context, scope string) error {
+	err := changeSettings(ctx, st.pool, `DELETE FROM policy_rules WHERE scope = $1`, scope)
 	if errors.Is(err, errNoRow) {
 		return fmt.Errorf("no rule set is attached to %s: %w", scope, errdefs.ErrNotFound)
 	}
@@ -77,8 +85,10 @@ func (s *Store) DeleteRules(ctx context.Context, scope string) error {
 
 var errNoRow = errors.New("no row")
 
-func (s *Store) changeSettings(ctx context.Context, sql string, args ...any) error {
-	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+// changeSettings runs sql in a transaction with a NOTIFY of the settings
+// channel; errNoRow when it changed no row.
+func changeSettings(ctx context.Context, pool *pgxpool.Pool, sql string, args ...any) error {
+	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		tag, err := tx.Exec(ctx, sql, args...)
 		if err != nil {
 			return fmt.Errorf("cluster settings: %w", err)
@@ -92,9 +102,9 @@ func (s *Store) changeSettings(ctx context.Context, sql string, args ...any) err
 }
 
 // Settings reads every tenant and rule set.
-func (s *Store) Settings(ctx context.Context) (Settings, error) {
+func (st *SettingsStore) Settings(ctx context.Context) (Settings, error) {
 	var out Settings
-	rows, err := s.pool.Query(ctx, `SELECT spec, updated_at FROM tenants ORDER BY name`)
+	rows, err := st.pool.Query(ctx, `SELECT spec, updated_at FROM tenants ORDER BY name`)
 	if err != nil {
 		return out, fmt.Errorf("read tenants: %w", err)
 	}
@@ -110,7 +120,7 @@ func (s *Store) Settings(ctx context.Context) (Settings, error) {
 	if err != nil {
 		return out, fmt.Errorf("read tenants: %w", err)
 	}
-	rows, err = s.pool.Query(ctx, `SELECT spec FROM policy_rules ORDER BY scope`)
+	rows, err = st.pool.Query(ctx, `SELECT spec FROM policy_rules ORDER BY scope`)
 	if err != nil {
 		return out, fmt.Errorf("read policy rules: %w", err)
 	}
@@ -126,7 +136,7 @@ func (s *Store) Settings(ctx context.Context) (Settings, error) {
 	if err != nil {
 		return out, fmt.Errorf("read policy rules: %w", err)
 	}
-	rows, err = s.pool.Query(ctx, `SELECT id, spec FROM pools`)
+	rows, err = st.pool.Query(ctx, `SELECT id, spec FROM pools`)
 	if err != nil {
 		return out, fmt.Errorf("read pools: %w", err)
 	}
@@ -149,10 +159,10 @@ func (s *Store) Settings(ctx context.Context) (Settings, error) {
 
 // Tenant returns one tenant's settings (a tenant nobody configured has
 // none: no quotas, no boundary).
-func (s *Store) Tenant(ctx context.Context, name string) (api.Tenant, error) {
+func (st *SettingsStore) Tenant(ctx context.Context, name string) (api.Tenant, error) {
 	t := api.Tenant{Name: name}
 	var spec []byte
-	err := s.pool.QueryRow(ctx, `SELECT spec FROM tenants WHERE name = $1`, name).Scan(&spec)
+	err := st.pool.QueryRow(ctx, `SELECT spec FROM tenants WHERE name = $1`, name).Scan(&spec)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return t, nil
 	}
@@ -163,16 +173,8 @@ func (s *Store) Tenant(ctx context.Context, name string) (api.Tenant, error) {
 	return t, err
 }
 
-// CountSandboxes is how many sandbox rows tenant has (what a replica checks
-// a cluster-wide sandbox quota against).
-func (s *Store) CountSandboxes(ctx context.Context, tenant string) (int, error) {
-	var n int
-	err := s.pool.QueryRow(ctx, `SELECT count(*) FROM sandboxes WHERE tenant = $1 AND desired <> 'deleted'`, tenant).Scan(&n)
-	return n, err
-}
-
 // ListenSettings calls wake after every change of the settings (and once
 // per (re)connect), until ctx ends.
-func (s *Store) ListenSettings(ctx context.Context, wake func()) error {
-	return s.listen(ctx, settingsChannel, func(string) bool { return true }, wake)
+func (st *SettingsStore) ListenSettings(ctx context.Context, wake func()) error {
+	return listen(ctx, st.pool, settingsChannel, func(string) bool { return true }, wake)
 }
