@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -11,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/sdk"
 )
 
 // TestPoolAPIBadInputs: every bad pool spec is a 4xx naming the problem.
@@ -133,12 +135,23 @@ func TestPoolClaimsThroughTheCLI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	def := false
+	def := ""
 	for _, q := range pools {
-		def = def || (q.Spec.Template == "base:latest" && q.Spec.Runtime == "auto")
+		if q.Spec.Template == "base:latest" && q.Spec.Runtime == "auto" {
+			def = q.ID
+		}
 	}
-	if !def {
+	if def == "" {
 		t.Errorf("the server's default pool is not listed: %+v", pools)
+	} else if info, err := e.client.Info(ctx); err != nil {
+		t.Fatal(err)
+	} else {
+		// The runtime auto picks, by name, with the default limits: the
+		// default pool's members; refused with 409 naming it.
+		_, err := e.client.SetPool(ctx, api.PoolSpec{Template: "base:latest", Runtime: info.AutoRuntime, Max: 1})
+		if !errors.Is(err, sdk.ErrConflict) || !strings.Contains(err.Error(), def) {
+			t.Errorf("a twin of the default pool on %s: %v, want a conflict naming %s", info.AutoRuntime, err, def)
+		}
 	}
 	if _, _, code := e.spaceCLI(t, "", "pool", "rm", p.ID); code != 0 {
 		t.Fatalf("pool rm: %d", code)
