@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/errdefs"
 )
 
@@ -90,21 +91,23 @@ func connectCode(ctx context.Context, err error) (string, string) {
 		return codeCanceled, msg
 	}
 	switch errdefs.Code(err) {
-	case "invalid_argument", "too_large":
+	case api.CodeInvalidArgument, api.CodeTooLarge:
 		return codeInvalidArgument, msg
-	case "unauthorized":
+	case api.CodeUnauthorized:
 		return codeUnauthenticated, msg
-	case "forbidden":
+	case api.CodePermissionDenied, api.CodePolicyDenied:
 		return codePermissionDenied, msg
-	case "not_found":
+	case api.CodeQuotaExceeded:
+		return codeResourceExhausted, msg
+	case api.CodeNotFound:
 		return codeNotFound, msg
-	case "conflict", "unprocessable":
+	case api.CodeConflict, api.CodeUnprocessable:
 		return codeFailedPrecondition, msg
-	case "not_supported":
+	case api.CodeNotSupported, api.CodeMethodNotAllowed:
 		return codeUnimplemented, msg
-	case "unavailable":
+	case api.CodeUnavailable:
 		return codeUnavailable, msg
-	case "timeout":
+	case api.CodeTimeout:
 		return codeDeadlineExceeded, msg
 	}
 	return codeInternal, msg

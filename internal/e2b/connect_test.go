@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -175,5 +176,34 @@ func TestServerStream(t *testing.T) {
 	res.Body.Close()
 	if res.StatusCode != 415 {
 		t.Fatalf("unary content type on a stream: %d", res.StatusCode)
+	}
+}
+
+// TestConnectCodeOfEverySentinel: every class of error the layers below
+// return reaches E2B's SDK as the Connect code that means it; a policy
+// refusal is permission_denied, not internal (the SDK shows internal as a
+// server bug).
+func TestConnectCodeOfEverySentinel(t *testing.T) {
+	for _, c := range []struct {
+		err  error
+		want string
+	}{
+		{errdefs.ErrPolicyDenied, codePermissionDenied},
+		{errdefs.ErrPermissionDenied, codePermissionDenied},
+		{errdefs.ErrInvalidArgument, codeInvalidArgument},
+		{errdefs.ErrTooLarge, codeInvalidArgument},
+		{errdefs.ErrUnauthorized, codeUnauthenticated},
+		{errdefs.ErrNotFound, codeNotFound},
+		{errdefs.ErrConflict, codeFailedPrecondition},
+		{errdefs.ErrUnprocessable, codeFailedPrecondition},
+		{errdefs.ErrNotSupported, codeUnimplemented},
+		{errdefs.ErrUnavailable, codeUnavailable},
+		{errdefs.ErrTimeout, codeDeadlineExceeded},
+		{errdefs.ErrQuotaExceeded, codeResourceExhausted},
+		{errors.New("a bug"), codeInternal},
+	} {
+		if got, _ := connectCode(context.Background(), fmt.Errorf("wrapped: %w", c.err)); got != c.want {
+			t.Errorf("%v: %s, want %s", c.err, got, c.want)
+		}
 	}
 }

@@ -422,6 +422,11 @@ func (f *fsCall) mkdirParent(ctx context.Context, p string) error {
 	if dir == "/" {
 		return nil
 	}
+	// Only when it is missing: a mkdir is a write of its own for the
+	// policy, which must see (and record) the file's path, not its parent's.
+	if fi, err := f.stat(ctx, dir); err == nil && fi.Type == "dir" {
+		return nil
+	}
 	if _, err := f.mkdir(ctx, dir); err != nil {
 		if errors.Is(err, errdefs.ErrConflict) {
 			return fmt.Errorf("cannot create %s: a parent of it is not a directory: %w", dir, errdefs.ErrInvalidArgument)
