@@ -27,6 +27,7 @@ import (
 	"github.com/spacehq/space/internal/cli"
 	"github.com/spacehq/space/internal/mcpserver"
 	"github.com/spacehq/space/internal/policy"
+	"github.com/spacehq/space/internal/replica"
 	"github.com/spacehq/space/internal/server"
 	"github.com/spacehq/space/internal/template"
 	"github.com/spacehq/space/sdk"
@@ -137,7 +138,7 @@ func newNodeCmd(e cli.Env) *cobra.Command { return newServeCmd(e, true) }
 func newServeCmd(e cli.Env, node bool) *cobra.Command {
 	cfg := server.Config{}
 	var nf serverNetFlags
-	var rc server.ReplicaConfig
+	var rc replica.Config
 	cmd := &cobra.Command{
 		Use:   "server",
 		Short: "Run the space API server and node services",
@@ -162,7 +163,7 @@ func newServeCmd(e cli.Env, node bool) *cobra.Command {
 				rc.Logger = slog.New(slog.NewTextHandler(e.Err, nil))
 				ctx, stop := signal.NotifyContext(e.Ctx, os.Interrupt, syscall.SIGTERM)
 				defer stop()
-				return server.RunReplica(ctx, rc)
+				return replica.Run(ctx, rc)
 			}
 			if cfg.DataDir == "" || cfg.CacheDir == "" || cfg.Listen == "" {
 				return usagef("--data, --cache and --listen must not be empty")

@@ -1,4 +1,4 @@
-package server
+package replica
 
 import (
 	"encoding/json"
@@ -6,12 +6,14 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"path"
 	"sort"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/clusterstore"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/principal"
+	"github.com/spacehq/space/internal/server"
 )
 
 // Approvals through a replica: an approval is held by the node whose
@@ -19,29 +21,34 @@ import (
 // included), a listing of all is the union of the nodes' answers, and an
 // answer goes to the node that holds the approval.
 
+// approvals serves approvals through a replica.
+type approvals struct {
+	nodes *nodeClient
+}
+
 // maxApprovalAnswer bounds an approve/deny body.
 const maxApprovalAnswer = 64 << 10
 
-func (r *Replica) listApprovals(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+func (a *approvals) list(w http.ResponseWriter, req *http.Request, p principal.Principal) {
 	q := req.URL.Query()
 	if id := q.Get("sandbox"); id != "" {
-		n, err := r.sandboxNode(req.Context(), id, &p)
+		n, err := a.nodes.sandboxNode(req.Context(), id, &p)
 		if err != nil {
-			writeError(w, req, err)
+			server.WriteError(w, req, err)
 			return
 		}
-		r.proxy(w, req, n, &p)
+		a.nodes.proxy(w, req, n, &p)
 		return
 	}
-	if follow, err := parseBool(q.Get("follow"), "follow"); err != nil || follow {
+	if follow, err := server.ParseBool(q.Get("follow"), "follow"); err != nil || follow {
 		if err == nil {
 			err = fmt.Errorf("through a cluster replica, follow=true needs sandbox=ID (approvals are held by each sandbox's node): %w", errdefs.ErrInvalidArgument)
 		}
-		writeError(w, req, err)
+		server.WriteError(w, req, err)
 		return
 	}
 	out := api.ApprovalList{Approvals: []api.Approval{}}
-	ok := r.askReadyNodes(w, req, "/v1/approvals?"+q.Encode(), &p, writeError, func(_ clusterstore.Node, body io.Reader) error {
+	ok := a.nodes.askReadyNodes(w, req, "/v1/approvals?"+q.Encode(), &p, server.WriteError, func(_ clusterstore.Node, body io.Reader) error {
 		var part api.ApprovalList
 		if err := json.NewDecoder(body).Decode(&part); err != nil {
 			return err
@@ -54,35 +61,41 @@ func (r *Replica) listApprovals(w http.ResponseWriter, req *http.Request, p prin
 		return
 	}
 	sort.SliceStable(out.Approvals, func(i, j int) bool { return out.Approvals[i].CreatedAt.Before(out.Approvals[j].CreatedAt) })
-	writeJSON(w, http.StatusOK, out)
+	server.WriteJSON(w, http.StatusOK, out)
 }
 
 // answerApproval asks each ready node in turn to answer the approval
 // until one holds it (an approval's id does not say where it is).
-func (r *Replica) answerApproval(w http.ResponseWriter, req *http.Request, p principal.Principal) {
-	if v := req.PathValue("verb"); v != "approve" && v != "deny" {
-		writeError(w, req, fmt.Errorf("no route for %s %s (answer with …/approve or …/deny): %w", req.Method, req.URL.Path, errdefs.ErrNotFound))
+func (a *approvals) answer(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+	// The table's routes name the verb (…/approve, …/deny); the replica's
+	// own …/{verb} catches the rest.
+	verb := req.PathValue("verb")
+	if verb == "" {
+		verb = path.Base(req.URL.Path)
+	}
+	if verb != "approve" && verb != "deny" {
+		server.WriteError(w, req, fmt.Errorf("no route for %s %s (answer with …/approve or …/deny): %w", req.Method, req.URL.Path, errdefs.ErrNotFound))
 		return
 	}
 	body, err := io.ReadAll(io.LimitReader(req.Body, maxApprovalAnswer+1))
 	if err != nil || len(body) > maxApprovalAnswer {
-		writeError(w, req, fmt.Errorf("an approval's answer must be JSON of at most %d bytes: %w", maxApprovalAnswer, errdefs.ErrInvalidArgument))
+		server.WriteError(w, req, fmt.Errorf("an approval's answer must be JSON of at most %d bytes: %w", maxApprovalAnswer, errdefs.ErrInvalidArgument))
 		return
 	}
 	if len(body) == 0 {
 		body = nil
 	}
-	nodes, err := r.store.Nodes(req.Context())
+	nodes, err := a.nodes.store.Nodes(req.Context())
 	if err != nil {
-		writeError(w, req, err)
+		server.WriteError(w, req, err)
 		return
 	}
-	path := "/v1/approvals/" + url.PathEscape(req.PathValue("id")) + "/" + req.PathValue("verb")
+	to := "/v1/approvals/" + url.PathEscape(req.PathValue("id")) + "/" + verb
 	for _, n := range nodes {
 		if n.State != clusterstore.NodeReady {
 			continue
 		}
-		resp, err := r.forwardFor(req.Context(), req, n, http.MethodPost, path, body, &p, "")
+		resp, err := a.nodes.forwardFor(req.Context(), req, n, http.MethodPost, to, body, &p, "")
 		if err != nil {
 			continue // a node that does not answer holds nothing it can decide now
 		}
@@ -94,5 +107,5 @@ func (r *Replica) answerApproval(w http.ResponseWriter, req *http.Request, p pri
 		copyResponse(w, resp, n.ID)
 		return
 	}
-	writeError(w, req, fmt.Errorf("approval %q: %w", req.PathValue("id"), errdefs.ErrNotFound))
+	server.WriteError(w, req, fmt.Errorf("approval %q: %w", req.PathValue("id"), errdefs.ErrNotFound))
 }

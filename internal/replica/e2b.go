@@ -1,4 +1,4 @@
-package server
+package replica
 
 import (
 	"bytes"
@@ -14,6 +14,7 @@ import (
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/sandbox"
+	"github.com/spacehq/space/internal/server"
 )
 
 // A replica serves E2B's API (internal/e2b) by routing: each call naming a
@@ -22,13 +23,21 @@ import (
 // create; a listing merges the nodes'. The caller's key is checked here
 // and vouched for, never passed on.
 
+// e2bAPI serves E2B's API (control plane and envd) through a replica.
+type e2bAPI struct {
+	nodes         *nodeClient
+	keys          *keyring
+	quota         quotaStore
+	defaultMemMiB int64
+}
+
 // maxE2BCreateBody bounds a create's JSON.
 const maxE2BCreateBody = 1 << 20
 
-func (r *Replica) e2bCall(w http.ResponseWriter, req *http.Request) {
+func (e *e2bAPI) serve(w http.ResponseWriter, req *http.Request) {
 	path := req.URL.Path
 	if strings.HasPrefix(path, e2b.EnvdPrefix+"/") || path == e2b.SignedFilesPath {
-		r.e2bEnvd(w, req)
+		e.envd(w, req)
 		return
 	}
 	key := req.Header.Get("X-API-KEY")
@@ -39,7 +48,7 @@ func (r *Replica) e2bCall(w http.ResponseWriter, req *http.Request) {
 		e2b.WriteError(w, req, fmt.Errorf("missing API key (X-API-KEY header, E2B_API_KEY in the SDK): %w", errdefs.ErrUnauthorized))
 		return
 	}
-	p, err := r.authenticateKey(req.Context(), key)
+	p, err := e.keys.authenticateKey(req.Context(), key)
 	if err != nil {
 		e2b.WriteError(w, req, err)
 		return
@@ -47,26 +56,26 @@ func (r *Replica) e2bCall(w http.ResponseWriter, req *http.Request) {
 	rest := strings.TrimPrefix(path, e2b.Prefix)
 	switch {
 	case (rest == "/sandboxes" || rest == "/v2/sandboxes") && req.Method == http.MethodPost:
-		r.e2bCreate(w, req, p)
+		e.create(w, req, p)
 	case (rest == "/sandboxes" || rest == "/v2/sandboxes") && req.Method == http.MethodGet:
-		r.e2bList(w, req, p)
+		e.list(w, req, p)
 	case strings.HasPrefix(rest, "/sandboxes/") || strings.HasPrefix(rest, "/v2/sandboxes/"):
 		id, _, _ := strings.Cut(strings.TrimPrefix(strings.TrimPrefix(rest, "/v2"), "/sandboxes/"), "/")
-		r.e2bToSandbox(w, req, id, &p)
+		e.toSandbox(w, req, id, &p)
 	default:
 		e2b.WriteError(w, req, fmt.Errorf("%s %s is not served by a cluster replica (it serves E2B's sandboxes: create, list, get, kill, timeout, pause, resume, connect, fork, metrics, network, and envd); snapshots and templates are each node's: %w",
 			req.Method, path, errdefs.ErrNotSupported))
 	}
 }
 
-// e2bToSandbox proxies a call about sandbox id to its node, as caller p
+// toSandbox proxies a call about sandbox id to its node, as caller p
 // (nil: the node checks the call's own token).
-func (r *Replica) e2bToSandbox(w http.ResponseWriter, req *http.Request, id string, p *principal.Principal) {
+func (e *e2bAPI) toSandbox(w http.ResponseWriter, req *http.Request, id string, p *principal.Principal) {
 	if sandbox.ValidID(id) != nil {
-		e2b.WriteError(w, req, fmt.Errorf("sandbox %q not found: %w", truncateQuery(id), errdefs.ErrNotFound))
+		e2b.WriteError(w, req, fmt.Errorf("sandbox %q not found: %w", server.TruncateQuery(id), errdefs.ErrNotFound))
 		return
 	}
-	n, err := r.sandboxNode(req.Context(), id, p)
+	n, err := e.nodes.sandboxNode(req.Context(), id, p)
 	if err == nil && n.State == clusterstore.NodeLost {
 		err = errNodeDown(n, nil)
 	}
@@ -74,13 +83,13 @@ func (r *Replica) e2bToSandbox(w http.ResponseWriter, req *http.Request, id stri
 		e2b.WriteError(w, req, err)
 		return
 	}
-	r.proxy(w, req, n, p)
+	e.nodes.proxy(w, req, n, p)
 }
 
-// e2bEnvd routes an envd call by its E2b-Sandbox-Id (or sandbox_id). Its
+// envd routes an envd call by its E2b-Sandbox-Id (or sandbox_id). Its
 // access token is the node's to check; an API key is checked here and
 // vouched for.
-func (r *Replica) e2bEnvd(w http.ResponseWriter, req *http.Request) {
+func (e *e2bAPI) envd(w http.ResponseWriter, req *http.Request) {
 	id := req.Header.Get("E2b-Sandbox-Id")
 	if id == "" {
 		id = req.URL.Query().Get("sandbox_id")
@@ -91,7 +100,7 @@ func (r *Replica) e2bEnvd(w http.ResponseWriter, req *http.Request) {
 	}
 	var p *principal.Principal
 	if key := req.Header.Get("X-API-KEY"); key != "" {
-		pp, err := r.authenticateKey(req.Context(), key)
+		pp, err := e.keys.authenticateKey(req.Context(), key)
 		if err != nil {
 			e2b.WriteError(w, req, err)
 			return
@@ -99,13 +108,13 @@ func (r *Replica) e2bEnvd(w http.ResponseWriter, req *http.Request) {
 		p = &pp
 		req.Header.Del("X-API-KEY")
 	}
-	r.e2bToSandbox(w, req, id, p)
+	e.toSandbox(w, req, id, p)
 }
 
-// e2bCreate places an E2B create like a native one (the tenant's sandbox
+// create places an E2B create like a native one (the tenant's sandbox
 // quota across the cluster, template locality, one retry elsewhere when a
 // node does not answer) and lets the chosen node's E2B layer make it.
-func (r *Replica) e2bCreate(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+func (e *e2bAPI) create(w http.ResponseWriter, req *http.Request, p principal.Principal) {
 	if !p.Can(principal.ScopeSandboxWrite) {
 		e2b.WriteError(w, req, fmt.Errorf("this API key (%s) lacks the %s scope: %w", p.KeyName, principal.ScopeSandboxWrite, errdefs.ErrPermissionDenied))
 		return
@@ -122,7 +131,7 @@ func (r *Replica) e2bCreate(w http.ResponseWriter, req *http.Request, p principa
 		e2b.WriteError(w, req, fmt.Errorf("the create's body is not JSON: %v: %w", err, errdefs.ErrInvalidArgument))
 		return
 	}
-	if err := r.checkSandboxQuota(req.Context(), p); err != nil {
+	if err := checkSandboxQuota(req.Context(), e.quota, p); err != nil {
 		e2b.WriteError(w, req, err)
 		return
 	}
@@ -137,19 +146,15 @@ func (r *Replica) e2bCreate(w http.ResponseWriter, req *http.Request, p principa
 	}
 	var tried []string
 	for attempt := 0; attempt < 2; attempt++ {
-		n, err := r.store.PlaceExcept(req.Context(), tmpl, r.cfg.DefaultMemMiB<<20, r.cfg.NodeTimeout, tried)
+		n, err := e.nodes.place(req.Context(), tmpl, e.defaultMemMiB<<20, tried, p)
 		if err != nil {
 			e2b.WriteError(w, req, err)
 			return
 		}
 		tried = append(tried, n.ID)
-		r.placements.WithLabelValues(n.ID).Inc()
-		if err := r.ensureTemplate(req.Context(), n, tmpl, p); err != nil {
-			r.cfg.Logger.Warn("cluster: copying a template to its node", "node", n.ID, "template", tmpl, "err", err)
-		}
-		resp, err := r.forwardFor(req.Context(), req, n, http.MethodPost, req.URL.RequestURI(), raw, &p, "")
+		resp, err := e.nodes.forwardFor(req.Context(), req, n, http.MethodPost, req.URL.RequestURI(), raw, &p, "")
 		if err != nil {
-			r.cfg.Logger.Warn("cluster: E2B create not answered", "node", n.ID, "err", err)
+			e.nodes.log.Warn("cluster: E2B create not answered", "node", n.ID, "err", err)
 			continue
 		}
 		defer resp.Body.Close()
@@ -159,9 +164,9 @@ func (r *Replica) e2bCreate(w http.ResponseWriter, req *http.Request, p principa
 	e2b.WriteError(w, req, fmt.Errorf("no node answered the create (tried %s): %w", strings.Join(tried, ", "), errdefs.ErrUnavailable))
 }
 
-// e2bList asks every ready node for its whole listing (as the caller) and
+// list asks every ready node for its whole listing (as the caller) and
 // cuts the page the caller asked for from their union.
-func (r *Replica) e2bList(w http.ResponseWriter, req *http.Request, p principal.Principal) {
+func (e *e2bAPI) list(w http.ResponseWriter, req *http.Request, p principal.Principal) {
 	q := req.URL.Query()
 	nq := req.URL.Query()
 	nq.Del("nextToken")
@@ -169,7 +174,7 @@ func (r *Replica) e2bList(w http.ResponseWriter, req *http.Request, p principal.
 	// Only ready nodes: a lost node's sandboxes are not listed, as E2B
 	// lists only live ones.
 	var bodies []io.Reader
-	ok := r.askReadyNodes(w, req, req.URL.Path+"?"+nq.Encode(), &p, e2b.WriteError, func(_ clusterstore.Node, body io.Reader) error {
+	ok := e.nodes.askReadyNodes(w, req, req.URL.Path+"?"+nq.Encode(), &p, e2b.WriteError, func(_ clusterstore.Node, body io.Reader) error {
 		b, err := io.ReadAll(body)
 		bodies = append(bodies, bytes.NewReader(b))
 		return err
