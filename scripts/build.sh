@@ -6,15 +6,42 @@
 # bin/space-jail, bin/space-gateway and bin/containerd-shim-space-v2. The two
 # go builds (static and not) run side by side; Go's build cache makes an
 # unchanged rebuild take seconds.
+#
+#   scripts/build.sh            all of them
+#   scripts/build.sh NAME...    only those (setup.sh builds space and
+#                               space-server first: the base root
+#                               filesystem's build needs them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH=$PATH:/usr/local/go/bin
 
 STATIC=(space space-agent space-nsinit space-jail space-gateway containerd-shim-space-v2)
+want=("$@")
+if [ ${#want[@]} -eq 0 ]; then
+	want=(space-server "${STATIC[@]}")
+fi
+server=0
+static=()
+for name in "${want[@]}"; do
+	case " space-server ${STATIC[*]} " in
+	*" $name "*) ;;
+	*)
+		echo "build: no binary $name (space-server ${STATIC[*]})" >&2
+		exit 2
+		;;
+	esac
+	if [ "$name" = space-server ]; then server=1; else static+=("./cmd/$name"); fi
+done
+
 mkdir -p bin
 start=$SECONDS
-CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/ "${STATIC[@]/#/./cmd/}" &
-static=$!
-go build -trimpath -o bin/space-server ./cmd/space-server || { wait "$static" || true; exit 1; }
-wait "$static"
-echo "build: space-server ${STATIC[*]} are in bin/ ($((SECONDS - start)) s)"
+pid=
+if [ ${#static[@]} -gt 0 ]; then
+	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/ "${static[@]}" &
+	pid=$!
+fi
+if [ $server = 1 ]; then
+	go build -trimpath -o bin/space-server ./cmd/space-server || { [ -z "$pid" ] || wait "$pid" || true; exit 1; }
+fi
+[ -z "$pid" ] || wait "$pid"
+echo "build: ${want[*]} are in bin/ ($((SECONDS - start)) s)"

@@ -6,7 +6,8 @@
 # `base` template is made from. What only the tests and benchmarks need is
 # scripts/setup-test.sh's. Idempotent: every step checks before it acts.
 # Independent steps run side by side: the kernel download next to the Go
-# builds, debootstrap of the base root filesystem next to the runsc build.
+# builds, debootstrap of the base root filesystem next to the builds of our
+# static binaries and runsc.
 # SPACE_CACHE moves the cache (default /var/cache/space).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,14 +68,15 @@ microvm_kernel() {
 }
 spawn "guest kernel" microvm_kernel
 
-scripts/build.sh
-
-# The base root filesystem: debootstrap from the host's Debian mirror, next to
-# the runsc build (it needs only bin/space and bin/space-server).
+# The base root filesystem: debootstrap from the host's Debian mirror, which
+# needs only bin/space and bin/space-server, so it starts once those two are
+# built and runs next to the other builds (our static binaries, then runsc).
+scripts/build.sh space space-server
 if [ ! -e "$CACHE/base-bookworm/complete" ]; then
-	echo "setup: building the Debian base root filesystem into $CACHE (once; a few minutes, alongside runsc)"
+	echo "setup: building the Debian base root filesystem into $CACHE (once; a few minutes, alongside the builds)"
 fi
 spawn "base root filesystem" bin/space template build-base --local --cache "$CACHE"
+scripts/build.sh
 
 # runsc (gVisor) for the gvisor runtime: a static build pinned to an exact
 # version. Debian's runsc is from 2022 (no systrap), and a cgo build fails
