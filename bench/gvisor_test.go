@@ -87,9 +87,10 @@ func newGVBench(t *testing.T) *gvBench {
 		os.RemoveAll(dir)
 	})
 	c := rt.Probe(context.Background())
-	if !c.Available || !c.Verbs[api.OpSuspend] {
-		t.Skipf("gvisor here: available %v (%s), suspend: %s", c.Available, c.Reason, c.VerbReasons[api.OpSuspend])
-	}
+	// Through testenv: in CI a gVisor that lost its probe or its suspend
+	// verb fails the benchmark instead of skipping it.
+	testenv.Require(t, "gvisor", c.Available, c.Reason)
+	testenv.Require(t, "suspend", c.Verbs[api.OpSuspend], "gvisor: "+c.VerbReasons[api.OpSuspend])
 	runscPath = c.Details["runsc"]
 	// Raw runsc creates its mount points inside the root it is given, even
 	// a read-only one: give it a scratch copy, never the shared base cache.
