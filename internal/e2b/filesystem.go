@@ -424,7 +424,9 @@ func (f *fsCall) mkdirParent(ctx context.Context, p string) error {
 	}
 	// Only when it is missing: a mkdir is a write of its own for the
 	// policy, which must see (and record) the file's path, not its parent's.
-	if fi, err := f.stat(ctx, dir); err == nil && fi.Type == "dir" {
+	// A symlink there is taken as the directory it names (the write
+	// resolves it, and fails if it names none).
+	if fi, err := f.stat(ctx, dir); err == nil && (fi.Type == "dir" || fi.Type == "symlink") {
 		return nil
 	}
 	if _, err := f.mkdir(ctx, dir); err != nil {
