@@ -96,6 +96,7 @@ const (
 
 type fdRow struct {
 	name  string // door/action/variant
+	route string // the REST route it reaches, when its name does not say (fdRouteOf)
 	want  string // fdAllow, fdDeny or fdContained
 	sb    string // the sandbox acted on (whose audit is read)
 	do    func(t *testing.T) fdOutcome
@@ -157,15 +158,16 @@ func TestFrontDoorPolicy(t *testing.T) {
 		}
 	}
 	t.Logf("native %s, %s %s", nat, sleeper, slp)
+	churn := makeChurn(t, e, ctx, sleeper, tag)
 	// Before the rules: a victim in /etc and a file to move. (Registered
 	// after the sandboxes' cleanups, the rules go first.)
-	if out, code := sh(t, e, nat, "mkdir -p /tmp/fd && echo victim > /etc/fd-victim && echo src > /tmp/fd/src"); code != 0 {
+	if out, code := sh(t, e, nat, "mkdir -p /tmp/fd /etc/fd-secret && echo victim > /etc/fd-victim && echo src > /tmp/fd/src && echo s > /etc/fd-secret/s"); code != 0 {
 		t.Fatalf("setup: %d %s", code, out)
 	}
 	for _, id := range []string{nat, slp} {
 		scope := "sandbox:" + id
 		t.Cleanup(func() { e.client.DeletePolicyRuleSet(context.Background(), scope) })
-		if _, err := e.client.SetPolicyRuleSet(ctx, scope, api.PolicyRuleSet{Rules: fdRules}); err != nil {
+		if _, err := e.client.SetPolicyRuleSet(ctx, scope, api.PolicyRuleSet{Rules: append(append([]api.PolicyRule{}, fdRules...), fdMoreRules...)}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -188,9 +190,11 @@ func TestFrontDoorPolicy(t *testing.T) {
 	rows = append(rows, fd.restRows(nat, slp)...)
 	rows = append(rows, fd.mcpRows(nat, slp)...)
 	rows = append(rows, fd.e2bRows(nat, slp)...)
+	rows = append(rows, fd.routeRows(nat, churn)...)
 	// The deletes last: a delete that got through would leave the rest
 	// nothing to act on.
 	rows = append(rows, fd.deleteRows(nat)...)
+	checkRouteCoverage(t, rows)
 	for _, r := range rows {
 		t.Run(r.name, func(t *testing.T) { fd.check(t, r) })
 	}
