@@ -153,8 +153,8 @@ else
 		ldflags+=" -X $pkg.gitCommit= -X $pkg.gitTreeState=clean -X $pkg.buildDate=2026-10-27T12:01:04Z"
 	done
 	rm -rf "$KUBE_DIR.tmp" && mkdir -p "$KUBE_DIR.tmp"
-	# One go build for the three: their shared packages compile once, and
-	# the links overlap the compiles.
+	# One go build for the three, so that one's link runs beside the
+	# others' compiles.
 	start=$SECONDS
 	kube_go scripts/kube build -trimpath -ldflags="$ldflags" -o "$KUBE_DIR.tmp/" "${KUBE_BINS[@]/#/k8s.io/kubernetes/cmd/}" ||
 		{ echo "setup-test: building ${KUBE_BINS[*]} failed" >&2; exit 1; }
