@@ -102,7 +102,7 @@ func TestExecBench(t *testing.T) {
 			},
 			func() {
 				t0 := time.Now()
-				res, err := mgr.Exec(ctx, tg.id, req)
+				res, err := mgr.Commands().Exec(ctx, tg.id, req)
 				tg.manager = append(tg.manager, time.Since(t0))
 				check(tg.name+" manager exec", &res, err)
 			},

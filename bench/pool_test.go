@@ -109,7 +109,7 @@ func TestPoolBench(t *testing.T) {
 			waitReady(t, ctx, c, p.ID, 3)
 			settle()
 			r.availKiB = (avail0 - testenv.MemInfo("MemAvailable")) / 3
-			members := s.Manager().PoolMembers(p.ID)
+			members := s.Manager().WarmPools().PoolMembers(p.ID)
 			for _, id := range members {
 				pids := append(procsOf(id), hostProcs(id)...)
 				slices.Sort(pids)

@@ -86,17 +86,14 @@ func apiPath(rel string) string {
 	return "/" + rel
 }
 
-// openat2 opens rel below dirfd, confined, retrying the transient EAGAIN the
-// kernel returns when a concurrent rename might have let ".." escape.
-func openat2(dirfd int, rel string, flags uint64, mode uint64) (int, error) {
-	return openat2With(dirfd, rel, flags, mode, 0)
-}
-
-// at is openat2 below dirfd with r's lookup rules.
+// at opens rel below dirfd with r's lookup rules (openat2With).
 func (r *fsRoot) at(dirfd int, rel string, flags uint64) (int, error) {
 	return openat2With(dirfd, rel, flags, 0, r.resolve)
 }
 
+// openat2With opens rel below dirfd, confined (resolveFlags plus resolve),
+// retrying the transient EAGAIN the kernel returns when a concurrent rename
+// might have let ".." escape.
 func openat2With(dirfd int, rel string, flags, mode, resolve uint64) (int, error) {
 	how := &unix.OpenHow{Flags: flags | unix.O_CLOEXEC, Mode: mode, Resolve: resolveFlags | resolve}
 	for i := 0; ; i++ {

@@ -290,19 +290,19 @@ func (h *Handler) create(w http.ResponseWriter, r *http.Request) {
 	if req.Network == nil || req.Network.AllowPublicTraffic == nil || *req.Network.AllowPublicTraffic {
 		creq.AllPortsPublic = true
 	}
-	sb, op, err := h.cfg.Manager.Create(r.Context(), creq)
+	sb, op, err := h.cfg.Manager.Creates().Create(r.Context(), creq)
 	if err != nil {
 		h.writeAPIError(w, r, templateNotFound(err, tmpl))
 		return
 	}
-	if op, err = h.cfg.Manager.Wait(r.Context(), op.ID); err != nil {
+	if op, err = h.cfg.Manager.Verbs().Wait(r.Context(), op.ID); err != nil {
 		h.writeAPIError(w, r, err)
 		return
 	}
 	if op.Error != nil {
 		// The create failed: nothing of it should linger. Cleanup, not
 		// the caller's delete: the policy does not decide it.
-		h.cfg.Manager.Discard(context.WithoutCancel(r.Context()), sb.ID)
+		h.cfg.Manager.Verbs().Discard(context.WithoutCancel(r.Context()), sb.ID)
 		h.writeAPIError(w, r, templateNotFound(sandbox.OpError(op), tmpl))
 		return
 	}
@@ -524,7 +524,7 @@ func (h *Handler) setTimeout(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	at := time.Now().Add(time.Duration(*req.Timeout) * time.Second)
-	if _, err := h.cfg.Manager.SetExpiry(r.Context(), r.PathValue("id"), &at); err != nil {
+	if _, err := h.cfg.Manager.Verbs().SetExpiry(r.Context(), r.PathValue("id"), &at); err != nil {
 		h.writeAPIError(w, r, err)
 		return
 	}
@@ -548,7 +548,7 @@ func (h *Handler) refresh(w http.ResponseWriter, r *http.Request) {
 		req.Duration = int64(defaultTimeout / time.Second)
 	}
 	at := time.Now().Add(time.Duration(req.Duration) * time.Second)
-	if _, err := h.cfg.Manager.SetExpiry(r.Context(), r.PathValue("id"), &at); err != nil {
+	if _, err := h.cfg.Manager.Verbs().SetExpiry(r.Context(), r.PathValue("id"), &at); err != nil {
 		h.writeAPIError(w, r, err)
 		return
 	}
@@ -594,11 +594,11 @@ func (h *Handler) pause(w http.ResponseWriter, r *http.Request) {
 
 // runOp runs lifecycle verb on sandbox id and waits for it to end.
 func (h *Handler) runOp(ctx context.Context, id, verb string, force bool) error {
-	op, err := h.cfg.Manager.Lifecycle(ctx, id, verb, force)
+	op, err := h.cfg.Manager.Verbs().Lifecycle(ctx, id, verb, force)
 	if err != nil {
 		return err
 	}
-	op, err = h.cfg.Manager.Wait(ctx, op.ID)
+	op, err = h.cfg.Manager.Verbs().Wait(ctx, op.ID)
 	if err != nil {
 		return err
 	}
@@ -644,14 +644,14 @@ func (h *Handler) connect(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		at := time.Now().Add(time.Duration(*req.Timeout) * time.Second)
-		if sb, err = h.cfg.Manager.SetExpiry(r.Context(), id, &at); err != nil {
+		if sb, err = h.cfg.Manager.Verbs().SetExpiry(r.Context(), id, &at); err != nil {
 			h.writeAPIError(w, r, err)
 			return
 		}
 	} else if sb.ExpiresAt == nil || sb.ExpiresAt.Before(time.Now()) {
 		// A sandbox whose deadline suspended it gets E2B's default again.
 		at := time.Now().Add(defaultTimeout)
-		if sb, err = h.cfg.Manager.SetExpiry(r.Context(), id, &at); err != nil {
+		if sb, err = h.cfg.Manager.Verbs().SetExpiry(r.Context(), id, &at); err != nil {
 			h.writeAPIError(w, r, err)
 			return
 		}
@@ -677,12 +677,12 @@ func (h *Handler) fork(w http.ResponseWriter, r *http.Request) {
 		req.Count = 1
 	}
 	id := r.PathValue("id")
-	op, err := h.cfg.Manager.Fork(r.Context(), id, api.ForkRequest{Count: req.Count})
+	op, err := h.cfg.Manager.Verbs().Fork(r.Context(), id, api.ForkRequest{Count: req.Count})
 	if err != nil {
 		h.writeAPIError(w, r, err)
 		return
 	}
-	if op, err = h.cfg.Manager.Wait(r.Context(), op.ID); err != nil {
+	if op, err = h.cfg.Manager.Verbs().Wait(r.Context(), op.ID); err != nil {
 		h.writeAPIError(w, r, err)
 		return
 	}
@@ -697,7 +697,7 @@ func (h *Handler) fork(w http.ResponseWriter, r *http.Request) {
 	out := make([]forkResult, 0, len(op.Children))
 	for _, cid := range op.Children {
 		at := time.Now().Add(timeout)
-		child, err := h.cfg.Manager.SetExpiry(r.Context(), cid, &at)
+		child, err := h.cfg.Manager.Verbs().SetExpiry(r.Context(), cid, &at)
 		if err != nil {
 			st := errdefs.HTTPStatus(err)
 			out = append(out, forkResult{Error: &apiError{Code: st, Message: err.Error()}})
@@ -782,7 +782,7 @@ func (h *Handler) updateNetwork(w http.ResponseWriter, r *http.Request) {
 		h.writeAPIError(w, r, err)
 		return
 	}
-	if _, err := h.cfg.Manager.SetNetwork(r.Context(), id, *pol); err != nil {
+	if _, err := h.cfg.Manager.Networking().SetNetwork(r.Context(), id, *pol); err != nil {
 		h.writeAPIError(w, r, err)
 		return
 	}
@@ -811,7 +811,7 @@ func (h *Handler) createSnapshot(w http.ResponseWriter, r *http.Request) {
 		h.writeAPIError(w, r, err)
 		return
 	}
-	if _, err := h.cfg.Manager.Snapshot(r.Context(), id, norm); err != nil {
+	if _, err := h.cfg.Manager.Verbs().Snapshot(r.Context(), id, norm); err != nil {
 		h.writeAPIError(w, r, err)
 		return
 	}

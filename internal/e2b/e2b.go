@@ -153,7 +153,7 @@ func (h *Handler) authAPI(next http.HandlerFunc) http.HandlerFunc {
 		// Another tenant's sandbox is not found, as one that does not
 		// exist; then the key needs the scope of what it asks.
 		if id := r.PathValue("id"); id != "" && strings.Contains(r.Pattern, "/sandboxes/{id}") {
-			if _, err := h.cfg.Manager.Visible(ctx, id); err != nil {
+			if _, err := h.cfg.Manager.Tenancy().Visible(ctx, id); err != nil {
 				h.writeAPIError(w, r, err)
 				return
 			}
@@ -274,7 +274,7 @@ func (h *Handler) authEnvd(signedOK bool, next http.HandlerFunc) http.HandlerFun
 			}
 		}
 		if !ok && signedOK && r.URL.Query().Get("signature") != "" {
-			if err := h.checkSignature(r, sb); err != nil {
+			if err := (filesystemAPI{h}).checkSignature(r, sb); err != nil {
 				fail(err)
 				return
 			}

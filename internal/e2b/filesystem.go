@@ -87,21 +87,22 @@ const (
 	smallFile = 64 << 10
 )
 
-func (h *Handler) filesystemRoutes() {
+func (part filesystemAPI) filesystemRoutes() {
+	h := part.h
 	a := func(f http.HandlerFunc) http.HandlerFunc { return h.authEnvd(false, f) }
 	p := EnvdPrefix + "/filesystem.Filesystem/"
-	h.mux.HandleFunc("POST "+p+"Stat", a(unary(h.stat)))
-	h.mux.HandleFunc("POST "+p+"MakeDir", a(unary(h.makeDir)))
-	h.mux.HandleFunc("POST "+p+"Move", a(unary(h.move)))
-	h.mux.HandleFunc("POST "+p+"ListDir", a(unary(h.listDir)))
-	h.mux.HandleFunc("POST "+p+"Remove", a(unary(h.remove)))
+	h.mux.HandleFunc("POST "+p+"Stat", a(unary((filesystemAPI{h}).stat)))
+	h.mux.HandleFunc("POST "+p+"MakeDir", a(unary((filesystemAPI{h}).makeDir)))
+	h.mux.HandleFunc("POST "+p+"Move", a(unary((filesystemAPI{h}).move)))
+	h.mux.HandleFunc("POST "+p+"ListDir", a(unary((filesystemAPI{h}).listDir)))
+	h.mux.HandleFunc("POST "+p+"Remove", a(unary((filesystemAPI{h}).remove)))
 	h.watchRoutes(p)
 	// envd's REST file transfer: with the SDK's headers under
 	// E2B_SANDBOX_URL, and signed URLs (no headers) at the root.
-	h.mux.HandleFunc("GET "+EnvdPrefix+"/files", h.authEnvd(true, h.getFiles))
-	h.mux.HandleFunc("POST "+EnvdPrefix+"/files", h.authEnvd(true, h.postFiles))
-	h.mux.HandleFunc("GET "+SignedFilesPath, h.signedFiles(h.getFiles))
-	h.mux.HandleFunc("POST "+SignedFilesPath, h.signedFiles(h.postFiles))
+	h.mux.HandleFunc("GET "+EnvdPrefix+"/files", h.authEnvd(true, (filesystemAPI{h}).getFiles))
+	h.mux.HandleFunc("POST "+EnvdPrefix+"/files", h.authEnvd(true, (filesystemAPI{h}).postFiles))
+	h.mux.HandleFunc("GET "+SignedFilesPath, (filesystemAPI{h}).signedFiles((filesystemAPI{h}).getFiles))
+	h.mux.HandleFunc("POST "+SignedFilesPath, (filesystemAPI{h}).signedFiles((filesystemAPI{h}).postFiles))
 	h.mux.HandleFunc(SignedFilesPath, func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusMethodNotAllowed, apiError{Code: http.StatusMethodNotAllowed, Message: r.Method + " is not allowed on /files: GET downloads, POST uploads"})
 	})
@@ -119,13 +120,14 @@ type fsCall struct {
 // openFS resolves the caller's user and opens a file session on the
 // sandbox (which wakes it on the first operation the policy allows). The
 // caller must close the call.
-func (h *Handler) openFS(ctx context.Context) (*fsCall, error) {
+func (part filesystemAPI) openFS(ctx context.Context) (*fsCall, error) {
+	h := part.h
 	cl := caller(ctx)
 	user := defaultUser(cl.sb, cl.user)
 	if err := checkUser(user); err != nil {
 		return nil, err
 	}
-	fs, err := h.cfg.Manager.OpenFiles(ctx, cl.sb.ID, user)
+	fs, err := h.cfg.Manager.Files().OpenFiles(ctx, cl.sb.ID, user)
 	if err != nil {
 		return nil, err
 	}
@@ -325,7 +327,7 @@ func goMode(fi api.FileInfo) os.FileMode {
 // withFS runs fn with the call's filesystem and maps its agent errors.
 func withFS[In, Out any](h *Handler, fn func(ctx context.Context, f *fsCall, in *In) (*Out, error)) func(ctx context.Context, r *http.Request, in *In) (*Out, error) {
 	return func(ctx context.Context, r *http.Request, in *In) (*Out, error) {
-		f, err := h.openFS(ctx)
+		f, err := (filesystemAPI{h}).openFS(ctx)
 		if err != nil {
 			return nil, err
 		}
@@ -338,7 +340,8 @@ func withFS[In, Out any](h *Handler, fn func(ctx context.Context, f *fsCall, in 
 	}
 }
 
-func (h *Handler) stat(ctx context.Context, r *http.Request, in *pathRequest) (*entryResponse, error) {
+func (part filesystemAPI) stat(ctx context.Context, r *http.Request, in *pathRequest) (*entryResponse, error) {
+	h := part.h
 	return withFS(h, func(ctx context.Context, f *fsCall, in *pathRequest) (*entryResponse, error) {
 		p, err := f.resolve(in.Path)
 		if err != nil {
@@ -353,7 +356,8 @@ func (h *Handler) stat(ctx context.Context, r *http.Request, in *pathRequest) (*
 	})(ctx, r, in)
 }
 
-func (h *Handler) makeDir(ctx context.Context, r *http.Request, in *pathRequest) (*entryResponse, error) {
+func (part filesystemAPI) makeDir(ctx context.Context, r *http.Request, in *pathRequest) (*entryResponse, error) {
+	h := part.h
 	return withFS(h, func(ctx context.Context, f *fsCall, in *pathRequest) (*entryResponse, error) {
 		p, err := f.resolve(in.Path)
 		if err != nil {
@@ -381,7 +385,8 @@ func (h *Handler) makeDir(ctx context.Context, r *http.Request, in *pathRequest)
 	})(ctx, r, in)
 }
 
-func (h *Handler) move(ctx context.Context, r *http.Request, in *moveRequest) (*entryResponse, error) {
+func (part filesystemAPI) move(ctx context.Context, r *http.Request, in *moveRequest) (*entryResponse, error) {
+	h := part.h
 	return withFS(h, func(ctx context.Context, f *fsCall, in *moveRequest) (*entryResponse, error) {
 		if in.Source == "" || in.Destination == "" {
 			return nil, rpcErrorf(codeInvalidArgument, "source and destination are required")
@@ -438,7 +443,8 @@ func (f *fsCall) mkdirParent(ctx context.Context, p string) error {
 	return nil
 }
 
-func (h *Handler) remove(ctx context.Context, r *http.Request, in *pathRequest) (*empty, error) {
+func (part filesystemAPI) remove(ctx context.Context, r *http.Request, in *pathRequest) (*empty, error) {
+	h := part.h
 	return withFS(h, func(ctx context.Context, f *fsCall, in *pathRequest) (*empty, error) {
 		if in.Path == "" {
 			return nil, rpcErrorf(codeInvalidArgument, "path is required")
@@ -457,7 +463,8 @@ func (h *Handler) remove(ctx context.Context, r *http.Request, in *pathRequest) 
 	})(ctx, r, in)
 }
 
-func (h *Handler) listDir(ctx context.Context, r *http.Request, in *listDirRequest) (*listDirResponse, error) {
+func (part filesystemAPI) listDir(ctx context.Context, r *http.Request, in *listDirRequest) (*listDirResponse, error) {
+	h := part.h
 	return withFS(h, func(ctx context.Context, f *fsCall, in *listDirRequest) (*listDirResponse, error) {
 		p, err := f.resolve(in.Path)
 		if err != nil {
@@ -515,7 +522,8 @@ func (f *fsCall) walk(ctx context.Context, dir string, depth int, top bool, out 
 
 // writeFileError answers a /files call in envd's REST error shape with the
 // status envd gives each failure.
-func (h *Handler) writeFileError(w http.ResponseWriter, r *http.Request, err error) {
+func (part filesystemAPI) writeFileError(w http.ResponseWriter, r *http.Request, err error) {
+	h := part.h
 	status := errdefs.HTTPStatus(err)
 	switch {
 	case isPermission(err):
@@ -533,17 +541,18 @@ func (h *Handler) writeFileError(w http.ResponseWriter, r *http.Request, err err
 	writeJSON(w, status, apiError{Code: status, Message: err.Error()})
 }
 
-func (h *Handler) getFiles(w http.ResponseWriter, r *http.Request) {
+func (part filesystemAPI) getFiles(w http.ResponseWriter, r *http.Request) {
+	h := part.h
 	ctx := r.Context()
-	f, err := h.openFS(ctx)
+	f, err := (filesystemAPI{h}).openFS(ctx)
 	if err != nil {
-		h.writeFileError(w, r, err)
+		(filesystemAPI{h}).writeFileError(w, r, err)
 		return
 	}
 	defer f.close()
 	p, err := f.resolve(r.URL.Query().Get("path"))
 	if err != nil {
-		h.writeFileError(w, r, err)
+		(filesystemAPI{h}).writeFileError(w, r, err)
 		return
 	}
 	rc, err := f.readFile(ctx, p)
@@ -551,18 +560,18 @@ func (h *Handler) getFiles(w http.ResponseWriter, r *http.Request) {
 		if errors.Is(err, errdefs.ErrNotFound) {
 			err = fmt.Errorf("path '%s' does not exist: %w", p, errdefs.ErrNotFound)
 		}
-		h.writeFileError(w, r, err)
+		(filesystemAPI{h}).writeFileError(w, r, err)
 		return
 	}
 	defer rc.Close()
-	limit := h.maxFileBytes()
+	limit := (filesystemAPI{h}).maxFileBytes()
 	body := io.LimitReader(rc, limit+1)
 	head := make([]byte, smallFile)
 	n, err := io.ReadFull(body, head)
 	head = head[:n]
 	whole := errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)
 	if err != nil && !whole {
-		h.writeFileError(w, r, fmt.Errorf("reading %s: %w: %w", p, err, errdefs.ErrUnavailable))
+		(filesystemAPI{h}).writeFileError(w, r, fmt.Errorf("reading %s: %w: %w", p, err, errdefs.ErrUnavailable))
 		return
 	}
 	w.Header().Set("Content-Type", "application/octet-stream")
@@ -593,7 +602,8 @@ func (h *Handler) getFiles(w http.ResponseWriter, r *http.Request) {
 // errBodyTooLarge marks an upload over the server's file size limit.
 var errBodyTooLarge = errors.New("upload larger than the server's file size limit")
 
-func (h *Handler) maxFileBytes() int64 {
+func (part filesystemAPI) maxFileBytes() int64 {
+	h := part.h
 	if h.cfg.MaxFileBytes > 0 {
 		return h.cfg.MaxFileBytes
 	}
@@ -607,22 +617,23 @@ type writeInfo struct {
 	Path string `json:"path"`
 }
 
-func (h *Handler) postFiles(w http.ResponseWriter, r *http.Request) {
+func (part filesystemAPI) postFiles(w http.ResponseWriter, r *http.Request) {
+	h := part.h
 	ctx := r.Context()
-	limit := h.maxFileBytes()
+	limit := (filesystemAPI{h}).maxFileBytes()
 	if r.ContentLength > limit {
-		h.writeFileError(w, r, fmt.Errorf("body of %d bytes: %w (%d bytes): %w", r.ContentLength, errBodyTooLarge, limit, errdefs.ErrTooLarge))
+		(filesystemAPI{h}).writeFileError(w, r, fmt.Errorf("body of %d bytes: %w (%d bytes): %w", r.ContentLength, errBodyTooLarge, limit, errdefs.ErrTooLarge))
 		return
 	}
-	f, err := h.openFS(ctx)
+	f, err := (filesystemAPI{h}).openFS(ctx)
 	if err != nil {
-		h.writeFileError(w, r, err)
+		(filesystemAPI{h}).writeFileError(w, r, err)
 		return
 	}
 	defer f.close()
 	body, err := uploadReader(r, limit)
 	if err != nil {
-		h.writeFileError(w, r, err)
+		(filesystemAPI{h}).writeFileError(w, r, err)
 		return
 	}
 	defer body.Close()
@@ -632,7 +643,7 @@ func (h *Handler) postFiles(w http.ResponseWriter, r *http.Request) {
 	switch ct := mediaType(r); {
 	case ct == "application/octet-stream":
 		if !hasPath {
-			h.writeFileError(w, r, fmt.Errorf("path query parameter is required for an application/octet-stream upload: %w", errdefs.ErrInvalidArgument))
+			(filesystemAPI{h}).writeFileError(w, r, fmt.Errorf("path query parameter is required for an application/octet-stream upload: %w", errdefs.ErrInvalidArgument))
 			return
 		}
 		p, err := f.resolve(q.Get("path"))
@@ -640,18 +651,18 @@ func (h *Handler) postFiles(w http.ResponseWriter, r *http.Request) {
 			err = f.write(ctx, p, body)
 		}
 		if err != nil {
-			h.writeFileError(w, r, body.check(err))
+			(filesystemAPI{h}).writeFileError(w, r, body.check(err))
 			return
 		}
 		written = append(written, writeInfo{Name: path.Base(p), Type: "file", Path: p})
 	case strings.HasPrefix(ct, "multipart/"):
 		written, err = f.writeParts(ctx, r, body, hasPath, q.Get("path"))
 		if err != nil {
-			h.writeFileError(w, r, body.check(err))
+			(filesystemAPI{h}).writeFileError(w, r, body.check(err))
 			return
 		}
 	default:
-		h.writeFileError(w, r, fmt.Errorf("unsupported content type %q: expected multipart/form-data or application/octet-stream: %w", truncate(ct, 64), errdefs.ErrInvalidArgument))
+		(filesystemAPI{h}).writeFileError(w, r, fmt.Errorf("unsupported content type %q: expected multipart/form-data or application/octet-stream: %w", truncate(ct, 64), errdefs.ErrInvalidArgument))
 		return
 	}
 	if written == nil {
@@ -690,7 +701,8 @@ func signature(p, op, user, token, expiration string) string {
 
 // signatureFor is the signature r must carry for sandbox sb, with the
 // expiration it names ("" for none) normalised as envd normalises it.
-func (h *Handler) signatureFor(r *http.Request, sb api.Sandbox) (sig string, exp int64, hasExp bool, err error) {
+func (part filesystemAPI) signatureFor(r *http.Request, sb api.Sandbox) (sig string, exp int64, hasExp bool, err error) {
+	h := part.h
 	q := r.URL.Query()
 	var op string
 	switch r.Method {
@@ -716,8 +728,9 @@ func (h *Handler) signatureFor(r *http.Request, sb api.Sandbox) (sig string, exp
 // must match (compared in constant time) the operation of the method (GET
 // reads, POST writes), the path and the user of the URL, and its expiry,
 // if it has one, must not have passed.
-func (h *Handler) checkSignature(r *http.Request, sb api.Sandbox) error {
-	want, exp, hasExp, err := h.signatureFor(r, sb)
+func (part filesystemAPI) checkSignature(r *http.Request, sb api.Sandbox) error {
+	h := part.h
+	want, exp, hasExp, err := (filesystemAPI{h}).signatureFor(r, sb)
 	if err != nil {
 		return err
 	}
@@ -734,7 +747,8 @@ func (h *Handler) checkSignature(r *http.Request, sb api.Sandbox) error {
 // They carry no sandbox id, so the sandbox is the one whose access token
 // makes the URL's signature; with an E2b-Sandbox-Id header (or a
 // sandbox_id parameter) the call is an ordinary envd one.
-func (h *Handler) signedFiles(next http.HandlerFunc) http.HandlerFunc {
+func (part filesystemAPI) signedFiles(next http.HandlerFunc) http.HandlerFunc {
+	h := part.h
 	auth := h.authEnvd(true, next)
 	return func(w http.ResponseWriter, r *http.Request) {
 		if r.Header.Get("E2b-Sandbox-Id") != "" || r.URL.Query().Get("sandbox_id") != "" {
@@ -752,7 +766,7 @@ func (h *Handler) signedFiles(next http.HandlerFunc) http.HandlerFunc {
 			return
 		}
 		for _, sb := range sbs {
-			want, _, _, err := h.signatureFor(r, sb)
+			want, _, _, err := (filesystemAPI{h}).signatureFor(r, sb)
 			if err != nil {
 				h.writeAPIError(w, r, err)
 				return

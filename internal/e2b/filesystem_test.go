@@ -112,7 +112,7 @@ func TestSignature(t *testing.T) {
 	}
 	req := func(method string, q url.Values) error {
 		r := httptest.NewRequest(method, "/files?"+q.Encode(), nil)
-		return h.checkSignature(r, sb)
+		return (filesystemAPI{h}).checkSignature(r, sb)
 	}
 	q := url.Values{"path": {"/tmp/x"}, "username": {"user"}, "signature": {signature("/tmp/x", "read", "user", tok, "")}}
 	if err := req("GET", q); err != nil {
@@ -132,7 +132,7 @@ func TestSignature(t *testing.T) {
 		}
 	}
 	other := api.Sandbox{ID: "sb2", CreatedAt: time.Unix(1, 0)}
-	if err := h.checkSignature(httptest.NewRequest("GET", "/files?"+q.Encode(), nil), other); !errors.Is(err, errdefs.ErrUnauthorized) {
+	if err := (filesystemAPI{h}).checkSignature(httptest.NewRequest("GET", "/files?"+q.Encode(), nil), other); !errors.Is(err, errdefs.ErrUnauthorized) {
 		t.Errorf("signature of another sandbox: %v", err)
 	}
 	future := strconv.FormatInt(time.Now().Add(time.Hour).Unix(), 10)

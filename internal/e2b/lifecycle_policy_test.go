@@ -87,8 +87,8 @@ func newManagedHandler(t *testing.T, dec actions.Decider) (*Handler, *sandbox.Ma
 		ctx := context.Background()
 		sbs, _ := db.ListSandboxes(ctx, store.SandboxFilter{})
 		for _, sb := range sbs {
-			if op, err := m.Discard(ctx, sb.ID); err == nil {
-				m.Wait(ctx, op.ID)
+			if op, err := m.Verbs().Discard(ctx, sb.ID); err == nil {
+				m.Verbs().Wait(ctx, op.ID)
 			}
 		}
 		m.Close()
@@ -106,11 +106,11 @@ func TestE2BLifecycleIsDecided(t *testing.T) {
 	h, m := newManagedHandler(t, dec)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	sb, op, err := m.Create(ctx, api.CreateSandboxRequest{})
+	sb, op, err := m.Creates().Create(ctx, api.CreateSandboxRequest{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if op, err = m.Wait(ctx, op.ID); err != nil || op.State != api.OpSucceeded {
+	if op, err = m.Verbs().Wait(ctx, op.ID); err != nil || op.State != api.OpSucceeded {
 		t.Fatalf("create: %v %+v", err, op)
 	}
 	call := func(method, path string) (int, string) {

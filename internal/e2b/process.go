@@ -119,7 +119,7 @@ func (h *Handler) envdRoutes() {
 	h.mux.HandleFunc("POST "+p+"StreamInput", a(func(w http.ResponseWriter, r *http.Request) {
 		writeUnaryError(w, r.Context(), rpcErrorf(codeUnimplemented, "StreamInput (client streaming) is not served: use SendInput"))
 	}))
-	h.filesystemRoutes()
+	(filesystemAPI{h}).filesystemRoutes()
 	h.mux.HandleFunc("GET "+EnvdPrefix+"/health", func(w http.ResponseWriter, r *http.Request) {
 		// E2B's SDK probes this to tell a dead sandbox (502) from a
 		// dropped connection.
@@ -222,7 +222,7 @@ func (p *processes) start(ctx context.Context, r *http.Request, in *startRequest
 			req.Rows, req.Cols = clampSize(in.Pty.Size.Rows), clampSize(in.Pty.Size.Cols)
 		}
 	}
-	cmd, err := p.h.cfg.Manager.CreateCommand(ctx, c.sb.ID, req)
+	cmd, err := p.h.cfg.Manager.Commands().CreateCommand(ctx, c.sb.ID, req)
 	if err != nil {
 		return err
 	}
@@ -258,7 +258,7 @@ func (p *processes) connect(ctx context.Context, r *http.Request, in *connectReq
 // buffer: start, data (as pty output when tty), end. It returns when the process ends, the client
 // goes away (the process keeps running) or the call's deadline passes.
 func (p *processes) follow(ctx context.Context, id, cmdID string, tty, closeStdin bool, s *stream) error {
-	att, err := p.h.cfg.Manager.AttachCommand(ctx, id, cmdID, 0, 0)
+	att, err := p.h.cfg.Manager.Commands().AttachCommand(ctx, id, cmdID, 0, 0)
 	if err != nil {
 		return err
 	}
@@ -350,7 +350,7 @@ func (p *processes) find(ctx context.Context, id string, sel *processSelector) (
 	if sel == nil || (sel.Pid == nil && sel.Tag == nil) {
 		return api.Command{}, rpcErrorf(codeInvalidArgument, "process selector (pid or tag) is required")
 	}
-	cmds, err := p.h.cfg.Manager.ListCommands(ctx, id)
+	cmds, err := p.h.cfg.Manager.Commands().ListCommands(ctx, id)
 	if err != nil {
 		return api.Command{}, err
 	}
@@ -398,7 +398,7 @@ func (p *processes) findRunning(ctx context.Context, id string, sel *processSele
 
 func (p *processes) list(ctx context.Context, r *http.Request, in *empty) (*listResponse, error) {
 	c := caller(ctx)
-	cmds, err := p.h.cfg.Manager.ListCommands(ctx, c.sb.ID)
+	cmds, err := p.h.cfg.Manager.Commands().ListCommands(ctx, c.sb.ID)
 	if err != nil {
 		return nil, err
 	}
@@ -443,7 +443,7 @@ func (p *processes) input(ctx context.Context, id string, sel *processSelector, 
 		// The attachment outlives this call: it is closed when the process
 		// ends (its reader sees the exit) or the layer closes.
 		actx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-		att, err := p.h.cfg.Manager.AttachCommand(actx, id, cmd.ID, 1<<62, 1<<62)
+		att, err := p.h.cfg.Manager.Commands().AttachCommand(actx, id, cmd.ID, 1<<62, 1<<62)
 		if err != nil {
 			cancel()
 			p.mu.Lock()
@@ -532,7 +532,7 @@ func (p *processes) sendSignal(ctx context.Context, r *http.Request, in *sendSig
 	if err != nil {
 		return nil, err
 	}
-	if err := p.h.cfg.Manager.SignalCommand(ctx, id, cmd.ID, sig); err != nil {
+	if err := p.h.cfg.Manager.Commands().SignalCommand(ctx, id, cmd.ID, sig); err != nil {
 		if errors.Is(err, errdefs.ErrConflict) {
 			return nil, rpcErrorf(codeNotFound, "process %d is not running", cmd.Pid)
 		}

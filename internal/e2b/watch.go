@@ -348,7 +348,7 @@ func (ws *watchers) remove(ctx context.Context, r *http.Request, in *watcherRequ
 // managerWatch is the sandbox manager's directory watch.
 func managerWatch(m *sandbox.Manager) dirWatcher {
 	return func(ctx context.Context, id, path string, recursive bool, user string, fn func(watchEvent) error) error {
-		return m.WatchDir(ctx, id, api.WatchRequest{Path: path, Recursive: recursive, User: user}, func(ev api.FileEvent) error {
+		return m.Files().WatchDir(ctx, id, api.WatchRequest{Path: path, Recursive: recursive, User: user}, func(ev api.FileEvent) error {
 			return fn(watchEvent{Name: ev.Name, Type: ev.Type})
 		})
 	}

@@ -42,22 +42,25 @@ type opCaller struct {
 
 // noteCaller remembers ctx's principal (and the sandbox's tenant) for
 // operation opID's audit record.
-func (m *Manager) noteCaller(ctx context.Context, opID, tenant string) {
-	if m.auditOff() {
+func (part *Auditor) noteCaller(ctx context.Context, opID, tenant string) {
+	m := part.m
+	if m.aud.auditOff() {
 		return
 	}
 	p, _ := principal.From(ctx)
 	m.opCallers.Store(opID, opCaller{p: p, tenant: tenant})
 }
 
-func (m *Manager) auditOff() bool {
+func (part *Auditor) auditOff() bool {
+	m := part.m
 	_, nop := m.cfg.Audit.(audit.Nop)
 	return nop
 }
 
 // auditOp records the end of op (err: how it failed).
-func (m *Manager) auditOp(ctx context.Context, op api.Operation, err error) {
-	if m.auditOff() {
+func (part *Auditor) auditOp(ctx context.Context, op api.Operation, err error) {
+	m := part.m
+	if m.aud.auditOff() {
 		return
 	}
 	ev := audit.Event{Kind: audit.KindLifecycle, Action: op.Kind, Sandbox: op.SandboxID, Target: op.ID, Result: op.State}
@@ -68,7 +71,7 @@ func (m *Manager) auditOp(ctx context.Context, op api.Operation, err error) {
 		ev.KeyID = p.KeyID
 	}
 	if ev.Tenant == "" {
-		ev.Tenant = m.tenantOf(op.SandboxID)
+		ev.Tenant = m.aud.tenantOf(op.SandboxID)
 	}
 	d := map[string]any{"operation": op.ID}
 	if op.FinishedAt != nil {
@@ -86,7 +89,8 @@ func (m *Manager) auditOp(ctx context.Context, op api.Operation, err error) {
 
 // tenantOf is the tenant of sandbox id ("" when unknown: the log makes it
 // the caller's or the default).
-func (m *Manager) tenantOf(id string) string {
+func (part *Auditor) tenantOf(id string) string {
+	m := part.m
 	ctx, cancel := context.WithTimeout(context.Background(), auditLookupTimeout)
 	defer cancel()
 	if sb, err := m.cfg.DB.GetSandbox(ctx, id); err == nil {
@@ -115,8 +119,9 @@ func cappedArgv(argv []string) ([]string, bool) {
 
 // auditCommandStart records that command cmdID of sb started (err nil) or
 // failed to.
-func (m *Manager) auditCommandStart(ctx context.Context, sb api.Sandbox, cmdID, how string, argv []string, user, cwd string, err error) {
-	if m.auditOff() {
+func (part *Auditor) auditCommandStart(ctx context.Context, sb api.Sandbox, cmdID, how string, argv []string, user, cwd string, err error) {
+	m := part.m
+	if m.aud.auditOff() {
 		return
 	}
 	a, cut := cappedArgv(argv)
@@ -133,12 +138,13 @@ func (m *Manager) auditCommandStart(ctx context.Context, sb api.Sandbox, cmdID, 
 }
 
 // auditCommandExit records how command cmdID of sandbox id ended.
-func (m *Manager) auditCommandExit(ctx context.Context, id, tenant, cmdID string, st api.ExitStatus) {
-	if m.auditOff() {
+func (part *Auditor) auditCommandExit(ctx context.Context, id, tenant, cmdID string, st api.ExitStatus) {
+	m := part.m
+	if m.aud.auditOff() {
 		return
 	}
 	if tenant == "" {
-		tenant = m.tenantOf(id)
+		tenant = m.aud.tenantOf(id)
 	}
 	d := map[string]any{"exit_code": st.ExitCode}
 	if st.Signal != "" {
@@ -157,8 +163,9 @@ func (m *Manager) auditCommandExit(ctx context.Context, id, tenant, cmdID string
 // tar_put, remove, mkdir or rename (to: the new path), err how it failed.
 // Callers are the server's and the E2B API's files handlers, which reach
 // the agent directly.
-func (m *Manager) AuditFiles(ctx context.Context, id, action, path, to string, err error) {
-	if m == nil || m.auditOff() {
+func (part *Auditor) AuditFiles(ctx context.Context, id, action, path, to string, err error) {
+	m := part.m
+	if m == nil || m.aud.auditOff() {
 		return
 	}
 	res := "ok"
@@ -170,7 +177,7 @@ func (m *Manager) AuditFiles(ctx context.Context, id, action, path, to string, e
 	if to != "" {
 		d["to"] = truncate(to, 4096)
 	}
-	ev := audit.Event{Kind: audit.KindFiles, Action: action, Sandbox: id, Target: truncate(path, 4096), Result: res, Tenant: m.tenantOf(id)}
+	ev := audit.Event{Kind: audit.KindFiles, Action: action, Sandbox: id, Target: truncate(path, 4096), Result: res, Tenant: m.aud.tenantOf(id)}
 	if len(d) > 0 {
 		ev.Detail = d
 	}
@@ -186,10 +193,11 @@ func commandHow(rec *store.CommandRecord) string {
 }
 
 // auditExecExit records how a synchronous exec ended.
-func (m *Manager) auditExecExit(ctx context.Context, sb api.Sandbox, res api.ExecResult) {
+func (part *Auditor) auditExecExit(ctx context.Context, sb api.Sandbox, res api.ExecResult) {
+	m := part.m
 	st := api.ExitStatus{ExitCode: res.ExitCode, Signal: res.Signal, OOMKilled: res.OOMKilled}
 	if res.TimedOut {
 		st.Reason = "timed out"
 	}
-	m.auditCommandExit(ctx, sb.ID, sb.Tenant, "exec", st)
+	m.aud.auditCommandExit(ctx, sb.ID, sb.Tenant, "exec", st)
 }

@@ -28,7 +28,7 @@ import (
 	"github.com/spacehq/space/internal/template"
 )
 
-var _ build.Runner = (*Manager)(nil)
+var _ build.Runner = (*Builds)(nil)
 
 // BuildLabel marks the sandboxes template builds run their steps in; its
 // value is BuildLabelStep.
@@ -55,7 +55,8 @@ var errNoChangeExport = errors.New("the runtime cannot export a sandbox's filesy
 
 // RunStep implements build.Runner. The sandbox is deleted afterwards
 // whatever happens (also when ctx ends), with a fresh bounded context.
-func (m *Manager) RunStep(ctx context.Context, s build.Step) (int, error) {
+func (part *Builds) RunStep(ctx context.Context, s build.Step) (int, error) {
+	m := part.m
 	if s.Template == "" {
 		return -1, invalid("build step has no template")
 	}
@@ -72,7 +73,7 @@ func (m *Manager) RunStep(ctx context.Context, s build.Step) (int, error) {
 	if out == nil {
 		out = io.Discard
 	}
-	rts, err := m.stepRuntimes(ctx)
+	rts, err := m.builds.stepRuntimes(ctx)
 	if err != nil {
 		return -1, err
 	}
@@ -83,7 +84,7 @@ func (m *Manager) RunStep(ctx context.Context, s build.Step) (int, error) {
 	}
 	var tried []string
 	for _, rt := range rts {
-		code, err := m.runStepOn(ctx, rt, s, out)
+		code, err := m.builds.runStepOn(ctx, rt, s, out)
 		if errors.Is(err, errNoChangeExport) {
 			tried = append(tried, rt.Name())
 			continue
@@ -95,7 +96,8 @@ func (m *Manager) RunStep(ctx context.Context, s build.Step) (int, error) {
 
 // stepRuntimes orders the available runtimes for a build step: auto's
 // choice first, then the others by strength.
-func (m *Manager) stepRuntimes(ctx context.Context) ([]runtime.Runtime, error) {
+func (part *Builds) stepRuntimes(ctx context.Context) ([]runtime.Runtime, error) {
+	m := part.m
 	first, err := runtime.PickAuto(ctx, m.cfg.Runtimes)
 	if err != nil {
 		return nil, fmt.Errorf("build step: %w: %w", err, errdefs.ErrUnprocessable)
@@ -121,8 +123,9 @@ func (m *Manager) stepRuntimes(ctx context.Context) ([]runtime.Runtime, error) {
 }
 
 // runStepOn runs s in a new sandbox of runtime rt and deletes the sandbox.
-func (m *Manager) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Step, out io.Writer) (code int, err error) {
-	sb, op, err := m.Create(ctx, api.CreateSandboxRequest{
+func (part *Builds) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Step, out io.Writer) (code int, err error) {
+	m := part.m
+	sb, op, err := m.creates.Create(ctx, api.CreateSandboxRequest{
 		Template: s.Template, Runtime: rt.Name(), Limits: BuildStepLimits,
 		Labels:  map[string]string{BuildLabel: BuildLabelStep},
 		Network: stepPolicy(s),
@@ -131,14 +134,14 @@ func (m *Manager) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Ste
 		return -1, fmt.Errorf("build step sandbox: %w", err)
 	}
 	defer func() {
-		if derr := m.deleteStepSandbox(sb.ID); derr != nil {
+		if derr := m.builds.deleteStepSandbox(sb.ID); derr != nil {
 			m.log.Error("deleting a build step's sandbox", "sandbox", sb.ID, "err", derr)
 			if err == nil {
 				err = fmt.Errorf("build step: removing its sandbox %s: %w", sb.ID, derr)
 			}
 		}
 	}()
-	op, err = m.Wait(ctx, op.ID)
+	op, err = m.verbs.Wait(ctx, op.ID)
 	if err != nil {
 		return -1, fmt.Errorf("build step: creating its sandbox: %w", err)
 	}
@@ -154,16 +157,16 @@ func (m *Manager) runStepOn(ctx context.Context, rt runtime.Runtime, s build.Ste
 		return -1, errNoChangeExport
 	}
 
-	code, err = m.runStepCommand(ctx, sb.ID, s, out)
+	code, err = m.builds.runStepCommand(ctx, sb.ID, s, out)
 	if err != nil || code != 0 {
 		return code, err
 	}
 
-	stop, err := m.systemLifecycle(ctx, sb.ID, api.OpStop, false)
+	stop, err := m.verbs.systemLifecycle(ctx, sb.ID, api.OpStop, false)
 	if err != nil {
 		return -1, fmt.Errorf("build step: stopping its sandbox: %w", err)
 	}
-	if stop, err = m.Wait(ctx, stop.ID); err != nil {
+	if stop, err = m.verbs.Wait(ctx, stop.ID); err != nil {
 		return -1, fmt.Errorf("build step: stopping its sandbox: %w", err)
 	}
 	if stop.State != api.OpSucceeded {
@@ -203,7 +206,8 @@ func OpError(op api.Operation) error {
 
 // runStepCommand starts s.Cmd in the running sandbox id, copies its output
 // to out as it comes, and returns its exit code.
-func (m *Manager) runStepCommand(ctx context.Context, id string, s build.Step, out io.Writer) (int, error) {
+func (part *Builds) runStepCommand(ctx context.Context, id string, s build.Step, out io.Writer) (int, error) {
+	m := part.m
 	c, sb, release, err := m.agent(ctx, id)
 	if err != nil {
 		return -1, fmt.Errorf("build step: %w", err)
@@ -293,17 +297,18 @@ func copyStepOutput(ctx context.Context, conn *websocket.Conn, out io.Writer) (a
 
 // deleteStepSandbox force-deletes a step's sandbox and waits for it, with
 // its own context: the step's may be cancelled already.
-func (m *Manager) deleteStepSandbox(id string) error {
+func (part *Builds) deleteStepSandbox(id string) error {
+	m := part.m
 	ctx, cancel := context.WithTimeout(context.Background(), buildCleanupTimeout)
 	defer cancel()
-	op, err := m.systemLifecycle(ctx, id, api.OpDelete, true)
+	op, err := m.verbs.systemLifecycle(ctx, id, api.OpDelete, true)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return nil
 	}
 	if err != nil {
 		return err
 	}
-	op, err = m.Wait(ctx, op.ID)
+	op, err = m.verbs.Wait(ctx, op.ID)
 	if err != nil {
 		return err
 	}
@@ -317,7 +322,8 @@ func (m *Manager) deleteStepSandbox(id string) error {
 // leftovers of builds a crash or restart interrupted. The server calls it
 // after Reconcile, before it accepts builds (it would also kill the
 // sandboxes of builds running in this process).
-func (m *Manager) DeleteBuildSandboxes(ctx context.Context) (int, error) {
+func (part *Builds) DeleteBuildSandboxes(ctx context.Context) (int, error) {
+	m := part.m
 	sbs, err := m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{Labels: map[string]string{BuildLabel: BuildLabelStep}})
 	if err != nil {
 		return 0, err
@@ -325,7 +331,7 @@ func (m *Manager) DeleteBuildSandboxes(ctx context.Context) (int, error) {
 	var errs []error
 	n := 0
 	for _, sb := range sbs {
-		if err := m.deleteStepSandbox(sb.ID); err != nil {
+		if err := m.builds.deleteStepSandbox(sb.ID); err != nil {
 			errs = append(errs, fmt.Errorf("sandbox %s: %w", sb.ID, err))
 			continue
 		}

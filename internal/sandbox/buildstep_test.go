@@ -122,7 +122,7 @@ func TestRunStepNative(t *testing.T) {
 		var out syncBuffer
 		var derived api.Template
 		applied := 0
-		code, err := h.m.RunStep(ctx, build.Step{
+		code, err := h.m.builds.RunStep(ctx, build.Step{
 			Template: h.base.Digest,
 			Cmd:      []string{"sh", "-c", "echo hi; echo oops >&2; mkdir -p /opt/x && echo data > /opt/x/f && rm /etc/hostname; exit 0"},
 			Env:      map[string]string{"GREETING": "x"},
@@ -187,7 +187,7 @@ func TestRunStepNative(t *testing.T) {
 		// and no hostname line of the previous step's sandbox.
 		out = syncBuffer{}
 		t0 := time.Now()
-		code, err = h.m.RunStep(ctx, build.Step{
+		code, err = h.m.builds.RunStep(ctx, build.Step{
 			Template: derived.Digest,
 			Cmd:      []string{"sh", "-c", "cat /opt/x/f; grep -c 127.0.1.1 /etc/hosts"},
 			Output:   &out,
@@ -202,7 +202,7 @@ func TestRunStepNative(t *testing.T) {
 
 	t.Run("failing step", func(t *testing.T) {
 		var out syncBuffer
-		code, err := h.m.RunStep(ctx, build.Step{
+		code, err := h.m.builds.RunStep(ctx, build.Step{
 			Template: h.base.Digest,
 			Cmd:      []string{"sh", "-c", "echo before; touch /new; exit 3"},
 			Output:   &out,
@@ -230,7 +230,7 @@ func TestRunStepNative(t *testing.T) {
 			}
 			ccancel()
 		}()
-		code, err := h.m.RunStep(cctx, build.Step{
+		code, err := h.m.builds.RunStep(cctx, build.Step{
 			Template: h.base.Digest,
 			Cmd:      []string{"sh", "-c", "echo started; sleep 60"},
 			Output:   &out,
@@ -246,7 +246,7 @@ func TestRunStepNative(t *testing.T) {
 	})
 
 	t.Run("network refused", func(t *testing.T) {
-		_, err := h.m.RunStep(ctx, build.Step{
+		_, err := h.m.builds.RunStep(ctx, build.Step{
 			Template: h.base.Digest, Cmd: []string{"true"}, Network: true,
 			Apply: func(context.Context, template.Upper) error { return nil },
 		})
@@ -262,7 +262,7 @@ func TestRunStepNative(t *testing.T) {
 // export changes (the fake one), a step fails clearly and leaves nothing.
 func TestRunStepNeedsChangeExport(t *testing.T) {
 	h := newHarness(t)
-	_, err := h.m.RunStep(h.ctx(), build.Step{
+	_, err := h.m.builds.RunStep(h.ctx(), build.Step{
 		Template: "tiny:latest", Cmd: []string{"true"},
 		Apply: func(context.Context, template.Upper) error { return nil },
 	})
@@ -273,7 +273,7 @@ func TestRunStepNeedsChangeExport(t *testing.T) {
 		t.Fatalf("sandboxes left: %+v", sbs)
 	}
 	// A missing template is reported as such, and its failed sandbox goes.
-	_, err = h.m.RunStep(h.ctx(), build.Step{
+	_, err = h.m.builds.RunStep(h.ctx(), build.Step{
 		Template: "sha256:0000000000000000000000000000000000000000000000000000000000000000", Cmd: []string{"true"},
 		Apply: func(context.Context, template.Upper) error { return nil },
 	})
@@ -290,7 +290,7 @@ func TestDeleteBuildSandboxes(t *testing.T) {
 	h := newHarness(t)
 	step := h.create(api.CreateSandboxRequest{Labels: map[string]string{BuildLabel: BuildLabelStep}})
 	other := h.create(api.CreateSandboxRequest{Labels: map[string]string{"team": "a"}})
-	n, err := h.m.DeleteBuildSandboxes(h.ctx())
+	n, err := h.m.builds.DeleteBuildSandboxes(h.ctx())
 	if err != nil || n != 1 {
 		t.Fatalf("DeleteBuildSandboxes: %d %v", n, err)
 	}

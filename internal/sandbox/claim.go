@@ -15,7 +15,8 @@ import (
 // it had no member (a miss, counted) — the caller creates as usual. A
 // member whose record became the caller's is the caller's sandbox; its id
 // is the member's, drawn by the same generator and never shown before.
-func (m *Manager) claim(ctx context.Context, req api.CreateSandboxRequest, rt runtime.Runtime, caps runtime.Capabilities, lim api.Limits, tenant string) (sb api.Sandbox, op api.Operation, handled bool, err error) {
+func (part *WarmPools) claim(ctx context.Context, req api.CreateSandboxRequest, rt runtime.Runtime, caps runtime.Capabilities, lim api.Limits, tenant string) (sb api.Sandbox, op api.Operation, handled bool, err error) {
+	m := part.m
 	// Secrets and header rules need placeholders, a CA and a broker
 	// config at create: such a create is served cold (DECISIONS.md).
 	if len(req.Secrets) > 0 || (req.Network != nil && len(req.Network.Rules) > 0) || req.Labels[BuildLabel] != "" {
@@ -58,13 +59,13 @@ func (m *Manager) claim(ctx context.Context, req api.CreateSandboxRequest, rt ru
 		giveBack()
 		return sb, op, false, nil
 	}
-	if err := m.bound(ctx, TenantOf(sb), *sb.Network); err != nil {
+	if err := m.tenancy.bound(ctx, TenantOf(sb), *sb.Network); err != nil {
 		giveBack()
 		return sb, op, false, nil
 	}
 	op = newOperation(api.OpCreate, sb.ID)
 	sb.OperationID = op.ID
-	if err := m.admitAndPut(ctx, tenant, func() error { return m.cfg.DB.PutSandbox(ctx, sb) }, sb.Limits); err != nil {
+	if err := m.tenancy.admitAndPut(ctx, tenant, func() error { return m.cfg.DB.PutSandbox(ctx, sb) }, sb.Limits); err != nil {
 		giveBack()
 		return api.Sandbox{}, api.Operation{}, true, err
 	}
@@ -72,9 +73,9 @@ func (m *Manager) claim(ctx context.Context, req api.CreateSandboxRequest, rt ru
 		return api.Sandbox{}, api.Operation{}, true, err
 	}
 	m.pools.count(p, true)
-	m.noteCaller(ctx, op.ID, sb.Tenant)
+	m.aud.noteCaller(ctx, op.ID, sb.Tenant)
 	start := tmpl.Config.Start
-	m.start(op, func(ctx context.Context, ph *phases) error { return m.doClaim(ctx, ph, sb.ID, mb, start) })
+	m.start(op, func(ctx context.Context, ph *phases) error { return m.warm.doClaim(ctx, ph, sb.ID, mb, start) })
 	return sb, op, true, nil
 }
 
@@ -83,7 +84,8 @@ func (m *Manager) claim(ctx context.Context, req api.CreateSandboxRequest, rt ru
 // seed and clock, then the template's start command with the caller's
 // env. A member that fails before anything of the caller's ran in it is
 // destroyed and the sandbox created cold under the same id.
-func (m *Manager) doClaim(ctx context.Context, p *phases, id string, mb member, start *api.StartCommand) error {
+func (part *WarmPools) doClaim(ctx context.Context, p *phases, id string, mb member, start *api.StartCommand) error {
+	m := part.m
 	e := m.entry(id)
 	sb, err := m.cfg.DB.GetSandbox(ctx, id)
 	if err != nil {
@@ -104,7 +106,7 @@ func (m *Manager) doClaim(ctx context.Context, p *phases, id string, mb member, 
 			if err := pz.Resume(ctx); err != nil {
 				return err
 			}
-			if err := m.connect(ctx, e, inst); err != nil {
+			if err := m.creates.connect(ctx, e, inst); err != nil {
 				return err
 			}
 		}
@@ -133,29 +135,29 @@ func (m *Manager) doClaim(ctx context.Context, p *phases, id string, mb member, 
 		// a synced write). The answer is the member's health check.
 		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
-		return m.reseed(rctx, e, "")
+		return m.verbs.reseed(rctx, e, "")
 	})
 	if err != nil {
 		m.log.Warn("claimed pool member failed; creating the sandbox cold", "sandbox", id, "err", err)
 		m.pools.recount(sb)
 		e.expectExit.Store(true)
-		m.dropClient(e)
+		m.verbs.dropClient(e)
 		if inst != nil {
-			m.destroyInstance(context.Background(), inst, "failed pool claim")
+			m.verbs.destroyInstance(context.Background(), inst, "failed pool claim")
 		}
 		e.cmu.Lock()
 		e.inst = nil
 		e.cmu.Unlock()
-		return m.doCreate(ctx, p, id, false)
+		return m.creates.doCreate(ctx, p, id, false)
 	}
 	if start != nil {
 		e.cmu.RLock()
 		c := e.client
 		e.cmu.RUnlock()
-		if err := m.startFromTemplate(ctx, p, c, sb, start); err != nil {
-			m.dropClient(e)
+		if err := m.cmds.startFromTemplate(ctx, p, c, sb, start); err != nil {
+			m.verbs.dropClient(e)
 			e.expectExit.Store(true)
-			m.destroyInstance(context.Background(), inst, "failed create")
+			m.verbs.destroyInstance(context.Background(), inst, "failed create")
 			m.setState(id, api.StateError, err.Error(), "")
 			return err
 		}

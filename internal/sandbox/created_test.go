@@ -19,7 +19,7 @@ func TestCreatedHookHearsCreatesAndForkChildren(t *testing.T) {
 	var mu sync.Mutex
 	var heard []string
 	refuse := ""
-	h.m.SetCreated(func(ctx context.Context, sb api.Sandbox, op api.Operation, req api.CreateSandboxRequest) error {
+	h.m.creates.SetCreated(func(ctx context.Context, sb api.Sandbox, op api.Operation, req api.CreateSandboxRequest) error {
 		mu.Lock()
 		defer mu.Unlock()
 		if sb.Labels["refuse"] != "" || refuse == sb.ID {
@@ -29,7 +29,7 @@ func TestCreatedHookHearsCreatesAndForkChildren(t *testing.T) {
 		return nil
 	})
 	parent := h.create(api.CreateSandboxRequest{})
-	op, err := h.m.Fork(h.ctx(), parent.ID, api.ForkRequest{Count: 2})
+	op, err := h.m.verbs.Fork(h.ctx(), parent.ID, api.ForkRequest{Count: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -41,7 +41,7 @@ func TestCreatedHookHearsCreatesAndForkChildren(t *testing.T) {
 	}
 	mu.Unlock()
 
-	_, _, err = h.m.Create(h.ctx(), api.CreateSandboxRequest{Labels: map[string]string{"refuse": "1"}})
+	_, _, err = h.m.creates.Create(h.ctx(), api.CreateSandboxRequest{Labels: map[string]string{"refuse": "1"}})
 	if err == nil || err.Error() != "no row for you" {
 		t.Fatalf("a refused create: %v", err)
 	}
@@ -56,7 +56,7 @@ func TestCreatedHookHearsCreatesAndForkChildren(t *testing.T) {
 			t.Fatalf("a refused sandbox is left: %+v", all)
 		}
 	}
-	h.m.SetCreated(nil)
+	h.m.creates.SetCreated(nil)
 	sb := h.create(api.CreateSandboxRequest{Labels: map[string]string{"refuse": "1"}})
 	if _, err := h.m.Get(h.ctx(), sb.ID); errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatal("with no hook a create is its own business")
@@ -69,18 +69,18 @@ func TestExportRefusals(t *testing.T) {
 	h := newHarnessWith(t, suspendFork)
 	sb := h.create(api.CreateSandboxRequest{})
 	dir := t.TempDir()
-	if err := h.m.ExportSuspended(h.ctx(), sb.ID, dir+"/x"); !errors.Is(err, errdefs.ErrConflict) {
+	if err := h.m.verbs.ExportSuspended(h.ctx(), sb.ID, dir+"/x"); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("export of a running sandbox: %v", err)
 	}
-	op, err := h.m.Lifecycle(h.ctx(), sb.ID, api.OpSuspend, false)
+	op, err := h.m.verbs.Lifecycle(h.ctx(), sb.ID, api.OpSuspend, false)
 	if err != nil {
 		t.Fatal(err)
 	}
 	h.wait(op)
-	if err := h.m.ExportSuspended(h.ctx(), sb.ID, dir+"/x"); !errors.Is(err, errdefs.ErrNotSupported) {
+	if err := h.m.verbs.ExportSuspended(h.ctx(), sb.ID, dir+"/x"); !errors.Is(err, errdefs.ErrNotSupported) {
 		t.Fatalf("export on a runtime that cannot move: %v", err)
 	}
-	if _, err := h.m.ImportSuspended(h.ctx(), dir+"/nothing"); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := h.m.verbs.ImportSuspended(h.ctx(), dir+"/nothing"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("import of nothing: %v", err)
 	}
 }

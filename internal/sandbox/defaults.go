@@ -149,7 +149,8 @@ func planStart(st *api.StartCommand) (*startPlan, error) {
 // startFromTemplate runs the template's start command of the sandbox sb,
 // whose agent c has just come up, and waits for its ready check. The caller
 // holds e.mu; on error it tears the instance down.
-func (m *Manager) startFromTemplate(ctx context.Context, p *phases, c *agentclient.Client, sb api.Sandbox, st *api.StartCommand) error {
+func (part *Commands) startFromTemplate(ctx context.Context, p *phases, c *agentclient.Client, sb api.Sandbox, st *api.StartCommand) error {
+	m := part.m
 	plan, err := planStart(st)
 	if err != nil || plan == nil {
 		return err
@@ -169,12 +170,12 @@ func (m *Manager) startFromTemplate(ctx context.Context, p *phases, c *agentclie
 		if err := m.cfg.DB.PutCommand(ctx, rec); err != nil {
 			return err
 		}
-		err := m.decideCommand(ctx, sb, &rec)
+		err := m.cmds.decideCommand(ctx, sb, &rec)
 		if err == nil {
-			err = m.startCommand(ctx, c, sb, &rec, false)
+			err = m.cmds.startCommand(ctx, c, sb, &rec, false)
 		}
 		if err != nil {
-			m.commandEnded(&rec, api.ExitStatus{ExitCode: -1, Reason: "could not start: " + err.Error()})
+			m.cmds.commandEnded(&rec, api.ExitStatus{ExitCode: -1, Reason: "could not start: " + err.Error()})
 			return fmt.Errorf("template start command %s: %w", quoteArgv(plan.cmd), err)
 		}
 		return nil
@@ -184,12 +185,13 @@ func (m *Manager) startFromTemplate(ctx context.Context, p *phases, c *agentclie
 	if len(plan.ready) == 0 {
 		return nil
 	}
-	return p.run("ready", func() error { return m.awaitReady(ctx, c, sb, &rec, plan) })
+	return p.run("ready", func() error { return m.cmds.awaitReady(ctx, c, sb, &rec, plan) })
 }
 
 // awaitReady runs the ready check until it passes, the timeout passes, or
 // the start command fails.
-func (m *Manager) awaitReady(ctx context.Context, c *agentclient.Client, sb api.Sandbox, rec *store.CommandRecord, plan *startPlan) error {
+func (part *Commands) awaitReady(ctx context.Context, c *agentclient.Client, sb api.Sandbox, rec *store.CommandRecord, plan *startPlan) error {
+	m := part.m
 	w := watchStart(ctx, c, rec.ID)
 	defer w.stop()
 	deadline := time.Now().Add(plan.timeout)
@@ -209,7 +211,7 @@ func (m *Manager) awaitReady(ctx context.Context, c *agentclient.Client, sb api.
 			// The instance goes down with this failure, and the process with it.
 			exit = api.ExitStatus{ExitCode: 137, Signal: "KILL", Reason: "killed: the sandbox's ready check did not pass"}
 		}
-		m.commandEnded(rec, exit)
+		m.cmds.commandEnded(rec, exit)
 		msg := fmt.Sprintf(format, a...)
 		if tries > 0 {
 			shown, note := last, ""
@@ -288,7 +290,8 @@ func (m *Manager) awaitReady(ctx context.Context, c *agentclient.Client, sb api.
 }
 
 // commandEnded records that a start command ended (or never started).
-func (m *Manager) commandEnded(rec *store.CommandRecord, exit api.ExitStatus) {
+func (part *Commands) commandEnded(rec *store.CommandRecord, exit api.ExitStatus) {
+	m := part.m
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	rec.State = api.CommandExited
@@ -297,7 +300,7 @@ func (m *Manager) commandEnded(rec *store.CommandRecord, exit api.ExitStatus) {
 		m.log.Warn("recording the start command's end", "sandbox", rec.SandboxID, "command", rec.ID, "err", err)
 	}
 	if rec.StartedAt != nil {
-		m.auditCommandExit(ctx, rec.SandboxID, "", rec.ID, exit)
+		m.aud.auditCommandExit(ctx, rec.SandboxID, "", rec.ID, exit)
 	}
 }
 

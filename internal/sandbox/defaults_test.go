@@ -38,11 +38,11 @@ func createFails(t *testing.T, m *Manager, req api.CreateSandboxRequest) (api.Op
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	t0 := time.Now()
-	sb, op, err := m.Create(ctx, req)
+	sb, op, err := m.creates.Create(ctx, req)
 	if err != nil {
 		t.Fatal(err)
 	}
-	op, err = m.Wait(ctx, op.ID)
+	op, err = m.verbs.Wait(ctx, op.ID)
 	took := time.Since(t0)
 	if err != nil || op.State != api.OpFailed || op.Error == nil {
 		t.Fatalf("create should fail: %v %+v", err, op)
@@ -197,17 +197,17 @@ func TestTemplateDefaultsApplyToExecAndCommands(t *testing.T) {
 		t.Fatalf("sandbox record: %+v", sb)
 	}
 	script := []string{"sh", "-c", "echo $A $B $C; pwd; id -u; id -g"}
-	res, err := h.m.Exec(h.ctx(), sb.ID, api.ExecRequest{Cmd: script, Env: map[string]string{"C": "exec"}})
+	res, err := h.m.cmds.Exec(h.ctx(), sb.ID, api.ExecRequest{Cmd: script, Env: map[string]string{"C": "exec"}})
 	if err != nil || res.Stdout != "tmpl req exec\n/usr\n65534\n65534\n" {
 		t.Fatalf("exec with defaults: %v %+v", err, res)
 	}
-	res, err = h.m.Exec(h.ctx(), sb.ID, api.ExecRequest{Cmd: script, User: "0", Workdir: "/etc", Env: map[string]string{"A": "exec"}})
+	res, err = h.m.cmds.Exec(h.ctx(), sb.ID, api.ExecRequest{Cmd: script, User: "0", Workdir: "/etc", Env: map[string]string{"A": "exec"}})
 	if err != nil || res.Stdout != "exec req\n/etc\n0\n0\n" {
 		t.Fatalf("exec overriding the defaults: %v %+v", err, res)
 	}
 	// A command session follows the same defaults.
 	out := filepath.Join(worldDir(t), "cmd")
-	cmd, err := h.m.CreateCommand(h.ctx(), sb.ID, api.CreateCommandRequest{Detached: true,
+	cmd, err := h.m.cmds.CreateCommand(h.ctx(), sb.ID, api.CreateCommandRequest{Detached: true,
 		ExecRequest: api.ExecRequest{Cmd: []string{"sh", "-c", "{ echo $A; pwd; id -u; } > " + out + ".tmp && mv " + out + ".tmp " + out}}})
 	if err != nil {
 		t.Fatal(err)
@@ -218,11 +218,11 @@ func TestTemplateDefaultsApplyToExecAndCommands(t *testing.T) {
 
 	// The request's workdir and user win over the template's.
 	sb2 := h.create(api.CreateSandboxRequest{Template: "dflt:1", Workdir: "/var", User: "1234"})
-	res, err = h.m.Exec(h.ctx(), sb2.ID, api.ExecRequest{Cmd: script})
+	res, err = h.m.cmds.Exec(h.ctx(), sb2.ID, api.ExecRequest{Cmd: script})
 	if err != nil || res.Stdout != "tmpl tmpl\n/var\n1234\n1234\n" {
 		t.Fatalf("exec in a sandbox with request defaults: %v %+v", err, res)
 	}
-	if _, _, err := h.m.Create(h.ctx(), api.CreateSandboxRequest{User: "not a user"}); !errors.Is(err, errdefs.ErrInvalidArgument) {
+	if _, _, err := h.m.creates.Create(h.ctx(), api.CreateSandboxRequest{User: "not a user"}); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("bad request user: %v", err)
 	}
 }
@@ -249,7 +249,7 @@ func TestStartCommandFailuresOnFake(t *testing.T) {
 		t.Errorf("code %s", op.Error.Code)
 	}
 	fakeLeft(sb.ID)
-	cmds, err := h.m.ListCommands(h.ctx(), sb.ID)
+	cmds, err := h.m.cmds.ListCommands(h.ctx(), sb.ID)
 	if err != nil || len(cmds) != 1 || !strings.HasPrefix(cmds[0].ID, StartCommandIDPrefix) || cmds[0].State != api.CommandExited || cmds[0].Exit.ExitCode != 3 {
 		t.Fatalf("start command record: %v %+v", err, cmds)
 	}
@@ -270,7 +270,7 @@ func TestStartCommandFailuresOnFake(t *testing.T) {
 
 	// A build step's sandbox does not run its template's start command.
 	step := h.create(api.CreateSandboxRequest{Template: "exit3:1", Labels: map[string]string{BuildLabel: BuildLabelStep}})
-	if cmds, err := h.m.ListCommands(h.ctx(), step.ID); err != nil || len(cmds) != 0 {
+	if cmds, err := h.m.cmds.ListCommands(h.ctx(), step.ID); err != nil || len(cmds) != 0 {
 		t.Fatalf("build step sandbox ran the start command: %v %+v", err, cmds)
 	}
 
@@ -328,8 +328,8 @@ func newNativeHarness(t *testing.T) *nativeHarness {
 		ctx := context.Background()
 		sbs, _ := db.ListSandboxes(ctx, store.SandboxFilter{})
 		for _, sb := range sbs {
-			if op, err := m.Lifecycle(ctx, sb.ID, api.OpDelete, true); err == nil {
-				m.Wait(ctx, op.ID)
+			if op, err := m.verbs.Lifecycle(ctx, sb.ID, api.OpDelete, true); err == nil {
+				m.verbs.Wait(ctx, op.ID)
 			}
 		}
 		m.Close()
@@ -346,7 +346,7 @@ func (h *nativeHarness) exec(t *testing.T, id string, req api.ExecRequest) api.E
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	res, err := h.m.Exec(ctx, id, req)
+	res, err := h.m.cmds.Exec(ctx, id, req)
 	if err != nil {
 		t.Fatalf("exec %q: %v", req.Cmd, err)
 	}
@@ -357,9 +357,9 @@ func (h *nativeHarness) do(t *testing.T, id, verb string) api.Operation {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	op, err := h.m.Lifecycle(ctx, id, verb, false)
+	op, err := h.m.verbs.Lifecycle(ctx, id, verb, false)
 	if err == nil {
-		op, err = h.m.Wait(ctx, op.ID)
+		op, err = h.m.verbs.Wait(ctx, op.ID)
 	}
 	if err != nil || op.State != api.OpSucceeded {
 		t.Fatalf("%s: %v %+v", verb, err, op.Error)
@@ -371,9 +371,9 @@ func (h *nativeHarness) create(t *testing.T, req api.CreateSandboxRequest) (api.
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	sb, op, err := h.m.Create(ctx, req)
+	sb, op, err := h.m.creates.Create(ctx, req)
 	if err == nil {
-		op, err = h.m.Wait(ctx, op.ID)
+		op, err = h.m.verbs.Wait(ctx, op.ID)
 	}
 	if err != nil || op.State != api.OpSucceeded {
 		t.Fatalf("create: %v %+v", err, op.Error)
@@ -392,7 +392,7 @@ func (h *nativeHarness) noInstanceLeft(t *testing.T, id string) {
 
 func startCommands(t *testing.T, m *Manager, id string) []api.Command {
 	t.Helper()
-	cmds, err := m.ListCommands(context.Background(), id)
+	cmds, err := m.cmds.ListCommands(context.Background(), id)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -454,7 +454,7 @@ func TestTemplateDefaultsOnNative(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		a, err := h.m.Attach(ctx, rec, 0, 0)
+		a, err := h.m.cmds.Attach(ctx, rec, 0, 0)
 		if err != nil {
 			t.Fatal(err)
 		}

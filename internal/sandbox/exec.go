@@ -38,7 +38,7 @@ func (m *Manager) Agent(ctx context.Context, id string) (*agentclient.Client, fu
 // agent is Agent that also returns the sandbox record it found running, so
 // callers that need its env or workdir do not read it again.
 func (m *Manager) agent(ctx context.Context, id string) (*agentclient.Client, api.Sandbox, func(), error) {
-	e, c, sb, err := m.ensureRunning(ctx, id)
+	e, c, sb, err := m.verbs.ensureRunning(ctx, id)
 	if err != nil {
 		return nil, sb, nil, err
 	}
@@ -99,7 +99,8 @@ func killedBySIGKILL(sig string, code int) bool {
 }
 
 // Exec runs a command to completion (the synchronous exec endpoint).
-func (m *Manager) Exec(ctx context.Context, id string, req api.ExecRequest) (api.ExecResult, error) {
+func (part *Commands) Exec(ctx context.Context, id string, req api.ExecRequest) (api.ExecResult, error) {
+	m := part.m
 	if err := validateExec(&req); err != nil {
 		return api.ExecResult{}, err
 	}
@@ -131,19 +132,19 @@ func (m *Manager) Exec(ctx context.Context, id string, req api.ExecRequest) (api
 	defer release()
 	m.obs.Exec("sync")
 	oomBefore := m.oomKills(ctx, id)
-	m.auditCommandStart(ctx, sb, "exec", "exec", req.Cmd, user, workdir, nil)
+	m.aud.auditCommandStart(ctx, sb, "exec", "exec", req.Cmd, user, workdir, nil)
 	res, err := c.Exec(ctx, agentproto.ExecRequest{
 		Cmd: req.Cmd, Env: mergeEnv(sb.Env, req.Env), Workdir: workdir, User: user, Root: req.Root,
 		Stdin: []byte(req.Stdin), TimeoutSeconds: req.TimeoutSeconds, MaxOutputBytes: req.MaxOutputBytes,
 	})
 	if err != nil {
-		m.auditCommandExit(ctx, id, sb.Tenant, "exec", api.ExitStatus{ExitCode: -1, Reason: "failed: " + err.Error()})
+		m.aud.auditCommandExit(ctx, id, sb.Tenant, "exec", api.ExitStatus{ExitCode: -1, Reason: "failed: " + err.Error()})
 		return res, err
 	}
 	if killedBySIGKILL(res.Signal, res.ExitCode) && oomBefore >= 0 && m.oomKills(ctx, id) > oomBefore {
 		res.OOMKilled = true
 	}
-	m.auditExecExit(ctx, sb, res)
+	m.aud.auditExecExit(ctx, sb, res)
 	return res, nil
 }
 
@@ -167,7 +168,8 @@ func attachURL(sandboxID, cmdID string) string {
 
 // CreateCommand records a command session. The process starts on first
 // attach, or now when detached.
-func (m *Manager) CreateCommand(ctx context.Context, id string, req api.CreateCommandRequest) (api.Command, error) {
+func (part *Commands) CreateCommand(ctx context.Context, id string, req api.CreateCommandRequest) (api.Command, error) {
+	m := part.m
 	if err := validateExec(&req.ExecRequest); err != nil {
 		return api.Command{}, err
 	}
@@ -200,14 +202,14 @@ func (m *Manager) CreateCommand(ctx context.Context, id string, req api.CreateCo
 	}
 	if req.Detached {
 		// Decided before the sandbox is woken.
-		if err := m.decideCommand(ctx, sb, &rec); err != nil {
+		if err := m.cmds.decideCommand(ctx, sb, &rec); err != nil {
 			return api.Command{}, err
 		}
 		c, sb, release, err := m.agent(ctx, id)
 		if err != nil {
 			return api.Command{}, err
 		}
-		err = m.startCommand(ctx, c, sb, &rec, false)
+		err = m.cmds.startCommand(ctx, c, sb, &rec, false)
 		release()
 		if err != nil {
 			return api.Command{}, err
@@ -221,7 +223,8 @@ func (m *Manager) CreateCommand(ctx context.Context, id string, req api.CreateCo
 
 // decideCommand asks the policy about the recorded process, if it has not
 // started yet. Callers ask before they wake the sandbox to start it.
-func (m *Manager) decideCommand(ctx context.Context, sb api.Sandbox, rec *store.CommandRecord) error {
+func (part *Commands) decideCommand(ctx context.Context, sb api.Sandbox, rec *store.CommandRecord) error {
+	m := part.m
 	if rec.State != api.CommandCreated {
 		return nil
 	}
@@ -233,7 +236,8 @@ func (m *Manager) decideCommand(ctx context.Context, sb api.Sandbox, rec *store.
 // decided (decideCommand). attaching says the caller attaches next: the
 // agent then keeps the output from the first byte for it, so a fast
 // producer cannot overwrite output before the attach exists.
-func (m *Manager) startCommand(ctx context.Context, c *agentclient.Client, sb api.Sandbox, rec *store.CommandRecord, attaching bool) error {
+func (part *Commands) startCommand(ctx context.Context, c *agentclient.Client, sb api.Sandbox, rec *store.CommandRecord, attaching bool) error {
+	m := part.m
 	if rec.State != api.CommandCreated {
 		return nil
 	}
@@ -243,7 +247,7 @@ func (m *Manager) startCommand(ctx context.Context, c *agentclient.Client, sb ap
 		User: rec.Spec.User, Root: rec.Spec.Root, TTY: rec.Spec.TTY, Rows: rec.Spec.Rows, Cols: rec.Spec.Cols,
 		HoldForAttach: attaching,
 	})
-	m.auditCommandStart(ctx, sb, rec.ID, commandHow(rec), rec.Spec.Cmd, rec.Spec.User, rec.Spec.Workdir, err)
+	m.aud.auditCommandStart(ctx, sb, rec.ID, commandHow(rec), rec.Spec.Cmd, rec.Spec.User, rec.Spec.Workdir, err)
 	if err != nil {
 		return err
 	}
@@ -255,18 +259,20 @@ func (m *Manager) startCommand(ctx context.Context, c *agentclient.Client, sb ap
 }
 
 // GetCommand returns a command session, refreshing its state from the agent.
-func (m *Manager) GetCommand(ctx context.Context, id, cmdID string) (api.Command, error) {
-	rec, err := m.command(ctx, id, cmdID)
+func (part *Commands) GetCommand(ctx context.Context, id, cmdID string) (api.Command, error) {
+	m := part.m
+	rec, err := m.cmds.command(ctx, id, cmdID)
 	if err != nil {
 		return api.Command{}, err
 	}
-	m.refreshCommand(ctx, &rec)
+	m.cmds.refreshCommand(ctx, &rec)
 	return rec.Command, nil
 }
 
 // refreshCommand asks the agent (only when the sandbox is running; a status
 // read must not wake a sandbox) how a running process is doing.
-func (m *Manager) refreshCommand(ctx context.Context, rec *store.CommandRecord) {
+func (part *Commands) refreshCommand(ctx context.Context, rec *store.CommandRecord) {
+	m := part.m
 	if rec.State != api.CommandRunning {
 		return
 	}
@@ -293,11 +299,12 @@ func (m *Manager) refreshCommand(ctx context.Context, rec *store.CommandRecord) 
 	rec.State = api.CommandExited
 	rec.Exit = info.Exit
 	m.cfg.DB.PutCommand(ctx, *rec)
-	m.auditCommandExit(ctx, rec.SandboxID, "", rec.ID, *info.Exit)
+	m.aud.auditCommandExit(ctx, rec.SandboxID, "", rec.ID, *info.Exit)
 }
 
 // ListCommands lists a sandbox's command sessions.
-func (m *Manager) ListCommands(ctx context.Context, id string) ([]api.Command, error) {
+func (part *Commands) ListCommands(ctx context.Context, id string) ([]api.Command, error) {
+	m := part.m
 	if _, err := m.Get(ctx, id); err != nil {
 		return nil, err
 	}
@@ -307,15 +314,16 @@ func (m *Manager) ListCommands(ctx context.Context, id string) ([]api.Command, e
 	}
 	out := make([]api.Command, 0, len(recs))
 	for i := range recs {
-		m.refreshCommand(ctx, &recs[i])
+		m.cmds.refreshCommand(ctx, &recs[i])
 		out = append(out, recs[i].Command)
 	}
 	return out, nil
 }
 
 // RefreshToken issues a new attach token for a command session.
-func (m *Manager) RefreshToken(ctx context.Context, id, cmdID string) (api.Command, error) {
-	rec, err := m.command(ctx, id, cmdID)
+func (part *Commands) RefreshToken(ctx context.Context, id, cmdID string) (api.Command, error) {
+	m := part.m
+	rec, err := m.cmds.command(ctx, id, cmdID)
 	if err != nil {
 		return api.Command{}, err
 	}
@@ -331,11 +339,12 @@ func (m *Manager) RefreshToken(ctx context.Context, id, cmdID string) (api.Comma
 }
 
 // SignalCommand sends a signal to a running command session.
-func (m *Manager) SignalCommand(ctx context.Context, id, cmdID, sig string) error {
+func (part *Commands) SignalCommand(ctx context.Context, id, cmdID, sig string) error {
+	m := part.m
 	if sig == "" || len(sig) > 16 {
 		return invalid("signal must be a name like TERM or a number")
 	}
-	rec, err := m.command(ctx, id, cmdID)
+	rec, err := m.cmds.command(ctx, id, cmdID)
 	if err != nil {
 		return err
 	}
@@ -351,8 +360,9 @@ func (m *Manager) SignalCommand(ctx context.Context, id, cmdID, sig string) erro
 }
 
 // AuthorizeAttach checks an attach token against a command session.
-func (m *Manager) AuthorizeAttach(ctx context.Context, id, cmdID, token string) (store.CommandRecord, error) {
-	rec, err := m.command(ctx, id, cmdID)
+func (part *Commands) AuthorizeAttach(ctx context.Context, id, cmdID, token string) (store.CommandRecord, error) {
+	m := part.m
+	rec, err := m.cmds.command(ctx, id, cmdID)
 	if err != nil {
 		return rec, err
 	}
@@ -375,7 +385,8 @@ type Attachment struct {
 }
 
 // Attach starts the process if needed and attaches to it in the agent.
-func (m *Manager) Attach(ctx context.Context, rec store.CommandRecord, stdoutOff, stderrOff int64) (*Attachment, error) {
+func (part *Commands) Attach(ctx context.Context, rec store.CommandRecord, stdoutOff, stderrOff int64) (*Attachment, error) {
+	m := part.m
 	if stdoutOff < 0 || stderrOff < 0 {
 		return nil, invalid("offsets must not be negative")
 	}
@@ -385,7 +396,7 @@ func (m *Manager) Attach(ctx context.Context, rec store.CommandRecord, stdoutOff
 		if err != nil {
 			return nil, err
 		}
-		if err := m.decideCommand(ctx, sb, &rec); err != nil {
+		if err := m.cmds.decideCommand(ctx, sb, &rec); err != nil {
 			return nil, err
 		}
 	}
@@ -393,7 +404,7 @@ func (m *Manager) Attach(ctx context.Context, rec store.CommandRecord, stdoutOff
 	if err != nil {
 		return nil, err
 	}
-	if err := m.startCommand(ctx, c, sb, &rec, true); err != nil {
+	if err := m.cmds.startCommand(ctx, c, sb, &rec, true); err != nil {
 		release()
 		return nil, err
 	}
@@ -416,7 +427,7 @@ func (a *Attachment) Exited(ctx context.Context, st api.ExitStatus) api.ExitStat
 	}
 	// One exit record however many attachments see the exit.
 	if cur, err := a.m.cfg.DB.GetCommand(ctx, a.rec.SandboxID, a.rec.ID); err != nil || cur.State != api.CommandExited {
-		a.m.auditCommandExit(ctx, a.rec.SandboxID, "", a.rec.ID, st)
+		a.m.aud.auditCommandExit(ctx, a.rec.SandboxID, "", a.rec.ID, st)
 	}
 	a.rec.State = api.CommandExited
 	a.rec.Exit = &st
@@ -430,7 +441,8 @@ func (a *Attachment) Close() {
 	a.release()
 }
 
-func (m *Manager) markCommandsExited(id, reason string) {
+func (part *Commands) markCommandsExited(id, reason string) {
+	m := part.m
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	recs, err := m.cfg.DB.ListCommands(ctx, id)
@@ -445,13 +457,14 @@ func (m *Manager) markCommandsExited(id, reason string) {
 		r.Exit = &api.ExitStatus{ExitCode: 137, Signal: "KILL", Reason: reason}
 		m.cfg.DB.PutCommand(ctx, r)
 		if r.StartedAt != nil {
-			m.auditCommandExit(ctx, id, "", r.ID, *r.Exit)
+			m.aud.auditCommandExit(ctx, id, "", r.ID, *r.Exit)
 		}
 	}
 }
 
 // command loads a command session after checking both ids are well formed.
-func (m *Manager) command(ctx context.Context, id, cmdID string) (store.CommandRecord, error) {
+func (part *Commands) command(ctx context.Context, id, cmdID string) (store.CommandRecord, error) {
+	m := part.m
 	for _, x := range []string{id, cmdID} {
 		if err := ValidID(x); err != nil {
 			return store.CommandRecord{}, err
@@ -463,10 +476,11 @@ func (m *Manager) command(ctx context.Context, id, cmdID string) (store.CommandR
 // AttachCommand attaches to command cmdID of sandbox id from inside the
 // server (no attach token: the caller has authorised the request already),
 // starting it first if it has not started.
-func (m *Manager) AttachCommand(ctx context.Context, id, cmdID string, stdoutOff, stderrOff int64) (*Attachment, error) {
-	rec, err := m.command(ctx, id, cmdID)
+func (part *Commands) AttachCommand(ctx context.Context, id, cmdID string, stdoutOff, stderrOff int64) (*Attachment, error) {
+	m := part.m
+	rec, err := m.cmds.command(ctx, id, cmdID)
 	if err != nil {
 		return nil, err
 	}
-	return m.Attach(ctx, rec, stdoutOff, stderrOff)
+	return m.cmds.Attach(ctx, rec, stdoutOff, stderrOff)
 }

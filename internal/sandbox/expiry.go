@@ -11,7 +11,8 @@ import (
 // loop applies the sandbox's expiry action (delete, or suspend — see
 // api.Sandbox.OnExpiry); nil removes the deadline. A deadline in the past
 // takes effect on the next tick.
-func (m *Manager) SetExpiry(ctx context.Context, id string, at *time.Time) (api.Sandbox, error) {
+func (part *Verbs) SetExpiry(ctx context.Context, id string, at *time.Time) (api.Sandbox, error) {
+	m := part.m
 	if err := ValidID(id); err != nil {
 		return api.Sandbox{}, err
 	}
@@ -43,26 +44,27 @@ func (m *Manager) SetExpiry(ctx context.Context, id string, at *time.Time) (api.
 }
 
 // expire applies sandbox sb's expiry action now that its deadline passed.
-func (m *Manager) expire(ctx context.Context, sb api.Sandbox) {
+func (part *Verbs) expire(ctx context.Context, sb api.Sandbox) {
+	m := part.m
 	if sb.OnExpiry == api.ExpirySuspend {
 		switch sb.State {
 		case api.StateSuspended, api.StateStopped:
 			// Nothing runs: the deadline is spent.
-			m.SetExpiry(ctx, sb.ID, nil)
+			m.verbs.SetExpiry(ctx, sb.ID, nil)
 			return
 		}
 		m.log.Info("sandbox deadline passed; suspending", "sandbox", sb.ID)
-		if _, err := m.systemLifecycle(ctx, sb.ID, api.OpSuspend, false); err == nil {
-			m.SetExpiry(ctx, sb.ID, nil)
+		if _, err := m.verbs.systemLifecycle(ctx, sb.ID, api.OpSuspend, false); err == nil {
+			m.verbs.SetExpiry(ctx, sb.ID, nil)
 			return
 		}
 		// A runtime that cannot suspend stops instead: the disk survives.
 		m.log.Info("sandbox cannot suspend; stopping it at its deadline", "sandbox", sb.ID)
-		if _, err := m.systemLifecycle(ctx, sb.ID, api.OpStop, true); err == nil {
-			m.SetExpiry(ctx, sb.ID, nil)
+		if _, err := m.verbs.systemLifecycle(ctx, sb.ID, api.OpStop, true); err == nil {
+			m.verbs.SetExpiry(ctx, sb.ID, nil)
 		}
 		return
 	}
 	m.log.Info("sandbox TTL expired; deleting", "sandbox", sb.ID)
-	m.systemLifecycle(ctx, sb.ID, api.OpDelete, true)
+	m.verbs.systemLifecycle(ctx, sb.ID, api.OpDelete, true)
 }

@@ -44,7 +44,8 @@ type FileSession struct {
 
 // OpenFiles starts a file session on sandbox id as user ("" is root).
 // It does not wake the sandbox.
-func (m *Manager) OpenFiles(ctx context.Context, id, user string) (*FileSession, error) {
+func (part *Files) OpenFiles(ctx context.Context, id, user string) (*FileSession, error) {
+	m := part.m
 	if err := ValidateUser(user); err != nil {
 		return nil, err
 	}
@@ -200,7 +201,7 @@ func (s *FileSession) Write(ctx context.Context, p string, mode os.FileMode, bod
 		return api.FileInfo{}, err
 	}
 	fi, err := c.WriteFile(ctx, ps[0], mode, body, opts...)
-	s.m.AuditFiles(ctx, s.sb.ID, "write", ps[0], "", err)
+	s.m.aud.AuditFiles(ctx, s.sb.ID, "write", ps[0], "", err)
 	return fi, err
 }
 
@@ -211,7 +212,7 @@ func (s *FileSession) Mkdir(ctx context.Context, p string, mode os.FileMode) (ap
 		return api.FileInfo{}, err
 	}
 	fi, err := c.Mkdir(ctx, ps[0], mode, opts...)
-	s.m.AuditFiles(ctx, s.sb.ID, "mkdir", ps[0], "", err)
+	s.m.aud.AuditFiles(ctx, s.sb.ID, "mkdir", ps[0], "", err)
 	return fi, err
 }
 
@@ -222,7 +223,7 @@ func (s *FileSession) Remove(ctx context.Context, p string, recursive bool) erro
 		return err
 	}
 	err = c.Remove(ctx, ps[0], recursive, opts...)
-	s.m.AuditFiles(ctx, s.sb.ID, "remove", ps[0], "", err)
+	s.m.aud.AuditFiles(ctx, s.sb.ID, "remove", ps[0], "", err)
 	return err
 }
 
@@ -234,7 +235,7 @@ func (s *FileSession) Rename(ctx context.Context, from, to string) error {
 		return err
 	}
 	err = c.Rename(ctx, ps[0], ps[1], opts...)
-	s.m.AuditFiles(ctx, s.sb.ID, "rename", ps[0], ps[1], err)
+	s.m.aud.AuditFiles(ctx, s.sb.ID, "rename", ps[0], ps[1], err)
 	return err
 }
 
@@ -264,7 +265,7 @@ func (s *FileSession) TarPut(ctx context.Context, p string, body io.Reader) erro
 		body = spool
 	}
 	err = c.TarPut(ctx, ps[0], body, opts...)
-	s.m.AuditFiles(ctx, s.sb.ID, "tar_put", ps[0], "", err)
+	s.m.aud.AuditFiles(ctx, s.sb.ID, "tar_put", ps[0], "", err)
 	return err
 }
 

@@ -62,7 +62,7 @@ func TestFilesDecidedOnTheRealPath(t *testing.T) {
 	h, d, rec := newPolicyHarness(t, fakeruntime.Options{})
 	sb := h.create(api.CreateSandboxRequest{})
 	ctx := h.ctx()
-	fs, err := h.m.OpenFiles(ctx, sb.ID, "")
+	fs, err := h.m.files.OpenFiles(ctx, sb.ID, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -179,7 +179,7 @@ func TestFilesDeniedBeforeWake(t *testing.T) {
 	h.verb(sb.ID, api.OpStop)
 	d.set(underEtc)
 	ctx := h.ctx()
-	fs, err := h.m.OpenFiles(ctx, sb.ID, "")
+	fs, err := h.m.files.OpenFiles(ctx, sb.ID, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -231,19 +231,19 @@ func TestPortsDecidedAtTheDial(t *testing.T) {
 		return ""
 	})
 	ctx := h.ctx()
-	if _, err := h.m.DialPort(ctx, sb.ID, 8000); !errors.Is(err, errdefs.ErrPolicyDenied) || !strings.Contains(err.Error(), "stays shut") {
+	if _, err := h.m.net.DialPort(ctx, sb.ID, 8000); !errors.Is(err, errdefs.ErrPolicyDenied) || !strings.Contains(err.Error(), "stays shut") {
 		t.Fatalf("dial 8000: %v", err)
 	}
 	if st := h.state(sb.ID); st != api.StateStopped {
 		t.Fatalf("a refused dial left the sandbox %s", st)
 	}
-	if _, err := h.m.SetPortPublic(ctx, sb.ID, 8000, true); !errors.Is(err, errdefs.ErrPolicyDenied) {
+	if _, err := h.m.net.SetPortPublic(ctx, sb.ID, 8000, true); !errors.Is(err, errdefs.ErrPolicyDenied) {
 		t.Fatalf("making 8000 public: %v", err)
 	}
-	if _, err := h.m.SetPortPublic(ctx, sb.ID, 8000, false); err != nil {
+	if _, err := h.m.net.SetPortPublic(ctx, sb.ID, 8000, false); err != nil {
 		t.Fatalf("making 8000 private: %v", err)
 	}
-	c, err := h.m.DialPort(ctx, sb.ID, 8001)
+	c, err := h.m.net.DialPort(ctx, sb.ID, 8001)
 	if err != nil {
 		t.Fatalf("dial 8001: %v", err)
 	}

@@ -31,13 +31,15 @@ const (
 // suspended parent is refused (wake it first): forking must not change the
 // parent's state. The temporal policy decides it (lifecycle verb fork)
 // before any child exists.
-func (m *Manager) Fork(ctx context.Context, id string, req api.ForkRequest) (api.Operation, error) {
-	return m.forkAndTell(ctx, id, req, true)
+func (part *Verbs) Fork(ctx context.Context, id string, req api.ForkRequest) (api.Operation, error) {
+	m := part.m
+	return m.verbs.forkAndTell(ctx, id, req, true)
 }
 
 // forkAndTell is Fork, decided or not (a snapshot's own fork is not).
-func (m *Manager) forkAndTell(ctx context.Context, id string, req api.ForkRequest, decide bool) (api.Operation, error) {
-	op, err := m.fork(ctx, id, req, decide)
+func (part *Verbs) forkAndTell(ctx context.Context, id string, req api.ForkRequest, decide bool) (api.Operation, error) {
+	m := part.m
+	op, err := m.verbs.fork(ctx, id, req, decide)
 	if err != nil || m.created.Load() == nil {
 		return op, err
 	}
@@ -48,14 +50,15 @@ func (m *Manager) forkAndTell(ctx context.Context, id string, req api.ForkReques
 			continue // already gone (the fork failed): nothing to record
 		}
 		req := api.CreateSandboxRequest{Template: sb.Template, Runtime: sb.Runtime, Labels: sb.Labels, Limits: sb.Limits}
-		if err := m.tellCreated(ctx, sb, op, req); err != nil {
+		if err := m.creates.tellCreated(ctx, sb, op, req); err != nil {
 			errs = append(errs, fmt.Errorf("fork child %s: %w", child, err))
 		}
 	}
 	return op, errors.Join(errs...)
 }
 
-func (m *Manager) fork(ctx context.Context, id string, req api.ForkRequest, decide bool) (api.Operation, error) {
+func (part *Verbs) fork(ctx context.Context, id string, req api.ForkRequest, decide bool) (api.Operation, error) {
+	m := part.m
 	if req.Count == 0 {
 		req.Count = 1
 	}
@@ -66,7 +69,7 @@ func (m *Manager) fork(ctx context.Context, id string, req api.ForkRequest, deci
 	if err != nil {
 		return api.Operation{}, err
 	}
-	if err := m.verbSupported(sb, api.OpFork); err != nil {
+	if err := m.verbs.verbSupported(sb, api.OpFork); err != nil {
 		return api.Operation{}, err
 	}
 	if sb.State != api.StateRunning {
@@ -74,7 +77,7 @@ func (m *Manager) fork(ctx context.Context, id string, req api.ForkRequest, deci
 	}
 	if sb.Network != nil {
 		// The boundary may have narrowed since the parent's policy was set.
-		if err := m.bound(ctx, TenantOf(sb), *sb.Network); err != nil {
+		if err := m.tenancy.bound(ctx, TenantOf(sb), *sb.Network); err != nil {
 			return api.Operation{}, err
 		}
 	}
@@ -93,7 +96,7 @@ func (m *Manager) fork(ctx context.Context, id string, req api.ForkRequest, deci
 	for i := range add {
 		add[i] = sb.Limits
 	}
-	release, err := m.admit(ctx, TenantOf(sb), add...)
+	release, err := m.tenancy.admit(ctx, TenantOf(sb), add...)
 	if err != nil {
 		return api.Operation{}, err
 	}
@@ -115,8 +118,8 @@ func (m *Manager) fork(ctx context.Context, id string, req api.ForkRequest, deci
 			child.Labels = map[string]string{}
 		}
 		child.Labels[LabelForkOf] = id
-		if err := m.forkSecrets(ctx, sb, &child); err != nil {
-			m.abandonChildren(kids, op.Children, err)
+		if err := m.secrets.forkSecrets(ctx, sb, &child); err != nil {
+			m.verbs.abandonChildren(kids, op.Children, err)
 			return api.Operation{}, err
 		}
 		if sb.Idle != nil {
@@ -133,30 +136,31 @@ func (m *Manager) fork(ctx context.Context, id string, req api.ForkRequest, deci
 		ce.mu.Lock()
 		kids = append(kids, ce)
 		if err := m.cfg.DB.PutSandbox(ctx, child); err != nil {
-			m.abandonChildren(kids, op.Children, err)
+			m.verbs.abandonChildren(kids, op.Children, err)
 			return api.Operation{}, err
 		}
 		op.Children = append(op.Children, child.ID)
 	}
 	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
-		m.abandonChildren(kids, op.Children, err)
+		m.verbs.abandonChildren(kids, op.Children, err)
 		return api.Operation{}, err
 	}
 	children := op.Children
-	m.noteCaller(ctx, op.ID, sb.Tenant)
+	m.aud.noteCaller(ctx, op.ID, sb.Tenant)
 	m.start(op, func(ctx context.Context, p *phases) error {
 		defer func() {
 			for _, ce := range kids {
 				ce.mu.Unlock()
 			}
 		}()
-		return m.doFork(ctx, p, id, children)
+		return m.verbs.doFork(ctx, p, id, children)
 	})
 	return op, nil
 }
 
 // abandonChildren undoes a Fork that failed before its operation started.
-func (m *Manager) abandonChildren(kids []*entry, ids []string, cause error) {
+func (part *Verbs) abandonChildren(kids []*entry, ids []string, cause error) {
+	m := part.m
 	for _, id := range ids {
 		m.setState(id, api.StateError, "fork failed: "+cause.Error(), "")
 	}
@@ -169,7 +173,8 @@ func (m *Manager) abandonChildren(kids []*entry, ids []string, cause error) {
 // child's entry lock. All or nothing: on any error every child instance is
 // destroyed and every child record is left in the error state with the
 // reason, and the parent keeps running.
-func (m *Manager) doFork(ctx context.Context, p *phases, id string, children []string) (err error) {
+func (part *Verbs) doFork(ctx context.Context, p *phases, id string, children []string) (err error) {
+	m := part.m
 	e := m.entry(id)
 	var insts []runtime.Instance
 	defer func() {
@@ -178,13 +183,13 @@ func (m *Manager) doFork(ctx context.Context, p *phases, id string, children []s
 		}
 		for _, inst := range insts {
 			if inst != nil {
-				m.destroyInstance(context.Background(), inst, "fork rollback")
+				m.verbs.destroyInstance(context.Background(), inst, "fork rollback")
 			}
 		}
 		for _, cid := range children {
 			ce := m.entry(cid)
 			ce.expectExit.Store(true)
-			m.dropClient(ce)
+			m.verbs.dropClient(ce)
 			ce.cmu.Lock()
 			ce.inst = nil
 			ce.cmu.Unlock()
@@ -198,7 +203,7 @@ func (m *Manager) doFork(ctx context.Context, p *phases, id string, children []s
 	if sb.State != api.StateRunning {
 		return fmt.Errorf("sandbox %s is %s; only a running sandbox can be forked: %w", id, sb.State, errdefs.ErrConflict)
 	}
-	inst, _, err := m.instance(ctx, e, sb)
+	inst, _, err := m.verbs.instance(ctx, e, sb)
 	if err != nil {
 		return err
 	}
@@ -214,25 +219,25 @@ func (m *Manager) doFork(ctx context.Context, p *phases, id string, children []s
 			return err
 		}
 		policies[i] = policyOf(child)
-		if specs[i], _, err = m.spec(ctx, child); err != nil {
+		if specs[i], _, err = m.creates.spec(ctx, child); err != nil {
 			return err
 		}
 		specs[i].Hostname = cid
 	}
-	c, err := m.liveClient(ctx, p, e, inst)
+	c, err := m.verbs.liveClient(ctx, p, e, inst)
 	if err != nil {
 		return err
 	}
 	if err := p.run("quiesce", func() error { return c.Quiesce(ctx) }); err != nil {
 		return fmt.Errorf("the sandbox's agent did not quiesce: %w", err)
 	}
-	m.dropClient(e)
+	m.verbs.dropClient(e)
 	ferr := p.run("fork", func() (err error) {
 		insts, err = fk.Fork(ctx, specs)
 		return err
 	})
 	// The parent runs on either way; its agent listens again.
-	if rerr := p.run("reconnect", func() error { return m.connect(ctx, e, inst) }); rerr != nil {
+	if rerr := p.run("reconnect", func() error { return m.creates.connect(ctx, e, inst) }); rerr != nil {
 		m.log.Warn("parent's agent did not come back after a fork; the next request re-dials", "sandbox", id, "err", rerr)
 	}
 	if ferr != nil {
@@ -260,24 +265,24 @@ func (m *Manager) doFork(ctx context.Context, p *phases, id string, children []s
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			if err := m.attachNetwork(ctx, kp, insts[i], policies[i]); err != nil {
+			if err := m.net.attachNetwork(ctx, kp, insts[i], policies[i]); err != nil {
 				errs[i] = fmt.Errorf("child %s: %w", cid, err)
 				return
 			}
-			if err := kp.run("agent_ready", func() error { return m.connect(ctx, ce, insts[i]) }); err != nil {
+			if err := kp.run("agent_ready", func() error { return m.creates.connect(ctx, ce, insts[i]) }); err != nil {
 				errs[i] = fmt.Errorf("child %s: %w", cid, err)
 				return
 			}
 			// A child that has not reseeded shares its parent's random
 			// streams: that is a failed fork, not a warning.
-			if err := kp.run("reseed", func() error { return m.reseed(ctx, ce, cid) }); err != nil {
+			if err := kp.run("reseed", func() error { return m.verbs.reseed(ctx, ce, cid) }); err != nil {
 				errs[i] = fmt.Errorf("child %s did not reseed: %w", cid, err)
 				return
 			}
 			// Its own CA replaces the parent's in its trust stores.
 			if child, err := m.cfg.DB.GetSandbox(ctx, cid); err != nil {
 				errs[i] = err
-			} else if _, err := m.secretsReady(ctx, kp, ce, child); err != nil {
+			} else if _, err := m.secrets.secretsReady(ctx, kp, ce, child); err != nil {
 				errs[i] = fmt.Errorf("child %s: %w", cid, err)
 			}
 		}()
@@ -293,7 +298,7 @@ func (m *Manager) doFork(ctx context.Context, p *phases, id string, children []s
 	}
 	for i, cid := range children {
 		ce := m.entry(cid)
-		m.watchExit(ce, insts[i])
+		m.creates.watchExit(ce, insts[i])
 		ce.lastActive.Store(time.Now().UnixNano())
 		if _, err := m.setState(cid, api.StateRunning, "", ""); err != nil {
 			return err

@@ -31,8 +31,8 @@ func TestGvisorSuspendAndForkThroughTheManager(t *testing.T) {
 	var ids []string
 	defer func() {
 		for _, id := range ids {
-			if op, err := m.Lifecycle(context.Background(), id, api.OpDelete, true); err == nil {
-				m.Wait(context.Background(), op.ID)
+			if op, err := m.verbs.Lifecycle(context.Background(), id, api.OpDelete, true); err == nil {
+				m.verbs.Wait(context.Background(), op.ID)
 			}
 		}
 	}()
@@ -41,7 +41,7 @@ func TestGvisorSuspendAndForkThroughTheManager(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		op, err = m.Wait(ctx, op.ID)
+		op, err = m.verbs.Wait(ctx, op.ID)
 		if err != nil || op.State != api.OpSucceeded {
 			t.Fatalf("%s: %v %+v", op.Kind, err, op.Error)
 		}
@@ -49,7 +49,7 @@ func TestGvisorSuspendAndForkThroughTheManager(t *testing.T) {
 	}
 	sh := func(id, script string) string {
 		t.Helper()
-		res, err := m.Exec(ctx, id, api.ExecRequest{Cmd: []string{"sh", "-c", script}})
+		res, err := m.cmds.Exec(ctx, id, api.ExecRequest{Cmd: []string{"sh", "-c", script}})
 		if err != nil || res.ExitCode != 0 {
 			t.Fatalf("exec %q in %s: %v %+v", script, id, err, res)
 		}
@@ -64,20 +64,20 @@ func TestGvisorSuspendAndForkThroughTheManager(t *testing.T) {
 		return n
 	}
 
-	sb, op, err := m.Create(ctx, api.CreateSandboxRequest{Runtime: gvisor.Name})
+	sb, op, err := m.creates.Create(ctx, api.CreateSandboxRequest{Runtime: gvisor.Name})
 	if err == nil {
 		ids = append(ids, sb.ID)
 	}
 	wait(op, err)
 	// The count lives only in the shell's memory; a restarted shell would
 	// begin again at 1.
-	if _, err := m.CreateCommand(ctx, sb.ID, api.CreateCommandRequest{Detached: true,
+	if _, err := m.cmds.CreateCommand(ctx, sb.ID, api.CreateCommandRequest{Detached: true,
 		ExecRequest: api.ExecRequest{Cmd: []string{"sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.02; done"}}}); err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(300 * time.Millisecond)
 
-	op = wait(m.Lifecycle(ctx, sb.ID, api.OpSuspend, false))
+	op = wait(m.verbs.Lifecycle(ctx, sb.ID, api.OpSuspend, false))
 	t.Logf("suspend phases %+v", op.Phases)
 	if s, _ := m.Get(ctx, sb.ID); s.State != api.StateSuspended {
 		t.Fatalf("after suspend: %s", s.State)
@@ -91,7 +91,7 @@ func TestGvisorSuspendAndForkThroughTheManager(t *testing.T) {
 		t.Fatalf("the counter stopped after the wake: %d then %d", before, after)
 	}
 
-	op = wait(m.Fork(ctx, sb.ID, api.ForkRequest{Count: 2}))
+	op = wait(m.verbs.Fork(ctx, sb.ID, api.ForkRequest{Count: 2}))
 	ids = append(ids, op.Children...)
 	t.Logf("fork phases %+v", op.Phases)
 	rnd := map[string]string{}
@@ -116,10 +116,10 @@ func TestGvisorSuspendAndForkThroughTheManager(t *testing.T) {
 	// A suspended sandbox survives a server restart: a new manager over a
 	// new runtime on the same directories keeps it suspended and restores
 	// it from the persisted image.
-	wait(m.Lifecycle(ctx, sb.ID, api.OpSuspend, false))
+	wait(m.verbs.Lifecycle(ctx, sb.ID, api.OpSuspend, false))
 	m.Close()
 	m = newManager()
-	if err := m.Reconcile(ctx); err != nil {
+	if err := m.recon.Reconcile(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if s, _ := m.Get(ctx, sb.ID); s.State != api.StateSuspended {
@@ -202,35 +202,35 @@ func TestGvisorStopDiscardsTheSuspendedImage(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		op, err = m.Wait(ctx, op.ID)
+		op, err = m.verbs.Wait(ctx, op.ID)
 		if err != nil || op.State != api.OpSucceeded {
 			t.Fatalf("%s: %v %+v", op.Kind, err, op.Error)
 		}
 		return op
 	}
-	sb, op, err := m.Create(ctx, api.CreateSandboxRequest{Runtime: gvisor.Name})
+	sb, op, err := m.creates.Create(ctx, api.CreateSandboxRequest{Runtime: gvisor.Name})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer func() {
-		if op, err := m.Lifecycle(context.Background(), sb.ID, api.OpDelete, true); err == nil {
-			m.Wait(context.Background(), op.ID)
+		if op, err := m.verbs.Lifecycle(context.Background(), sb.ID, api.OpDelete, true); err == nil {
+			m.verbs.Wait(context.Background(), op.ID)
 		}
 	}()
 	wait(op, err)
-	if res, err := m.Exec(ctx, sb.ID, api.ExecRequest{Cmd: []string{"sh", "-c", "echo kept > /root/f"}}); err != nil || res.ExitCode != 0 {
+	if res, err := m.cmds.Exec(ctx, sb.ID, api.ExecRequest{Cmd: []string{"sh", "-c", "echo kept > /root/f"}}); err != nil || res.ExitCode != 0 {
 		t.Fatalf("write: %v %+v", err, res)
 	}
-	wait(m.Lifecycle(ctx, sb.ID, api.OpSuspend, false))
-	wait(m.Lifecycle(ctx, sb.ID, api.OpStop, false))
+	wait(m.verbs.Lifecycle(ctx, sb.ID, api.OpSuspend, false))
+	wait(m.verbs.Lifecycle(ctx, sb.ID, api.OpStop, false))
 	if got, _ := m.Get(ctx, sb.ID); got.State != api.StateStopped {
 		t.Fatalf("after stop of suspended: %s %q", got.State, got.Error)
 	}
-	op = wait(m.Lifecycle(ctx, sb.ID, api.OpStart, false))
+	op = wait(m.verbs.Lifecycle(ctx, sb.ID, api.OpStart, false))
 	if got := phaseNames(op); !strings.HasPrefix(got, "start_runtime,agent_ready") {
 		t.Fatalf("start after the image was discarded: %s", got)
 	}
-	if res, err := m.Exec(ctx, sb.ID, api.ExecRequest{Cmd: []string{"cat", "/root/f"}}); err != nil || res.Stdout != "kept\n" {
+	if res, err := m.cmds.Exec(ctx, sb.ID, api.ExecRequest{Cmd: []string{"cat", "/root/f"}}); err != nil || res.Stdout != "kept\n" {
 		t.Fatalf("disk after stop of suspended: %v %+v", err, res)
 	}
 }

@@ -18,8 +18,9 @@ func wrongState(id, state, verb string) error {
 
 // instance returns the runtime instance of sb, re-opening it if this server
 // has not touched it yet (e.g. after a restart).
-func (m *Manager) instance(ctx context.Context, e *entry, sb api.Sandbox) (runtime.Instance, runtime.Runtime, error) {
-	spec, rt, err := m.spec(ctx, sb)
+func (part *Verbs) instance(ctx context.Context, e *entry, sb api.Sandbox) (runtime.Instance, runtime.Runtime, error) {
+	m := part.m
+	spec, rt, err := m.creates.spec(ctx, sb)
 	if err != nil {
 		return nil, rt, err
 	}
@@ -39,7 +40,7 @@ func (m *Manager) instance(ctx context.Context, e *entry, sb api.Sandbox) (runti
 	return inst, rt, nil
 }
 
-func (m *Manager) dropClient(e *entry) {
+func (part *Verbs) dropClient(e *entry) {
 	e.cmu.Lock()
 	if e.client != nil {
 		e.client.Close()
@@ -52,28 +53,32 @@ func (m *Manager) dropClient(e *entry) {
 // operation. It is the entry of every front door (REST, E2B, a cluster
 // node's reconciler): the temporal policy decides the verb, after the
 // checks that refuse it anyway and before anything happens.
-func (m *Manager) Lifecycle(ctx context.Context, id, verb string, force bool) (api.Operation, error) {
-	return m.lifecycle(ctx, id, verb, force, true, nil)
+func (part *Verbs) Lifecycle(ctx context.Context, id, verb string, force bool) (api.Operation, error) {
+	m := part.m
+	return m.verbs.lifecycle(ctx, id, verb, force, true, nil)
 }
 
 // systemLifecycle is Lifecycle for the platform's own housekeeping
 // (deadlines, rollbacks, build steps, snapshots): not decided, so a
 // tenant's rule cannot keep the platform from cleaning up.
-func (m *Manager) systemLifecycle(ctx context.Context, id, verb string, force bool) (api.Operation, error) {
-	return m.lifecycle(ctx, id, verb, force, false, nil)
+func (part *Verbs) systemLifecycle(ctx context.Context, id, verb string, force bool) (api.Operation, error) {
+	m := part.m
+	return m.verbs.lifecycle(ctx, id, verb, force, false, nil)
 }
 
 // Discard force-deletes sandbox id as the platform's own cleanup — what is
 // left of a create that failed, a cluster node's orphan or stale copy —
 // which no tenant's rule decides. A caller's delete goes through Lifecycle.
-func (m *Manager) Discard(ctx context.Context, id string) (api.Operation, error) {
-	return m.systemLifecycle(ctx, id, api.OpDelete, true)
+func (part *Verbs) Discard(ctx context.Context, id string) (api.Operation, error) {
+	m := part.m
+	return m.verbs.systemLifecycle(ctx, id, api.OpDelete, true)
 }
 
 // lifecycle is Lifecycle, decided or not, with an optional guard the
 // operation runs first, under the sandbox's lock; a guard error fails the
 // operation untouched.
-func (m *Manager) lifecycle(ctx context.Context, id, verb string, force, decide bool, guard func() error) (api.Operation, error) {
+func (part *Verbs) lifecycle(ctx context.Context, id, verb string, force, decide bool, guard func() error) (api.Operation, error) {
+	m := part.m
 	sb, err := m.Get(ctx, id)
 	if err != nil {
 		return api.Operation{}, err
@@ -88,24 +93,24 @@ func (m *Manager) lifecycle(ctx context.Context, id, verb string, force, decide 
 				return api.Operation{}, fmt.Errorf("sandbox %s is %s; stop it first or delete with force: %w", id, sb.State, errdefs.ErrConflict)
 			}
 		}
-		fn = func(ctx context.Context, p *phases) error { return m.doDelete(ctx, p, id) }
+		fn = func(ctx context.Context, p *phases) error { return m.verbs.doDelete(ctx, p, id) }
 	case api.OpStop, api.OpStart, api.OpPause, api.OpResume, api.OpWake:
-		if err := m.checkVerb(sb, verb); err != nil {
+		if err := m.verbs.checkVerb(sb, verb); err != nil {
 			return api.Operation{}, err
 		}
-		fn = func(ctx context.Context, p *phases) error { return m.doVerb(ctx, p, id, verb) }
+		fn = func(ctx context.Context, p *phases) error { return m.verbs.doVerb(ctx, p, id, verb) }
 	case api.OpSuspend:
-		if err := m.checkVerb(sb, verb); err != nil {
+		if err := m.verbs.checkVerb(sb, verb); err != nil {
 			return api.Operation{}, err
 		}
-		fn = func(ctx context.Context, p *phases) error { return m.doSuspend(ctx, p, id) }
+		fn = func(ctx context.Context, p *phases) error { return m.verbs.doSuspend(ctx, p, id) }
 	case api.OpRestore:
-		if err := m.checkVerb(sb, verb); err != nil {
+		if err := m.verbs.checkVerb(sb, verb); err != nil {
 			return api.Operation{}, err
 		}
-		fn = func(ctx context.Context, p *phases) error { return m.doVerb(ctx, p, id, api.OpRestore) }
+		fn = func(ctx context.Context, p *phases) error { return m.verbs.doVerb(ctx, p, id, api.OpRestore) }
 	case api.OpFork:
-		return m.forkAndTell(ctx, id, api.ForkRequest{Count: 1}, decide)
+		return m.verbs.forkAndTell(ctx, id, api.ForkRequest{Count: 1}, decide)
 	default:
 		return api.Operation{}, invalid("unknown lifecycle verb %q", truncate(verb, 32))
 	}
@@ -127,14 +132,15 @@ func (m *Manager) lifecycle(ctx context.Context, id, verb string, force, decide 
 	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
 		return op, err
 	}
-	m.noteCaller(ctx, op.ID, sb.Tenant)
+	m.aud.noteCaller(ctx, op.ID, sb.Tenant)
 	m.start(op, fn)
 	return op, nil
 }
 
 // checkVerb rejects verbs that make no sense in the sandbox's current state,
 // synchronously, so the caller gets a 409 instead of a failed operation.
-func (m *Manager) checkVerb(sb api.Sandbox, verb string) error {
+func (part *Verbs) checkVerb(sb api.Sandbox, verb string) error {
+	m := part.m
 	ok := false
 	switch verb {
 	case api.OpStop:
@@ -143,19 +149,19 @@ func (m *Manager) checkVerb(sb api.Sandbox, verb string) error {
 		ok = sb.State == api.StateStopped || sb.State == api.StateRunning || sb.State == api.StateSuspended
 	case api.OpSuspend:
 		// What the runtime cannot do at all is said first, whatever the state.
-		if err := m.verbSupported(sb, verb); err != nil {
+		if err := m.verbs.verbSupported(sb, verb); err != nil {
 			return err
 		}
 		ok = sb.State == api.StateRunning || sb.State == api.StatePaused || sb.State == api.StateSuspended
 	case api.OpRestore:
-		if err := m.verbSupported(sb, verb); err != nil {
+		if err := m.verbs.verbSupported(sb, verb); err != nil {
 			return err
 		}
 		ok = sb.State == api.StateSuspended || sb.State == api.StateRunning
 	case api.OpPause:
 		ok = sb.State == api.StateRunning || sb.State == api.StatePaused
 		if ok {
-			if err := m.verbSupported(sb, verb); err != nil {
+			if err := m.verbs.verbSupported(sb, verb); err != nil {
 				return err
 			}
 		}
@@ -170,7 +176,8 @@ func (m *Manager) checkVerb(sb api.Sandbox, verb string) error {
 	return nil
 }
 
-func (m *Manager) verbSupported(sb api.Sandbox, verb string) error {
+func (part *Verbs) verbSupported(sb api.Sandbox, verb string) error {
+	m := part.m
 	rt, err := m.runtimeOf(sb)
 	if err != nil {
 		return err
@@ -183,7 +190,8 @@ func (m *Manager) verbSupported(sb api.Sandbox, verb string) error {
 }
 
 // doVerb runs stop/start/pause/resume/wake/restore; the caller holds e.mu.
-func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error {
+func (part *Verbs) doVerb(ctx context.Context, p *phases, id, verb string) error {
+	m := part.m
 	e := m.entry(id)
 	sb, err := m.cfg.DB.GetSandbox(ctx, id)
 	if err != nil {
@@ -207,10 +215,10 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 		verb = api.OpRestore
 	}
 	// Re-check under the lock: another operation may have run meanwhile.
-	if err := m.checkVerb(sb, verb); err != nil {
+	if err := m.verbs.checkVerb(sb, verb); err != nil {
 		return err
 	}
-	inst, _, err := m.instance(ctx, e, sb)
+	inst, _, err := m.verbs.instance(ctx, e, sb)
 	if err != nil {
 		return err
 	}
@@ -219,15 +227,15 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 		if sb.State == api.StateRunning {
 			return nil
 		}
-		return m.doRestore(ctx, p, e, sb)
+		return m.verbs.doRestore(ctx, p, e, sb)
 	case api.OpStop:
 		if sb.State == api.StateStopped {
 			return nil
 		}
 		m.setState(id, api.StateStopping, "", "")
 		e.expectExit.Store(true)
-		m.dropClient(e)
-		m.detachNetwork(id, "stop")
+		m.verbs.dropClient(e)
+		m.net.detachNetwork(id, "stop")
 		// Stopping a suspended instance discards its saved image.
 		if err := p.run("stop_runtime", func() error { return inst.Stop(ctx) }); err != nil {
 			m.setState(id, api.StateError, err.Error(), "")
@@ -240,7 +248,7 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 			m.setState(id, api.StateSuspended, err.Error(), "")
 			return err
 		}
-		m.markCommandsExited(id, "the sandbox was stopped")
+		m.cmds.markCommandsExited(id, "the sandbox was stopped")
 		_, err = m.setState(id, api.StateStopped, "", "")
 		return err
 	case api.OpStart:
@@ -248,9 +256,9 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 			return nil
 		}
 		m.setState(id, api.StateStarting, "", "")
-		if err := m.boot(ctx, p, e, inst); err != nil {
+		if err := m.creates.boot(ctx, p, e, inst); err != nil {
 			e.expectExit.Store(true)
-			m.stopInstance(context.Background(), inst, "failed start")
+			m.verbs.stopInstance(context.Background(), inst, "failed start")
 			m.setState(id, api.StateStopped, err.Error(), "")
 			return err
 		}
@@ -265,7 +273,7 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 		if err != nil {
 			return err
 		}
-		m.dropClient(e)
+		m.verbs.dropClient(e)
 		if err := p.run("freeze", func() error { return pz.Pause(ctx) }); err != nil {
 			return err
 		}
@@ -282,7 +290,7 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 		if err := p.run("thaw", func() error { return pz.Resume(ctx) }); err != nil {
 			return err
 		}
-		if err := p.run("agent_ready", func() error { return m.connect(ctx, e, inst) }); err != nil {
+		if err := p.run("agent_ready", func() error { return m.creates.connect(ctx, e, inst) }); err != nil {
 			return err
 		}
 		e.lastActive.Store(time.Now().UnixNano())
@@ -292,7 +300,8 @@ func (m *Manager) doVerb(ctx context.Context, p *phases, id, verb string) error 
 	return invalid("unknown verb %q", verb)
 }
 
-func (m *Manager) doDelete(ctx context.Context, p *phases, id string) error {
+func (part *Verbs) doDelete(ctx context.Context, p *phases, id string) error {
+	m := part.m
 	e := m.entry(id)
 	sb, err := m.cfg.DB.GetSandbox(ctx, id)
 	if errors.Is(err, errdefs.ErrNotFound) {
@@ -303,10 +312,10 @@ func (m *Manager) doDelete(ctx context.Context, p *phases, id string) error {
 	}
 	m.setState(id, api.StateDeleting, "", "")
 	e.expectExit.Store(true)
-	m.dropClient(e)
-	m.detachNetwork(id, "delete")
+	m.verbs.dropClient(e)
+	m.net.detachNetwork(id, "delete")
 	if err := p.run("destroy", func() error {
-		inst, rt, err := m.instance(ctx, e, sb)
+		inst, rt, err := m.verbs.instance(ctx, e, sb)
 		if err != nil {
 			// The template may be gone; the runtime can still sweep the id.
 			if rt != nil {
@@ -323,14 +332,15 @@ func (m *Manager) doDelete(ctx context.Context, p *phases, id string) error {
 	if err := m.cfg.DB.DeleteSandbox(ctx, id); err != nil {
 		return err
 	}
-	m.forgetSecrets(id)
+	m.secrets.forgetSecrets(id)
 	m.forget(id)
 	m.forgetPolicy(id)
 	return nil
 }
 
 // Wait blocks until the operation finishes or ctx ends.
-func (m *Manager) Wait(ctx context.Context, opID string) (api.Operation, error) {
+func (part *Verbs) Wait(ctx context.Context, opID string) (api.Operation, error) {
+	m := part.m
 	for {
 		op, err := m.GetOperation(ctx, opID, 30*time.Second)
 		if err != nil || op.Done() {
@@ -345,7 +355,8 @@ func (m *Manager) Wait(ctx context.Context, opID string) (api.Operation, error) 
 // ensureRunning returns the live entry of a sandbox, its client and the
 // record it found running, waking it transparently when it is paused or
 // stopped, and waiting out transitional states.
-func (m *Manager) ensureRunning(ctx context.Context, id string) (*entry, *agentClient, api.Sandbox, error) {
+func (part *Verbs) ensureRunning(ctx context.Context, id string) (*entry, *agentClient, api.Sandbox, error) {
+	m := part.m
 	if err := ValidID(id); err != nil {
 		return nil, nil, api.Sandbox{}, err
 	}
@@ -375,7 +386,7 @@ func (m *Manager) ensureRunning(ctx context.Context, id string) (*entry, *agentC
 			e.mu.Lock()
 			cur, err := m.cfg.DB.GetSandbox(ctx, id)
 			if err == nil && cur.State == api.StateRunning {
-				err = m.redial(ctx, e, cur)
+				err = m.verbs.redial(ctx, e, cur)
 			}
 			e.mu.Unlock()
 			if err != nil {
@@ -388,7 +399,7 @@ func (m *Manager) ensureRunning(ctx context.Context, id string) (*entry, *agentC
 				return nil, nil, api.Sandbox{}, err
 			}
 			e.mu.Lock()
-			err := m.runOp(ctx, &op, func(ctx context.Context, p *phases) error { return m.doVerb(ctx, p, id, api.OpWake) })
+			err := m.runOp(ctx, &op, func(ctx context.Context, p *phases) error { return m.verbs.doVerb(ctx, p, id, api.OpWake) })
 			e.mu.Unlock()
 			if err != nil {
 				return nil, nil, api.Sandbox{}, fmt.Errorf("waking sandbox %s: %w", id, err)
@@ -414,7 +425,8 @@ func (m *Manager) ensureRunning(ctx context.Context, id string) (*entry, *agentC
 	}
 }
 
-func (m *Manager) redial(ctx context.Context, e *entry, sb api.Sandbox) error {
+func (part *Verbs) redial(ctx context.Context, e *entry, sb api.Sandbox) error {
+	m := part.m
 	e.cmu.RLock()
 	c := e.client
 	e.cmu.RUnlock()
@@ -425,14 +437,14 @@ func (m *Manager) redial(ctx context.Context, e *entry, sb api.Sandbox) error {
 			return nil
 		}
 	}
-	inst, _, err := m.instance(ctx, e, sb)
+	inst, _, err := m.verbs.instance(ctx, e, sb)
 	if err != nil {
 		return err
 	}
 	if !inst.Alive() {
 		return fmt.Errorf("sandbox %s is not alive: %w", sb.ID, errdefs.ErrUnavailable)
 	}
-	return m.connect(ctx, e, inst)
+	return m.creates.connect(ctx, e, inst)
 }
 
 func pauser(sb api.Sandbox, inst runtime.Instance) (runtime.Pauser, error) {

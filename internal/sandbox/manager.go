@@ -119,7 +119,20 @@ type Manager struct {
 	netFollowers map[string]*netFollower
 	netWG        sync.WaitGroup
 
-	pools    *pools        // warm pools (pool.go)
+	pools *pools // warm pools (pool.go)
+
+	// The parts (parts.go).
+	secrets  *Secrets
+	net      *Networking
+	cmds     *Commands
+	warm     *WarmPools
+	builds   *Builds
+	tenancy  *Tenancy
+	aud      *Auditor
+	verbs    *Verbs
+	recon    *Reconciler
+	files    *Files
+	creates  *Creates
 	poolKick chan struct{} // wake the pool filler now
 }
 
@@ -173,6 +186,17 @@ func New(cfg Config) *Manager {
 	m := &Manager{netKick: make(chan struct{}, 1), cfg: cfg, log: cfg.Logger, obs: cfg.Observer, entries: map[string]*entry{}, opDone: map[string]chan struct{}{},
 		ctx: ctx, cancel: cancel, opCtx: opCtx, opCancel: opCancel, poolKick: make(chan struct{}, 1)}
 	m.pools = newPools(m)
+	m.secrets = &Secrets{m}
+	m.net = &Networking{m}
+	m.cmds = &Commands{m}
+	m.warm = &WarmPools{m}
+	m.builds = &Builds{m}
+	m.tenancy = &Tenancy{m}
+	m.aud = &Auditor{m}
+	m.verbs = &Verbs{m}
+	m.recon = &Reconciler{m}
+	m.files = &Files{m}
+	m.creates = &Creates{m}
 	return m
 }
 
@@ -181,7 +205,7 @@ func New(cfg Config) *Manager {
 func (m *Manager) Close() {
 	m.cancel()
 	m.wg.Wait()
-	m.stopNetAudit()
+	m.net.stopNetAudit()
 	done := make(chan struct{})
 	go func() { m.opWG.Wait(); close(done) }()
 	select {
@@ -249,7 +273,8 @@ func (m *Manager) Info(ctx context.Context) api.Info {
 // Version is set by the build (-ldflags) or stays "dev".
 var Version = "dev"
 
-func (m *Manager) pickRuntime(ctx context.Context, name string) (runtime.Runtime, runtime.Capabilities, error) {
+func (part *Creates) pickRuntime(ctx context.Context, name string) (runtime.Runtime, runtime.Capabilities, error) {
+	m := part.m
 	if name == "" || name == runtime.Auto {
 		rt, err := runtime.PickAuto(ctx, m.cfg.Runtimes)
 		if err != nil {
@@ -276,7 +301,8 @@ type CreatedFunc func(ctx context.Context, sb api.Sandbox, op api.Operation, req
 // SetCreated sets (nil: clears) the function told of every sandbox callers
 // make — through any API — but not of warm-pool members or build steps,
 // which are the server's own.
-func (m *Manager) SetCreated(f CreatedFunc) {
+func (part *Creates) SetCreated(f CreatedFunc) {
+	m := part.m
 	if f == nil {
 		m.created.Store(nil)
 		return
@@ -297,7 +323,8 @@ func (m *Manager) SetOperationDone(f func(api.Operation)) {
 }
 
 // tellCreated runs the CreatedFunc for sb; when it fails, sb is deleted.
-func (m *Manager) tellCreated(ctx context.Context, sb api.Sandbox, op api.Operation, req api.CreateSandboxRequest) error {
+func (part *Creates) tellCreated(ctx context.Context, sb api.Sandbox, op api.Operation, req api.CreateSandboxRequest) error {
+	m := part.m
 	f := m.created.Load()
 	if f == nil || isPoolMember(sb) || sb.Labels[BuildLabel] != "" {
 		return nil
@@ -306,7 +333,7 @@ func (m *Manager) tellCreated(ctx context.Context, sb api.Sandbox, op api.Operat
 	if err == nil {
 		return nil
 	}
-	if _, derr := m.systemLifecycle(principal.With(context.WithoutCancel(ctx), principal.System), sb.ID, api.OpDelete, true); derr != nil {
+	if _, derr := m.verbs.systemLifecycle(principal.With(context.WithoutCancel(ctx), principal.System), sb.ID, api.OpDelete, true); derr != nil {
 		m.log.Warn("deleting a sandbox its creation hook refused", "sandbox", sb.ID, "err", derr)
 	}
 	return err
@@ -314,18 +341,20 @@ func (m *Manager) tellCreated(ctx context.Context, sb api.Sandbox, op api.Operat
 
 // Create validates req, persists the sandbox and its create operation, and
 // starts the operation in the background.
-func (m *Manager) Create(ctx context.Context, req api.CreateSandboxRequest) (api.Sandbox, api.Operation, error) {
-	sb, op, err := m.create(ctx, req)
+func (part *Creates) Create(ctx context.Context, req api.CreateSandboxRequest) (api.Sandbox, api.Operation, error) {
+	m := part.m
+	sb, op, err := m.creates.create(ctx, req)
 	if err != nil {
 		return sb, op, err
 	}
-	if err := m.tellCreated(ctx, sb, op, req); err != nil {
+	if err := m.creates.tellCreated(ctx, sb, op, req); err != nil {
 		return api.Sandbox{}, api.Operation{}, err
 	}
 	return sb, op, nil
 }
 
-func (m *Manager) create(ctx context.Context, req api.CreateSandboxRequest) (api.Sandbox, api.Operation, error) {
+func (part *Creates) create(ctx context.Context, req api.CreateSandboxRequest) (api.Sandbox, api.Operation, error) {
+	m := part.m
 	lim, err := validateCreate(&req)
 	if err != nil {
 		return api.Sandbox{}, api.Operation{}, err
@@ -342,11 +371,11 @@ func (m *Manager) create(ctx context.Context, req api.CreateSandboxRequest) (api
 	}
 	tenant := tenantOf(ctx)
 	if req.Network != nil {
-		if err := m.bound(ctx, tenant, *req.Network); err != nil {
+		if err := m.tenancy.bound(ctx, tenant, *req.Network); err != nil {
 			return api.Sandbox{}, api.Operation{}, err
 		}
 	}
-	rt, caps, err := m.pickRuntime(ctx, req.Runtime)
+	rt, caps, err := m.creates.pickRuntime(ctx, req.Runtime)
 	if err != nil {
 		return api.Sandbox{}, api.Operation{}, err
 	}
@@ -363,7 +392,7 @@ func (m *Manager) create(ctx context.Context, req api.CreateSandboxRequest) (api
 			return api.Sandbox{}, api.Operation{}, err
 		}
 	}
-	if sb, op, handled, err := m.claim(ctx, req, rt, caps, lim, tenant); handled {
+	if sb, op, handled, err := m.warm.claim(ctx, req, rt, caps, lim, tenant); handled {
 		return sb, op, err
 	}
 	now := time.Now().UTC()
@@ -376,21 +405,21 @@ func (m *Manager) create(ctx context.Context, req api.CreateSandboxRequest) (api
 		exp := now.Add(time.Duration(req.TTLSeconds) * time.Second)
 		sb.ExpiresAt = &exp
 	}
-	undoSecrets, err := m.createSecrets(ctx, &sb, req.Secrets)
+	undoSecrets, err := m.secrets.createSecrets(ctx, &sb, req.Secrets)
 	if err != nil {
 		return api.Sandbox{}, api.Operation{}, err
 	}
 	op := newOperation(api.OpCreate, sb.ID)
 	sb.OperationID = op.ID
-	if err := m.admitAndPut(ctx, tenant, func() error { return m.cfg.DB.PutSandbox(ctx, sb) }, sb.Limits); err != nil {
+	if err := m.tenancy.admitAndPut(ctx, tenant, func() error { return m.cfg.DB.PutSandbox(ctx, sb) }, sb.Limits); err != nil {
 		undoSecrets()
 		return api.Sandbox{}, api.Operation{}, err
 	}
 	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
 		return api.Sandbox{}, api.Operation{}, err
 	}
-	m.noteCaller(ctx, op.ID, sb.Tenant)
-	m.start(op, func(ctx context.Context, p *phases) error { return m.doCreate(ctx, p, sb.ID, false) })
+	m.aud.noteCaller(ctx, op.ID, sb.Tenant)
+	m.start(op, func(ctx context.Context, p *phases) error { return m.creates.doCreate(ctx, p, sb.ID, false) })
 	return sb, op, nil
 }
 
@@ -462,7 +491,7 @@ func (m *Manager) runOp(ctx context.Context, op *api.Operation, fn func(ctx cont
 		(*f)(*op)
 	}
 	m.obs.OperationDone(op.Kind, op.State, time.Since(t0))
-	m.auditOp(ctx, *op, err)
+	m.aud.auditOp(ctx, *op, err)
 	return err
 }
 
@@ -607,7 +636,8 @@ func newSpec(sb api.Sandbox, tmpl api.Template, rootfs string) runtime.Spec {
 }
 
 // spec resolves everything a runtime needs for an existing sandbox.
-func (m *Manager) spec(ctx context.Context, sb api.Sandbox) (runtime.Spec, runtime.Runtime, error) {
+func (part *Creates) spec(ctx context.Context, sb api.Sandbox) (runtime.Spec, runtime.Runtime, error) {
+	m := part.m
 	rt, err := m.runtimeOf(sb)
 	if err != nil {
 		return runtime.Spec{}, nil, err
@@ -625,7 +655,8 @@ func (m *Manager) spec(ctx context.Context, sb api.Sandbox) (runtime.Spec, runti
 
 // doCreate runs a create operation; redriven is true when reconcile runs
 // it again after a crash.
-func (m *Manager) doCreate(ctx context.Context, p *phases, id string, redriven bool) error {
+func (part *Creates) doCreate(ctx context.Context, p *phases, id string, redriven bool) error {
+	m := part.m
 	e := m.entry(id)
 	sb, err := m.cfg.DB.GetSandbox(ctx, id)
 	if err != nil {
@@ -673,7 +704,7 @@ func (m *Manager) doCreate(ctx context.Context, p *phases, id string, redriven b
 	}
 	// A policy from the template or the server default is held to the
 	// tenant's boundary like a requested one.
-	if err := m.bound(ctx, TenantOf(sb), *sb.Network); err != nil {
+	if err := m.tenancy.bound(ctx, TenantOf(sb), *sb.Network); err != nil {
 		return fail(err)
 	}
 	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
@@ -682,7 +713,7 @@ func (m *Manager) doCreate(ctx context.Context, p *phases, id string, redriven b
 	// Sessions left by an attempt that crashed died with its instance. A
 	// first attempt has none: no read of them on every create.
 	if redriven {
-		m.markCommandsExited(id, "the sandbox's creation was interrupted and started over")
+		m.cmds.markCommandsExited(id, "the sandbox's creation was interrupted and started over")
 	}
 	spec := newSpec(sb, tmpl, rootfs)
 	var inst runtime.Instance
@@ -695,9 +726,9 @@ func (m *Manager) doCreate(ctx context.Context, p *phases, id string, redriven b
 	e.cmu.Lock()
 	e.inst = inst
 	e.cmu.Unlock()
-	if err := m.bootWith(ctx, p, e, inst, sb, tmpl.Config.Start); err != nil {
+	if err := m.creates.bootWith(ctx, p, e, inst, sb, tmpl.Config.Start); err != nil {
 		e.expectExit.Store(true)
-		m.destroyInstance(context.Background(), inst, "failed create")
+		m.verbs.destroyInstance(context.Background(), inst, "failed create")
 		return fail(err)
 	}
 	e.lastActive.Store(time.Now().UnixNano())
@@ -711,7 +742,8 @@ func isBaseRef(ref, base string) bool {
 
 // boot starts the stopped instance of sandbox e from cold: its runtime, its
 // agent, and its template's start command (with the ready wait).
-func (m *Manager) boot(ctx context.Context, p *phases, e *entry, inst runtime.Instance) error {
+func (part *Creates) boot(ctx context.Context, p *phases, e *entry, inst runtime.Instance) error {
+	m := part.m
 	sb, err := m.cfg.DB.GetSandbox(ctx, e.id)
 	if err != nil {
 		return err
@@ -720,12 +752,13 @@ func (m *Manager) boot(ctx context.Context, p *phases, e *entry, inst runtime.In
 	if err != nil {
 		return fmt.Errorf("template %s of sandbox %s: %w", sb.TemplateDigest, sb.ID, err)
 	}
-	return m.bootWith(ctx, p, e, inst, sb, tmpl.Config.Start)
+	return m.creates.bootWith(ctx, p, e, inst, sb, tmpl.Config.Start)
 }
 
 // bootWith is boot with the sandbox record and start command at hand. On
 // error the caller stops or destroys inst.
-func (m *Manager) bootWith(ctx context.Context, p *phases, e *entry, inst runtime.Instance, sb api.Sandbox, start *api.StartCommand) error {
+func (part *Creates) bootWith(ctx context.Context, p *phases, e *entry, inst runtime.Instance, sb api.Sandbox, start *api.StartCommand) error {
+	m := part.m
 	e.expectExit.Store(false)
 	if err := p.run("start_runtime", func() error { return inst.Start(ctx) }); err != nil {
 		return fmt.Errorf("starting sandbox: %w", err)
@@ -735,20 +768,20 @@ func (m *Manager) bootWith(ctx context.Context, p *phases, e *entry, inst runtim
 	// runtime's, not the sandbox's: the gateway attaches the link while
 	// the agent starts up (its Go start-up is most of agent_ready).
 	netErr := make(chan error, 1)
-	go func() { netErr <- m.attachNetwork(ctx, p, inst, policyOf(sb)) }()
-	readyErr := p.run("agent_ready", func() error { return m.connect(ctx, e, inst) })
+	go func() { netErr <- m.net.attachNetwork(ctx, p, inst, policyOf(sb)) }()
+	readyErr := p.run("agent_ready", func() error { return m.creates.connect(ctx, e, inst) })
 	if err := <-netErr; err != nil {
 		if readyErr == nil {
-			m.dropClient(e)
+			m.verbs.dropClient(e)
 		}
 		return err
 	}
 	if readyErr != nil {
 		return readyErr
 	}
-	m.watchExit(e, inst)
+	m.creates.watchExit(e, inst)
 	// The CA is trusted before anything of the sandbox's own runs.
-	sb, err := m.secretsReady(ctx, p, e, sb)
+	sb, err := m.secrets.secretsReady(ctx, p, e, sb)
 	if err != nil {
 		return err
 	}
@@ -760,21 +793,22 @@ func (m *Manager) bootWith(ctx context.Context, p *phases, e *entry, inst runtim
 	e.cmu.RLock()
 	c := e.client
 	e.cmu.RUnlock()
-	if err := m.startFromTemplate(ctx, p, c, sb, start); err != nil {
-		m.dropClient(e)
+	if err := m.cmds.startFromTemplate(ctx, p, c, sb, start); err != nil {
+		m.verbs.dropClient(e)
 		return err
 	}
 	return nil
 }
 
 // connect dials the agent and waits for its health, bounded by AgentReadyTimeout.
-func (m *Manager) connect(ctx context.Context, e *entry, inst runtime.Instance) error {
+func (part *Creates) connect(ctx context.Context, e *entry, inst runtime.Instance) error {
+	m := part.m
 	ctx, cancel := context.WithTimeout(ctx, m.cfg.AgentReadyTimeout)
 	defer cancel()
 	var last error
 	delay := time.Millisecond
 	for {
-		c, err := m.dial(ctx, inst)
+		c, err := m.creates.dial(ctx, inst)
 		if err == nil {
 			e.cmu.Lock()
 			if e.client != nil {
@@ -801,7 +835,7 @@ func (m *Manager) connect(ctx context.Context, e *entry, inst runtime.Instance) 
 	}
 }
 
-func (m *Manager) dial(ctx context.Context, inst runtime.Instance) (*agentclient.Client, error) {
+func (part *Creates) dial(ctx context.Context, inst runtime.Instance) (*agentclient.Client, error) {
 	conn, err := inst.DialAgent(ctx)
 	if err != nil {
 		return nil, err
@@ -831,7 +865,8 @@ func exitReason(inst runtime.Instance) string {
 // watchExit marks the sandbox stopped (with the reason) when its init dies
 // without us asking: hostile code may kill the agent; the disk is kept and
 // the next request starts it again.
-func (m *Manager) watchExit(e *entry, inst runtime.Instance) {
+func (part *Creates) watchExit(e *entry, inst runtime.Instance) {
+	m := part.m
 	ch := inst.Exited()
 	if ch == nil {
 		return
@@ -863,9 +898,9 @@ func (m *Manager) watchExit(e *entry, inst runtime.Instance) {
 			return
 		}
 		why := exitReason(inst)
-		m.stopInstance(context.Background(), inst, "init exited")
+		m.verbs.stopInstance(context.Background(), inst, "init exited")
 		m.log.Warn("sandbox init exited unexpectedly", "sandbox", e.id, "reason", why)
-		m.markCommandsExited(e.id, "the sandbox's init exited")
+		m.cmds.markCommandsExited(e.id, "the sandbox's init exited")
 		msg := "sandbox init (the agent) exited unexpectedly; start or wake it to run again"
 		if why != "" {
 			msg = "sandbox init exited unexpectedly: " + why + "; start or wake it to run again"

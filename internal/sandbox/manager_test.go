@@ -73,8 +73,8 @@ func newHarnessWith(t *testing.T, opts fakeruntime.Options) *harness {
 		ctx := context.Background()
 		sbs, _ := db.ListSandboxes(ctx, store.SandboxFilter{})
 		for _, sb := range sbs {
-			if op, err := h.m.Lifecycle(ctx, sb.ID, api.OpDelete, true); err == nil {
-				h.m.Wait(ctx, op.ID)
+			if op, err := h.m.verbs.Lifecycle(ctx, sb.ID, api.OpDelete, true); err == nil {
+				h.m.verbs.Wait(ctx, op.ID)
 			}
 		}
 		h.m.Close()
@@ -106,7 +106,7 @@ func (h *harness) ctx() context.Context {
 
 func (h *harness) create(req api.CreateSandboxRequest) api.Sandbox {
 	h.t.Helper()
-	sb, op, err := h.m.Create(h.ctx(), req)
+	sb, op, err := h.m.creates.Create(h.ctx(), req)
 	if err != nil {
 		h.t.Fatal(err)
 	}
@@ -120,7 +120,7 @@ func (h *harness) create(req api.CreateSandboxRequest) api.Sandbox {
 
 func (h *harness) wait(op api.Operation) api.Operation {
 	h.t.Helper()
-	op, err := h.m.Wait(h.ctx(), op.ID)
+	op, err := h.m.verbs.Wait(h.ctx(), op.ID)
 	if err != nil || op.State != api.OpSucceeded {
 		h.t.Fatalf("operation %s %s: %v %+v", op.Kind, op.ID, err, op.Error)
 	}
@@ -129,7 +129,7 @@ func (h *harness) wait(op api.Operation) api.Operation {
 
 func (h *harness) verb(id, verb string) api.Operation {
 	h.t.Helper()
-	op, err := h.m.Lifecycle(h.ctx(), id, verb, false)
+	op, err := h.m.verbs.Lifecycle(h.ctx(), id, verb, false)
 	if err != nil {
 		h.t.Fatalf("%s: %v", verb, err)
 	}
@@ -146,7 +146,7 @@ func (h *harness) state(id string) string {
 
 func TestCreateRecordsPhasesAndMergesEnv(t *testing.T) {
 	h := newHarness(t)
-	sb, op, err := h.m.Create(h.ctx(), api.CreateSandboxRequest{Env: map[string]string{"A": "sandbox", "B": "sandbox"}})
+	sb, op, err := h.m.creates.Create(h.ctx(), api.CreateSandboxRequest{Env: map[string]string{"A": "sandbox", "B": "sandbox"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -165,7 +165,7 @@ func TestCreateRecordsPhasesAndMergesEnv(t *testing.T) {
 	if !strings.HasPrefix(got.TemplateDigest, "sha256:") || got.Limits != DefaultLimits {
 		t.Fatalf("sandbox %+v", got)
 	}
-	res, err := h.m.Exec(h.ctx(), sb.ID, api.ExecRequest{Cmd: []string{"sh", "-c", "echo $A $B"}, Env: map[string]string{"B": "request"}})
+	res, err := h.m.cmds.Exec(h.ctx(), sb.ID, api.ExecRequest{Cmd: []string{"sh", "-c", "echo $A $B"}, Env: map[string]string{"B": "request"}})
 	if err != nil || res.Stdout != "sandbox request\n" {
 		t.Fatalf("exec: %v %+v", err, res)
 	}
@@ -184,22 +184,22 @@ func TestVerbsFollowTheStateMachine(t *testing.T) {
 		t.Fatalf("after stop: %s", s)
 	}
 	for _, verb := range []string{api.OpPause, api.OpResume} {
-		if _, err := h.m.Lifecycle(h.ctx(), id, verb, false); !errors.Is(err, errdefs.ErrConflict) {
+		if _, err := h.m.verbs.Lifecycle(h.ctx(), id, verb, false); !errors.Is(err, errdefs.ErrConflict) {
 			t.Errorf("%s on stopped: %v", verb, err)
 		}
 	}
-	_, err := h.m.Lifecycle(h.ctx(), id, api.OpSuspend, false)
+	_, err := h.m.verbs.Lifecycle(h.ctx(), id, api.OpSuspend, false)
 	if !errors.Is(err, errdefs.ErrNotSupported) || !strings.Contains(err.Error(), "runtime fake cannot suspend") {
 		t.Errorf("suspend: %v", err)
 	}
-	if _, err := h.m.Lifecycle(h.ctx(), id, "explode", false); !errors.Is(err, errdefs.ErrInvalidArgument) {
+	if _, err := h.m.verbs.Lifecycle(h.ctx(), id, "explode", false); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Errorf("unknown verb: %v", err)
 	}
 	h.verb(id, api.OpWake)
 	if s := h.state(id); s != api.StateRunning {
 		t.Fatalf("after wake: %s", s)
 	}
-	if _, err := h.m.Lifecycle(h.ctx(), id, api.OpDelete, false); !errors.Is(err, errdefs.ErrConflict) {
+	if _, err := h.m.verbs.Lifecycle(h.ctx(), id, api.OpDelete, false); !errors.Is(err, errdefs.ErrConflict) {
 		t.Errorf("delete of running without force: %v", err)
 	}
 	h.verb(id, api.OpStop)
@@ -220,7 +220,7 @@ func TestCallsWakeStoppedAndPausedSandboxes(t *testing.T) {
 			h.verb(id, api.OpStart)
 		}
 		h.verb(id, verb)
-		res, err := h.m.Exec(h.ctx(), id, api.ExecRequest{Cmd: []string{"echo", "up"}})
+		res, err := h.m.cmds.Exec(h.ctx(), id, api.ExecRequest{Cmd: []string{"echo", "up"}})
 		if err != nil || res.Stdout != "up\n" {
 			t.Fatalf("exec after %s: %v %+v", verb, err, res)
 		}
@@ -245,7 +245,7 @@ func TestCallsWakeStoppedAndPausedSandboxes(t *testing.T) {
 
 func TestIdlePolicyAndTTL(t *testing.T) {
 	h := newHarness(t)
-	h.m.Run()
+	h.m.recon.Run()
 	idle := h.create(api.CreateSandboxRequest{Idle: &api.IdlePolicy{AfterSeconds: 1, Action: "stop"}}).ID
 	ttl := h.create(api.CreateSandboxRequest{TTLSeconds: 1}).ID
 	deadline := time.Now().Add(15 * time.Second)
@@ -271,7 +271,7 @@ func TestAgentDeathStopsSandboxAndNextCallRestarts(t *testing.T) {
 	h := newHarness(t)
 	id := h.create(api.CreateSandboxRequest{}).ID
 	// The sandbox's code kills its agent (the fake's agent is the process group leader).
-	h.m.Exec(h.ctx(), id, api.ExecRequest{Cmd: []string{"sh", "-c", "kill -9 $PPID"}})
+	h.m.cmds.Exec(h.ctx(), id, api.ExecRequest{Cmd: []string{"sh", "-c", "kill -9 $PPID"}})
 	deadline := time.Now().Add(10 * time.Second)
 	for h.state(id) != api.StateStopped {
 		if time.Now().After(deadline) {
@@ -283,7 +283,7 @@ func TestAgentDeathStopsSandboxAndNextCallRestarts(t *testing.T) {
 	if !strings.Contains(sb.Error, "exited unexpectedly") {
 		t.Fatalf("no reason recorded: %+v", sb)
 	}
-	res, err := h.m.Exec(h.ctx(), id, api.ExecRequest{Cmd: []string{"true"}})
+	res, err := h.m.cmds.Exec(h.ctx(), id, api.ExecRequest{Cmd: []string{"true"}})
 	if err != nil || res.ExitCode != 0 {
 		t.Fatalf("exec after agent death: %v %+v", err, res)
 	}
@@ -312,10 +312,10 @@ func TestReconcileReadoptsRedrivesAndSweeps(t *testing.T) {
 
 	h.m.Close() // the "server" goes away; its sandboxes keep running
 	h.m = h.manager()
-	if err := h.m.Reconcile(h.ctx()); err != nil {
+	if err := h.m.recon.Reconcile(h.ctx()); err != nil {
 		t.Fatal(err)
 	}
-	res, err := h.m.Exec(h.ctx(), id, api.ExecRequest{Cmd: []string{"echo", "readopted"}})
+	res, err := h.m.cmds.Exec(h.ctx(), id, api.ExecRequest{Cmd: []string{"echo", "readopted"}})
 	if err != nil || res.Stdout != "readopted\n" {
 		t.Fatalf("exec after reconcile: %v %+v", err, res)
 	}
@@ -351,11 +351,11 @@ func TestCreateValidation(t *testing.T) {
 		{Runtime: "nope"},
 	}
 	for _, req := range bad {
-		if _, _, err := h.m.Create(h.ctx(), req); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		if _, _, err := h.m.creates.Create(h.ctx(), req); !errors.Is(err, errdefs.ErrInvalidArgument) {
 			t.Errorf("create %+v: want invalid argument, got %v", req, err)
 		}
 	}
-	if _, _, err := h.m.Create(h.ctx(), api.CreateSandboxRequest{Idle: &api.IdlePolicy{AfterSeconds: 5, Action: "suspend"}}); !errors.Is(err, errdefs.ErrNotSupported) {
+	if _, _, err := h.m.creates.Create(h.ctx(), api.CreateSandboxRequest{Idle: &api.IdlePolicy{AfterSeconds: 5, Action: "suspend"}}); !errors.Is(err, errdefs.ErrNotSupported) {
 		t.Errorf("idle suspend on a runtime without suspend: %v", err)
 	}
 	sbs, _ := h.db.ListSandboxes(h.ctx(), store.SandboxFilter{})
@@ -376,7 +376,7 @@ func TestCreateMalformedTemplateRef(t *testing.T) {
 		"sha256:xyz":    "template digest",
 		"sha256:abc123": "template digest", // a prefix needs 12 digits
 	} {
-		_, _, err := h.m.Create(h.ctx(), api.CreateSandboxRequest{Template: ref})
+		_, _, err := h.m.creates.Create(h.ctx(), api.CreateSandboxRequest{Template: ref})
 		if !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), want) {
 			t.Errorf("template %q: %v, want invalid argument naming the %s", ref, err, want)
 		}

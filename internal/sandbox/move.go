@@ -22,7 +22,8 @@ const movedRecord = "sandbox.json"
 // runtime's saved state — into dir (shared storage), so that another host
 // can continue it (ImportSuspended). dir is complete or absent. The
 // sandbox itself is untouched.
-func (m *Manager) ExportSuspended(ctx context.Context, id, dir string) error {
+func (part *Verbs) ExportSuspended(ctx context.Context, id, dir string) error {
+	m := part.m
 	e := m.entry(id)
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -33,7 +34,7 @@ func (m *Manager) ExportSuspended(ctx context.Context, id, dir string) error {
 	if sb.State != api.StateSuspended {
 		return wrongState(id, sb.State, "export")
 	}
-	inst, rt, err := m.instance(ctx, e, sb)
+	inst, rt, err := m.verbs.instance(ctx, e, sb)
 	if err != nil {
 		return err
 	}
@@ -61,7 +62,8 @@ func (m *Manager) ExportSuspended(ctx context.Context, id, dir string) error {
 // of this host, with its id, record and state; a wake continues it. The
 // template must be here (by digest), the runtime registered, and the id
 // new to this host.
-func (m *Manager) ImportSuspended(ctx context.Context, dir string) (api.Sandbox, error) {
+func (part *Verbs) ImportSuspended(ctx context.Context, dir string) (api.Sandbox, error) {
+	m := part.m
 	b, err := os.ReadFile(filepath.Join(dir, movedRecord))
 	if err != nil {
 		return api.Sandbox{}, fmt.Errorf("no exported sandbox in %s: %w", dir, errdefs.ErrNotFound)
@@ -78,14 +80,14 @@ func (m *Manager) ImportSuspended(ctx context.Context, dir string) (api.Sandbox,
 	e := m.entry(sb.ID)
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	spec, rt, err := m.spec(ctx, sb)
+	spec, rt, err := m.creates.spec(ctx, sb)
 	if errors.Is(err, errdefs.ErrNotFound) && isBaseRef(sb.Template, m.cfg.BaseTemplateRef) {
 		// Every host makes the base template itself, from the same
 		// cache: the same content, so the same digest.
 		if _, berr := m.cfg.Templates.EnsureBase(ctx, func(template.Progress) {}); berr != nil {
 			return api.Sandbox{}, berr
 		}
-		spec, rt, err = m.spec(ctx, sb)
+		spec, rt, err = m.creates.spec(ctx, sb)
 	}
 	if err != nil {
 		return api.Sandbox{}, err

@@ -53,12 +53,12 @@ func TestNativeRefusesSuspendAndFork(t *testing.T) {
 		}
 	}
 	for _, verb := range []string{api.OpSuspend, api.OpRestore, api.OpFork} {
-		_, err := m.Lifecycle(h.ctx(), sb.ID, verb, false)
+		_, err := m.verbs.Lifecycle(h.ctx(), sb.ID, verb, false)
 		check(verb, err, verb)
 	}
-	_, err = m.Fork(h.ctx(), sb.ID, api.ForkRequest{Count: 3})
+	_, err = m.verbs.Fork(h.ctx(), sb.ID, api.ForkRequest{Count: 3})
 	check("fork of 3", err, api.OpFork)
-	_, _, err = m.Create(h.ctx(), api.CreateSandboxRequest{Runtime: native.Name, Idle: &api.IdlePolicy{AfterSeconds: 60, Action: api.OpSuspend}})
+	_, _, err = m.creates.Create(h.ctx(), api.CreateSandboxRequest{Runtime: native.Name, Idle: &api.IdlePolicy{AfterSeconds: 60, Action: api.OpSuspend}})
 	check("create with idle suspend", err, api.OpSuspend)
 	sbs, _ := h.db.ListSandboxes(h.ctx(), store.SandboxFilter{})
 	if len(sbs) != 1 {

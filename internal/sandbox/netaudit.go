@@ -44,13 +44,14 @@ type netFollower struct {
 // followNetwork starts recording the verdicts of sandbox id's link from
 // link seq after, replacing any follower of an older link (which ends by
 // itself once that link's ring is drained).
-func (m *Manager) followNetwork(id string, after uint64) {
-	if m.auditOff() || m.cfg.Network == nil {
+func (part *Networking) followNetwork(id string, after uint64) {
+	m := part.m
+	if m.aud.auditOff() || m.cfg.Network == nil {
 		return
 	}
 	f := &netFollower{done: make(chan struct{})}
 	f.last.Store(after)
-	tenant := m.tenantOf(id)
+	tenant := m.aud.tenantOf(id)
 	m.netAuditMu.Lock()
 	if m.ctx.Err() != nil {
 		m.netAuditMu.Unlock()
@@ -82,8 +83,9 @@ func (m *Manager) followNetwork(id string, after uint64) {
 // followAttached resumes following the links the gateway serves that no
 // live follower records (after a server restart, or a follower's stream
 // broke while its link stayed). Called by reconcileNetwork.
-func (m *Manager) followAttached(ctx context.Context, attached map[string]bool) {
-	if m.auditOff() {
+func (part *Networking) followAttached(ctx context.Context, attached map[string]bool) {
+	m := part.m
+	if m.aud.auditOff() {
 		return
 	}
 	// Forget the ended followers of links the gateway no longer serves.
@@ -105,14 +107,15 @@ func (m *Manager) followAttached(ctx context.Context, attached map[string]bool) 
 		if !e.mu.TryLock() {
 			continue
 		}
-		m.resumeFollower(ctx, id)
+		m.net.resumeFollower(ctx, id)
 		e.mu.Unlock()
 	}
 }
 
 // resumeFollower starts a follower of id's link unless a live one exists;
 // the caller holds id's entry lock.
-func (m *Manager) resumeFollower(ctx context.Context, id string) {
+func (part *Networking) resumeFollower(ctx context.Context, id string) {
+	m := part.m
 	m.netAuditMu.Lock()
 	f := m.netFollowers[id]
 	m.netAuditMu.Unlock()
@@ -134,7 +137,7 @@ func (m *Manager) resumeFollower(ctx context.Context, id string) {
 		}
 		after = n
 	}
-	m.followNetwork(id, after)
+	m.net.followNetwork(id, after)
 }
 
 // networkEvent is the audit record of one gateway event.
@@ -191,7 +194,8 @@ func networkLoss(id, tenant string, from, to uint64) audit.Event {
 
 // stopNetAudit waits for the followers to end (Close cancelled m.ctx,
 // which ends their streams), so none records after the manager closed.
-func (m *Manager) stopNetAudit() {
+func (part *Networking) stopNetAudit() {
+	m := part.m
 	// Taking the lock orders this after any Add that saw m.ctx alive.
 	m.netAuditMu.Lock()
 	n := len(m.netFollowers)

@@ -117,7 +117,7 @@ func TestNetAuditRecordsLostEvents(t *testing.T) {
 			for i := range c.n {
 				netw.Push(id, api.NetworkEvent{Time: time.Now().UTC(), Protocol: "dns", Name: fmt.Sprintf("n%d.example", i+1), Verdict: api.VerdictDeny})
 			}
-			m.followNetwork(id, c.after)
+			m.net.followNetwork(id, c.after)
 			networkRecords(t, rec, len(c.want)) // they come
 			time.Sleep(50 * time.Millisecond)   // and nothing more does
 			recs := networkRecords(t, rec, len(c.want))

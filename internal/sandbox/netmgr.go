@@ -84,17 +84,19 @@ func linked(state string) bool {
 // attachNetwork gives the gateway the NIC of inst, which has just started
 // running, with policy p (phase "network"). Nothing to do without a
 // gateway or for an instance without a NIC.
-func (m *Manager) attachNetwork(ctx context.Context, p *phases, inst runtime.Instance, pol api.NetworkPolicy) error {
+func (part *Networking) attachNetwork(ctx context.Context, p *phases, inst runtime.Instance, pol api.NetworkPolicy) error {
+	m := part.m
 	if m.cfg.Network == nil {
 		return nil
 	}
 	if _, ok := inst.(runtime.NICProvider); !ok {
 		return nil
 	}
-	return p.run("network", func() error { return m.attachNIC(ctx, inst, pol) })
+	return p.run("network", func() error { return m.net.attachNIC(ctx, inst, pol) })
 }
 
-func (m *Manager) attachNIC(ctx context.Context, inst runtime.Instance, pol api.NetworkPolicy) error {
+func (part *Networking) attachNIC(ctx context.Context, inst runtime.Instance, pol api.NetworkPolicy) error {
+	m := part.m
 	np, ok := inst.(runtime.NICProvider)
 	if !ok || m.cfg.Network == nil {
 		return nil
@@ -107,14 +109,15 @@ func (m *Manager) attachNIC(ctx context.Context, inst runtime.Instance, pol api.
 	if err := m.cfg.Network.Attach(ctx, inst.ID(), nic, pol); err != nil {
 		return fmt.Errorf("attaching the sandbox to the network gateway: %w", err)
 	}
-	m.followNetwork(inst.ID(), 0)
-	return m.brokerAtAttach(ctx, inst.ID(), pol)
+	m.net.followNetwork(inst.ID(), 0)
+	return m.secrets.brokerAtAttach(ctx, inst.ID(), pol)
 }
 
 // detachNetwork drops sandbox id's link. A failure is logged: the link
 // goes with the NIC when the instance stops, and reconcile detaches what
 // is left.
-func (m *Manager) detachNetwork(id, during string) {
+func (part *Networking) detachNetwork(id, during string) {
+	m := part.m
 	if m.cfg.Network == nil {
 		return
 	}
@@ -137,7 +140,8 @@ func (m *Manager) detachNetwork(id, during string) {
 // its policy (a restarted gateway gets its links back this way), and an id
 // it serves that is not running is detached. A sandbox an operation holds
 // is left to that operation.
-func (m *Manager) reconcileNetwork(ctx context.Context) {
+func (part *Networking) reconcileNetwork(ctx context.Context) {
+	m := part.m
 	if m.cfg.Network == nil {
 		return
 	}
@@ -150,7 +154,7 @@ func (m *Manager) reconcileNetwork(ctx context.Context) {
 	for _, id := range ids {
 		attached[id] = true
 	}
-	m.followAttached(ctx, attached)
+	m.net.followAttached(ctx, attached)
 	sbs, err := m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{})
 	if err != nil {
 		m.log.Warn("reconciling network links: listing sandboxes", "err", err)
@@ -162,12 +166,12 @@ func (m *Manager) reconcileNetwork(ctx context.Context) {
 		if attached[sb.ID] == linked(sb.State) {
 			continue
 		}
-		m.reconcileLink(ctx, sb.ID, attached[sb.ID])
+		m.net.reconcileLink(ctx, sb.ID, attached[sb.ID])
 	}
 	for _, id := range ids {
-		if !known[id] && !m.stillKnown(ctx, id) {
+		if !known[id] && !m.recon.stillKnown(ctx, id) {
 			m.log.Info("detaching a network link no sandbox owns", "sandbox", id)
-			m.detachNetwork(id, "reconcile of an unknown sandbox")
+			m.net.detachNetwork(id, "reconcile of an unknown sandbox")
 		}
 	}
 }
@@ -176,7 +180,8 @@ func (m *Manager) reconcileNetwork(ctx context.Context) {
 // detaches it. Skipped while an operation holds the sandbox. isAttached
 // may be stale by an operation that ran meanwhile; acting on it then is
 // harmless (an attach replaces a link, a detach is idempotent).
-func (m *Manager) reconcileLink(ctx context.Context, id string, isAttached bool) {
+func (part *Networking) reconcileLink(ctx context.Context, id string, isAttached bool) {
+	m := part.m
 	e := m.entry(id)
 	if !e.mu.TryLock() {
 		return
@@ -184,7 +189,7 @@ func (m *Manager) reconcileLink(ctx context.Context, id string, isAttached bool)
 	defer e.mu.Unlock()
 	sb, err := m.cfg.DB.GetSandbox(ctx, id)
 	if errors.Is(err, errdefs.ErrNotFound) {
-		m.detachNetwork(id, "reconcile of a deleted sandbox")
+		m.net.detachNetwork(id, "reconcile of a deleted sandbox")
 		return
 	}
 	if err != nil {
@@ -192,21 +197,21 @@ func (m *Manager) reconcileLink(ctx context.Context, id string, isAttached bool)
 	}
 	switch {
 	case linked(sb.State) && !isAttached:
-		inst, _, err := m.instance(ctx, e, sb)
+		inst, _, err := m.verbs.instance(ctx, e, sb)
 		if err != nil || !inst.Alive() {
 			return // the exit watcher or the next reconcile settles it
 		}
 		if _, ok := inst.(runtime.NICProvider); !ok {
 			return
 		}
-		if err := m.attachNIC(ctx, inst, policyOf(sb)); err != nil {
+		if err := m.net.attachNIC(ctx, inst, policyOf(sb)); err != nil {
 			m.log.Warn("re-attaching a running sandbox to the network gateway failed; will retry", "sandbox", id, "err", err)
 			return
 		}
 		m.log.Info("re-attached a running sandbox to the network gateway", "sandbox", id)
 	case !linked(sb.State) && isAttached:
 		m.log.Info("detaching the network link of a sandbox that is not running", "sandbox", id, "state", sb.State)
-		m.detachNetwork(id, "reconcile of a sandbox that is not running")
+		m.net.detachNetwork(id, "reconcile of a sandbox that is not running")
 	}
 }
 
@@ -214,14 +219,15 @@ func (m *Manager) reconcileLink(ctx context.Context, id string, isAttached bool)
 // stored with the sandbox, and applied to its live link at once (new
 // connections see it, open ones it no longer allows are closed). A stopped
 // or suspended sandbox gets it when it next runs.
-func (m *Manager) SetNetwork(ctx context.Context, id string, p api.NetworkPolicy) (api.Sandbox, error) {
+func (part *Networking) SetNetwork(ctx context.Context, id string, p api.NetworkPolicy) (api.Sandbox, error) {
+	m := part.m
 	if err := ValidID(id); err != nil {
 		return api.Sandbox{}, err
 	}
 	if err := validatePolicy(p); err != nil {
 		return api.Sandbox{}, err
 	}
-	if err := m.checkPolicySecrets(ctx, id, p); err != nil {
+	if err := m.secrets.checkPolicySecrets(ctx, id, p); err != nil {
 		return api.Sandbox{}, err
 	}
 	if _, err := m.Get(ctx, id); err != nil {
@@ -230,27 +236,28 @@ func (m *Manager) SetNetwork(ctx context.Context, id string, p api.NetworkPolicy
 	// Under the sandbox's lock, so a start in flight attaches either the
 	// old policy before this or the new one after it, never loses it.
 	return m.updateRecord(ctx, id, "change the network policy of", func(sb *api.Sandbox) (bool, error) {
-		if err := m.bound(ctx, TenantOf(*sb), p); err != nil {
+		if err := m.tenancy.bound(ctx, TenantOf(*sb), p); err != nil {
 			return false, err
 		}
 		p = ClonePolicy(p)
 		sb.Network = &p
 		return true, nil
 	}, func(e *entry, sb api.Sandbox) error {
-		return m.applyNetwork(ctx, e, sb, p)
+		return m.net.applyNetwork(ctx, e, sb, p)
 	})
 }
 
 // applyNetwork applies policy p, just stored for sb, to its live link;
 // the caller holds the sandbox's lock.
-func (m *Manager) applyNetwork(ctx context.Context, e *entry, sb api.Sandbox, p api.NetworkPolicy) error {
+func (part *Networking) applyNetwork(ctx context.Context, e *entry, sb api.Sandbox, p api.NetworkPolicy) error {
+	m := part.m
 	if m.cfg.Network == nil || !linked(sb.State) {
 		return nil
 	}
 	err := m.cfg.Network.SetPolicy(ctx, sb.ID, ClonePolicy(p))
 	if err == nil {
 		// Header rules may name secrets and add intercepted domains.
-		if berr := m.secretsChanged(ctx, e, sb); berr != nil {
+		if berr := m.secrets.secretsChanged(ctx, e, sb); berr != nil {
 			m.log.Warn("updating the sandbox's brokered secrets after a policy change failed", "sandbox", sb.ID, "err", berr)
 		}
 	}
@@ -263,7 +270,7 @@ func (m *Manager) applyNetwork(ctx context.Context, e *entry, sb api.Sandbox, p 
 		// Fail closed: the old policy must not stay in force. Without a
 		// link the sandbox reaches nothing until reconcile re-attaches it
 		// with the stored policy.
-		m.detachNetwork(sb.ID, "a policy update the gateway refused")
+		m.net.detachNetwork(sb.ID, "a policy update the gateway refused")
 		return fmt.Errorf("the policy of sandbox %s is stored but the network gateway did not apply it (%v); its link was dropped and is re-attached with the new policy: %w",
 			sb.ID, err, errdefs.ErrUnavailable)
 	}
@@ -271,7 +278,8 @@ func (m *Manager) applyNetwork(ctx context.Context, e *entry, sb api.Sandbox, p 
 
 // NetworkInfo returns the policy in force for sandbox id and, while it is
 // attached, its link's addresses and counters.
-func (m *Manager) NetworkInfo(ctx context.Context, id string) (api.NetworkInfo, error) {
+func (part *Networking) NetworkInfo(ctx context.Context, id string) (api.NetworkInfo, error) {
+	m := part.m
 	sb, err := m.Get(ctx, id)
 	if err != nil {
 		return api.NetworkInfo{}, err
@@ -302,7 +310,8 @@ func (m *Manager) NetworkInfo(ctx context.Context, id string) (api.NetworkInfo, 
 // NetworkEvents calls fn for each recorded network event of sandbox id with
 // Seq > after, oldest first; with follow it then waits for new ones until
 // ctx ends or fn fails. A sandbox without a link has no events.
-func (m *Manager) NetworkEvents(ctx context.Context, id string, after uint64, follow bool, fn func(api.NetworkEvent) error) error {
+func (part *Networking) NetworkEvents(ctx context.Context, id string, after uint64, follow bool, fn func(api.NetworkEvent) error) error {
+	m := part.m
 	if _, err := m.Get(ctx, id); err != nil {
 		return err
 	}
@@ -319,7 +328,8 @@ func (m *Manager) NetworkEvents(ctx context.Context, id string, after uint64, fo
 // NetworkRestarted tells the manager the gateway was replaced (it lost every
 // link): the running sandboxes are re-attached at once instead of at the
 // next reconcile round.
-func (m *Manager) NetworkRestarted() {
+func (part *Networking) NetworkRestarted() {
+	m := part.m
 	select {
 	case m.netKick <- struct{}{}:
 	default:

@@ -74,7 +74,7 @@ func TestNetworkPolicyResolvedAtCreate(t *testing.T) {
 		{"server default", api.CreateSandboxRequest{}, def},
 		{"explicit none beats the template", api.CreateSandboxRequest{Template: "netted:latest", Network: &api.NetworkPolicy{}}, api.NetworkPolicy{}},
 	} {
-		sb, op, err := h.m.Create(h.ctx(), tc.req)
+		sb, op, err := h.m.creates.Create(h.ctx(), tc.req)
 		if err != nil {
 			t.Fatalf("%s: %v", tc.name, err)
 		}
@@ -122,7 +122,7 @@ func TestNetworkFollowsTheLifecycle(t *testing.T) {
 	}
 
 	// Fork children inherit the parent's policy and get their own link.
-	op, err := h.m.Fork(h.ctx(), id, api.ForkRequest{Count: 2})
+	op, err := h.m.verbs.Fork(h.ctx(), id, api.ForkRequest{Count: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -136,7 +136,7 @@ func TestNetworkFollowsTheLifecycle(t *testing.T) {
 		}
 	}
 
-	del, err := h.m.Lifecycle(h.ctx(), id, api.OpDelete, true)
+	del, err := h.m.verbs.Lifecycle(h.ctx(), id, api.OpDelete, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -152,11 +152,11 @@ func TestNetworkFollowsTheLifecycle(t *testing.T) {
 func TestNetworkAttachFailureFailsCreateAndStart(t *testing.T) {
 	h := newNetHarness(t, fakeruntime.Options{}, api.NetworkPolicy{})
 	h.netw.FailNext("attach", fmt.Errorf("gateway down: %w", errdefs.ErrUnavailable))
-	sb, op, err := h.m.Create(h.ctx(), api.CreateSandboxRequest{})
+	sb, op, err := h.m.creates.Create(h.ctx(), api.CreateSandboxRequest{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	op, _ = h.m.Wait(h.ctx(), op.ID)
+	op, _ = h.m.verbs.Wait(h.ctx(), op.ID)
 	if op.State != api.OpFailed || !strings.Contains(op.Error.Message, "gateway down") {
 		t.Fatalf("create %+v %+v", op, op.Error)
 	}
@@ -167,11 +167,11 @@ func TestNetworkAttachFailureFailsCreateAndStart(t *testing.T) {
 	id := h.create(api.CreateSandboxRequest{}).ID
 	h.verb(id, api.OpStop)
 	h.rt.FailNext("nic", errors.New("no tap"), false)
-	op, err = h.m.Lifecycle(h.ctx(), id, api.OpStart, false)
+	op, err = h.m.verbs.Lifecycle(h.ctx(), id, api.OpStart, false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if op, _ = h.m.Wait(h.ctx(), op.ID); op.State != api.OpFailed {
+	if op, _ = h.m.verbs.Wait(h.ctx(), op.ID); op.State != api.OpFailed {
 		t.Fatalf("start %+v", op)
 	}
 	if s := h.state(id); s != api.StateStopped {
@@ -186,7 +186,7 @@ func TestSetNetworkUpdatesGatewayAndRecord(t *testing.T) {
 	h := newNetHarness(t, fakeruntime.Options{}, api.NetworkPolicy{})
 	id := h.create(api.CreateSandboxRequest{}).ID
 	pol := api.NetworkPolicy{AllowOut: []string{"api.openai.com:443"}, Rules: []api.HeaderRule{{Domain: "api.openai.com", SetHeaders: map[string]string{"X-A": "b"}}}}
-	sb, err := h.m.SetNetwork(h.ctx(), id, pol)
+	sb, err := h.m.net.SetNetwork(h.ctx(), id, pol)
 	if err != nil || sb.Network == nil || !reflect.DeepEqual(*sb.Network, pol) {
 		t.Fatalf("set: %v %+v", err, sb.Network)
 	}
@@ -200,18 +200,18 @@ func TestSetNetworkUpdatesGatewayAndRecord(t *testing.T) {
 	if !reflect.DeepEqual(*rec.Network, pol) {
 		t.Fatalf("record %+v", rec.Network)
 	}
-	info, err := h.m.NetworkInfo(h.ctx(), id)
+	info, err := h.m.net.NetworkInfo(h.ctx(), id)
 	if err != nil || !info.Attached || info.Address != hostnet.SandboxAddr || info.Gateway != hostnet.GatewayAddr || !reflect.DeepEqual(info.Policy, pol) {
 		t.Fatalf("info %v %+v", err, info)
 	}
 
 	// A stopped sandbox gets its new policy when it next runs.
 	h.verb(id, api.OpStop)
-	if info, _ := h.m.NetworkInfo(h.ctx(), id); info.Attached {
+	if info, _ := h.m.net.NetworkInfo(h.ctx(), id); info.Attached {
 		t.Fatalf("stopped sandbox info %+v", info)
 	}
 	none := api.NetworkPolicy{Internet: true}
-	if _, err := h.m.SetNetwork(h.ctx(), id, none); err != nil {
+	if _, err := h.m.net.SetNetwork(h.ctx(), id, none); err != nil {
 		t.Fatal(err)
 	}
 	h.verb(id, api.OpStart)
@@ -221,14 +221,14 @@ func TestSetNetworkUpdatesGatewayAndRecord(t *testing.T) {
 
 	// A gateway that refuses the update loses the link: fail closed.
 	h.netw.FailNext("set_policy", errors.New("boom"))
-	if _, err := h.m.SetNetwork(h.ctx(), id, pol); !errors.Is(err, errdefs.ErrUnavailable) {
+	if _, err := h.m.net.SetNetwork(h.ctx(), id, pol); !errors.Is(err, errdefs.ErrUnavailable) {
 		t.Fatalf("refused update: %v", err)
 	}
 	if _, ok := h.netw.Policy(id); ok {
 		t.Fatal("the old policy stayed in force after a refused update")
 	}
 
-	if _, err := h.m.SetNetwork(h.ctx(), "sb-nosuchsandbox1", pol); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := h.m.net.SetNetwork(h.ctx(), "sb-nosuchsandbox1", pol); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("unknown id: %v", err)
 	}
 }
@@ -247,7 +247,7 @@ func TestNetworkReconcile(t *testing.T) {
 	h.netw.Attach(h.ctx(), stopped, f, api.NetworkPolicy{})
 	h.netw.Attach(h.ctx(), "sb-ghostghostghost", f, api.NetworkPolicy{})
 
-	h.m.reconcileNetwork(h.ctx())
+	h.m.net.reconcileNetwork(h.ctx())
 	if got := h.attachedWith(id); !got.Internet {
 		t.Fatalf("re-attached with %+v", got)
 	}
@@ -260,7 +260,7 @@ func TestNetworkReconcile(t *testing.T) {
 	h.netw.Forget(id)
 	h.m.Close()
 	h.m = h.manager()
-	if err := h.m.Reconcile(h.ctx()); err != nil {
+	if err := h.m.recon.Reconcile(h.ctx()); err != nil {
 		t.Fatal(err)
 	}
 	h.attachedWith(id)
@@ -273,11 +273,11 @@ func TestNetworkEventsAndInfo(t *testing.T) {
 	second := h.netw.Push(id, api.NetworkEvent{Protocol: "tcp", IP: "1.2.3.4", Port: 443, Verdict: api.VerdictAllow, BytesOut: 10})
 	var got []api.NetworkEvent
 	collect := func(ev api.NetworkEvent) error { got = append(got, ev); return nil }
-	if err := h.m.NetworkEvents(h.ctx(), id, 0, false, collect); err != nil || len(got) != 2 {
+	if err := h.m.net.NetworkEvents(h.ctx(), id, 0, false, collect); err != nil || len(got) != 2 {
 		t.Fatalf("events: %v %+v", err, got)
 	}
 	got = nil
-	if err := h.m.NetworkEvents(h.ctx(), id, second.Seq-1, false, collect); err != nil || len(got) != 1 || got[0].Seq != second.Seq {
+	if err := h.m.net.NetworkEvents(h.ctx(), id, second.Seq-1, false, collect); err != nil || len(got) != 1 || got[0].Seq != second.Seq {
 		t.Fatalf("events after: %v %+v", err, got)
 	}
 	// follow returns when ctx ends.
@@ -285,7 +285,7 @@ func TestNetworkEventsAndInfo(t *testing.T) {
 	got = nil
 	done := make(chan error, 1)
 	go func() {
-		done <- h.m.NetworkEvents(ctx, id, second.Seq, true, func(ev api.NetworkEvent) error {
+		done <- h.m.net.NetworkEvents(ctx, id, second.Seq, true, func(ev api.NetworkEvent) error {
 			got = append(got, ev)
 			cancel()
 			return nil
@@ -295,14 +295,14 @@ func TestNetworkEventsAndInfo(t *testing.T) {
 	if err := <-done; err != nil || len(got) != 1 || got[0].Verdict != api.VerdictDrop {
 		t.Fatalf("follow: %v %+v", err, got)
 	}
-	info, err := h.m.NetworkInfo(h.ctx(), id)
+	info, err := h.m.net.NetworkInfo(h.ctx(), id)
 	if err != nil || info.Stats.Verdicts[api.VerdictAllow] != 1 || info.Stats.BytesOut != 10 {
 		t.Fatalf("info %v %+v", err, info)
 	}
-	if _, err := h.m.NetworkInfo(h.ctx(), "sb-nosuchsandbox1"); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := h.m.net.NetworkInfo(h.ctx(), "sb-nosuchsandbox1"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("unknown id: %v", err)
 	}
-	if err := h.m.NetworkEvents(h.ctx(), "sb-nosuchsandbox1", 0, false, collect); !errors.Is(err, errdefs.ErrNotFound) {
+	if err := h.m.net.NetworkEvents(h.ctx(), "sb-nosuchsandbox1", 0, false, collect); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("unknown id events: %v", err)
 	}
 }
@@ -317,11 +317,11 @@ func TestBadNetworkPolicyIsInvalid(t *testing.T) {
 		return nil
 	}
 	bad := api.NetworkPolicy{AllowOut: []string{"*"}}
-	if _, _, err := h.m.Create(h.ctx(), api.CreateSandboxRequest{Network: &bad}); !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), "network.allow_out[0]") {
+	if _, _, err := h.m.creates.Create(h.ctx(), api.CreateSandboxRequest{Network: &bad}); !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), "network.allow_out[0]") {
 		t.Fatalf("create: %v", err)
 	}
 	id := h.create(api.CreateSandboxRequest{}).ID
-	if _, err := h.m.SetNetwork(h.ctx(), id, bad); !errors.Is(err, errdefs.ErrInvalidArgument) {
+	if _, err := h.m.net.SetNetwork(h.ctx(), id, bad); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("set: %v", err)
 	}
 	if got := h.attachedWith(id); !reflect.DeepEqual(got, api.NetworkPolicy{}) {
@@ -347,11 +347,11 @@ func TestRealValidatorRefusesBareStar(t *testing.T) {
 func TestNoNetworkMeansNoLink(t *testing.T) {
 	h := newHarness(t)
 	id := h.create(api.CreateSandboxRequest{Network: &api.NetworkPolicy{Internet: true}}).ID
-	info, err := h.m.NetworkInfo(h.ctx(), id)
+	info, err := h.m.net.NetworkInfo(h.ctx(), id)
 	if err != nil || info.Attached || info.Address != "" || !info.Policy.Internet {
 		t.Fatalf("info without a gateway: %v %+v", err, info)
 	}
-	if _, err := h.m.SetNetwork(h.ctx(), id, api.NetworkPolicy{}); err != nil {
+	if _, err := h.m.net.SetNetwork(h.ctx(), id, api.NetworkPolicy{}); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -101,15 +101,15 @@ func TestDeniedExecDoesNotWake(t *testing.T) {
 	forbidden := api.ExecRequest{Cmd: []string{"forbidden"}}
 	for _, asleep := range []struct{ verb, state string }{{api.OpSuspend, api.StateSuspended}, {api.OpPause, api.StatePaused}} {
 		h.verb(id, asleep.verb)
-		_, err := h.m.Exec(h.ctx(), id, forbidden)
+		_, err := h.m.cmds.Exec(h.ctx(), id, forbidden)
 		wantDenied(t, "exec", err, "not this one")
-		_, err = h.m.CreateCommand(h.ctx(), id, api.CreateCommandRequest{ExecRequest: forbidden, Detached: true})
+		_, err = h.m.cmds.CreateCommand(h.ctx(), id, api.CreateCommandRequest{ExecRequest: forbidden, Detached: true})
 		wantDenied(t, "detached command", err, "not this one")
-		cmd, err := h.m.CreateCommand(h.ctx(), id, api.CreateCommandRequest{ExecRequest: forbidden})
+		cmd, err := h.m.cmds.CreateCommand(h.ctx(), id, api.CreateCommandRequest{ExecRequest: forbidden})
 		if err != nil {
 			t.Fatal(err)
 		}
-		_, err = h.m.AttachCommand(h.ctx(), id, cmd.ID, 0, 0)
+		_, err = h.m.cmds.AttachCommand(h.ctx(), id, cmd.ID, 0, 0)
 		wantDenied(t, "attach that starts the command", err, "not this one")
 		if s := h.state(id); s != asleep.state {
 			t.Fatalf("after refused execs on a %s sandbox: %s", asleep.state, s)
@@ -132,12 +132,12 @@ func TestLifecycleIsDecidedInTheManager(t *testing.T) {
 	d.set(denyVerbs(api.OpSuspend, api.OpStop, api.OpDelete, api.OpFork))
 
 	for _, verb := range []string{api.OpSuspend, api.OpStop, api.OpFork} {
-		_, err := h.m.Lifecycle(h.ctx(), id, verb, false)
+		_, err := h.m.verbs.Lifecycle(h.ctx(), id, verb, false)
 		wantDenied(t, verb, err, "no "+verb+" today")
 	}
-	_, err := h.m.Lifecycle(h.ctx(), id, api.OpDelete, true)
+	_, err := h.m.verbs.Lifecycle(h.ctx(), id, api.OpDelete, true)
 	wantDenied(t, "forced delete", err, "no delete today")
-	_, err = h.m.Fork(h.ctx(), id, api.ForkRequest{Count: 2})
+	_, err = h.m.verbs.Fork(h.ctx(), id, api.ForkRequest{Count: 2})
 	wantDenied(t, "Fork", err, "no fork today")
 	if s := h.state(id); s != api.StateRunning {
 		t.Fatalf("after refused verbs: %s", s)
@@ -147,7 +147,7 @@ func TestLifecycleIsDecidedInTheManager(t *testing.T) {
 	}
 	// A delete the state refuses anyway is not put to the policy.
 	before := d.count(actions.Lifecycle, api.OpDelete)
-	if _, err := h.m.Lifecycle(h.ctx(), id, api.OpDelete, false); !errors.Is(err, errdefs.ErrConflict) {
+	if _, err := h.m.verbs.Lifecycle(h.ctx(), id, api.OpDelete, false); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("delete of a running sandbox without force: %v", err)
 	}
 	if n := d.count(actions.Lifecycle, api.OpDelete); n != before {
@@ -179,7 +179,7 @@ func TestLifecycleIsDecidedInTheManager(t *testing.T) {
 		t.Fatal(err)
 	}
 	asked := d.count(actions.Lifecycle, "")
-	h.m.expire(h.ctx(), sb)
+	h.m.verbs.expire(h.ctx(), sb)
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		if _, err := h.m.Get(h.ctx(), id); errors.Is(err, errdefs.ErrNotFound) {

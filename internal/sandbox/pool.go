@@ -131,7 +131,8 @@ func isPoolMember(sb api.Sandbox) bool { return sb.Labels[PoolLabel] != "" }
 // from. Members keep their templates alive like any sandbox (template
 // removal and gc must not take a tree from under one), though no listing
 // shows them.
-func (m *Manager) PoolTemplates(ctx context.Context) (map[string]bool, error) {
+func (part *WarmPools) PoolTemplates(ctx context.Context) (map[string]bool, error) {
+	m := part.m
 	sbs, err := m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{})
 	if err != nil {
 		return nil, err
@@ -157,7 +158,8 @@ func PoolID(s api.PoolSpec) string {
 }
 
 // normalisePool checks s and fills its defaults; errors name the field.
-func (m *Manager) normalisePool(ctx context.Context, s api.PoolSpec, checkTemplate bool) (api.PoolSpec, runtime.Runtime, error) {
+func (part *WarmPools) normalisePool(ctx context.Context, s api.PoolSpec, checkTemplate bool) (api.PoolSpec, runtime.Runtime, error) {
+	m := part.m
 	if s.Template == "" {
 		return s, nil, invalid("template is required")
 	}
@@ -181,7 +183,7 @@ func (m *Manager) normalisePool(ctx context.Context, s api.PoolSpec, checkTempla
 	if s.Runtime == "" {
 		s.Runtime = runtime.Auto
 	}
-	rt, caps, err := m.pickRuntime(ctx, s.Runtime)
+	rt, caps, err := m.creates.pickRuntime(ctx, s.Runtime)
 	if err != nil {
 		return s, nil, err
 	}
@@ -251,7 +253,7 @@ func (ps *pools) newPool(ctx context.Context, id string, s api.PoolSpec) *pool {
 // resolveRuntime fills p.runtime and p.idle (the caller holds ps.mu or
 // owns p).
 func (ps *pools) resolveRuntime(ctx context.Context, p *pool) {
-	rt, _, err := ps.m.pickRuntime(ctx, p.spec.Runtime)
+	rt, _, err := ps.m.creates.pickRuntime(ctx, p.spec.Runtime)
 	if err != nil {
 		p.runtime, p.lastErr = "", err.Error()
 		return
@@ -268,8 +270,9 @@ func (ps *pools) resolveRuntime(ctx context.Context, p *pool) {
 // words (the template's digest or another tag of it, "auto" for the
 // runtime it picks) is refused naming that pool: a claim could not tell
 // the two apart (DECISIONS.md).
-func (m *Manager) SetPool(ctx context.Context, s api.PoolSpec) (api.Pool, error) {
-	s, rt, err := m.normalisePool(ctx, s, true)
+func (part *WarmPools) SetPool(ctx context.Context, s api.PoolSpec) (api.Pool, error) {
+	m := part.m
+	s, rt, err := m.warm.normalisePool(ctx, s, true)
 	if err != nil {
 		return api.Pool{}, err
 	}
@@ -280,7 +283,7 @@ func (m *Manager) SetPool(ctx context.Context, s api.PoolSpec) (api.Pool, error)
 		return api.Pool{}, fmt.Errorf("pool %s (template %s, runtime %s) already keeps sandboxes of this template, runtime and limits: change or delete it instead: %w",
 			other.ID, truncate(other.Spec.Template, 128), other.Spec.Runtime, errdefs.ErrConflict)
 	}
-	return m.putPool(ctx, s)
+	return m.warm.putPool(ctx, s)
 }
 
 // twin returns the pool other than id whose members spec s (normalised,
@@ -315,7 +318,8 @@ func (ps *pools) twin(ctx context.Context, id string, s api.PoolSpec, rtName str
 	return api.Pool{}, false
 }
 
-func (m *Manager) putPool(ctx context.Context, s api.PoolSpec) (api.Pool, error) {
+func (part *WarmPools) putPool(ctx context.Context, s api.PoolSpec) (api.Pool, error) {
+	m := part.m
 	id := PoolID(s)
 	data, err := json.Marshal(s)
 	if err != nil {
@@ -346,8 +350,9 @@ ON CONFLICT (id) DO UPDATE SET data = excluded.data`, id, string(data)); err != 
 // template included, and answers the pool it would make without making it
 // (a cluster replica asks a node this, then stores the spec for every node
 // to mirror with MirrorPool).
-func (m *Manager) CheckPool(ctx context.Context, s api.PoolSpec) (api.Pool, error) {
-	s, rt, err := m.normalisePool(ctx, s, true)
+func (part *WarmPools) CheckPool(ctx context.Context, s api.PoolSpec) (api.Pool, error) {
+	m := part.m
+	s, rt, err := m.warm.normalisePool(ctx, s, true)
 	if err != nil {
 		return api.Pool{}, err
 	}
@@ -363,7 +368,8 @@ func (m *Manager) CheckPool(ctx context.Context, s api.PoolSpec) (api.Pool, erro
 // template need not be here yet (the pool fills once it is). It changes
 // nothing when the pool already has s, and says whether it changed
 // anything.
-func (m *Manager) MirrorPool(ctx context.Context, id string, s api.PoolSpec) (bool, error) {
+func (part *WarmPools) MirrorPool(ctx context.Context, id string, s api.PoolSpec) (bool, error) {
+	m := part.m
 	// The mirror calls this at every poll: an unchanged spec (already
 	// normalised where it was checked) costs one comparison.
 	m.pools.mu.Lock()
@@ -373,28 +379,30 @@ func (m *Manager) MirrorPool(ctx context.Context, id string, s api.PoolSpec) (bo
 	if same {
 		return false, nil
 	}
-	n, _, err := m.normalisePool(ctx, s, false)
+	n, _, err := m.warm.normalisePool(ctx, s, false)
 	if err != nil {
 		return false, err
 	}
 	if PoolID(n) != id {
 		return false, fmt.Errorf("pool %s: its spec is pool %s's: %w", truncate(id, 64), PoolID(n), errdefs.ErrInvalidArgument)
 	}
-	_, err = m.putPool(ctx, n)
+	_, err = m.warm.putPool(ctx, n)
 	return err == nil, err
 }
 
 // defaultPoolSpec is the spec of the pool EnsureDefaultPool keeps with n
 // ready members, normalised.
-func (m *Manager) defaultPoolSpec(ctx context.Context, n int) (api.PoolSpec, error) {
-	s, _, err := m.normalisePool(ctx, api.PoolSpec{Template: m.cfg.BaseTemplateRef, Runtime: runtime.Auto, Min: n, Max: max(n, 4*n)}, false)
+func (part *WarmPools) defaultPoolSpec(ctx context.Context, n int) (api.PoolSpec, error) {
+	m := part.m
+	s, _, err := m.warm.normalisePool(ctx, api.PoolSpec{Template: m.cfg.BaseTemplateRef, Runtime: runtime.Auto, Min: n, Max: max(n, 4*n)}, false)
 	return s, err
 }
 
 // DefaultPoolID is the id of the pool EnsureDefaultPool keeps ("" when
 // the base template's spec does not normalise here).
-func (m *Manager) DefaultPoolID(ctx context.Context) string {
-	s, err := m.defaultPoolSpec(ctx, 0)
+func (part *WarmPools) DefaultPoolID(ctx context.Context) string {
+	m := part.m
+	s, err := m.warm.defaultPoolSpec(ctx, 0)
 	if err != nil {
 		return ""
 	}
@@ -404,8 +412,9 @@ func (m *Manager) DefaultPoolID(ctx context.Context) string {
 // EnsureDefaultPool keeps n sandboxes of the base template on the auto
 // runtime with the default limits ready (n = 0 removes that pool). The base
 // template need not exist yet: the pool fills once it does.
-func (m *Manager) EnsureDefaultPool(ctx context.Context, n int) error {
-	s, err := m.defaultPoolSpec(ctx, n)
+func (part *WarmPools) EnsureDefaultPool(ctx context.Context, n int) error {
+	m := part.m
+	s, err := m.warm.defaultPoolSpec(ctx, n)
 	if err != nil {
 		if n == 0 {
 			return nil
@@ -413,7 +422,7 @@ func (m *Manager) EnsureDefaultPool(ctx context.Context, n int) error {
 		return err
 	}
 	if n == 0 {
-		err := m.DeletePool(ctx, PoolID(s))
+		err := m.warm.DeletePool(ctx, PoolID(s))
 		if errors.Is(err, errdefs.ErrNotFound) {
 			return nil
 		}
@@ -428,17 +437,18 @@ func (m *Manager) EnsureDefaultPool(ctx context.Context, n int) error {
 	if exists {
 		return nil // the operator's min and max stand
 	}
-	if rt, _, err := m.pickRuntime(ctx, s.Runtime); err == nil {
+	if rt, _, err := m.creates.pickRuntime(ctx, s.Runtime); err == nil {
 		if _, ok := ps.twin(ctx, PoolID(s), s, rt.Name()); ok {
 			return nil // the operator's pool of the same members stands
 		}
 	}
-	_, err = m.putPool(ctx, s)
+	_, err = m.warm.putPool(ctx, s)
 	return err
 }
 
 // Pools lists every pool.
-func (m *Manager) Pools(ctx context.Context) []api.Pool {
+func (part *WarmPools) Pools(ctx context.Context) []api.Pool {
+	m := part.m
 	ps := m.pools
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
@@ -451,7 +461,8 @@ func (m *Manager) Pools(ctx context.Context) []api.Pool {
 }
 
 // GetPool returns pool id.
-func (m *Manager) GetPool(ctx context.Context, id string) (api.Pool, error) {
+func (part *WarmPools) GetPool(ctx context.Context, id string) (api.Pool, error) {
+	m := part.m
 	ps := m.pools
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
@@ -463,7 +474,8 @@ func (m *Manager) GetPool(ctx context.Context, id string) (api.Pool, error) {
 }
 
 // DeletePool removes pool id and destroys its members.
-func (m *Manager) DeletePool(ctx context.Context, id string) error {
+func (part *WarmPools) DeletePool(ctx context.Context, id string) error {
+	m := part.m
 	ps := m.pools
 	ps.mu.Lock()
 	p := ps.byID[id]
@@ -729,7 +741,7 @@ func (ps *pools) fill(p *pool, digest, rtName, idle string) {
 		if err = m.cfg.DB.PutSandbox(ctx, sb); err == nil {
 			e := m.entry(id)
 			e.mu.Lock()
-			err = m.doCreate(ctx, &phases{kind: "pool_fill", obs: nopObserver{}}, id, false)
+			err = m.creates.doCreate(ctx, &phases{kind: "pool_fill", obs: nopObserver{}}, id, false)
 			if err == nil {
 				ps.warm(ctx, e)
 			}
@@ -798,7 +810,7 @@ func (ps *pools) pause(ctx context.Context, e *entry, sb api.Sandbox) (bool, err
 	if !ok {
 		return false, nil
 	}
-	ps.m.dropClient(e)
+	ps.m.verbs.dropClient(e)
 	if err := pz.Pause(ctx); err != nil {
 		return false, err
 	}
@@ -846,7 +858,7 @@ func (ps *pools) destroy(id, why string) {
 	defer e.mu.Unlock()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	if err := m.doDelete(ctx, &phases{kind: "pool_drain", obs: nopObserver{}}, id); err != nil {
+	if err := m.verbs.doDelete(ctx, &phases{kind: "pool_drain", obs: nopObserver{}}, id); err != nil {
 		m.log.Warn("destroying a warm pool member failed; the sweep retries", "sandbox", id, "why", why, "err", err)
 	}
 }
@@ -871,16 +883,16 @@ func (ps *pools) reconcileMember(ctx context.Context, sb api.Sandbox) {
 			return false, nil
 		}
 		e := m.entry(sb.ID)
-		inst, _, err := m.instance(ctx, e, sb)
+		inst, _, err := m.verbs.instance(ctx, e, sb)
 		if err != nil || !inst.Alive() {
 			return false, err
 		}
 		if sb.State == api.StateRunning {
-			if err := m.connect(ctx, e, inst); err != nil {
+			if err := m.creates.connect(ctx, e, inst); err != nil {
 				return false, err
 			}
 		}
-		m.watchExit(e, inst)
+		m.creates.watchExit(e, inst)
 		ps.mu.Lock()
 		p.digest = t.Digest
 		p.ready = append(p.ready, member{id: sb.ID, digest: t.Digest, paused: sb.State == api.StatePaused})
@@ -915,7 +927,8 @@ func HostMemAvailable() (int64, error) {
 
 // PoolMembers lists the ids of pool id's ready members (benchmarks and
 // debugging measure their host processes; no API answer carries them).
-func (m *Manager) PoolMembers(id string) []string {
+func (part *WarmPools) PoolMembers(id string) []string {
+	m := part.m
 	ps := m.pools
 	ps.mu.Lock()
 	defer ps.mu.Unlock()

@@ -122,18 +122,18 @@ func newPoolHarness(t *testing.T, ctx context.Context, rtName string) *poolHarne
 func (h *poolHarness) newManager() *Manager {
 	m := New(Config{DB: h.db, Templates: h.tmpl, Runtimes: h.rts, Network: h.net,
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), PoolMemFloor: 1})
-	if err := m.Reconcile(context.Background()); err != nil {
+	if err := m.recon.Reconcile(context.Background()); err != nil {
 		h.t.Fatal(err)
 	}
-	m.Run()
+	m.recon.Run()
 	return m
 }
 
 // cleanup deletes every pool and sandbox, members included.
 func (h *poolHarness) cleanup() {
 	ctx := context.Background()
-	for _, p := range h.m.Pools(ctx) {
-		h.m.DeletePool(ctx, p.ID)
+	for _, p := range h.m.warm.Pools(ctx) {
+		h.m.warm.DeletePool(ctx, p.ID)
 	}
 	h.m.Close()
 	m := New(Config{DB: h.db, Templates: h.tmpl, Runtimes: h.rts, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
@@ -141,7 +141,7 @@ func (h *poolHarness) cleanup() {
 	for _, sb := range sbs {
 		e := m.entry(sb.ID)
 		e.mu.Lock()
-		m.doDelete(ctx, &phases{obs: nopObserver{}}, sb.ID)
+		m.verbs.doDelete(ctx, &phases{obs: nopObserver{}}, sb.ID)
 		e.mu.Unlock()
 	}
 	m.Close()
@@ -150,11 +150,11 @@ func (h *poolHarness) cleanup() {
 func (h *poolHarness) create(ctx context.Context, req api.CreateSandboxRequest) (api.Sandbox, api.Operation) {
 	h.t.Helper()
 	req.Runtime = h.rtName
-	sb, op, err := h.m.Create(ctx, req)
+	sb, op, err := h.m.creates.Create(ctx, req)
 	if err != nil {
 		h.t.Fatal(err)
 	}
-	op, err = h.m.Wait(ctx, op.ID)
+	op, err = h.m.verbs.Wait(ctx, op.ID)
 	if err != nil || op.State != api.OpSucceeded {
 		h.t.Fatalf("create: %v %+v", err, op.Error)
 	}
@@ -163,7 +163,7 @@ func (h *poolHarness) create(ctx context.Context, req api.CreateSandboxRequest) 
 
 func (h *poolHarness) sh(ctx context.Context, id, script string) string {
 	h.t.Helper()
-	res, err := h.m.Exec(ctx, id, api.ExecRequest{Cmd: []string{"sh", "-c", script}})
+	res, err := h.m.cmds.Exec(ctx, id, api.ExecRequest{Cmd: []string{"sh", "-c", script}})
 	if err != nil || res.ExitCode != 0 {
 		h.t.Fatalf("exec %q in %s: %v %+v", script, id, err, res)
 	}
@@ -174,7 +174,7 @@ func (h *poolHarness) sh(ctx context.Context, id, script string) string {
 func (h *poolHarness) waitReady(ctx context.Context, id string, n int) api.Pool {
 	h.t.Helper()
 	for {
-		p, err := h.m.GetPool(ctx, id)
+		p, err := h.m.warm.GetPool(ctx, id)
 		if err != nil {
 			h.t.Fatal(err)
 		}
@@ -282,18 +282,18 @@ func testPool(t *testing.T, rtName string) {
 		{api.PoolSpec{Template: "started:latest", Runtime: rtName, Limits: api.Limits{CPUs: -1}, Min: 1, Max: 2}, "limits.cpus", errdefs.ErrInvalidArgument},
 		{api.PoolSpec{Template: "", Runtime: rtName, Min: 1, Max: 2}, "template is required", errdefs.ErrInvalidArgument},
 	} {
-		if _, err := h.m.SetPool(ctx, bad.spec); err == nil || !errors.Is(err, bad.code) || !strings.Contains(err.Error(), bad.want) {
+		if _, err := h.m.warm.SetPool(ctx, bad.spec); err == nil || !errors.Is(err, bad.code) || !strings.Contains(err.Error(), bad.want) {
 			t.Errorf("SetPool(%+v) = %v, want %v naming %q", bad.spec, err, bad.code, bad.want)
 		}
 	}
 
-	p, err := h.m.SetPool(ctx, api.PoolSpec{Template: "started:latest", Runtime: rtName, Min: 2, Max: 3})
+	p, err := h.m.warm.SetPool(ctx, api.PoolSpec{Template: "started:latest", Runtime: rtName, Min: 2, Max: 3})
 	if err != nil {
 		t.Fatal(err)
 	}
-	again, err := h.m.SetPool(ctx, api.PoolSpec{Template: "started:latest", Runtime: rtName, Min: 2, Max: 2})
-	if err != nil || again.ID != p.ID || len(h.m.Pools(ctx)) != 1 {
-		t.Fatalf("a second PUT of the same key made another pool: %v %+v %+v", err, again, h.m.Pools(ctx))
+	again, err := h.m.warm.SetPool(ctx, api.PoolSpec{Template: "started:latest", Runtime: rtName, Min: 2, Max: 2})
+	if err != nil || again.ID != p.ID || len(h.m.warm.Pools(ctx)) != 1 {
+		t.Fatalf("a second PUT of the same key made another pool: %v %+v %+v", err, again, h.m.warm.Pools(ctx))
 	}
 	h.waitReady(ctx, p.ID, 2)
 
@@ -308,10 +308,10 @@ func testPool(t *testing.T, rtName string) {
 	if l, _ := h.m.List(ctx, "", nil); len(l) != 1 || l[0].ID != fresh.ID {
 		t.Errorf("List shows %d sandboxes, want only the fresh one", len(l))
 	}
-	if u, _ := h.m.Usage(ctx, "default"); u.Sandboxes != 1 {
+	if u, _ := h.m.tenancy.Usage(ctx, "default"); u.Sandboxes != 1 {
 		t.Errorf("usage counts %d sandboxes, want 1", u.Sandboxes)
 	}
-	if _, err := h.m.Exec(ctx, mem[0], api.ExecRequest{Cmd: []string{"true"}}); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := h.m.cmds.Exec(ctx, mem[0], api.ExecRequest{Cmd: []string{"true"}}); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Errorf("exec in a member: %v, want not found", err)
 	}
 
@@ -394,11 +394,11 @@ func testPool(t *testing.T, rtName string) {
 
 	// A member whose agent connection is gone is a miss: the create falls
 	// back to a cold boot under the same id and still succeeds.
-	pb, _ := h.m.GetPool(ctx, p.ID)
+	pb, _ := h.m.warm.GetPool(ctx, p.ID)
 	h.m.pools.mu.Lock()
 	broken := h.m.pools.byID[p.ID].ready[0].id
 	h.m.pools.mu.Unlock()
-	h.m.dropClient(h.m.entry(broken))
+	h.m.verbs.dropClient(h.m.entry(broken))
 	sb, op := h.create(ctx, req())
 	if sb.ID != broken || !slices.Contains(phaseList(op), "start_runtime") {
 		t.Fatalf("fallback: got %s (broken member %s), phases %v", sb.ID, broken, phaseList(op))
@@ -406,7 +406,7 @@ func testPool(t *testing.T, rtName string) {
 	if s := h.sh(ctx, sb.ID, awaitStarted); s != "hello-pool" {
 		t.Errorf("fallback sandbox start command saw %q", s)
 	}
-	if pa, _ := h.m.GetPool(ctx, p.ID); pa.Misses != pb.Misses+1 || pa.Hits != pb.Hits {
+	if pa, _ := h.m.warm.GetPool(ctx, p.ID); pa.Misses != pb.Misses+1 || pa.Hits != pb.Hits {
 		t.Errorf("fallback counted hits %d→%d misses %d→%d, want one more miss", pb.Hits, pa.Hits, pb.Misses, pa.Misses)
 	}
 	h.waitReady(ctx, p.ID, 2)
@@ -429,9 +429,9 @@ func testPool(t *testing.T, rtName string) {
 			defer wg.Done()
 			r := req()
 			r.Runtime = rtName
-			sb, op, err := h.m.Create(ctx, r)
+			sb, op, err := h.m.creates.Create(ctx, r)
 			if err == nil {
-				op, err = h.m.Wait(ctx, op.ID)
+				op, err = h.m.verbs.Wait(ctx, op.ID)
 			}
 			if err == nil && op.State != api.OpSucceeded {
 				err = fmt.Errorf("%+v", op.Error)
@@ -451,7 +451,7 @@ func testPool(t *testing.T, rtName string) {
 	if len(errs) > 0 {
 		t.Fatalf("concurrent creates: %v", errs)
 	}
-	pc, _ := h.m.GetPool(ctx, p.ID)
+	pc, _ := h.m.warm.GetPool(ctx, p.ID)
 	if pc.Hits-pb.Hits < 2 || pc.Hits+pc.Misses-pb.Hits-pb.Misses != int64(burst)+1 {
 		t.Errorf("after %d concurrent creates: %+v (before %+v)", burst, pc, pb)
 	}
@@ -462,8 +462,8 @@ func testPool(t *testing.T, rtName string) {
 	}
 	h.waitReady(ctx, p.ID, 2)
 	for id := range ids {
-		if op, err := h.m.Lifecycle(ctx, id, api.OpDelete, true); err == nil {
-			h.m.Wait(ctx, op.ID)
+		if op, err := h.m.verbs.Lifecycle(ctx, id, api.OpDelete, true); err == nil {
+			h.m.verbs.Wait(ctx, op.ID)
 		}
 	}
 
@@ -475,7 +475,7 @@ func testPool(t *testing.T, rtName string) {
 	}
 	h.rts[rtName] = h.mkRT()
 	h.m = h.newManager()
-	pr, err := h.m.GetPool(ctx, p.ID)
+	pr, err := h.m.warm.GetPool(ctx, p.ID)
 	if err != nil || pr.Ready != 2 {
 		t.Fatalf("after restart: %v %+v", err, pr)
 	}
@@ -497,7 +497,7 @@ func testPool(t *testing.T, rtName string) {
 	h.m.pools.kick()
 	for {
 		now := h.members(ctx)
-		pn, _ := h.m.GetPool(ctx, p.ID)
+		pn, _ := h.m.warm.GetPool(ctx, p.ID)
 		if pn.TemplateDigest == base.Digest && pn.Ready == 2 && !slices.ContainsFunc(now, func(id string) bool { return slices.Contains(old, id) }) {
 			break
 		}
@@ -508,7 +508,7 @@ func testPool(t *testing.T, rtName string) {
 	}
 
 	// Deleting the pool destroys its members.
-	if err := h.m.DeletePool(ctx, p.ID); err != nil {
+	if err := h.m.warm.DeletePool(ctx, p.ID); err != nil {
 		t.Fatal(err)
 	}
 	for len(h.members(ctx)) > 0 {
@@ -517,7 +517,7 @@ func testPool(t *testing.T, rtName string) {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	if _, err := h.m.GetPool(ctx, p.ID); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := h.m.warm.GetPool(ctx, p.ID); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Errorf("deleted pool: %v", err)
 	}
 }
@@ -528,34 +528,34 @@ func TestCheckAndMirrorPool(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	h := newPoolHarness(t, ctx, native.Name)
-	if _, err := h.m.CheckPool(ctx, api.PoolSpec{Template: "missing:latest", Runtime: native.Name, Max: 1}); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := h.m.warm.CheckPool(ctx, api.PoolSpec{Template: "missing:latest", Runtime: native.Name, Max: 1}); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("checking a pool of a missing template: %v", err)
 	}
-	checked, err := h.m.CheckPool(ctx, api.PoolSpec{Template: "base:latest", Runtime: native.Name, Min: 1, Max: 2})
+	checked, err := h.m.warm.CheckPool(ctx, api.PoolSpec{Template: "base:latest", Runtime: native.Name, Min: 1, Max: 2})
 	if err != nil || checked.ID == "" || checked.Runtime != native.Name || checked.Spec.Limits.MemoryMiB == 0 {
 		t.Fatalf("checked pool %+v %v", checked, err)
 	}
-	if ps := h.m.Pools(ctx); len(ps) != 0 {
+	if ps := h.m.warm.Pools(ctx); len(ps) != 0 {
 		t.Fatalf("CheckPool made a pool: %+v", ps)
 	}
-	if _, err := h.m.MirrorPool(ctx, "pool-000000000000", checked.Spec); !errors.Is(err, errdefs.ErrInvalidArgument) {
+	if _, err := h.m.warm.MirrorPool(ctx, "pool-000000000000", checked.Spec); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("mirroring a spec under another pool's id: %v", err)
 	}
 	// The template need not be here for a mirror (it fills once it is).
-	if changed, err := h.m.MirrorPool(ctx, checked.ID, checked.Spec); err != nil || !changed {
+	if changed, err := h.m.warm.MirrorPool(ctx, checked.ID, checked.Spec); err != nil || !changed {
 		t.Fatalf("first mirror: %v %v", changed, err)
 	}
-	if changed, err := h.m.MirrorPool(ctx, checked.ID, checked.Spec); err != nil || changed {
+	if changed, err := h.m.warm.MirrorPool(ctx, checked.ID, checked.Spec); err != nil || changed {
 		t.Fatalf("mirroring the same spec again changed something: %v %v", changed, err)
 	}
 	p := h.waitReady(ctx, checked.ID, 1)
 	if p.Spec != checked.Spec {
 		t.Fatalf("mirrored pool %+v, checked %+v", p.Spec, checked.Spec)
 	}
-	if err := h.m.DeletePool(ctx, checked.ID); err != nil {
+	if err := h.m.warm.DeletePool(ctx, checked.ID); err != nil {
 		t.Fatal(err)
 	}
-	if id := h.m.DefaultPoolID(ctx); !strings.HasPrefix(id, "pool-") {
+	if id := h.m.warm.DefaultPoolID(ctx); !strings.HasPrefix(id, "pool-") {
 		t.Fatalf("default pool id %q", id)
 	}
 }
@@ -567,10 +567,10 @@ func TestCheckAndMirrorPool(t *testing.T) {
 func TestPoolTwinRefused(t *testing.T) {
 	h := newHarness(t)
 	ctx := h.ctx()
-	if err := h.m.Reconcile(ctx); err != nil {
+	if err := h.m.recon.Reconcile(ctx); err != nil {
 		t.Fatal(err)
 	}
-	first, err := h.m.SetPool(ctx, api.PoolSpec{Template: "tiny:latest", Runtime: fakeruntime.Name, Max: 1})
+	first, err := h.m.warm.SetPool(ctx, api.PoolSpec{Template: "tiny:latest", Runtime: fakeruntime.Name, Max: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -587,30 +587,30 @@ func TestPoolTwinRefused(t *testing.T) {
 		{Template: "tiny:latest", Runtime: runtime.Auto, Max: 1},
 		{Template: "tiny:latest", Max: 1},
 	} {
-		if _, err := h.m.SetPool(ctx, twin); !errors.Is(err, errdefs.ErrConflict) || !strings.Contains(err.Error(), first.ID) {
+		if _, err := h.m.warm.SetPool(ctx, twin); !errors.Is(err, errdefs.ErrConflict) || !strings.Contains(err.Error(), first.ID) {
 			t.Errorf("SetPool(%+v) = %v, want a conflict naming %s", twin, err, first.ID)
 		}
 	}
-	if ps := h.m.Pools(ctx); len(ps) != 1 {
+	if ps := h.m.warm.Pools(ctx); len(ps) != 1 {
 		t.Fatalf("pools after the refused twins: %+v", ps)
 	}
-	if p, err := h.m.SetPool(ctx, api.PoolSpec{Template: "tiny:latest", Runtime: fakeruntime.Name, Min: 1, Max: 2}); err != nil || p.ID != first.ID {
+	if p, err := h.m.warm.SetPool(ctx, api.PoolSpec{Template: "tiny:latest", Runtime: fakeruntime.Name, Min: 1, Max: 2}); err != nil || p.ID != first.ID {
 		t.Fatalf("updating the first pool: %+v %v", p, err)
 	}
-	other, err := h.m.SetPool(ctx, api.PoolSpec{Template: "tiny:v2", Runtime: fakeruntime.Name, Limits: api.Limits{CPUs: 0.5}, Max: 1})
+	other, err := h.m.warm.SetPool(ctx, api.PoolSpec{Template: "tiny:v2", Runtime: fakeruntime.Name, Limits: api.Limits{CPUs: 0.5}, Max: 1})
 	if err != nil || other.ID == first.ID {
 		t.Fatalf("a pool of other limits: %+v %v", other, err)
 	}
 	// The default pool (base template "tiny:latest" on auto) does not
 	// duplicate the operator's: theirs stands.
-	if err := h.m.EnsureDefaultPool(ctx, 1); err != nil {
+	if err := h.m.warm.EnsureDefaultPool(ctx, 1); err != nil {
 		t.Fatal(err)
 	}
-	if ps := h.m.Pools(ctx); len(ps) != 2 {
+	if ps := h.m.warm.Pools(ctx); len(ps) != 2 {
 		t.Fatalf("EnsureDefaultPool added a twin of the operator's pool: %+v", ps)
 	}
-	for _, p := range h.m.Pools(ctx) {
-		if err := h.m.DeletePool(ctx, p.ID); err != nil {
+	for _, p := range h.m.warm.Pools(ctx) {
+		if err := h.m.warm.DeletePool(ctx, p.ID); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -621,20 +621,20 @@ func TestPoolTwinRefused(t *testing.T) {
 func TestPoolCountersSurviveRestart(t *testing.T) {
 	h := newHarness(t)
 	ctx := h.ctx()
-	if err := h.m.Reconcile(ctx); err != nil {
+	if err := h.m.recon.Reconcile(ctx); err != nil {
 		t.Fatal(err)
 	}
-	h.m.Run()
+	h.m.recon.Run()
 	// min 0: the first create misses (nothing ready) and raises the
 	// target; the next one, once a member is ready, hits.
-	p, err := h.m.SetPool(ctx, api.PoolSpec{Template: "tiny:latest", Runtime: fakeruntime.Name, Min: 0, Max: 1})
+	p, err := h.m.warm.SetPool(ctx, api.PoolSpec{Template: "tiny:latest", Runtime: fakeruntime.Name, Min: 0, Max: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
 	await := func(what string, ok func(api.Pool) bool) {
 		t.Helper()
 		for {
-			got, err := h.m.GetPool(ctx, p.ID)
+			got, err := h.m.warm.GetPool(ctx, p.ID)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -654,21 +654,21 @@ func TestPoolCountersSurviveRestart(t *testing.T) {
 	h.create(req)
 	await("refilled after its miss", func(p api.Pool) bool { return p.Ready == 1 })
 	h.create(req)
-	before, err := h.m.GetPool(ctx, p.ID)
+	before, err := h.m.warm.GetPool(ctx, p.ID)
 	if err != nil || before.Hits != 1 || before.Misses != 1 {
 		t.Fatalf("before the restart: %+v %v, want 1 hit and 1 miss", before, err)
 	}
 	h.m.Close()
 	h.m = h.manager()
-	if err := h.m.Reconcile(ctx); err != nil {
+	if err := h.m.recon.Reconcile(ctx); err != nil {
 		t.Fatal(err)
 	}
-	h.m.Run()
-	after, err := h.m.GetPool(ctx, p.ID)
+	h.m.recon.Run()
+	after, err := h.m.warm.GetPool(ctx, p.ID)
 	if err != nil || after.Hits != before.Hits || after.Misses != before.Misses {
 		t.Fatalf("after the restart: %+v %v, want %d hits and %d misses", after, err, before.Hits, before.Misses)
 	}
-	if err := h.m.DeletePool(ctx, p.ID); err != nil {
+	if err := h.m.warm.DeletePool(ctx, p.ID); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -42,7 +42,8 @@ func (m *Manager) Hold(ctx context.Context, id string) (release func(), err erro
 // decided: once per connection to the sandbox (the proxies keep idle
 // upstream connections up to 30 s). The sandbox counts as active while
 // the connection is open. A port nothing listens on is ErrUnavailable.
-func (m *Manager) DialPort(ctx context.Context, id string, port int) (net.Conn, error) {
+func (part *Networking) DialPort(ctx context.Context, id string, port int) (net.Conn, error) {
+	m := part.m
 	if err := ValidPort(port); err != nil {
 		return nil, err
 	}
@@ -98,7 +99,8 @@ func (c *heldConn) CloseWrite() error {
 // sandbox as stored. Making a port public is a port action the policy
 // decides (so a refused port fails here, not only at its first
 // connection); making it private again is not.
-func (m *Manager) SetPortPublic(ctx context.Context, id string, port int, public bool) (api.Sandbox, error) {
+func (part *Networking) SetPortPublic(ctx context.Context, id string, port int, public bool) (api.Sandbox, error) {
+	m := part.m
 	if err := ValidPort(port); err != nil {
 		return api.Sandbox{}, err
 	}

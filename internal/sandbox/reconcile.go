@@ -16,7 +16,8 @@ import (
 // every recorded sandbox is re-adopted, restarted or cleaned, interrupted
 // operations are finished or failed, and every host resource that no record
 // owns is swept. It is safe to run at any time.
-func (m *Manager) Reconcile(ctx context.Context) error {
+func (part *Reconciler) Reconcile(ctx context.Context) error {
+	m := part.m
 	if err := m.pools.load(ctx); err != nil {
 		return err
 	}
@@ -50,21 +51,22 @@ func (m *Manager) Reconcile(ctx context.Context) error {
 			m.pools.reconcileMember(ctx, sb)
 			continue
 		}
-		m.reconcileOne(ctx, sb, redrive)
+		m.recon.reconcileOne(ctx, sb, redrive)
 	}
-	m.sweep(ctx)
-	m.reconcileNetwork(ctx)
+	m.recon.sweep(ctx)
+	m.net.reconcileNetwork(ctx)
 	return nil
 }
 
 // sweep asks every available runtime to remove host resources that no
 // sandbox record owns.
-func (m *Manager) sweep(ctx context.Context) {
+func (part *Reconciler) sweep(ctx context.Context) {
+	m := part.m
 	for name, rt := range m.cfg.Runtimes {
 		if !rt.Probe(ctx).Available {
 			continue
 		}
-		removed, err := rt.Sweep(ctx, func(id string) bool { return m.stillKnown(ctx, id) })
+		removed, err := rt.Sweep(ctx, func(id string) bool { return m.recon.stillKnown(ctx, id) })
 		if err != nil {
 			m.log.Warn("sweep failed", "runtime", name, "err", err)
 		}
@@ -74,12 +76,14 @@ func (m *Manager) sweep(ctx context.Context) {
 	}
 }
 
-func (m *Manager) stillKnown(ctx context.Context, id string) bool {
+func (part *Reconciler) stillKnown(ctx context.Context, id string) bool {
+	m := part.m
 	_, err := m.cfg.DB.GetSandbox(ctx, id)
 	return !errors.Is(err, errdefs.ErrNotFound)
 }
 
-func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[string]api.Operation) {
+func (part *Reconciler) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[string]api.Operation) {
+	m := part.m
 	e := m.entry(sb.ID)
 	if !sb.LastActiveAt.IsZero() {
 		e.lastActive.Store(sb.LastActiveAt.UnixNano())
@@ -89,25 +93,25 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 		switch op.Kind {
 		case api.OpCreate:
 			// Throw away whatever the crashed create left, then create again.
-			if inst, _, err := m.instance(ctx, e, sb); err == nil {
+			if inst, _, err := m.verbs.instance(ctx, e, sb); err == nil {
 				e.expectExit.Store(true)
-				m.destroyInstance(ctx, inst, "re-driven create")
+				m.verbs.destroyInstance(ctx, inst, "re-driven create")
 			}
 			e.cmu.Lock()
 			e.inst = nil
 			e.cmu.Unlock()
 			m.setState(sb.ID, api.StateCreating, "", op.ID)
 			log.Info("re-driving interrupted create", "op", op.ID)
-			m.start(op, func(ctx context.Context, p *phases) error { return m.doCreate(ctx, p, sb.ID, true) })
+			m.start(op, func(ctx context.Context, p *phases) error { return m.creates.doCreate(ctx, p, sb.ID, true) })
 		case api.OpDelete:
 			log.Info("re-driving interrupted delete", "op", op.ID)
-			m.start(op, func(ctx context.Context, p *phases) error { return m.doDelete(ctx, p, sb.ID) })
+			m.start(op, func(ctx context.Context, p *phases) error { return m.verbs.doDelete(ctx, p, sb.ID) })
 		}
 		return
 	}
 	switch sb.State {
 	case api.StateRunning, api.StatePaused, api.StateStarting, api.StateStopping, api.StateSuspended:
-		inst, _, err := m.instance(ctx, e, sb)
+		inst, _, err := m.verbs.instance(ctx, e, sb)
 		if err != nil {
 			log.Warn("cannot re-open sandbox", "err", err)
 			m.setState(sb.ID, api.StateError, "re-open after restart failed: "+err.Error(), "")
@@ -125,8 +129,8 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 		}
 		if sb.State == api.StateStopping || !inst.Alive() {
 			e.expectExit.Store(true)
-			m.stopInstance(ctx, inst, "reconcile of a dead sandbox")
-			m.markCommandsExited(sb.ID, "the sandbox's processes ended while the server was down")
+			m.verbs.stopInstance(ctx, inst, "reconcile of a dead sandbox")
+			m.cmds.markCommandsExited(sb.ID, "the sandbox's processes ended while the server was down")
 			note := ""
 			switch sb.State {
 			case api.StateStopping:
@@ -140,19 +144,19 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 			return
 		}
 		if sb.State == api.StatePaused {
-			m.watchExit(e, inst)
+			m.creates.watchExit(e, inst)
 			log.Info("re-adopted paused sandbox")
 			return
 		}
-		if err := m.connect(ctx, e, inst); err != nil {
+		if err := m.creates.connect(ctx, e, inst); err != nil {
 			log.Warn("re-adopted sandbox but its agent does not answer; stopping it", "err", err)
 			e.expectExit.Store(true)
-			m.stopInstance(ctx, inst, "reconcile of an unanswering agent")
-			m.markCommandsExited(sb.ID, "the sandbox's agent stopped answering")
+			m.verbs.stopInstance(ctx, inst, "reconcile of an unanswering agent")
+			m.cmds.markCommandsExited(sb.ID, "the sandbox's agent stopped answering")
 			m.setState(sb.ID, api.StateStopped, "agent did not answer after a server restart: "+err.Error(), "")
 			return
 		}
-		m.watchExit(e, inst)
+		m.creates.watchExit(e, inst)
 		m.setState(sb.ID, api.StateRunning, "", "")
 		log.Info("re-adopted running sandbox")
 	case api.StateCreating:
@@ -163,9 +167,9 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 		if sb.Labels[LabelForkOf] != "" {
 			msg = "the fork that created this sandbox was interrupted by a server restart"
 		}
-		if inst, _, err := m.instance(ctx, e, sb); err == nil {
+		if inst, _, err := m.verbs.instance(ctx, e, sb); err == nil {
 			e.expectExit.Store(true)
-			m.destroyInstance(ctx, inst, "interrupted create")
+			m.verbs.destroyInstance(ctx, inst, "interrupted create")
 			e.cmu.Lock()
 			e.inst = nil
 			e.cmu.Unlock()
@@ -174,14 +178,15 @@ func (m *Manager) reconcileOne(ctx context.Context, sb api.Sandbox, redrive map[
 	case api.StateDeleting:
 		op := newOperation(api.OpDelete, sb.ID)
 		m.putOp(op)
-		m.start(op, func(ctx context.Context, p *phases) error { return m.doDelete(ctx, p, sb.ID) })
+		m.start(op, func(ctx context.Context, p *phases) error { return m.verbs.doDelete(ctx, p, sb.ID) })
 	}
 }
 
 // Run applies TTLs and idle policies, persists activity, re-attaches
 // network links a restarted gateway lost, and re-sweeps host resources
 // periodically, until the manager is closed.
-func (m *Manager) Run() {
+func (part *Reconciler) Run() {
+	m := part.m
 	m.pools.run()
 	m.wg.Add(1)
 	go func() {
@@ -198,23 +203,24 @@ func (m *Manager) Run() {
 				// A new gateway: give the running sandboxes their links
 				// back now rather than at the next round.
 				lastNet = time.Now()
-				m.reconcileNetwork(m.ctx)
+				m.net.reconcileNetwork(m.ctx)
 				continue
 			}
-			m.tick(m.ctx)
+			m.recon.tick(m.ctx)
 			if time.Since(lastNet) >= netReconcileEvery {
 				lastNet = time.Now()
-				m.reconcileNetwork(m.ctx)
+				m.net.reconcileNetwork(m.ctx)
 			}
 			if time.Since(lastSweep) > time.Minute {
 				lastSweep = time.Now()
-				m.sweep(m.ctx)
+				m.recon.sweep(m.ctx)
 			}
 		}
 	}()
 }
 
-func (m *Manager) tick(ctx context.Context) {
+func (part *Reconciler) tick(ctx context.Context) {
+	m := part.m
 	sbs, err := m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{})
 	if err != nil {
 		return
@@ -222,7 +228,7 @@ func (m *Manager) tick(ctx context.Context) {
 	now := time.Now()
 	for _, sb := range sbs {
 		if sb.ExpiresAt != nil && now.After(*sb.ExpiresAt) && sb.State != api.StateDeleting {
-			m.expire(ctx, sb)
+			m.verbs.expire(ctx, sb)
 			continue
 		}
 		if sb.Idle == nil || sb.State != api.StateRunning {
@@ -242,7 +248,7 @@ func (m *Manager) tick(ctx context.Context) {
 		// A request may arrive between this check and the operation taking
 		// the sandbox's lock: a pause or suspend would then cut it off (a
 		// suspend quiesces the agent). The operation checks again.
-		m.lifecycle(ctx, sb.ID, sb.Idle.Action, false, false, func() error {
+		m.verbs.lifecycle(ctx, sb.ID, sb.Idle.Action, false, false, func() error {
 			if e.active.Load() > 0 || time.Since(time.Unix(0, e.lastActive.Load())) < after {
 				return fmt.Errorf("sandbox %s became active; idle %s skipped: %w", sb.ID, sb.Idle.Action, errdefs.ErrConflict)
 			}

@@ -106,7 +106,7 @@ func TestSetPortPublic(t *testing.T) {
 		{9999, false, []int{3000}},
 		{3000, false, nil},
 	} {
-		sb, err := h.m.SetPortPublic(h.ctx(), id, c.port, c.public)
+		sb, err := h.m.net.SetPortPublic(h.ctx(), id, c.port, c.public)
 		if err != nil || !slices.Equal(sb.PublicPorts, c.want) || (c.want == nil) != (sb.PublicPorts == nil) {
 			t.Fatalf("port %d public %v: %v %v, want %v", c.port, c.public, err, sb.PublicPorts, c.want)
 		}
@@ -114,7 +114,7 @@ func TestSetPortPublic(t *testing.T) {
 			t.Fatalf("port %d public %v: stored %v, want %v", c.port, c.public, rec.PublicPorts, c.want)
 		}
 	}
-	if _, err := h.m.SetPortPublic(h.ctx(), id, 0, true); !errors.Is(err, errdefs.ErrInvalidArgument) {
+	if _, err := h.m.net.SetPortPublic(h.ctx(), id, 0, true); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("port 0: %v", err)
 	}
 }

@@ -11,8 +11,9 @@ import (
 // network link first. A failure to stop cannot change that outcome, but it
 // may leave host resources behind until the next sweep, so it is logged
 // rather than dropped.
-func (m *Manager) stopInstance(ctx context.Context, inst runtime.Instance, during string) {
-	m.detachNetwork(inst.ID(), during)
+func (part *Verbs) stopInstance(ctx context.Context, inst runtime.Instance, during string) {
+	m := part.m
+	m.net.detachNetwork(inst.ID(), during)
 	if err := inst.Stop(ctx); err != nil {
 		m.log.Warn("stopping sandbox instance failed; reconcile will retry", "sandbox", inst.ID(), "during", during, "err", err)
 	}
@@ -20,8 +21,9 @@ func (m *Manager) stopInstance(ctx context.Context, inst runtime.Instance, durin
 
 // destroyInstance is stopInstance for Destroy: used where a create, fork or
 // re-driven operation throws an instance away.
-func (m *Manager) destroyInstance(ctx context.Context, inst runtime.Instance, during string) {
-	m.detachNetwork(inst.ID(), during)
+func (part *Verbs) destroyInstance(ctx context.Context, inst runtime.Instance, during string) {
+	m := part.m
+	m.net.detachNetwork(inst.ID(), during)
 	if err := inst.Destroy(ctx); err != nil {
 		m.log.Warn("destroying sandbox instance failed; reconcile will retry", "sandbox", inst.ID(), "during", during, "err", err)
 	}

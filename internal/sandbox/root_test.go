@@ -23,12 +23,12 @@ func TestExecRootRefused(t *testing.T) {
 		{"/afile", "not a directory"},
 		{"/nope", "does not exist"},
 	} {
-		_, err := h.m.Exec(h.ctx(), sb.ID, api.ExecRequest{Cmd: []string{"true"}, Root: c.root})
+		_, err := h.m.cmds.Exec(h.ctx(), sb.ID, api.ExecRequest{Cmd: []string{"true"}, Root: c.root})
 		if !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("exec with root %q: %v, want invalid argument saying %q", c.root, err, c.want)
 		}
 	}
-	_, err := h.m.CreateCommand(h.ctx(), sb.ID, api.CreateCommandRequest{ExecRequest: api.ExecRequest{Cmd: []string{"true"}, Root: "rel"}})
+	_, err := h.m.cmds.CreateCommand(h.ctx(), sb.ID, api.CreateCommandRequest{ExecRequest: api.ExecRequest{Cmd: []string{"true"}, Root: "rel"}})
 	if !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Errorf("command with a relative root: %v", err)
 	}

@@ -141,7 +141,8 @@ func validateSecretNames(names []string, env map[string]string) error {
 // createSecrets grants names to the new sandbox sb (not yet stored) and
 // puts their placeholders in its env. undo revokes them again if the
 // sandbox is not created after all.
-func (m *Manager) createSecrets(ctx context.Context, sb *api.Sandbox, names []string) (undo func(), err error) {
+func (part *Secrets) createSecrets(ctx context.Context, sb *api.Sandbox, names []string) (undo func(), err error) {
+	m := part.m
 	undo = func() {}
 	if len(names) == 0 {
 		if sb.Network != nil {
@@ -187,7 +188,8 @@ func (m *Manager) createSecrets(ctx context.Context, sb *api.Sandbox, names []st
 // forkSecrets gives the fork child each of parent's grants with a new
 // placeholder, replacing the parent's in the child's env: the parent's
 // placeholders (in the child's inherited memory) are worthless there.
-func (m *Manager) forkSecrets(ctx context.Context, parent api.Sandbox, child *api.Sandbox) error {
+func (part *Secrets) forkSecrets(ctx context.Context, parent api.Sandbox, child *api.Sandbox) error {
+	m := part.m
 	if m.cfg.Secrets == nil {
 		return nil
 	}
@@ -217,7 +219,8 @@ type brokerPlan struct {
 // planBroker collects sb's grants (with current values) and the header
 // rules of pol that name a secret. Hosts are the union of the granted
 // secrets' hosts and every header rule's domain.
-func (m *Manager) planBroker(ctx context.Context, sb api.Sandbox, pol api.NetworkPolicy) (brokerPlan, error) {
+func (part *Secrets) planBroker(ctx context.Context, sb api.Sandbox, pol api.NetworkPolicy) (brokerPlan, error) {
+	m := part.m
 	var plan brokerPlan
 	if m.cfg.Secrets == nil {
 		return plan, nil
@@ -279,8 +282,9 @@ func (m *Manager) planBroker(ctx context.Context, sb api.Sandbox, pol api.Networ
 // pushBroker sends sandbox sb's brokerconf.Config (policy pol) to the gateway.
 // With nothing to broker it sends an empty config only when force (a
 // change may have emptied it), so plain sandboxes cost nothing at attach.
-func (m *Manager) pushBroker(ctx context.Context, sb api.Sandbox, pol api.NetworkPolicy, force bool) error {
-	plan, err := m.planBroker(ctx, sb, pol)
+func (part *Secrets) pushBroker(ctx context.Context, sb api.Sandbox, pol api.NetworkPolicy, force bool) error {
+	m := part.m
+	plan, err := m.secrets.planBroker(ctx, sb, pol)
 	if err != nil {
 		return err
 	}
@@ -312,7 +316,8 @@ func (m *Manager) pushBroker(ctx context.Context, sb api.Sandbox, pol api.Networ
 // brokerAtAttach is pushBroker for a link just attached: the sandbox's
 // record is read afresh. A failure fails the attach: a sandbox whose
 // secrets the gateway does not know must not run as if it did.
-func (m *Manager) brokerAtAttach(ctx context.Context, id string, pol api.NetworkPolicy) error {
+func (part *Secrets) brokerAtAttach(ctx context.Context, id string, pol api.NetworkPolicy) error {
+	m := part.m
 	if m.cfg.Secrets == nil {
 		return nil
 	}
@@ -320,18 +325,19 @@ func (m *Manager) brokerAtAttach(ctx context.Context, id string, pol api.Network
 	if err != nil {
 		return err
 	}
-	return m.pushBroker(ctx, sb, pol, false)
+	return m.secrets.pushBroker(ctx, sb, pol, false)
 }
 
 // installTrust writes sb's CA certificate into its trust stores through
 // the agent, as root, and returns sb with the trust env set. Nothing to do
 // for a sandbox without brokered hosts. Idempotent: run after every boot,
 // restore and fork, and after every change while the sandbox runs.
-func (m *Manager) installTrust(ctx context.Context, e *entry, sb api.Sandbox) (api.Sandbox, error) {
+func (part *Secrets) installTrust(ctx context.Context, e *entry, sb api.Sandbox) (api.Sandbox, error) {
+	m := part.m
 	if m.cfg.Secrets == nil {
 		return sb, nil
 	}
-	plan, err := m.planBroker(ctx, sb, policyOf(sb))
+	plan, err := m.secrets.planBroker(ctx, sb, policyOf(sb))
 	if err != nil || len(plan.hosts) == 0 {
 		return sb, err
 	}
@@ -378,11 +384,12 @@ func (m *Manager) installTrust(ctx context.Context, e *entry, sb api.Sandbox) (a
 			return sb, err
 		}
 	}
-	return m.setTrustEnv(ctx, sb)
+	return m.secrets.setTrustEnv(ctx, sb)
 }
 
 // setTrustEnv stores TrustEnv in sb's env if it is not there yet.
-func (m *Manager) setTrustEnv(ctx context.Context, sb api.Sandbox) (api.Sandbox, error) {
+func (part *Secrets) setTrustEnv(ctx context.Context, sb api.Sandbox) (api.Sandbox, error) {
+	m := part.m
 	missing := false
 	for k, v := range TrustEnv {
 		if sb.Env[k] != v {
@@ -457,18 +464,19 @@ func joinPEM(a, b []byte) []byte {
 // secretsReady runs after a sandbox's agent is ready (boot, restore, fork
 // child): its CA goes into its trust stores (phase "trust"). It returns
 // the record with the trust env.
-func (m *Manager) secretsReady(ctx context.Context, p *phases, e *entry, sb api.Sandbox) (api.Sandbox, error) {
+func (part *Secrets) secretsReady(ctx context.Context, p *phases, e *entry, sb api.Sandbox) (api.Sandbox, error) {
+	m := part.m
 	if m.cfg.Secrets == nil {
 		return sb, nil
 	}
-	plan, err := m.planBroker(ctx, sb, policyOf(sb))
+	plan, err := m.secrets.planBroker(ctx, sb, policyOf(sb))
 	if err != nil || len(plan.hosts) == 0 {
 		return sb, err
 	}
 	out := sb
 	err = p.run("trust", func() error {
 		var err error
-		out, err = m.installTrust(ctx, e, sb)
+		out, err = m.secrets.installTrust(ctx, e, sb)
 		return err
 	})
 	return out, err
@@ -478,7 +486,8 @@ func (m *Manager) secretsReady(ctx context.Context, p *phases, e *entry, sb api.
 // after a change of its grants, a secret or its policy: the gateway gets
 // the new config at once and a running sandbox's trust stores the CA of
 // its new host set.
-func (m *Manager) secretsChanged(ctx context.Context, e *entry, sb api.Sandbox) error {
+func (part *Secrets) secretsChanged(ctx context.Context, e *entry, sb api.Sandbox) error {
+	m := part.m
 	if !linked(sb.State) {
 		return nil // the next attach and boot read the store
 	}
@@ -488,7 +497,7 @@ func (m *Manager) secretsChanged(ctx context.Context, e *entry, sb api.Sandbox) 
 		e.cmu.RUnlock()
 		if c != nil {
 			var err error
-			if sb, err = m.installTrust(ctx, e, sb); err != nil {
+			if sb, err = m.secrets.installTrust(ctx, e, sb); err != nil {
 				m.log.Warn("installing the sandbox's CA after a change failed; its next boot installs it", "sandbox", sb.ID, "err", err)
 			}
 		}
@@ -496,11 +505,12 @@ func (m *Manager) secretsChanged(ctx context.Context, e *entry, sb api.Sandbox) 
 	if m.cfg.Network == nil {
 		return nil
 	}
-	return m.pushBroker(ctx, sb, policyOf(sb), true)
+	return m.secrets.pushBroker(ctx, sb, policyOf(sb), true)
 }
 
 // SandboxSecrets lists the secrets granted to sandbox id.
-func (m *Manager) SandboxSecrets(ctx context.Context, id string) ([]secrets.Grant, error) {
+func (part *Secrets) SandboxSecrets(ctx context.Context, id string) ([]secrets.Grant, error) {
+	m := part.m
 	if _, err := m.Get(ctx, id); err != nil {
 		return nil, err
 	}
@@ -512,7 +522,8 @@ func (m *Manager) SandboxSecrets(ctx context.Context, id string) ([]secrets.Gran
 
 // lockedSandbox reads sandbox id under its entry lock, which the caller
 // releases with the returned func.
-func (m *Manager) lockedSandbox(ctx context.Context, id string) (*entry, api.Sandbox, func(), error) {
+func (part *Secrets) lockedSandbox(ctx context.Context, id string) (*entry, api.Sandbox, func(), error) {
+	m := part.m
 	if err := ValidID(id); err != nil {
 		return nil, api.Sandbox{}, nil, err
 	}
@@ -536,14 +547,15 @@ func (m *Manager) lockedSandbox(ctx context.Context, id string) (*entry, api.San
 // GrantSecret grants the sandbox's tenant's secret name to sandbox id (the
 // existing grant if it has one): its placeholder goes into the sandbox's
 // env for new commands and the gateway learns it at once.
-func (m *Manager) GrantSecret(ctx context.Context, id, name string) (secrets.Grant, error) {
+func (part *Secrets) GrantSecret(ctx context.Context, id, name string) (secrets.Grant, error) {
+	m := part.m
 	if err := secrets.ValidName(name); err != nil {
 		return secrets.Grant{}, err
 	}
 	if m.cfg.Secrets == nil {
 		return secrets.Grant{}, fmt.Errorf("this server has no secrets store: %w", errdefs.ErrUnprocessable)
 	}
-	e, sb, unlock, err := m.lockedSandbox(ctx, id)
+	e, sb, unlock, err := m.secrets.lockedSandbox(ctx, id)
 	if err != nil {
 		return secrets.Grant{}, err
 	}
@@ -564,21 +576,22 @@ func (m *Manager) GrantSecret(ctx context.Context, id, name string) (secrets.Gra
 			return secrets.Grant{}, err
 		}
 	}
-	return g, m.secretsChanged(ctx, e, sb)
+	return g, m.secrets.secretsChanged(ctx, e, sb)
 }
 
 // RevokeSecret drops sandbox id's grant of name: its env var goes, and
 // the gateway stops substituting its placeholder from the next request.
 // A grant a header rule of the sandbox's policy names is refused (409):
 // change the policy first.
-func (m *Manager) RevokeSecret(ctx context.Context, id, name string) error {
+func (part *Secrets) RevokeSecret(ctx context.Context, id, name string) error {
+	m := part.m
 	if err := secrets.ValidName(name); err != nil {
 		return err
 	}
 	if m.cfg.Secrets == nil {
 		return fmt.Errorf("sandbox %s has no grant of secret %s: %w", id, name, errdefs.ErrNotFound)
 	}
-	e, sb, unlock, err := m.lockedSandbox(ctx, id)
+	e, sb, unlock, err := m.secrets.lockedSandbox(ctx, id)
 	if err != nil {
 		return err
 	}
@@ -589,12 +602,13 @@ func (m *Manager) RevokeSecret(ctx context.Context, id, name string) error {
 	if err := m.cfg.Secrets.Revoke(ctx, id, name); err != nil {
 		return err
 	}
-	return m.dropSecretEnv(ctx, e, sb, name)
+	return m.secrets.dropSecretEnv(ctx, e, sb, name)
 }
 
 // dropSecretEnv removes name's placeholder from sb's env and updates the
 // gateway; the caller holds the sandbox's lock.
-func (m *Manager) dropSecretEnv(ctx context.Context, e *entry, sb api.Sandbox, name string) error {
+func (part *Secrets) dropSecretEnv(ctx context.Context, e *entry, sb api.Sandbox, name string) error {
+	m := part.m
 	if v, ok := sb.Env[name]; ok && strings.HasPrefix(v, secrets.PlaceholderPrefix) {
 		sb.Env = maps.Clone(sb.Env)
 		delete(sb.Env, name)
@@ -604,12 +618,13 @@ func (m *Manager) dropSecretEnv(ctx context.Context, e *entry, sb api.Sandbox, n
 			return err
 		}
 	}
-	return m.secretsChanged(ctx, e, sb)
+	return m.secrets.secretsChanged(ctx, e, sb)
 }
 
 // SecretRotated pushes the new value of a rotated secret to every sandbox
 // holding it. Errors are joined; each sandbox is tried.
-func (m *Manager) SecretRotated(ctx context.Context, tenant, name string) error {
+func (part *Secrets) SecretRotated(ctx context.Context, tenant, name string) error {
+	m := part.m
 	if m.cfg.Secrets == nil {
 		return nil
 	}
@@ -619,11 +634,11 @@ func (m *Manager) SecretRotated(ctx context.Context, tenant, name string) error 
 	}
 	var errs []error
 	for _, id := range ids {
-		e, sb, unlock, err := m.lockedSandbox(ctx, id)
+		e, sb, unlock, err := m.secrets.lockedSandbox(ctx, id)
 		if err != nil {
 			continue
 		}
-		if err := m.secretsChanged(ctx, e, sb); err != nil {
+		if err := m.secrets.secretsChanged(ctx, e, sb); err != nil {
 			errs = append(errs, fmt.Errorf("sandbox %s: %w", id, err))
 		}
 		unlock()
@@ -633,14 +648,15 @@ func (m *Manager) SecretRotated(ctx context.Context, tenant, name string) error 
 
 // SecretDeleted updates the sandboxes that held a deleted secret (ids,
 // from secrets.Store.Delete): the env var goes and the gateway forgets it.
-func (m *Manager) SecretDeleted(ctx context.Context, name string, ids []string) error {
+func (part *Secrets) SecretDeleted(ctx context.Context, name string, ids []string) error {
+	m := part.m
 	var errs []error
 	for _, id := range ids {
-		e, sb, unlock, err := m.lockedSandbox(ctx, id)
+		e, sb, unlock, err := m.secrets.lockedSandbox(ctx, id)
 		if err != nil {
 			continue
 		}
-		if err := m.dropSecretEnv(ctx, e, sb, name); err != nil {
+		if err := m.secrets.dropSecretEnv(ctx, e, sb, name); err != nil {
 			errs = append(errs, fmt.Errorf("sandbox %s: %w", id, err))
 		}
 		unlock()
@@ -650,7 +666,8 @@ func (m *Manager) SecretDeleted(ctx context.Context, name string, ids []string) 
 
 // checkPolicySecrets validates the secret references of a new policy for
 // sandbox id against its grants.
-func (m *Manager) checkPolicySecrets(ctx context.Context, id string, p api.NetworkPolicy) error {
+func (part *Secrets) checkPolicySecrets(ctx context.Context, id string, p api.NetworkPolicy) error {
+	m := part.m
 	var names []string
 	if m.cfg.Secrets != nil {
 		gs, err := m.cfg.Secrets.Grants(ctx, id)
@@ -665,7 +682,8 @@ func (m *Manager) checkPolicySecrets(ctx context.Context, id string, p api.Netwo
 }
 
 // forgetSecrets drops a deleted sandbox's grants and CA.
-func (m *Manager) forgetSecrets(id string) {
+func (part *Secrets) forgetSecrets(id string) {
+	m := part.m
 	if m.cfg.Secrets == nil {
 		return
 	}

@@ -33,7 +33,7 @@ func secretHarness(t *testing.T, opts fakeruntime.Options) (*harness, *secrets.S
 
 func (h *harness) env(id, name string) string {
 	h.t.Helper()
-	res, err := h.m.Exec(h.ctx(), id, api.ExecRequest{Cmd: []string{"sh", "-c", "printf %s \"$" + name + "\""}})
+	res, err := h.m.cmds.Exec(h.ctx(), id, api.ExecRequest{Cmd: []string{"sh", "-c", "printf %s \"$" + name + "\""}})
 	if err != nil {
 		h.t.Fatal(err)
 	}
@@ -74,7 +74,7 @@ func TestSecretsGrantedAtCreate(t *testing.T) {
 		{api.CreateSandboxRequest{Network: &api.NetworkPolicy{AllowOut: []string{"api.example.com"},
 			Rules: []api.HeaderRule{{Domain: "api.example.com", SetHeaders: map[string]string{"X-Key": "{secret:API_TOKEN}"}}}}}, errdefs.ErrInvalidArgument},
 	} {
-		if _, _, err := h.m.Create(ctx, tc.req); !errors.Is(err, tc.want) {
+		if _, _, err := h.m.creates.Create(ctx, tc.req); !errors.Is(err, tc.want) {
 			t.Errorf("create %+v: err = %v, want %v", tc.req, err, tc.want)
 		}
 	}
@@ -82,7 +82,7 @@ func TestSecretsGrantedAtCreate(t *testing.T) {
 		t.Fatalf("refused creates left grants for %v", ids)
 	}
 	sb := h.create(api.CreateSandboxRequest{Secrets: []string{"API_TOKEN"}, Network: &api.NetworkPolicy{AllowOut: []string{"api.example.com"}}})
-	gs, err := h.m.SandboxSecrets(ctx, sb.ID)
+	gs, err := h.m.secrets.SandboxSecrets(ctx, sb.ID)
 	if err != nil || len(gs) != 1 {
 		t.Fatalf("grants: %v %v", err, gs)
 	}
@@ -120,7 +120,7 @@ func TestSecretsGrantedAtCreate(t *testing.T) {
 		t.Fatal("CA key missing from the broker config, or in the certificate")
 	}
 	// Delete forgets grants and CA.
-	op, _ := h.m.Lifecycle(ctx, sb.ID, api.OpDelete, true)
+	op, _ := h.m.verbs.Lifecycle(ctx, sb.ID, api.OpDelete, true)
 	h.wait(op)
 	if ids, _ := st.Sandboxes(ctx); len(ids) != 0 {
 		t.Fatalf("grants or CA outlive the sandbox: %v", ids)
@@ -137,7 +137,7 @@ func TestSecretsSystemBundleAppendedIdempotently(t *testing.T) {
 	os.MkdirAll(filepath.Dir(sys), 0o755)
 	orig := "-----BEGIN CERTIFICATE-----\nSYSTEM\n-----END CERTIFICATE-----\n"
 	os.WriteFile(sys, []byte(orig), 0o644)
-	if _, err := h.m.GrantSecret(ctx, sb.ID, "TOK"); err != nil {
+	if _, err := h.m.secrets.GrantSecret(ctx, sb.ID, "TOK"); err != nil {
 		t.Fatal(err)
 	}
 	first, _ := os.ReadFile(sys)
@@ -146,7 +146,7 @@ func TestSecretsSystemBundleAppendedIdempotently(t *testing.T) {
 	}
 	// A second install (a new host set: a new CA) replaces the block.
 	st.Set(ctx, secrets.SetRequest{Name: "TOK2", Value: []byte("v2"), Hosts: []string{"b.example.com"}})
-	if _, err := h.m.GrantSecret(ctx, sb.ID, "TOK2"); err != nil {
+	if _, err := h.m.secrets.GrantSecret(ctx, sb.ID, "TOK2"); err != nil {
 		t.Fatal(err)
 	}
 	second, _ := os.ReadFile(sys)
@@ -170,7 +170,7 @@ func TestSecretsLiveGrantRevokeRotate(t *testing.T) {
 	if got := h.env(sb.ID, "TOK"); got != "" {
 		t.Fatalf("TOK before the grant = %q", got)
 	}
-	g, err := h.m.GrantSecret(ctx, sb.ID, "TOK")
+	g, err := h.m.secrets.GrantSecret(ctx, sb.ID, "TOK")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -182,14 +182,14 @@ func TestSecretsLiveGrantRevokeRotate(t *testing.T) {
 		t.Fatalf("after grant: %+v", c.Secrets)
 	}
 	// Granting again is the same grant.
-	if g2, err := h.m.GrantSecret(ctx, sb.ID, "TOK"); err != nil || g2.Placeholder != g.Placeholder {
+	if g2, err := h.m.secrets.GrantSecret(ctx, sb.ID, "TOK"); err != nil || g2.Placeholder != g.Placeholder {
 		t.Fatalf("second grant: %v %+v", err, g2)
 	}
 	// Rotation: the next config carries the new value, same placeholder.
 	if _, _, err := st.Set(ctx, secrets.SetRequest{Name: "TOK", Value: []byte("rotated-value-2"), Hosts: []string{"api.example.com"}}); err != nil {
 		t.Fatal(err)
 	}
-	if err := h.m.SecretRotated(ctx, "", "TOK"); err != nil {
+	if err := h.m.secrets.SecretRotated(ctx, "", "TOK"); err != nil {
 		t.Fatal(err)
 	}
 	c, _ = fb.Last(sb.ID)
@@ -197,7 +197,7 @@ func TestSecretsLiveGrantRevokeRotate(t *testing.T) {
 		t.Fatalf("after rotation: %+v", c.Secrets)
 	}
 	// Revoke: the env var goes and the gateway forgets the secret.
-	if err := h.m.RevokeSecret(ctx, sb.ID, "TOK"); err != nil {
+	if err := h.m.secrets.RevokeSecret(ctx, sb.ID, "TOK"); err != nil {
 		t.Fatal(err)
 	}
 	if got := h.env(sb.ID, "TOK"); got != "" {
@@ -207,16 +207,16 @@ func TestSecretsLiveGrantRevokeRotate(t *testing.T) {
 	if len(c.Secrets) != 0 {
 		t.Fatalf("after revoke the gateway still has %+v", c.Secrets)
 	}
-	if err := h.m.RevokeSecret(ctx, sb.ID, "TOK"); !errors.Is(err, errdefs.ErrNotFound) {
+	if err := h.m.secrets.RevokeSecret(ctx, sb.ID, "TOK"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("revoking again: %v", err)
 	}
 	// Deleting a granted secret revokes it everywhere.
-	h.m.GrantSecret(ctx, sb.ID, "TOK")
+	h.m.secrets.GrantSecret(ctx, sb.ID, "TOK")
 	ids, err := st.Delete(ctx, "", "TOK")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := h.m.SecretDeleted(ctx, "TOK", ids); err != nil {
+	if err := h.m.secrets.SecretDeleted(ctx, "TOK", ids); err != nil {
 		t.Fatal(err)
 	}
 	if got := h.env(sb.ID, "TOK"); got != "" {
@@ -238,22 +238,22 @@ func TestSecretsInHeaderRules(t *testing.T) {
 			{Domain: "api.example.org", SetHeaders: map[string]string{"X-Api-Key": "key={secret:KEY}"}},
 			{Domain: "up.example.org", SetHeaders: map[string]string{"Authorization": "Bearer {secret:TOK}"}},
 		}}
-	if _, err := h.m.SetNetwork(ctx, sb.ID, pol); !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), "not granted") {
+	if _, err := h.m.net.SetNetwork(ctx, sb.ID, pol); !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), "not granted") {
 		t.Fatalf("a rule naming an ungranted secret: %v", err)
 	}
 	bad := api.NetworkPolicy{AllowOut: pol.AllowOut, Rules: []api.HeaderRule{{Domain: "api.example.org", SetHeaders: map[string]string{"X": "{secret:lower}"}}}}
-	if _, err := h.m.SetNetwork(ctx, sb.ID, bad); !errors.Is(err, errdefs.ErrInvalidArgument) {
+	if _, err := h.m.net.SetNetwork(ctx, sb.ID, bad); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("a malformed reference: %v", err)
 	}
 	for _, n := range []string{"KEY", "TOK"} {
-		if _, err := h.m.GrantSecret(ctx, sb.ID, n); err != nil {
+		if _, err := h.m.secrets.GrantSecret(ctx, sb.ID, n); err != nil {
 			t.Fatal(err)
 		}
 	}
 	if c, _ := fb.Last(sb.ID); func() bool { _, ok := brokered(c, "KEY"); return ok }() {
 		t.Fatal("a secret without hosts and without a rule naming it was brokered")
 	}
-	if _, err := h.m.SetNetwork(ctx, sb.ID, pol); err != nil {
+	if _, err := h.m.net.SetNetwork(ctx, sb.ID, pol); err != nil {
 		t.Fatal(err)
 	}
 	c, _ := fb.Last(sb.ID)
@@ -267,7 +267,7 @@ func TestSecretsInHeaderRules(t *testing.T) {
 	if strings.Join(ca.Hosts, ",") != "api.example.com,api.example.org,up.example.org" {
 		t.Fatalf("CA hosts %v", ca.Hosts)
 	}
-	if err := h.m.RevokeSecret(ctx, sb.ID, "KEY"); !errors.Is(err, errdefs.ErrConflict) {
+	if err := h.m.secrets.RevokeSecret(ctx, sb.ID, "KEY"); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("revoking a secret a rule names: %v", err)
 	}
 }
@@ -279,7 +279,7 @@ func TestSecretsForkGetsNewPlaceholdersAndCA(t *testing.T) {
 	sb := h.create(api.CreateSandboxRequest{Secrets: []string{"TOK"}})
 	parentPH := h.env(sb.ID, "TOK")
 	parentCfg, _ := fb.Last(sb.ID)
-	op, err := h.m.Fork(ctx, sb.ID, api.ForkRequest{Count: 2})
+	op, err := h.m.verbs.Fork(ctx, sb.ID, api.ForkRequest{Count: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -308,7 +308,7 @@ func TestSecretsForkGetsNewPlaceholdersAndCA(t *testing.T) {
 		t.Fatal("the fork changed the parent's CA")
 	}
 	// Suspend and restore: the same placeholder.
-	op, err = h.m.Lifecycle(ctx, sb.ID, api.OpSuspend, false)
+	op, err = h.m.verbs.Lifecycle(ctx, sb.ID, api.OpSuspend, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -323,11 +323,11 @@ func TestSecretsBrokerFailureFailsAttach(t *testing.T) {
 	ctx := h.ctx()
 	st.Set(ctx, secrets.SetRequest{Name: "TOK", Value: []byte(testValue), Hosts: []string{"api.example.com"}})
 	fb.FailWith(errors.New("gateway says no"))
-	sb, op, err := h.m.Create(ctx, api.CreateSandboxRequest{Secrets: []string{"TOK"}})
+	sb, op, err := h.m.creates.Create(ctx, api.CreateSandboxRequest{Secrets: []string{"TOK"}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if op, _ = h.m.Wait(ctx, op.ID); op.State != api.OpFailed || op.Error.Code != api.CodeUnavailable || !strings.Contains(op.Error.Message, "gateway says no") {
+	if op, _ = h.m.verbs.Wait(ctx, op.ID); op.State != api.OpFailed || op.Error.Code != api.CodeUnavailable || !strings.Contains(op.Error.Message, "gateway says no") {
 		t.Fatalf("create with a failing broker: %+v", op)
 	}
 	if strings.Contains(op.Error.Message, testValue) {

@@ -24,7 +24,8 @@ const SnapshotSource = "snapshot:"
 // others are refused with errdefs.ErrNotSupported, saying which is
 // missing. Memory is not part of the template: a sandbox created from it
 // boots fresh.
-func (m *Manager) Snapshot(ctx context.Context, id, tag string) (_ api.Template, err error) {
+func (part *Verbs) Snapshot(ctx context.Context, id, tag string) (_ api.Template, err error) {
+	m := part.m
 	sb, err := m.Get(ctx, id)
 	if err != nil {
 		return api.Template{}, err
@@ -38,25 +39,25 @@ func (m *Manager) Snapshot(ctx context.Context, id, tag string) (_ api.Template,
 	if sb.State != api.StateRunning {
 		return api.Template{}, wrongState(id, sb.State, "snapshot")
 	}
-	op, err := m.forkAndTell(ctx, id, api.ForkRequest{Count: 1}, false)
+	op, err := m.verbs.forkAndTell(ctx, id, api.ForkRequest{Count: 1}, false)
 	if err != nil {
 		if errors.Is(err, errdefs.ErrNotSupported) {
 			return api.Template{}, fmt.Errorf("a snapshot copies the running sandbox by forking it, and %w", err)
 		}
 		return api.Template{}, err
 	}
-	if op, err = m.Wait(ctx, op.ID); err != nil {
+	if op, err = m.verbs.Wait(ctx, op.ID); err != nil {
 		return api.Template{}, err
 	}
 	if op.State != api.OpSucceeded || len(op.Children) != 1 {
 		for _, c := range op.Children {
-			m.deleteStepSandbox(c)
+			m.builds.deleteStepSandbox(c)
 		}
 		return api.Template{}, fmt.Errorf("forking sandbox %s for its snapshot: %w", id, OpError(op))
 	}
 	child := op.Children[0]
 	defer func() {
-		if derr := m.deleteStepSandbox(child); derr != nil {
+		if derr := m.builds.deleteStepSandbox(child); derr != nil {
 			m.log.Error("deleting a snapshot's fork", "sandbox", child, "err", derr)
 		}
 	}()
@@ -68,11 +69,11 @@ func (m *Manager) Snapshot(ctx context.Context, id, tag string) (_ api.Template,
 	if !ok {
 		return api.Template{}, fmt.Errorf("runtime %s cannot export a sandbox's filesystem changes, so it cannot snapshot: %w", sb.Runtime, errdefs.ErrNotSupported)
 	}
-	stop, err := m.systemLifecycle(ctx, child, api.OpStop, true)
+	stop, err := m.verbs.systemLifecycle(ctx, child, api.OpStop, true)
 	if err != nil {
 		return api.Template{}, fmt.Errorf("stopping the snapshot's fork: %w", err)
 	}
-	if stop, err = m.Wait(ctx, stop.ID); err != nil {
+	if stop, err = m.verbs.Wait(ctx, stop.ID); err != nil {
 		return api.Template{}, err
 	}
 	if stop.State != api.OpSucceeded {

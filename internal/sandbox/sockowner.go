@@ -14,7 +14,8 @@ import (
 // the runtime cannot tell, the sandbox has no live instance here, or no
 // process holds the socket (any more): the caller then knows nothing, and
 // never fills the field from anything else.
-func (m *Manager) SocketOwner(ctx context.Context, id string, local, remote netip.AddrPort) string {
+func (part *Networking) SocketOwner(ctx context.Context, id string, local, remote netip.AddrPort) string {
+	m := part.m
 	e := m.peek(id)
 	if e == nil {
 		return ""

@@ -28,7 +28,8 @@ func suspender(sb api.Sandbox, inst runtime.Instance) (runtime.Suspender, error)
 // e.mu. The agent is quiesced first (runtimes may be unable to save its host
 // connections); if the checkpoint fails the instance is still running, so
 // the agent is reconnected and the sandbox stays running.
-func (m *Manager) doSuspend(ctx context.Context, p *phases, id string) error {
+func (part *Verbs) doSuspend(ctx context.Context, p *phases, id string) error {
+	m := part.m
 	e := m.entry(id)
 	sb, err := m.cfg.DB.GetSandbox(ctx, id)
 	if err != nil {
@@ -41,7 +42,7 @@ func (m *Manager) doSuspend(ctx context.Context, p *phases, id string) error {
 	default:
 		return wrongState(id, sb.State, "suspend")
 	}
-	inst, _, err := m.instance(ctx, e, sb)
+	inst, _, err := m.verbs.instance(ctx, e, sb)
 	if err != nil {
 		return err
 	}
@@ -61,7 +62,7 @@ func (m *Manager) doSuspend(ctx context.Context, p *phases, id string) error {
 		}
 		m.setState(id, api.StateRunning, "", "")
 	}
-	c, err := m.liveClient(ctx, p, e, inst)
+	c, err := m.verbs.liveClient(ctx, p, e, inst)
 	if err != nil {
 		return err
 	}
@@ -70,15 +71,15 @@ func (m *Manager) doSuspend(ctx context.Context, p *phases, id string) error {
 		// request sees a dead session and re-dials.
 		return fmt.Errorf("the sandbox's agent did not quiesce (the sandbox keeps running): %w", err)
 	}
-	m.dropClient(e)
+	m.verbs.dropClient(e)
 	e.expectExit.Store(true)
-	m.detachNetwork(id, "suspend")
+	m.net.detachNetwork(id, "suspend")
 	if err := p.run("checkpoint", func() error { return sp.Suspend(ctx) }); err != nil {
 		e.expectExit.Store(false)
-		if nerr := m.attachNetwork(ctx, p, inst, policyOf(sb)); nerr != nil {
+		if nerr := m.net.attachNetwork(ctx, p, inst, policyOf(sb)); nerr != nil {
 			m.log.Warn("network link did not come back after a failed checkpoint; reconcile retries", "sandbox", id, "err", nerr)
 		}
-		if rerr := p.run("reconnect", func() error { return m.connect(ctx, e, inst) }); rerr != nil {
+		if rerr := p.run("reconnect", func() error { return m.creates.connect(ctx, e, inst) }); rerr != nil {
 			m.log.Warn("agent did not come back after a failed checkpoint; the next request re-dials", "sandbox", id, "err", rerr)
 		}
 		return fmt.Errorf("checkpoint failed (the sandbox keeps running): %w", err)
@@ -89,7 +90,8 @@ func (m *Manager) doSuspend(ctx context.Context, p *phases, id string) error {
 
 // liveClient returns the sandbox's agent client, dialling (phase
 // agent_ready) when there is none or its session died.
-func (m *Manager) liveClient(ctx context.Context, p *phases, e *entry, inst runtime.Instance) (*agentClient, error) {
+func (part *Verbs) liveClient(ctx context.Context, p *phases, e *entry, inst runtime.Instance) (*agentClient, error) {
+	m := part.m
 	e.cmu.RLock()
 	c := e.client
 	e.cmu.RUnlock()
@@ -100,7 +102,7 @@ func (m *Manager) liveClient(ctx context.Context, p *phases, e *entry, inst runt
 			return c, nil
 		}
 	}
-	if err := p.run("agent_ready", func() error { return m.connect(ctx, e, inst) }); err != nil {
+	if err := p.run("agent_ready", func() error { return m.creates.connect(ctx, e, inst) }); err != nil {
 		return nil, err
 	}
 	e.cmu.RLock()
@@ -112,8 +114,9 @@ func (m *Manager) liveClient(ctx context.Context, p *phases, e *entry, inst runt
 // holds e.mu and has checked the state is suspended. On failure the sandbox
 // stays suspended while its image exists, else it becomes stopped with the
 // reason.
-func (m *Manager) doRestore(ctx context.Context, p *phases, e *entry, sb api.Sandbox) error {
-	inst, _, err := m.instance(ctx, e, sb)
+func (part *Verbs) doRestore(ctx context.Context, p *phases, e *entry, sb api.Sandbox) error {
+	m := part.m
+	inst, _, err := m.verbs.instance(ctx, e, sb)
 	if err != nil {
 		return err
 	}
@@ -124,13 +127,13 @@ func (m *Manager) doRestore(ctx context.Context, p *phases, e *entry, sb api.San
 	// failed settles the record after a failed step: the image decides.
 	failed := func(what string, err error) error {
 		e.expectExit.Store(true)
-		m.dropClient(e)
+		m.verbs.dropClient(e)
 		if sp.Suspended() {
 			m.setState(sb.ID, api.StateSuspended, what+": "+err.Error(), "")
 			return fmt.Errorf("%s (the sandbox stays suspended): %w", what, err)
 		}
-		m.stopInstance(context.Background(), inst, "lost suspend image")
-		m.markCommandsExited(sb.ID, "the sandbox's suspended image was lost")
+		m.verbs.stopInstance(context.Background(), inst, "lost suspend image")
+		m.cmds.markCommandsExited(sb.ID, "the sandbox's suspended image was lost")
 		m.setState(sb.ID, api.StateStopped, what+" and the suspended image is gone: "+err.Error()+"; its disk is kept and start boots it afresh", "")
 		return fmt.Errorf("%s; the suspended image is gone, the sandbox is stopped: %w", what, err)
 	}
@@ -142,19 +145,19 @@ func (m *Manager) doRestore(ctx context.Context, p *phases, e *entry, sb api.San
 	if err := p.run("restore", func() error { return sp.Restore(ctx) }); err != nil {
 		return failed("restore failed", err)
 	}
-	if err := m.attachNetwork(ctx, p, inst, policyOf(sb)); err != nil {
+	if err := m.net.attachNetwork(ctx, p, inst, policyOf(sb)); err != nil {
 		return failed("the restored sandbox's network link failed", err)
 	}
-	if err := p.run("agent_ready", func() error { return m.connect(ctx, e, inst) }); err != nil {
+	if err := p.run("agent_ready", func() error { return m.creates.connect(ctx, e, inst) }); err != nil {
 		return failed("the restored agent did not answer", err)
 	}
-	m.watchExit(e, inst)
+	m.creates.watchExit(e, inst)
 	e.lastActive.Store(time.Now().UnixNano())
-	if _, err := m.secretsReady(ctx, p, e, sb); err != nil {
+	if _, err := m.secrets.secretsReady(ctx, p, e, sb); err != nil {
 		// Its memory is worth more than its trust store: keep it running.
 		m.log.Warn("installing the restored sandbox's CA failed", "sandbox", sb.ID, "err", err)
 	}
-	if err := p.run("reseed", func() error { return m.reseed(ctx, e, "") }); err != nil {
+	if err := p.run("reseed", func() error { return m.verbs.reseed(ctx, e, "") }); err != nil {
 		// The same sandbox continues; only its entropy refresh failed.
 		// Say so, but do not throw its memory away.
 		m.setState(sb.ID, api.StateRunning, "", "")
@@ -166,7 +169,7 @@ func (m *Manager) doRestore(ctx context.Context, p *phases, e *entry, sb api.San
 
 // reseed tells the agent of e it was restored or forked: fresh host entropy,
 // the host clock, and (for a fork child) its new hostname.
-func (m *Manager) reseed(ctx context.Context, e *entry, hostname string) error {
+func (part *Verbs) reseed(ctx context.Context, e *entry, hostname string) error {
 	e.cmu.RLock()
 	c := e.client
 	e.cmu.RUnlock()

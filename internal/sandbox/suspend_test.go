@@ -61,11 +61,11 @@ func (h *harness) readFile(id, path string) string {
 
 func (h *harness) failedVerb(id, verb string) api.Operation {
 	h.t.Helper()
-	op, err := h.m.Lifecycle(h.ctx(), id, verb, false)
+	op, err := h.m.verbs.Lifecycle(h.ctx(), id, verb, false)
 	if err != nil {
 		h.t.Fatalf("%s: %v", verb, err)
 	}
-	op, err = h.m.Wait(h.ctx(), op.ID)
+	op, err = h.m.verbs.Wait(h.ctx(), op.ID)
 	if err != nil || op.State != api.OpFailed || op.Error == nil {
 		h.t.Fatalf("%s should have failed: %v %+v", verb, err, op)
 	}
@@ -74,7 +74,7 @@ func (h *harness) failedVerb(id, verb string) api.Operation {
 
 func (h *harness) exec(id string) {
 	h.t.Helper()
-	res, err := h.m.Exec(h.ctx(), id, api.ExecRequest{Cmd: []string{"echo", "up"}})
+	res, err := h.m.cmds.Exec(h.ctx(), id, api.ExecRequest{Cmd: []string{"echo", "up"}})
 	if err != nil || res.Stdout != "up\n" {
 		h.t.Fatalf("exec in %s: %v %+v", id, err, res)
 	}
@@ -125,11 +125,11 @@ func TestSuspendAndRestoreRecordPhasesAndStates(t *testing.T) {
 		t.Fatalf("suspend of a suspended sandbox is a no-op, ran %s", got)
 	}
 	for _, verb := range []string{api.OpPause, api.OpResume} {
-		if _, err := h.m.Lifecycle(h.ctx(), id, verb, false); !errors.Is(err, errdefs.ErrConflict) {
+		if _, err := h.m.verbs.Lifecycle(h.ctx(), id, verb, false); !errors.Is(err, errdefs.ErrConflict) {
 			t.Errorf("%s of a suspended sandbox: %v", verb, err)
 		}
 	}
-	if _, err := h.m.Fork(h.ctx(), id, api.ForkRequest{}); !errors.Is(err, errdefs.ErrConflict) {
+	if _, err := h.m.verbs.Fork(h.ctx(), id, api.ForkRequest{}); !errors.Is(err, errdefs.ErrConflict) {
 		t.Errorf("fork of a suspended sandbox: %v", err)
 	}
 
@@ -238,7 +238,7 @@ func TestCallsWakeASuspendedSandbox(t *testing.T) {
 
 func TestIdleSuspendThenNextCallWakes(t *testing.T) {
 	h := newHarnessWith(t, suspendFork)
-	h.m.Run()
+	h.m.recon.Run()
 	id := h.create(api.CreateSandboxRequest{Idle: &api.IdlePolicy{AfterSeconds: 1, Action: api.OpSuspend}}).ID
 	deadline := time.Now().Add(15 * time.Second)
 	for h.state(id) != api.StateSuspended {
@@ -295,11 +295,11 @@ func TestForkCreatesIndependentChildren(t *testing.T) {
 	h.writeFile(parent.ID, "/state", "parent's")
 
 	for _, n := range []int{-1, 17} {
-		if _, err := h.m.Fork(h.ctx(), parent.ID, api.ForkRequest{Count: n}); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		if _, err := h.m.verbs.Fork(h.ctx(), parent.ID, api.ForkRequest{Count: n}); !errors.Is(err, errdefs.ErrInvalidArgument) {
 			t.Errorf("fork count %d: %v", n, err)
 		}
 	}
-	op, err := h.m.Fork(h.ctx(), parent.ID, api.ForkRequest{Count: 2})
+	op, err := h.m.verbs.Fork(h.ctx(), parent.ID, api.ForkRequest{Count: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -357,7 +357,7 @@ func TestForkCreatesIndependentChildren(t *testing.T) {
 
 	// A paused parent is refused, not resumed behind the caller's back.
 	h.verb(parent.ID, api.OpPause)
-	if _, err := h.m.Fork(h.ctx(), parent.ID, api.ForkRequest{}); !errors.Is(err, errdefs.ErrConflict) {
+	if _, err := h.m.verbs.Fork(h.ctx(), parent.ID, api.ForkRequest{}); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("fork of paused: %v", err)
 	}
 }
@@ -366,11 +366,11 @@ func TestFailedForkLeavesNoChildAndTheParentRunning(t *testing.T) {
 	h := newHarnessWith(t, suspendFork)
 	parent := h.create(api.CreateSandboxRequest{}).ID
 	h.rt.FailNext(api.OpFork, errors.New("runsc: checkpoint: something broke"), false)
-	op, err := h.m.Fork(h.ctx(), parent, api.ForkRequest{Count: 3})
+	op, err := h.m.verbs.Fork(h.ctx(), parent, api.ForkRequest{Count: 3})
 	if err != nil {
 		t.Fatal(err)
 	}
-	op, err = h.m.Wait(h.ctx(), op.ID)
+	op, err = h.m.verbs.Wait(h.ctx(), op.ID)
 	if err != nil || op.State != api.OpFailed || !strings.Contains(op.Error.Message, "something broke") {
 		t.Fatalf("fork %v %+v", err, op)
 	}
@@ -396,12 +396,12 @@ func TestVerbsARuntimeCannotDoAreNotSupported(t *testing.T) {
 	h := newHarness(t) // the fake without its optional abilities
 	id := h.create(api.CreateSandboxRequest{}).ID
 	for _, verb := range []string{api.OpSuspend, api.OpRestore, api.OpFork} {
-		_, err := h.m.Lifecycle(h.ctx(), id, verb, false)
+		_, err := h.m.verbs.Lifecycle(h.ctx(), id, verb, false)
 		if !errors.Is(err, errdefs.ErrNotSupported) || !strings.Contains(err.Error(), "runtime fake cannot "+verb+": the fake runtime keeps no memory images") {
 			t.Errorf("%s: %v", verb, err)
 		}
 	}
-	if _, err := h.m.Fork(h.ctx(), id, api.ForkRequest{Count: 2}); !errors.Is(err, errdefs.ErrNotSupported) {
+	if _, err := h.m.verbs.Fork(h.ctx(), id, api.ForkRequest{Count: 2}); !errors.Is(err, errdefs.ErrNotSupported) {
 		t.Errorf("fork: %v", err)
 	}
 	if sbs, _ := h.m.List(h.ctx(), "", nil); len(sbs) != 1 {
@@ -434,7 +434,7 @@ func TestRestartKeepsSuspendedSandboxesAndRestoresThem(t *testing.T) {
 	// A fork child whose fork was cut off: its record says creating and an
 	// instance of it exists.
 	parent := h.create(api.CreateSandboxRequest{}).ID
-	forkOp, err := h.m.Fork(h.ctx(), parent, api.ForkRequest{})
+	forkOp, err := h.m.verbs.Fork(h.ctx(), parent, api.ForkRequest{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -448,7 +448,7 @@ func TestRestartKeepsSuspendedSandboxesAndRestoresThem(t *testing.T) {
 
 	h.m.Close()
 	h.m = h.manager()
-	if err := h.m.Reconcile(h.ctx()); err != nil {
+	if err := h.m.recon.Reconcile(h.ctx()); err != nil {
 		t.Fatal(err)
 	}
 	if sb, _ := h.m.Get(h.ctx(), lost); sb.State != api.StateStopped || !strings.Contains(sb.Error, "suspended image was gone") {

@@ -58,7 +58,8 @@ func TenantOf(sb api.Sandbox) string {
 }
 
 // Usage sums what the sandboxes of tenant hold now.
-func (m *Manager) Usage(ctx context.Context, tenant string) (api.Usage, error) {
+func (part *Tenancy) Usage(ctx context.Context, tenant string) (api.Usage, error) {
+	m := part.m
 	sbs, err := m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{})
 	if err != nil {
 		return api.Usage{}, err
@@ -77,7 +78,8 @@ func (m *Manager) Usage(ctx context.Context, tenant string) (api.Usage, error) {
 // are stored. One lock across check and insert, so two concurrent creates
 // cannot both take the last unit of a quota. A tenant without quotas
 // takes no lock.
-func (m *Manager) admit(ctx context.Context, tenant string, add ...api.Limits) (release func(), err error) {
+func (part *Tenancy) admit(ctx context.Context, tenant string, add ...api.Limits) (release func(), err error) {
+	m := part.m
 	q, err := m.cfg.Tenants.Quotas(ctx, tenant)
 	if err != nil {
 		return nil, err
@@ -86,7 +88,7 @@ func (m *Manager) admit(ctx context.Context, tenant string, add ...api.Limits) (
 		return func() {}, nil
 	}
 	m.admitMu.Lock()
-	u, err := m.Usage(ctx, tenant)
+	u, err := m.tenancy.Usage(ctx, tenant)
 	if err == nil {
 		err = tenancy.Admit(q, u, add...)
 	}
@@ -99,8 +101,9 @@ func (m *Manager) admit(ctx context.Context, tenant string, add ...api.Limits) (
 
 // admitAndPut stores new sandbox records if their tenant's quotas allow
 // them (admit).
-func (m *Manager) admitAndPut(ctx context.Context, tenant string, put func() error, add ...api.Limits) error {
-	release, err := m.admit(ctx, tenant, add...)
+func (part *Tenancy) admitAndPut(ctx context.Context, tenant string, put func() error, add ...api.Limits) error {
+	m := part.m
+	release, err := m.tenancy.admit(ctx, tenant, add...)
 	if err != nil {
 		return err
 	}
@@ -109,7 +112,8 @@ func (m *Manager) admitAndPut(ctx context.Context, tenant string, put func() err
 }
 
 // bound checks p against tenant's boundary.
-func (m *Manager) bound(ctx context.Context, tenant string, p api.NetworkPolicy) error {
+func (part *Tenancy) bound(ctx context.Context, tenant string, p api.NetworkPolicy) error {
+	m := part.m
 	if err := m.cfg.Tenants.Bound(ctx, tenant, p); err != nil {
 		return fmt.Errorf("network policy outside tenant %s's boundary: %w", tenant, err)
 	}
@@ -118,7 +122,8 @@ func (m *Manager) bound(ctx context.Context, tenant string, p api.NetworkPolicy)
 
 // Visible returns sandbox id if the caller in ctx may see it; another
 // tenant's sandbox is not found, exactly like one that does not exist.
-func (m *Manager) Visible(ctx context.Context, id string) (api.Sandbox, error) {
+func (part *Tenancy) Visible(ctx context.Context, id string) (api.Sandbox, error) {
+	m := part.m
 	sb, err := m.Get(ctx, id)
 	if err != nil {
 		return api.Sandbox{}, err

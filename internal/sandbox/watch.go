@@ -23,14 +23,15 @@ import (
 // A path that is not a directory is errdefs.ErrInvalidArgument, a missing
 // one errdefs.ErrNotFound, before fn is ever called. req.User watches as
 // that sandbox user (it must be able to read the directories).
-func (m *Manager) WatchDir(ctx context.Context, id string, req api.WatchRequest, fn func(api.FileEvent) error) error {
+func (part *Files) WatchDir(ctx context.Context, id string, req api.WatchRequest, fn func(api.FileEvent) error) error {
+	m := part.m
 	if err := validatePath("path", req.Path, false); err != nil {
 		return err
 	}
 	if !strings.HasPrefix(req.Path, "/") {
 		return invalid("path must be absolute, got %q", req.Path)
 	}
-	s, err := m.OpenFiles(ctx, id, req.User)
+	s, err := m.files.OpenFiles(ctx, id, req.User)
 	if err != nil {
 		return err
 	}

@@ -94,7 +94,8 @@ func withRequestAudit(r *http.Request) (*http.Request, *reqAudit) {
 // auditRequest records one API call: "METHOD pattern" (E2B's API: "METHOD
 // e2b" with its path as target), the path's ids, the status, the key and
 // tenant, the remote address. Never a body, a query or a header.
-func (s *Server) auditRequest(r *http.Request, a *reqAudit, status int, kind string) {
+func (part auditAPI) auditRequest(r *http.Request, a *reqAudit, status int, kind string) {
+	s := part.s
 	if s.audit == nil {
 		return // a test's server without a log
 	}
@@ -192,7 +193,8 @@ func contains(list []string, s string) bool {
 
 // listAudit is GET /v1/audit: a JSON list, or with follow=true NDJSON
 // records as they are committed until the client goes away.
-func (s *Server) listAudit(w http.ResponseWriter, r *http.Request) {
+func (part auditAPI) listAudit(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	if s.auditLog == nil {
 		writeError(w, r, fmt.Errorf("the audit log is not open: %w", errdefs.ErrUnavailable))
 		return
@@ -237,7 +239,8 @@ func parseSince(v string, now time.Time) (time.Time, error) {
 // before since through a checkpoint signed now; format=jsonl sends the
 // chain's records exactly (space audit verify checks them), format=ocsf
 // one OCSF-shaped event per record.
-func (s *Server) exportAudit(w http.ResponseWriter, r *http.Request) {
+func (part auditAPI) exportAudit(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	if s.auditLog == nil {
 		writeError(w, r, fmt.Errorf("the audit log is not open: %w", errdefs.ErrUnavailable))
 		return
@@ -289,7 +292,8 @@ func (s *Server) exportAudit(w http.ResponseWriter, r *http.Request) {
 }
 
 // auditKey is GET /v1/audit/key: the public key checkpoints verify with.
-func (s *Server) auditKey(w http.ResponseWriter, r *http.Request) {
+func (part auditAPI) auditKey(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	if s.auditLog == nil {
 		writeError(w, r, fmt.Errorf("the audit log is not open: %w", errdefs.ErrUnavailable))
 		return

@@ -35,7 +35,7 @@ func TestAuditRequest(t *testing.T) {
 		} else {
 			sw.WriteHeader(http.StatusTeapot)
 		}
-		s.auditRequest(r, ra, sw.code, kind)
+		(auditAPI{s}).auditRequest(r, ra, sw.code, kind)
 		evs := sink.Events()
 		return evs[len(evs)-1]
 	}

@@ -18,7 +18,8 @@ import (
 // node reports the problem on its head (which stays as the evidence),
 // records it in its own log, and publishes nothing more until an admin
 // forgets the head (DELETE /v1/audit/heads/{node} through a replica).
-func (s *Server) anchorAudit(ctx context.Context, cs *clusterstore.Store, node string, interval time.Duration) {
+func (part auditAPI) anchorAudit(ctx context.Context, cs *clusterstore.Store, node string, interval time.Duration) {
+	s := part.s
 	if s.auditLog == nil {
 		return // a test server without a log
 	}
@@ -26,7 +27,7 @@ func (s *Server) anchorAudit(ctx context.Context, cs *clusterstore.Store, node s
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
-		if err := s.anchorOnce(ctx, cs, node); err != nil && ctx.Err() == nil {
+		if err := (auditAPI{s}).anchorOnce(ctx, cs, node); err != nil && ctx.Err() == nil {
 			log.Warn("anchoring the audit head", "err", err)
 		}
 		select {
@@ -37,7 +38,8 @@ func (s *Server) anchorAudit(ctx context.Context, cs *clusterstore.Store, node s
 	}
 }
 
-func (s *Server) anchorOnce(ctx context.Context, cs *clusterstore.Store, node string) error {
+func (part auditAPI) anchorOnce(ctx context.Context, cs *clusterstore.Store, node string) error {
+	s := part.s
 	anchored, err := cs.AuditHead(ctx, node)
 	switch {
 	case errors.Is(err, errdefs.ErrNotFound):
@@ -48,11 +50,11 @@ func (s *Server) anchorOnce(ctx context.Context, cs *clusterstore.Store, node st
 		return nil // frozen until an admin forgets it
 	}
 	if anchored.Seq > 0 && anchored.KeyID != s.auditLog.KeyID() {
-		return s.auditMismatch(ctx, cs, node, "the cluster anchored audit key "+anchored.KeyID+", but this node's log signs with "+s.auditLog.KeyID())
+		return (auditAPI{s}).auditMismatch(ctx, cs, node, "the cluster anchored audit key "+anchored.KeyID+", but this node's log signs with "+s.auditLog.KeyID())
 	}
 	head, ok, err := s.auditLog.VerifySince(ctx, audit.Anchor{Seq: anchored.Seq, Hash: anchored.Hash})
 	if errors.Is(err, audit.ErrAnchorMismatch) {
-		return s.auditMismatch(ctx, cs, node, err.Error())
+		return (auditAPI{s}).auditMismatch(ctx, cs, node, err.Error())
 	}
 	if err != nil || !ok || head.Seq <= anchored.Seq {
 		return err
@@ -64,7 +66,8 @@ func (s *Server) anchorOnce(ctx context.Context, cs *clusterstore.Store, node st
 	return err
 }
 
-func (s *Server) auditMismatch(ctx context.Context, cs *clusterstore.Store, node, problem string) error {
+func (part auditAPI) auditMismatch(ctx context.Context, cs *clusterstore.Store, node, problem string) error {
+	s := part.s
 	s.cfg.Logger.Error("this node's audit log does not continue the head anchored in the cluster; publishing stops until an admin forgets the head",
 		"node", node, "problem", problem)
 	s.audit.Record(ctx, audit.Event{Kind: audit.KindAudit, Action: "anchor", Target: node, Result: "mismatch: " + problem})

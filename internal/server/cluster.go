@@ -108,7 +108,7 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 		}
 	}
 	rows := &clusterRows{store: cs, node: o.NodeID}
-	s.mgr.SetCreated(rows.recordSandbox)
+	s.mgr.Creates().SetCreated(rows.recordSandbox)
 	local := &clusterLocal{mgr: s.mgr}
 	status := func(ctx context.Context) (clusterstore.NodeStatus, error) {
 		mem, err := sandbox.HostMemAvailable()
@@ -131,7 +131,7 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 				}
 			}
 		}
-		st.Warm = warmNames(s.mgr.Pools(ctx), tmpls)
+		st.Warm = warmNames(s.mgr.WarmPools().Pools(ctx), tmpls)
 		return st, nil
 	}
 	// The cluster listener serves before the first heartbeat advertises it.
@@ -159,7 +159,7 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 	beat, err := cluster.Beat(ctx, cs, o.Heartbeat, status, s.cfg.Logger)
 	if err != nil {
 		stopListener()
-		s.mgr.SetCreated(nil)
+		s.mgr.Creates().SetCreated(nil)
 		cs.Close()
 		return nil, fmt.Errorf("joining the cluster: %w", err)
 	}
@@ -178,7 +178,7 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 		}()
 		go func() {
 			defer close(anchored)
-			s.anchorAudit(ctx, cs, o.NodeID, o.Heartbeat)
+			(auditAPI{s}).anchorAudit(ctx, cs, o.NodeID, o.Heartbeat)
 		}()
 		node.Run(ctx)
 		<-mirrored
@@ -189,7 +189,7 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 		<-beat
 		<-done
 		stopListener()
-		s.mgr.SetCreated(nil)
+		s.mgr.Creates().SetCreated(nil)
 		s.mgr.SetOperationDone(nil)
 		cs.Close()
 	}, nil
@@ -346,14 +346,14 @@ func (l *clusterLocal) List(ctx context.Context) ([]api.Sandbox, error) {
 // Apply runs a verb a replica asked for: the manager's policy decides it,
 // as it does the same verb asked of this node directly.
 func (l *clusterLocal) Apply(ctx context.Context, id, verb string) error {
-	op, err := l.mgr.Lifecycle(ctx, id, verb, verb == api.OpDelete)
+	op, err := l.mgr.Verbs().Lifecycle(ctx, id, verb, verb == api.OpDelete)
 	return l.wait(ctx, op, err, verb)
 }
 
 // Discard deletes an orphan or a stale copy: the node's own cleanup, which
 // no tenant's rule decides.
 func (l *clusterLocal) Discard(ctx context.Context, id string) error {
-	op, err := l.mgr.Discard(ctx, id)
+	op, err := l.mgr.Verbs().Discard(ctx, id)
 	return l.wait(ctx, op, err, api.OpDelete)
 }
 
@@ -361,7 +361,7 @@ func (l *clusterLocal) wait(ctx context.Context, op api.Operation, err error, ve
 	if err != nil {
 		return err
 	}
-	op, err = l.mgr.Wait(ctx, op.ID)
+	op, err = l.mgr.Verbs().Wait(ctx, op.ID)
 	if err != nil {
 		return err
 	}
@@ -465,7 +465,7 @@ func (s *Server) applySettings(ctx context.Context, cs *clusterstore.Store) erro
 func (s *Server) applyPools(ctx context.Context, want map[string]api.PoolSpec) error {
 	var errs []error
 	for id, spec := range want {
-		changed, err := s.mgr.MirrorPool(ctx, id, spec)
+		changed, err := s.mgr.WarmPools().MirrorPool(ctx, id, spec)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("warm pool %s: %w", id, err))
 			continue
@@ -476,13 +476,13 @@ func (s *Server) applyPools(ctx context.Context, want map[string]api.PoolSpec) e
 	}
 	own := ""
 	if s.cfg.PoolDefault > 0 {
-		own = s.mgr.DefaultPoolID(ctx)
+		own = s.mgr.WarmPools().DefaultPoolID(ctx)
 	}
-	for _, p := range s.mgr.Pools(ctx) {
+	for _, p := range s.mgr.WarmPools().Pools(ctx) {
 		if _, ok := want[p.ID]; ok || p.ID == own {
 			continue
 		}
-		if err := s.mgr.DeletePool(ctx, p.ID); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+		if err := s.mgr.WarmPools().DeletePool(ctx, p.ID); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 			errs = append(errs, fmt.Errorf("warm pool %s: %w", p.ID, err))
 			continue
 		}
@@ -535,7 +535,7 @@ func (s *Server) syncShare(ctx context.Context, cs *clusterstore.Store, o Cluste
 			return
 		}
 		t0 := time.Now()
-		if err := s.mgr.ExportSuspended(principal.With(ctx, principal.System), id, dir); err != nil {
+		if err := s.mgr.Verbs().ExportSuspended(principal.With(ctx, principal.System), id, dir); err != nil {
 			s.cfg.Logger.Warn("cluster: exporting a suspended sandbox to the share", "sandbox", id, "err", err)
 			return
 		}
@@ -577,7 +577,7 @@ func (s *Server) clusterRoutes(o ClusterNodeOptions) http.Handler {
 			writeError(w, r, fmt.Errorf("sandbox id %q: %w", id, errdefs.ErrInvalidArgument))
 			return
 		}
-		sb, err := s.mgr.ImportSuspended(principal.With(r.Context(), principal.System), shareDir(o, id))
+		sb, err := s.mgr.Verbs().ImportSuspended(principal.With(r.Context(), principal.System), shareDir(o, id))
 		if err != nil {
 			writeError(w, r, err)
 			return

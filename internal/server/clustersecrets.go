@@ -44,7 +44,7 @@ func loadSealer(path string) (*secrets.Sealer, error) { return LoadClusterSealer
 // sandboxes holding it), each one the cluster does not have is deleted
 // (its grants revoked).
 func (s *Server) applySecrets(ctx context.Context, cs *clusterstore.Store, sealer *secrets.Sealer) error {
-	st, err := s.secretStore()
+	st, err := (secretsAPI{s}).secretStore()
 	if err != nil {
 		return err
 	}
@@ -76,7 +76,7 @@ func (s *Server) applySecrets(ctx context.Context, cs *clusterstore.Store, seale
 			continue
 		}
 		if exists {
-			if err := s.mgr.SecretRotated(ctx, sec.Tenant, sec.Name); err != nil {
+			if err := s.mgr.Secrets().SecretRotated(ctx, sec.Tenant, sec.Name); err != nil {
 				errs = append(errs, err)
 			}
 		}
@@ -95,7 +95,7 @@ func (s *Server) applySecrets(ctx context.Context, cs *clusterstore.Store, seale
 			errs = append(errs, err)
 			continue
 		}
-		if err := s.mgr.SecretDeleted(ctx, sec.Name, ids); err != nil {
+		if err := s.mgr.Secrets().SecretDeleted(ctx, sec.Name, ids); err != nil {
 			errs = append(errs, err)
 		}
 		s.cfg.Logger.Info("cluster: secret removed as the cluster's is", "tenant", sec.Tenant, "secret", sec.Name)

@@ -87,7 +87,7 @@ func decideFor(dec *deciderRef, mgr *sandbox.Manager) gwctl.DecideFunc {
 			a.Tenant = principal.DefaultTenant
 		}
 		if a.Kind == actions.Connect && c != nil && c.Src.IsValid() && c.Dst.IsValid() {
-			a.Exe = mgr.SocketOwner(ctx, a.Sandbox, c.Src, c.Dst)
+			a.Exe = mgr.Networking().SocketOwner(ctx, a.Sandbox, c.Src, c.Dst)
 		}
 		return dec.get().Decide(ctx, a), a.Exe
 	}

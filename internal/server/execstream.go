@@ -40,14 +40,14 @@ func (s *Server) execStream(w http.ResponseWriter, r *http.Request) {
 	stdin := req.Stdin
 	req.Stdin = "" // a command session takes stdin as frames
 	id := r.PathValue("id")
-	cmd, err := s.mgr.CreateCommand(r.Context(), id, api.CreateCommandRequest{ExecRequest: req})
+	cmd, err := s.mgr.Commands().CreateCommand(r.Context(), id, api.CreateCommandRequest{ExecRequest: req})
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
-	att, err := s.mgr.AttachCommand(ctx, id, cmd.ID, 0, 0)
+	att, err := s.mgr.Commands().AttachCommand(ctx, id, cmd.ID, 0, 0)
 	if err != nil {
 		writeError(w, r, err)
 		return

@@ -19,15 +19,17 @@ import (
 // sandbox of the route, as the query's user (root when absent), with the
 // path from the query. fn writes the success response; any error is
 // written here.
-func (s *Server) fileOp(w http.ResponseWriter, r *http.Request, fn func(fs *sandbox.FileSession, path string) error) {
-	s.fileSession(w, r, r.URL.Query().Get("user"), func(fs *sandbox.FileSession) error {
+func (part filesAPI) fileOp(w http.ResponseWriter, r *http.Request, fn func(fs *sandbox.FileSession, path string) error) {
+	s := part.s
+	(filesAPI{s}).fileSession(w, r, r.URL.Query().Get("user"), func(fs *sandbox.FileSession) error {
 		return fn(fs, r.URL.Query().Get("path"))
 	})
 }
 
 // fileSession runs fn in a file session of the route's sandbox as user.
-func (s *Server) fileSession(w http.ResponseWriter, r *http.Request, user string, fn func(fs *sandbox.FileSession) error) {
-	fs, err := s.mgr.OpenFiles(r.Context(), r.PathValue("id"), user)
+func (part filesAPI) fileSession(w http.ResponseWriter, r *http.Request, user string, fn func(fs *sandbox.FileSession) error) {
+	s := part.s
+	fs, err := s.mgr.Files().OpenFiles(r.Context(), r.PathValue("id"), user)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -40,7 +42,8 @@ func (s *Server) fileSession(w http.ResponseWriter, r *http.Request, user string
 
 // streamOut copies an agent stream to the client, bounded: the agent is
 // hostile and could stream forever.
-func (s *Server) streamOut(w http.ResponseWriter, rc io.ReadCloser, contentType string) {
+func (part filesAPI) streamOut(w http.ResponseWriter, rc io.ReadCloser, contentType string) {
+	s := part.s
 	defer rc.Close()
 	w.Header().Set("Content-Type", contentType)
 	n, _ := io.Copy(w, io.LimitReader(rc, s.cfg.MaxFileBytes+1))
@@ -50,24 +53,26 @@ func (s *Server) streamOut(w http.ResponseWriter, rc io.ReadCloser, contentType 
 	}
 }
 
-func (s *Server) readFile(w http.ResponseWriter, r *http.Request) {
-	s.fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
+func (part filesAPI) readFile(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	(filesAPI{s}).fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
 		rc, err := fs.Read(r.Context(), p)
 		if err != nil {
 			return err
 		}
-		s.streamOut(w, rc, "application/octet-stream")
+		(filesAPI{s}).streamOut(w, rc, "application/octet-stream")
 		return nil
 	})
 }
 
-func (s *Server) tarGet(w http.ResponseWriter, r *http.Request) {
-	s.fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
+func (part filesAPI) tarGet(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	(filesAPI{s}).fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
 		rc, err := fs.TarGet(r.Context(), p)
 		if err != nil {
 			return err
 		}
-		s.streamOut(w, rc, "application/x-tar")
+		(filesAPI{s}).streamOut(w, rc, "application/x-tar")
 		return nil
 	})
 }
@@ -115,7 +120,8 @@ func uploadBody(r *http.Request, limit int64) (*limitedBody, error) {
 	return &limitedBody{r: r.Body, left: limit, limit: limit}, nil
 }
 
-func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {
+func (part filesAPI) writeFile(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	mode := os.FileMode(0o644)
 	if ms := r.URL.Query().Get("mode"); ms != "" {
 		v, err := strconv.ParseUint(ms, 8, 32)
@@ -130,7 +136,7 @@ func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	s.fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
+	(filesAPI{s}).fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
 		fi, err := fs.Write(r.Context(), p, mode, body)
 		if err != nil {
 			return body.check(err)
@@ -140,13 +146,14 @@ func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {
 	})
 }
 
-func (s *Server) tarPut(w http.ResponseWriter, r *http.Request) {
+func (part filesAPI) tarPut(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	body, err := uploadBody(r, s.cfg.MaxFileBytes)
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
-	s.fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
+	(filesAPI{s}).fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
 		err := fs.TarPut(r.Context(), p, body)
 		if err != nil {
 			return body.check(err)
@@ -156,13 +163,14 @@ func (s *Server) tarPut(w http.ResponseWriter, r *http.Request) {
 	})
 }
 
-func (s *Server) removeFile(w http.ResponseWriter, r *http.Request) {
+func (part filesAPI) removeFile(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	rec, err := parseBool(r.URL.Query().Get("recursive"), "recursive")
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
-	s.fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
+	(filesAPI{s}).fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
 		if err := fs.Remove(r.Context(), p, rec); err != nil {
 			return err
 		}
@@ -171,8 +179,9 @@ func (s *Server) removeFile(w http.ResponseWriter, r *http.Request) {
 	})
 }
 
-func (s *Server) statFile(w http.ResponseWriter, r *http.Request) {
-	s.fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
+func (part filesAPI) statFile(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	(filesAPI{s}).fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
 		fi, err := fs.Stat(r.Context(), p)
 		if err != nil {
 			return err
@@ -182,8 +191,9 @@ func (s *Server) statFile(w http.ResponseWriter, r *http.Request) {
 	})
 }
 
-func (s *Server) listFiles(w http.ResponseWriter, r *http.Request) {
-	s.fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
+func (part filesAPI) listFiles(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	(filesAPI{s}).fileOp(w, r, func(fs *sandbox.FileSession, p string) error {
 		list, err := fs.List(r.Context(), p)
 		if err != nil {
 			return err
@@ -196,7 +206,8 @@ func (s *Server) listFiles(w http.ResponseWriter, r *http.Request) {
 	})
 }
 
-func (s *Server) mkdir(w http.ResponseWriter, r *http.Request) {
+func (part filesAPI) mkdir(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	var req api.MkdirRequest
 	if err := decodeJSON(w, r, &req); err != nil {
 		writeError(w, r, err)
@@ -210,7 +221,7 @@ func (s *Server) mkdir(w http.ResponseWriter, r *http.Request) {
 	if mode == 0 {
 		mode = 0o755
 	}
-	s.fileSession(w, r, req.User, func(fs *sandbox.FileSession) error {
+	(filesAPI{s}).fileSession(w, r, req.User, func(fs *sandbox.FileSession) error {
 		fi, err := fs.Mkdir(r.Context(), req.Path, mode)
 		if err != nil {
 			return err
@@ -220,13 +231,14 @@ func (s *Server) mkdir(w http.ResponseWriter, r *http.Request) {
 	})
 }
 
-func (s *Server) rename(w http.ResponseWriter, r *http.Request) {
+func (part filesAPI) rename(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	var req api.RenameRequest
 	if err := decodeJSON(w, r, &req); err != nil {
 		writeError(w, r, err)
 		return
 	}
-	s.fileSession(w, r, req.User, func(fs *sandbox.FileSession) error {
+	(filesAPI{s}).fileSession(w, r, req.User, func(fs *sandbox.FileSession) error {
 		if err := fs.Rename(r.Context(), req.From, req.To); err != nil {
 			return err
 		}
@@ -243,7 +255,8 @@ const watchWriteTimeout = 30 * time.Second
 // armed (an unknown sandbox, a path that is missing or not a directory)
 // are plain JSON errors; the stream starts with the "watching" event and
 // simply ends otherwise (see sandbox.Manager.WatchDir for why).
-func (s *Server) watchDir(w http.ResponseWriter, r *http.Request) {
+func (part filesAPI) watchDir(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	q := r.URL.Query()
 	rec, err := parseBool(q.Get("recursive"), "recursive")
 	if err != nil {
@@ -254,7 +267,7 @@ func (s *Server) watchDir(w http.ResponseWriter, r *http.Request) {
 	req := api.WatchRequest{Path: q.Get("path"), Recursive: rec, User: q.Get("user")}
 	id := r.PathValue("id")
 	var nd *ndjsonWriter
-	err = s.mgr.WatchDir(r.Context(), id, req, func(ev api.FileEvent) error {
+	err = s.mgr.Files().WatchDir(r.Context(), id, req, func(ev api.FileEvent) error {
 		if nd == nil {
 			nd = newNDJSON(w, watchWriteTimeout)
 		}

@@ -32,7 +32,7 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	sb, op, err := s.mgr.Create(withIdempotencyKey(r.Context(), r.Header.Get(api.IdempotencyKeyHeader)), req)
+	sb, op, err := s.mgr.Creates().Create(withIdempotencyKey(r.Context(), r.Header.Get(api.IdempotencyKeyHeader)), req)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -127,7 +127,7 @@ func (s *Server) deleteSandbox(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	op, err := s.mgr.Lifecycle(r.Context(), r.PathValue("id"), api.OpDelete, force)
+	op, err := s.mgr.Verbs().Lifecycle(r.Context(), r.PathValue("id"), api.OpDelete, force)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -147,7 +147,7 @@ func (s *Server) lifecycle(verb string) http.HandlerFunc {
 				return
 			}
 		}
-		op, err := s.mgr.Lifecycle(r.Context(), r.PathValue("id"), verb, false)
+		op, err := s.mgr.Verbs().Lifecycle(r.Context(), r.PathValue("id"), verb, false)
 		if err != nil {
 			writeError(w, r, err)
 			return
@@ -166,7 +166,7 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 	}
 	// The manager validates the count (1..api.MaxForkCount, 0 = 1) and
 	// asks the policy.
-	op, err := s.mgr.Fork(r.Context(), r.PathValue("id"), req)
+	op, err := s.mgr.Verbs().Fork(r.Context(), r.PathValue("id"), req)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -190,7 +190,7 @@ func (s *Server) getOperation(w http.ResponseWriter, r *http.Request) {
 	// a wait never tells anything about it either; an operation whose
 	// sandbox is gone (a finished delete) is shown to whoever has its id.
 	if op, err := s.mgr.GetOperation(r.Context(), id, 0); err == nil {
-		if _, err := s.mgr.Visible(r.Context(), op.SandboxID); err != nil {
+		if _, err := s.mgr.Tenancy().Visible(r.Context(), op.SandboxID); err != nil {
 			if _, gerr := s.mgr.Get(r.Context(), op.SandboxID); gerr == nil {
 				writeError(w, r, fmt.Errorf("operation %s not found: %w", id, errdefs.ErrNotFound))
 				return
@@ -211,7 +211,7 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	res, err := s.mgr.Exec(r.Context(), r.PathValue("id"), req)
+	res, err := s.mgr.Commands().Exec(r.Context(), r.PathValue("id"), req)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -225,7 +225,7 @@ func (s *Server) createCommand(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	cmd, err := s.mgr.CreateCommand(r.Context(), r.PathValue("id"), req)
+	cmd, err := s.mgr.Commands().CreateCommand(r.Context(), r.PathValue("id"), req)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -234,7 +234,7 @@ func (s *Server) createCommand(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) listCommands(w http.ResponseWriter, r *http.Request) {
-	cmds, err := s.mgr.ListCommands(r.Context(), r.PathValue("id"))
+	cmds, err := s.mgr.Commands().ListCommands(r.Context(), r.PathValue("id"))
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -243,7 +243,7 @@ func (s *Server) listCommands(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) getCommand(w http.ResponseWriter, r *http.Request) {
-	cmd, err := s.mgr.GetCommand(r.Context(), r.PathValue("id"), r.PathValue("cid"))
+	cmd, err := s.mgr.Commands().GetCommand(r.Context(), r.PathValue("id"), r.PathValue("cid"))
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -257,7 +257,7 @@ func (s *Server) signalCommand(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	if err := s.mgr.SignalCommand(r.Context(), r.PathValue("id"), r.PathValue("cid"), req.Signal); err != nil {
+	if err := s.mgr.Commands().SignalCommand(r.Context(), r.PathValue("id"), r.PathValue("cid"), req.Signal); err != nil {
 		writeError(w, r, err)
 		return
 	}
@@ -265,7 +265,7 @@ func (s *Server) signalCommand(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) refreshToken(w http.ResponseWriter, r *http.Request) {
-	cmd, err := s.mgr.RefreshToken(r.Context(), r.PathValue("id"), r.PathValue("cid"))
+	cmd, err := s.mgr.Commands().RefreshToken(r.Context(), r.PathValue("id"), r.PathValue("cid"))
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -291,7 +291,7 @@ func (s *Server) attach(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		tok = r.URL.Query().Get("token")
 	}
-	rec, err := s.mgr.AuthorizeAttach(r.Context(), r.PathValue("id"), r.PathValue("cid"), tok)
+	rec, err := s.mgr.Commands().AuthorizeAttach(r.Context(), r.PathValue("id"), r.PathValue("cid"), tok)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -308,7 +308,7 @@ func (s *Server) attach(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	att, err := s.mgr.Attach(ctx, rec, so, se)
+	att, err := s.mgr.Commands().Attach(ctx, rec, so, se)
 	if err != nil {
 		writeError(w, r, err)
 		return

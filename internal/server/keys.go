@@ -52,7 +52,8 @@ func firstKey(ctx context.Context, keys *tenancy.Store, dir string, notice *os.F
 
 // authenticate returns the principal of the request's API key
 // (Authorization: Bearer).
-func (s *Server) authenticate(r *http.Request) (principal.Principal, error) {
+func (part keysAPI) authenticate(r *http.Request) (principal.Principal, error) {
+	s := part.s
 	if p, ok, err := replicaPrincipal(r); ok {
 		return p, err
 	}
@@ -67,9 +68,10 @@ func (s *Server) authenticate(r *http.Request) (principal.Principal, error) {
 // request's context, and hides other tenants' sandboxes: a route naming a
 // sandbox {id} the caller's tenant does not own answers 404, exactly as
 // for an id that does not exist.
-func (s *Server) authed(scope string, h http.Handler) http.Handler {
+func (part keysAPI) authed(scope string, h http.Handler) http.Handler {
+	s := part.s
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		p, err := s.authenticate(r)
+		p, err := (keysAPI{s}).authenticate(r)
 		if err != nil {
 			writeError(w, r, err)
 			return
@@ -77,7 +79,7 @@ func (s *Server) authed(scope string, h http.Handler) http.Handler {
 		ctx := principal.With(r.Context(), p)
 		r = r.WithContext(ctx)
 		if id := r.PathValue("id"); id != "" && strings.HasPrefix(r.Pattern, "") && sandboxRoute(r.Pattern) {
-			if _, err := s.mgr.Visible(ctx, id); err != nil {
+			if _, err := s.mgr.Tenancy().Visible(ctx, id); err != nil {
 				writeError(w, r, err)
 				return
 			}
@@ -153,7 +155,8 @@ func (t *tenantsOf) Bound(ctx context.Context, tenant string, p api.NetworkPolic
 
 var _ sandbox.Tenants = (*tenantsOf)(nil)
 
-func (s *Server) createKey(w http.ResponseWriter, r *http.Request) {
+func (part keysAPI) createKey(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	var req api.CreateKeyRequest
 	if err := decodeJSON(w, r, &req); err != nil {
 		writeError(w, r, err)
@@ -169,7 +172,8 @@ func (s *Server) createKey(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, k)
 }
 
-func (s *Server) listKeys(w http.ResponseWriter, r *http.Request) {
+func (part keysAPI) listKeys(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	keys, err := s.keys.ListKeys(r.Context(), r.URL.Query().Get("tenant"))
 	if err != nil {
 		writeError(w, r, err)
@@ -181,7 +185,8 @@ func (s *Server) listKeys(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, 200, api.KeyList{Keys: keys})
 }
 
-func (s *Server) revokeKey(w http.ResponseWriter, r *http.Request) {
+func (part keysAPI) revokeKey(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	id := r.PathValue("keyid")
 	k, err := s.keys.GetKey(r.Context(), id)
 	if err != nil {
@@ -201,12 +206,13 @@ func (s *Server) revokeKey(w http.ResponseWriter, r *http.Request) {
 }
 
 // tenantWithUsage is t with what its sandboxes hold now.
-func (s *Server) tenantWithUsage(ctx context.Context, name string) (api.Tenant, error) {
+func (part keysAPI) tenantWithUsage(ctx context.Context, name string) (api.Tenant, error) {
+	s := part.s
 	t, err := s.keys.GetTenant(ctx, name)
 	if err != nil {
 		return api.Tenant{}, err
 	}
-	u, err := s.mgr.Usage(ctx, name)
+	u, err := s.mgr.Tenancy().Usage(ctx, name)
 	if err != nil {
 		return api.Tenant{}, err
 	}
@@ -214,7 +220,8 @@ func (s *Server) tenantWithUsage(ctx context.Context, name string) (api.Tenant, 
 	return t, nil
 }
 
-func (s *Server) listTenants(w http.ResponseWriter, r *http.Request) {
+func (part keysAPI) listTenants(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	ts, err := s.keys.ListTenants(r.Context())
 	if err != nil {
 		writeError(w, r, err)
@@ -222,7 +229,7 @@ func (s *Server) listTenants(w http.ResponseWriter, r *http.Request) {
 	}
 	out := []api.Tenant{}
 	for _, t := range ts {
-		t, err := s.tenantWithUsage(r.Context(), t.Name)
+		t, err := (keysAPI{s}).tenantWithUsage(r.Context(), t.Name)
 		if err != nil {
 			writeError(w, r, err)
 			return
@@ -234,7 +241,8 @@ func (s *Server) listTenants(w http.ResponseWriter, r *http.Request) {
 
 // getTenant shows a tenant's quotas, boundary and usage: any key its own
 // tenant's, admin any.
-func (s *Server) getTenant(w http.ResponseWriter, r *http.Request) {
+func (part keysAPI) getTenant(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	name := r.PathValue("name")
 	p, _ := principal.From(r.Context())
 	if err := tenancy.ValidTenant(name); err != nil {
@@ -245,7 +253,7 @@ func (s *Server) getTenant(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, fmt.Errorf("tenant %s not found: %w", name, errdefs.ErrNotFound))
 		return
 	}
-	t, err := s.tenantWithUsage(r.Context(), name)
+	t, err := (keysAPI{s}).tenantWithUsage(r.Context(), name)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -257,7 +265,8 @@ func (s *Server) getTenant(w http.ResponseWriter, r *http.Request) {
 // sandbox of the tenant is already outside of is refused, naming the
 // sandboxes: "the widest access any sandbox may ever get" must hold for
 // the sandboxes that exist too.
-func (s *Server) putTenant(w http.ResponseWriter, r *http.Request) {
+func (part keysAPI) putTenant(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	var t api.Tenant
 	if err := decodeJSON(w, r, &t); err != nil {
 		writeError(w, r, err)
@@ -306,7 +315,7 @@ func (s *Server) putTenant(w http.ResponseWriter, r *http.Request) {
 	}
 	s.audit.Record(r.Context(), audit.Event{Kind: audit.KindKey, Action: "tenant.put", Target: name, Result: "ok",
 		Detail: map[string]any{"quotas": t.Quotas, "boundary": t.Boundary != nil}})
-	t, err = s.tenantWithUsage(r.Context(), name)
+	t, err = (keysAPI{s}).tenantWithUsage(r.Context(), name)
 	if err != nil {
 		writeError(w, r, err)
 		return

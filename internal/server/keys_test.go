@@ -67,7 +67,7 @@ func TestTenantsSeeOnlyTheirOwn(t *testing.T) {
 	if res.Sandbox.Tenant != "team-a" {
 		t.Fatalf("tenant %q, want team-a", res.Sandbox.Tenant)
 	}
-	if _, err := ns.s.mgr.Wait(t.Context(), res.Operation.ID); err != nil {
+	if _, err := ns.s.mgr.Verbs().Wait(t.Context(), res.Operation.ID); err != nil {
 		t.Fatal(err)
 	}
 
@@ -160,7 +160,7 @@ func TestTenantQuotas(t *testing.T) {
 		var res api.CreateSandboxResponse
 		json.Unmarshal([]byte(b), &res)
 		if code == http.StatusAccepted {
-			ns.s.mgr.Wait(t.Context(), res.Operation.ID)
+			ns.s.mgr.Verbs().Wait(t.Context(), res.Operation.ID)
 		}
 		return code, b, res
 	}
@@ -196,7 +196,7 @@ func TestTenantQuotas(t *testing.T) {
 	}
 	var op api.Operation
 	json.Unmarshal([]byte(b), &op)
-	ns.s.mgr.Wait(t.Context(), op.ID)
+	ns.s.mgr.Verbs().Wait(t.Context(), op.ID)
 	if code, b, _ := create(`{"limits":{"memory_mib":256}}`); code != http.StatusAccepted {
 		t.Errorf("create after a delete freed the quota: %d %s", code, b)
 	}
@@ -237,19 +237,19 @@ func TestPortTokensExpireAndStayInTheirSandbox(t *testing.T) {
 	sb1, _ := ns.s.mgr.Get(t.Context(), id1)
 	sb2, _ := ns.s.mgr.Get(t.Context(), id2)
 	now := time.Now()
-	tok := ns.s.portTokenUntil(sb1, now.Add(time.Hour))
-	if !ns.s.validPortToken(sb1, tok, now) {
+	tok := (portsAPI{ns.s}).portTokenUntil(sb1, now.Add(time.Hour))
+	if !(portsAPI{ns.s}).validPortToken(sb1, tok, now) {
 		t.Fatal("a fresh token does not open its sandbox")
 	}
-	if ns.s.validPortToken(sb2, tok, now) {
+	if (portsAPI{ns.s}).validPortToken(sb2, tok, now) {
 		t.Error("a token opens another sandbox")
 	}
-	if ns.s.validPortToken(sb1, tok, now.Add(time.Hour+time.Second)) {
+	if (portsAPI{ns.s}).validPortToken(sb1, tok, now.Add(time.Hour+time.Second)) {
 		t.Error("an expired token still opens its sandbox")
 	}
 	// Moving the expiry breaks the MAC.
 	forged := strings.Replace(tok, fmt.Sprint(now.Add(time.Hour).Unix()), fmt.Sprint(now.Add(100*time.Hour).Unix()), 1)
-	if forged == tok || ns.s.validPortToken(sb1, forged, now) {
+	if forged == tok || (portsAPI{ns.s}).validPortToken(sb1, forged, now) {
 		t.Error("a token with a moved expiry is accepted")
 	}
 	var pi api.PortInfo
@@ -276,7 +276,7 @@ func TestTenantBoundary(t *testing.T) {
 	}
 	var res api.CreateSandboxResponse
 	json.Unmarshal([]byte(body), &res)
-	ns.s.mgr.Wait(t.Context(), res.Operation.ID)
+	ns.s.mgr.Verbs().Wait(t.Context(), res.Operation.ID)
 	for _, c := range []struct{ policy, names string }{
 		{`{"allow_out":["evil.com"]}`, "evil.com"},
 		{`{"internet":true}`, "internet"},

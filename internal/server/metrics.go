@@ -114,7 +114,7 @@ var poolReadyDesc = prometheus.NewDesc("space_pool_ready", "Ready members of eac
 func (c *poolCollector) Describe(ch chan<- *prometheus.Desc) { ch <- poolReadyDesc }
 
 func (c *poolCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, p := range c.mgr.Pools(context.Background()) {
+	for _, p := range c.mgr.WarmPools().Pools(context.Background()) {
 		ch <- prometheus.MustNewConstMetric(poolReadyDesc, prometheus.GaugeValue, float64(p.Ready), p.ID, p.Runtime)
 	}
 }

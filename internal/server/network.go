@@ -15,8 +15,9 @@ import (
 // that stops reading a followed stream fails it instead of holding it.
 const networkEventsWriteTimeout = 30 * time.Second
 
-func (s *Server) getNetwork(w http.ResponseWriter, r *http.Request) {
-	info, err := s.mgr.NetworkInfo(r.Context(), r.PathValue("id"))
+func (part networkAPI) getNetwork(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	info, err := s.mgr.Networking().NetworkInfo(r.Context(), r.PathValue("id"))
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -26,17 +27,18 @@ func (s *Server) getNetwork(w http.ResponseWriter, r *http.Request) {
 
 // putNetwork replaces a sandbox's whole policy and answers with the
 // network as it is then.
-func (s *Server) putNetwork(w http.ResponseWriter, r *http.Request) {
+func (part networkAPI) putNetwork(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	var p api.NetworkPolicy
 	if err := decodeJSON(w, r, &p); err != nil {
 		writeError(w, r, err)
 		return
 	}
-	if _, err := s.mgr.SetNetwork(r.Context(), r.PathValue("id"), p); err != nil {
+	if _, err := s.mgr.Networking().SetNetwork(r.Context(), r.PathValue("id"), p); err != nil {
 		writeError(w, r, err)
 		return
 	}
-	info, err := s.mgr.NetworkInfo(r.Context(), r.PathValue("id"))
+	info, err := s.mgr.Networking().NetworkInfo(r.Context(), r.PathValue("id"))
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -46,7 +48,8 @@ func (s *Server) putNetwork(w http.ResponseWriter, r *http.Request) {
 
 // networkEvents streams a sandbox's network events as NDJSON: those after
 // ?after=N, then (with ?follow=true) new ones until the client goes away.
-func (s *Server) networkEvents(w http.ResponseWriter, r *http.Request) {
+func (part networkAPI) networkEvents(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	q := r.URL.Query()
 	var after uint64
 	if a := q.Get("after"); a != "" {
@@ -80,7 +83,7 @@ func (s *Server) networkEvents(w http.ResponseWriter, r *http.Request) {
 	if follow {
 		start()
 	}
-	err = s.mgr.NetworkEvents(r.Context(), id, after, follow, func(ev api.NetworkEvent) error {
+	err = s.mgr.Networking().NetworkEvents(r.Context(), id, after, follow, func(ev api.NetworkEvent) error {
 		start()
 		return nd.Send(ev)
 	})

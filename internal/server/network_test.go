@@ -60,7 +60,7 @@ func newNetServer(t *testing.T) *netServer {
 	tenants := &tenantsOf{keys: keys}
 	mgr := sandbox.New(sandbox.Config{DB: db, Templates: tmpl, Runtimes: map[string]runtime.Runtime{fakeruntime.Name: rt},
 		Logger: log, BaseTemplateRef: "tiny:latest", Network: netw, Tenants: tenants})
-	tenants.tsvc = templatesvc.New(templatesvc.Config{Templates: tmpl, Sandboxes: mgr, Logger: log, Owners: keys})
+	tenants.tsvc = templatesvc.New(templatesvc.Config{Templates: tmpl, Sandboxes: mgr.TemplateUsers(), Logger: log, Owners: keys})
 	s := &Server{cfg: Config{Logger: log}, db: db, tmpl: tmpl, mgr: mgr, metrics: newMetrics(nil), apiKey: "sk_test_key_1234567890",
 		keys: keys, tmplsvc: tenants.tsvc, audit: audit.Nop{}, portSecret: []byte("0123456789abcdef0123456789abcdef")}
 	withKeys(t, s)
@@ -77,8 +77,8 @@ func newNetServer(t *testing.T) *netServer {
 		ctx := context.Background()
 		sbs, _ := db.ListSandboxes(ctx, store.SandboxFilter{})
 		for _, sb := range sbs {
-			if op, err := mgr.Lifecycle(ctx, sb.ID, api.OpDelete, true); err == nil {
-				mgr.Wait(ctx, op.ID)
+			if op, err := mgr.Verbs().Lifecycle(ctx, sb.ID, api.OpDelete, true); err == nil {
+				mgr.Verbs().Wait(ctx, op.ID)
 			}
 		}
 		hs.Close()
@@ -123,7 +123,7 @@ func (ns *netServer) create(t *testing.T, body string) string {
 	t.Helper()
 	var res api.CreateSandboxResponse
 	ns.call(t, "POST", "/v1/sandboxes", body, http.StatusAccepted, &res)
-	op, err := ns.s.mgr.Wait(context.Background(), res.Operation.ID)
+	op, err := ns.s.mgr.Verbs().Wait(context.Background(), res.Operation.ID)
 	if err != nil || op.State != api.OpSucceeded {
 		t.Fatalf("create: %v %+v", err, op.Error)
 	}

@@ -34,7 +34,8 @@ func caller(ctx context.Context) principal.Principal {
 // canScope checks the caller may see the rule set of scope: server- and
 // template-wide rules are the admin's; a tenant's its own; a sandbox's
 // whoever sees the sandbox. What the caller may not see is not found.
-func (s *Server) canScope(ctx context.Context, scope string) error {
+func (part policyAPI) canScope(ctx context.Context, scope string) error {
+	s := part.s
 	p := caller(ctx)
 	kind, name, _ := strings.Cut(scope, ":")
 	switch kind {
@@ -58,10 +59,11 @@ func (s *Server) canScope(ctx context.Context, scope string) error {
 	return nil
 }
 
-func (s *Server) listPolicyRules(w http.ResponseWriter, r *http.Request) {
+func (part policyAPI) listPolicyRules(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	out := api.PolicyRuleSetList{RuleSets: []api.PolicyRuleSet{}}
 	for _, rs := range s.policy.ListRules() {
-		if s.canScope(r.Context(), rs.Scope) == nil {
+		if (policyAPI{s}).canScope(r.Context(), rs.Scope) == nil {
 			out.RuleSets = append(out.RuleSets, rs)
 		}
 	}
@@ -69,16 +71,18 @@ func (s *Server) listPolicyRules(w http.ResponseWriter, r *http.Request) {
 }
 
 // policyScope is the {scope} of the path, checked and visible.
-func (s *Server) policyScope(r *http.Request) (string, error) {
+func (part policyAPI) policyScope(r *http.Request) (string, error) {
+	s := part.s
 	scope := r.PathValue("scope")
 	if err := policy.ValidScope(scope); err != nil {
 		return "", err
 	}
-	return scope, s.canScope(r.Context(), scope)
+	return scope, (policyAPI{s}).canScope(r.Context(), scope)
 }
 
-func (s *Server) getPolicyRules(w http.ResponseWriter, r *http.Request) {
-	scope, err := s.policyScope(r)
+func (part policyAPI) getPolicyRules(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	scope, err := (policyAPI{s}).policyScope(r)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -91,13 +95,14 @@ func (s *Server) getPolicyRules(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, rs)
 }
 
-func (s *Server) putPolicyRules(w http.ResponseWriter, r *http.Request) {
+func (part policyAPI) putPolicyRules(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	var rs api.PolicyRuleSet
 	if err := decodeJSON(w, r, &rs); err != nil {
 		writeError(w, r, err)
 		return
 	}
-	scope, err := s.policyScope(r)
+	scope, err := (policyAPI{s}).policyScope(r)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -113,8 +118,9 @@ func (s *Server) putPolicyRules(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
-func (s *Server) deletePolicyRules(w http.ResponseWriter, r *http.Request) {
-	scope, err := s.policyScope(r)
+func (part policyAPI) deletePolicyRules(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	scope, err := (policyAPI{s}).policyScope(r)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -132,7 +138,8 @@ func (s *Server) deletePolicyRules(w http.ResponseWriter, r *http.Request) {
 // a list (with the proposals made of denied destinations, unless a state
 // other than pending is asked for), or with follow an NDJSON stream of the
 // matching approvals now and then of each one created or changed.
-func (s *Server) listApprovals(w http.ResponseWriter, r *http.Request) {
+func (part policyAPI) listApprovals(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	q := r.URL.Query()
 	state, sandboxID := q.Get("state"), q.Get("sandbox")
 	follow, err := parseBool(q.Get("follow"), "follow")
@@ -155,7 +162,7 @@ func (s *Server) listApprovals(w http.ResponseWriter, r *http.Request) {
 			out.Approvals = []api.Approval{}
 		}
 		if state == "" || state == api.ApprovalPending {
-			if out.Proposals, err = s.proposals(r.Context(), sandboxID); err != nil {
+			if out.Proposals, err = (policyAPI{s}).proposals(r.Context(), sandboxID); err != nil {
 				writeError(w, r, err)
 				return
 			}
@@ -197,7 +204,8 @@ const proposalPrefix = "prop:"
 
 // proposals counts, per visible sandbox (or the one asked for), the names
 // its network policy refused that its allow_out does not list.
-func (s *Server) proposals(ctx context.Context, sandboxID string) ([]api.Proposal, error) {
+func (part policyAPI) proposals(ctx context.Context, sandboxID string) ([]api.Proposal, error) {
+	s := part.s
 	var sbs []api.Sandbox
 	if sandboxID != "" {
 		sb, err := s.mgr.Get(ctx, sandboxID)
@@ -220,7 +228,7 @@ func (s *Server) proposals(ctx context.Context, sandboxID string) ([]api.Proposa
 			}
 			continue
 		}
-		props, err := s.sandboxProposals(ctx, sb)
+		props, err := (policyAPI{s}).sandboxProposals(ctx, sb)
 		if err != nil {
 			return nil, err
 		}
@@ -229,10 +237,11 @@ func (s *Server) proposals(ctx context.Context, sandboxID string) ([]api.Proposa
 	return out, nil
 }
 
-func (s *Server) sandboxProposals(ctx context.Context, sb api.Sandbox) ([]api.Proposal, error) {
+func (part policyAPI) sandboxProposals(ctx context.Context, sb api.Sandbox) ([]api.Proposal, error) {
+	s := part.s
 	byName := map[string]*api.Proposal{}
 	var order []string
-	err := s.mgr.NetworkEvents(ctx, sb.ID, 0, false, func(ev api.NetworkEvent) error {
+	err := s.mgr.Networking().NetworkEvents(ctx, sb.ID, 0, false, func(ev api.NetworkEvent) error {
 		if ev.Verdict != api.VerdictDeny || ev.Name == "" || strings.ContainsAny(ev.Name, ": /") {
 			return nil
 		}
@@ -262,12 +271,16 @@ func (s *Server) sandboxProposals(ctx context.Context, sb api.Sandbox) ([]api.Pr
 	return out, nil
 }
 
-func (s *Server) approveApproval(w http.ResponseWriter, r *http.Request) {
-	s.answerApproval(w, r, true)
+func (part policyAPI) approveApproval(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	(policyAPI{s}).answerApproval(w, r, true)
 }
-func (s *Server) denyApproval(w http.ResponseWriter, r *http.Request) { s.answerApproval(w, r, false) }
+func (part policyAPI) denyApproval(w http.ResponseWriter, r *http.Request) {
+	part.answerApproval(w, r, false)
+}
 
-func (s *Server) answerApproval(w http.ResponseWriter, r *http.Request, approve bool) {
+func (part policyAPI) answerApproval(w http.ResponseWriter, r *http.Request, approve bool) {
+	s := part.s
 	var ans api.ApprovalAnswer
 	if r.ContentLength != 0 {
 		if err := decodeJSON(w, r, &ans); err != nil {
@@ -277,7 +290,7 @@ func (s *Server) answerApproval(w http.ResponseWriter, r *http.Request, approve 
 	}
 	id := r.PathValue("id")
 	if strings.HasPrefix(id, proposalPrefix) {
-		s.answerProposal(w, r, id, approve)
+		(policyAPI{s}).answerProposal(w, r, id, approve)
 		return
 	}
 	ap, err := s.policy.Approval(r.Context(), id)
@@ -297,7 +310,8 @@ func (s *Server) answerApproval(w http.ResponseWriter, r *http.Request, approve 
 // answerProposal adds a refused name to its sandbox's allow_out, within
 // the tenant's boundary (checkBoundary). A proposal is not denied: the
 // destination simply stays refused.
-func (s *Server) answerProposal(w http.ResponseWriter, r *http.Request, id string, approve bool) {
+func (part policyAPI) answerProposal(w http.ResponseWriter, r *http.Request, id string, approve bool) {
+	s := part.s
 	sbID, name, ok := strings.Cut(strings.TrimPrefix(id, proposalPrefix), ":")
 	if !ok || sbID == "" || name == "" {
 		writeError(w, r, fmt.Errorf("proposal id must be prop:<sandbox>:<name>, got %q: %w", id, errdefs.ErrInvalidArgument))
@@ -308,7 +322,7 @@ func (s *Server) answerProposal(w http.ResponseWriter, r *http.Request, id strin
 		return
 	}
 	ctx := r.Context()
-	props, err := s.proposals(ctx, sbID)
+	props, err := (policyAPI{s}).proposals(ctx, sbID)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -335,7 +349,7 @@ func (s *Server) answerProposal(w http.ResponseWriter, r *http.Request, id strin
 			return
 		}
 	}
-	if _, err := s.mgr.SetNetwork(ctx, sbID, pol); err != nil {
+	if _, err := s.mgr.Networking().SetNetwork(ctx, sbID, pol); err != nil {
 		writeError(w, r, err)
 		return
 	}
@@ -345,10 +359,4 @@ func (s *Server) answerProposal(w http.ResponseWriter, r *http.Request, id strin
 		CreatedAt: props[i].LastAt, ExpiresAt: now, AnsweredAt: &now, AnsweredBy: caller(ctx).KeyID, AnswerReason: "added to allow_out"}
 	s.audit.Record(ctx, audit.Event{Kind: audit.KindApproval, Action: "approve", Sandbox: sbID, Target: id, Result: "allow_out += " + name})
 	writeJSON(w, http.StatusOK, out)
-}
-
-// decide is the policy hook of server-side actions on a sandbox (files
-// API calls, lifecycle verbs, port exposure): nil to go on.
-func (s *Server) decide(r *http.Request, a actions.Action) error {
-	return s.mgr.Decide(r.Context(), r.PathValue("id"), a)
 }

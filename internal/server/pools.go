@@ -16,12 +16,14 @@ import (
 // nothing) and stores it for every node. A direct write on a node is
 // refused, since the mirror would undo it.
 
-func (s *Server) listPools(w http.ResponseWriter, r *http.Request) {
-	writeJSON(w, http.StatusOK, api.PoolList{Pools: s.mgr.Pools(r.Context())})
+func (part templatesAPI) listPools(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	writeJSON(w, http.StatusOK, api.PoolList{Pools: s.mgr.WarmPools().Pools(r.Context())})
 }
 
 // errClusterPools refuses a pool write made on a cluster node directly.
-func (s *Server) errClusterPools() error {
+func (part templatesAPI) errClusterPools() error {
+	s := part.s
 	if s.cfg.Cluster.Store == "" {
 		return nil
 	}
@@ -32,14 +34,15 @@ func (s *Server) errClusterPools() error {
 // putPool creates or updates the pool keyed by the body's template,
 // runtime and limits (min 0, max 0 drains it); a replica's call on a
 // cluster node only checks it.
-func (s *Server) putPool(w http.ResponseWriter, r *http.Request) {
+func (part templatesAPI) putPool(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	var spec api.PoolSpec
 	if err := decodeJSON(w, r, &spec); err != nil {
 		writeError(w, r, err)
 		return
 	}
 	if _, vouched := r.Context().Value(replicaKey{}).(string); vouched && s.cfg.Cluster.Store != "" {
-		p, err := s.mgr.CheckPool(r.Context(), spec)
+		p, err := s.mgr.WarmPools().CheckPool(r.Context(), spec)
 		if err != nil {
 			writeError(w, r, err)
 			return
@@ -47,11 +50,11 @@ func (s *Server) putPool(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusOK, p)
 		return
 	}
-	if err := s.errClusterPools(); err != nil {
+	if err := (templatesAPI{s}).errClusterPools(); err != nil {
 		writeError(w, r, err)
 		return
 	}
-	p, err := s.mgr.SetPool(r.Context(), spec)
+	p, err := s.mgr.WarmPools().SetPool(r.Context(), spec)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -59,8 +62,9 @@ func (s *Server) putPool(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, p)
 }
 
-func (s *Server) getPool(w http.ResponseWriter, r *http.Request) {
-	p, err := s.mgr.GetPool(r.Context(), r.PathValue("id"))
+func (part templatesAPI) getPool(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	p, err := s.mgr.WarmPools().GetPool(r.Context(), r.PathValue("id"))
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -68,12 +72,13 @@ func (s *Server) getPool(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, p)
 }
 
-func (s *Server) deletePool(w http.ResponseWriter, r *http.Request) {
-	if err := s.errClusterPools(); err != nil {
+func (part templatesAPI) deletePool(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	if err := (templatesAPI{s}).errClusterPools(); err != nil {
 		writeError(w, r, err)
 		return
 	}
-	if err := s.mgr.DeletePool(r.Context(), r.PathValue("id")); err != nil {
+	if err := s.mgr.WarmPools().DeletePool(r.Context(), r.PathValue("id")); err != nil {
 		writeError(w, r, err)
 		return
 	}

@@ -83,7 +83,8 @@ func loadOrCreatePortSecret(dir string) ([]byte, error) {
 
 // portToken is sandbox sb's access token; "" when the server has no
 // secret (then only the API key opens a port).
-func (s *Server) portToken(sb api.Sandbox) string {
+func (part portsAPI) portToken(sb api.Sandbox) string {
+	s := part.s
 	if len(s.portSecret) == 0 {
 		return ""
 	}
@@ -106,15 +107,16 @@ func parsePort(v string) (int, error) {
 
 // portInfo describes how to reach port of sb, in the URLs of the server
 // as r reached it.
-func (s *Server) portInfo(r *http.Request, sb api.Sandbox, port int, ttl time.Duration) api.PortInfo {
+func (part portsAPI) portInfo(r *http.Request, sb api.Sandbox, port int, ttl time.Duration) api.PortInfo {
+	s := part.s
 	exp := time.Now().Add(ttl).Truncate(time.Second).UTC()
 	scheme := requestScheme(r)
-	domain := s.portDomain(r)
+	domain := (portsAPI{s}).portDomain(r)
 	return api.PortInfo{
 		Port:           port,
 		URL:            fmt.Sprintf("%s://%d-%s.%s/", scheme, port, sb.ID, domain),
 		PathURL:        fmt.Sprintf("%s://%s/v1/sandboxes/%s/ports/%d/", scheme, r.Host, sb.ID, port),
-		Token:          s.portTokenUntil(sb, exp),
+		Token:          (portsAPI{s}).portTokenUntil(sb, exp),
 		Public:         sb.AllPortsPublic || slices.Contains(sb.PublicPorts, port),
 		TokenExpiresAt: &exp,
 	}
@@ -143,7 +145,8 @@ func portTokenTTL(r *http.Request) (time.Duration, error) {
 // "spt2.<unix exp>.<HMAC of sandbox id, creation time and exp>". Like the
 // sandbox-lifetime token (portToken, E2B's traffic token) it opens one
 // sandbox only, and nothing once the sandbox is deleted.
-func (s *Server) portTokenUntil(sb api.Sandbox, exp time.Time) string {
+func (part portsAPI) portTokenUntil(sb api.Sandbox, exp time.Time) string {
+	s := part.s
 	if len(s.portSecret) == 0 {
 		return ""
 	}
@@ -153,7 +156,8 @@ func (s *Server) portTokenUntil(sb api.Sandbox, exp time.Time) string {
 }
 
 // validPortToken reports whether v opens sb's ports at now.
-func (s *Server) validPortToken(sb api.Sandbox, v string, now time.Time) bool {
+func (part portsAPI) validPortToken(sb api.Sandbox, v string, now time.Time) bool {
+	s := part.s
 	if v == "" || len(s.portSecret) == 0 {
 		return false
 	}
@@ -163,16 +167,17 @@ func (s *Server) validPortToken(sb api.Sandbox, v string, now time.Time) bool {
 		if !ok || err != nil || now.Unix() >= exp {
 			return false
 		}
-		want := s.portTokenUntil(sb, time.Unix(exp, 0))
+		want := (portsAPI{s}).portTokenUntil(sb, time.Unix(exp, 0))
 		return subtle.ConstantTimeCompare([]byte(v), []byte(want)) == 1
 	}
-	want := s.portToken(sb)
+	want := (portsAPI{s}).portToken(sb)
 	return subtle.ConstantTimeCompare([]byte(v), []byte(want)) == 1
 }
 
 // portDomain is the domain of host-routed port URLs as r reached the
 // server: --port-domain, else r's host (a loopback one as localhost).
-func (s *Server) portDomain(r *http.Request) string {
+func (part portsAPI) portDomain(r *http.Request) string {
+	s := part.s
 	domain := s.cfg.PortDomain
 	if domain == "" {
 		// Names under .localhost are loopback (RFC 6761): a server reached
@@ -192,7 +197,8 @@ func (s *Server) portDomain(r *http.Request) string {
 	return domain
 }
 
-func (s *Server) getPort(w http.ResponseWriter, r *http.Request) {
+func (part portsAPI) getPort(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	port, err := parsePort(r.PathValue("port"))
 	if err != nil {
 		writeError(w, r, err)
@@ -208,10 +214,11 @@ func (s *Server) getPort(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, s.portInfo(r, sb, port, ttl))
+	writeJSON(w, http.StatusOK, (portsAPI{s}).portInfo(r, sb, port, ttl))
 }
 
-func (s *Server) putPort(w http.ResponseWriter, r *http.Request) {
+func (part portsAPI) putPort(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	port, err := parsePort(r.PathValue("port"))
 	if err != nil {
 		writeError(w, r, err)
@@ -222,12 +229,12 @@ func (s *Server) putPort(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	sb, err := s.mgr.SetPortPublic(r.Context(), r.PathValue("id"), port, ps.Public)
+	sb, err := s.mgr.Networking().SetPortPublic(r.Context(), r.PathValue("id"), port, ps.Public)
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, s.portInfo(r, sb, port, defaultPortTokenTTL))
+	writeJSON(w, http.StatusOK, (portsAPI{s}).portInfo(r, sb, port, defaultPortTokenTTL))
 }
 
 // hostRoute reports whether host (a Host header) names a sandbox port:
@@ -261,12 +268,13 @@ type proxyTarget struct {
 // returns the sandbox; cookie reports whether a token came in the query
 // (the response should keep it in a cookie). tcp: the raw tunnel, which
 // takes no cookie (a browser never needs it).
-func (s *Server) authorizePort(r *http.Request, id string, port int, tcp bool) (sb api.Sandbox, token string, fromQuery bool, err error) {
+func (part portsAPI) authorizePort(r *http.Request, id string, port int, tcp bool) (sb api.Sandbox, token string, fromQuery bool, err error) {
+	s := part.s
 	sb, err = s.mgr.Get(r.Context(), id)
 	if err != nil {
 		return sb, "", false, err
 	}
-	matches := func(v string) bool { return s.validPortToken(sb, v, time.Now()) }
+	matches := func(v string) bool { return (portsAPI{s}).validPortToken(sb, v, time.Now()) }
 	ok := sb.AllPortsPublic || slices.Contains(sb.PublicPorts, port)
 	// API key: only an Authorization that is the key is consumed; the
 	// service's own Authorization passes through.
@@ -328,13 +336,14 @@ type proxyTargetKey struct{}
 
 // proxyPort authorizes r for port of sandbox id and proxies it. cookiePath
 // scopes the cookie that keeps a token given in the query.
-func (s *Server) proxyPort(w http.ResponseWriter, r *http.Request, id, portStr string, t proxyTarget, cookiePath string) {
+func (part portsAPI) proxyPort(w http.ResponseWriter, r *http.Request, id, portStr string, t proxyTarget, cookiePath string) {
+	s := part.s
 	port, err := parsePort(portStr)
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
-	_, token, fromQuery, err := s.authorizePort(r, id, port, false)
+	_, token, fromQuery, err := (portsAPI{s}).authorizePort(r, id, port, false)
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -353,11 +362,12 @@ func (s *Server) proxyPort(w http.ResponseWriter, r *http.Request, id, portStr s
 	}
 	t.id, t.port = id, port
 	ctx := context.WithValue(r.Context(), proxyTargetKey{}, t)
-	s.proxy().ServeHTTP(w, r.WithContext(ctx))
+	(portsAPI{s}).proxy().ServeHTTP(w, r.WithContext(ctx))
 }
 
 // proxyPath is /v1/sandboxes/{id}/ports/{port}/{path...}.
-func (s *Server) proxyPath(w http.ResponseWriter, r *http.Request) {
+func (part portsAPI) proxyPath(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	id, portStr := r.PathValue("id"), r.PathValue("port")
 	prefix := "/v1/sandboxes/" + id + "/ports/" + portStr
 	raw := strings.TrimPrefix(r.URL.EscapedPath(), prefix)
@@ -369,18 +379,20 @@ func (s *Server) proxyPath(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, fmt.Errorf("bad path escape: %w", errdefs.ErrInvalidArgument))
 		return
 	}
-	s.proxyPort(w, r, id, portStr, proxyTarget{path: p, rawPath: raw}, prefix+"/")
+	(portsAPI{s}).proxyPort(w, r, id, portStr, proxyTarget{path: p, rawPath: raw}, prefix+"/")
 }
 
 // proxyHost serves a host-routed request.
-func (s *Server) proxyHost(w http.ResponseWriter, r *http.Request, id, port string) {
-	s.proxyPort(w, r, id, port, proxyTarget{}, "/")
+func (part portsAPI) proxyHost(w http.ResponseWriter, r *http.Request, id, port string) {
+	s := part.s
+	(portsAPI{s}).proxyPort(w, r, id, port, proxyTarget{}, "/")
 }
 
 // proxy is the reverse proxy of every port request: one per server, with
 // a transport that keeps connections per sandbox and port (the dial
 // address is "<id>:<port>") and dials through the sandbox's NIC.
-func (s *Server) proxy() *httputil.ReverseProxy {
+func (part portsAPI) proxy() *httputil.ReverseProxy {
+	s := part.s
 	s.proxyOnce.Do(func() {
 		tr := &http.Transport{
 			Proxy: nil,
@@ -393,7 +405,7 @@ func (s *Server) proxy() *httputil.ReverseProxy {
 				if err != nil {
 					return nil, err
 				}
-				return s.mgr.DialPort(ctx, id, port)
+				return s.mgr.Networking().DialPort(ctx, id, port)
 			},
 			MaxIdleConnsPerHost: 8,
 			// An idle kept-alive connection holds its sandbox active: not
@@ -438,9 +450,10 @@ func (s *Server) proxy() *httputil.ReverseProxy {
 // connection to the port, carried over a WebSocket as binary messages. An
 // empty message is a half-close of the direction it travels in. A request
 // that is not a WebSocket handshake is proxied like any path.
-func (s *Server) portTCP(w http.ResponseWriter, r *http.Request) {
+func (part portsAPI) portTCP(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	if !strings.EqualFold(r.Header.Get("Upgrade"), "websocket") {
-		s.proxyPath(w, r)
+		(portsAPI{s}).proxyPath(w, r)
 		return
 	}
 	id := r.PathValue("id")
@@ -449,11 +462,11 @@ func (s *Server) portTCP(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	if _, _, _, err := s.authorizePort(r, id, port, true); err != nil {
+	if _, _, _, err := (portsAPI{s}).authorizePort(r, id, port, true); err != nil {
 		writeError(w, r, err)
 		return
 	}
-	conn, err := s.mgr.DialPort(r.Context(), id, port)
+	conn, err := s.mgr.Networking().DialPort(r.Context(), id, port)
 	if err != nil {
 		writeError(w, r, err)
 		return

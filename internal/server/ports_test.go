@@ -236,11 +236,11 @@ func TestPortProxy(t *testing.T) {
 		t.Errorf("nothing listening: %d", code)
 	}
 	// A paused sandbox is woken by a request.
-	op, err := ns.s.mgr.Lifecycle(ctx, id, api.OpPause, false)
+	op, err := ns.s.mgr.Verbs().Lifecycle(ctx, id, api.OpPause, false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if op, err = ns.s.mgr.Wait(ctx, op.ID); err != nil || op.State != api.OpSucceeded {
+	if op, err = ns.s.mgr.Verbs().Wait(ctx, op.ID); err != nil || op.State != api.OpSucceeded {
 		t.Fatalf("pause: %v %+v", err, op)
 	}
 	if code, _, _ := ns.portReq(t, "GET", base+"/w", "", map[string]string{api.PortTokenHeader: tok}); code != 200 {

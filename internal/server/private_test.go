@@ -30,7 +30,7 @@ func TestTenantBoundaryAllowPrivate(t *testing.T) {
 	}
 	var res api.CreateSandboxResponse
 	json.Unmarshal([]byte(body), &res)
-	ns.s.mgr.Wait(t.Context(), res.Operation.ID)
+	ns.s.mgr.Verbs().Wait(t.Context(), res.Operation.ID)
 	var info api.NetworkInfo
 	ns.call(t, "GET", "/v1/sandboxes/"+res.Sandbox.ID+"/network", "", http.StatusOK, &info)
 	if got := info.Policy.AllowPrivate; len(got) != 1 || got[0] != "10.1.0.0/16" {

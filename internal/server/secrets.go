@@ -35,7 +35,8 @@ func apiSecret(s secrets.Secret) api.Secret {
 	return api.Secret{Name: s.Name, Tenant: s.Tenant, Hosts: s.Hosts, Header: s.Header, Version: s.Version, CreatedAt: s.CreatedAt, UpdatedAt: s.UpdatedAt}
 }
 
-func (s *Server) secretStore() (*secrets.Store, error) {
+func (part secretsAPI) secretStore() (*secrets.Store, error) {
+	s := part.s
 	if s.secrets == nil {
 		return nil, fmt.Errorf("this server has no secrets store: %w", errdefs.ErrUnprocessable)
 	}
@@ -64,8 +65,9 @@ func secretValue(req api.SetSecretRequest) ([]byte, error) {
 	}
 }
 
-func (s *Server) setSecret(w http.ResponseWriter, r *http.Request) {
-	st, err := s.secretStore()
+func (part secretsAPI) setSecret(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	st, err := (secretsAPI{s}).secretStore()
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -104,7 +106,7 @@ func (s *Server) setSecret(w http.ResponseWriter, r *http.Request) {
 		Detail: map[string]any{"version": sec.Version, "hosts": sec.Hosts}})
 	if !created {
 		// Rotation holds from the next request of every holder on.
-		if err := s.mgr.SecretRotated(r.Context(), tenant, name); err != nil {
+		if err := s.mgr.Secrets().SecretRotated(r.Context(), tenant, name); err != nil {
 			writeError(w, r, fmt.Errorf("secret %s is rotated, but not every sandbox holding it has the new value yet: %v: %w", name, err, errdefs.ErrUnavailable))
 			return
 		}
@@ -112,8 +114,9 @@ func (s *Server) setSecret(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, status, apiSecret(sec))
 }
 
-func (s *Server) listSecrets(w http.ResponseWriter, r *http.Request) {
-	st, err := s.secretStore()
+func (part secretsAPI) listSecrets(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	st, err := (secretsAPI{s}).secretStore()
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -130,8 +133,9 @@ func (s *Server) listSecrets(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
-func (s *Server) getSecret(w http.ResponseWriter, r *http.Request) {
-	st, err := s.secretStore()
+func (part secretsAPI) getSecret(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	st, err := (secretsAPI{s}).secretStore()
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -144,8 +148,9 @@ func (s *Server) getSecret(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, apiSecret(sec))
 }
 
-func (s *Server) deleteSecret(w http.ResponseWriter, r *http.Request) {
-	st, err := s.secretStore()
+func (part secretsAPI) deleteSecret(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	st, err := (secretsAPI{s}).secretStore()
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -158,15 +163,16 @@ func (s *Server) deleteSecret(w http.ResponseWriter, r *http.Request) {
 	}
 	s.audit.Record(r.Context(), audit.Event{Kind: audit.KindSecret, Action: "delete", Target: name, Result: "ok", Tenant: tenant,
 		Detail: map[string]any{"revoked_from": ids}})
-	if err := s.mgr.SecretDeleted(r.Context(), name, ids); err != nil {
+	if err := s.mgr.Secrets().SecretDeleted(r.Context(), name, ids); err != nil {
 		writeError(w, r, fmt.Errorf("secret %s is deleted, but not every sandbox that held it is updated yet: %v: %w", name, err, errdefs.ErrUnavailable))
 		return
 	}
 	w.WriteHeader(http.StatusNoContent)
 }
 
-func (s *Server) listSandboxSecrets(w http.ResponseWriter, r *http.Request) {
-	gs, err := s.mgr.SandboxSecrets(r.Context(), r.PathValue("id"))
+func (part secretsAPI) listSandboxSecrets(w http.ResponseWriter, r *http.Request) {
+	s := part.s
+	gs, err := s.mgr.Secrets().SandboxSecrets(r.Context(), r.PathValue("id"))
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -178,9 +184,10 @@ func (s *Server) listSandboxSecrets(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
-func (s *Server) grantSecret(w http.ResponseWriter, r *http.Request) {
+func (part secretsAPI) grantSecret(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	id, name := r.PathValue("id"), r.PathValue("name")
-	g, err := s.mgr.GrantSecret(r.Context(), id, name)
+	g, err := s.mgr.Secrets().GrantSecret(r.Context(), id, name)
 	result := "ok"
 	if err != nil {
 		result = errdefs.Code(err)
@@ -193,9 +200,10 @@ func (s *Server) grantSecret(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, api.SecretGrant{Name: g.Name, Placeholder: g.Placeholder, CreatedAt: g.CreatedAt})
 }
 
-func (s *Server) revokeSecret(w http.ResponseWriter, r *http.Request) {
+func (part secretsAPI) revokeSecret(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	id, name := r.PathValue("id"), r.PathValue("name")
-	err := s.mgr.RevokeSecret(r.Context(), id, name)
+	err := s.mgr.Secrets().RevokeSecret(r.Context(), id, name)
 	result := "ok"
 	if err != nil {
 		result = errdefs.Code(err)

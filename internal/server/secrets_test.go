@@ -92,8 +92,8 @@ func TestSecretsAPIKeepsValuesOut(t *testing.T) {
 		ctx := context.Background()
 		sbs, _ := db.ListSandboxes(ctx, store.SandboxFilter{})
 		for _, sb := range sbs {
-			if op, err := mgr.Lifecycle(ctx, sb.ID, api.OpDelete, true); err == nil {
-				mgr.Wait(ctx, op.ID)
+			if op, err := mgr.Verbs().Lifecycle(ctx, sb.ID, api.OpDelete, true); err == nil {
+				mgr.Verbs().Wait(ctx, op.ID)
 			}
 		}
 		hs.Close()
@@ -147,7 +147,7 @@ func TestSecretsAPIKeepsValuesOut(t *testing.T) {
 	}
 	var created api.CreateSandboxResponse
 	json.Unmarshal(call(admin, "POST", "/v1/sandboxes", `{"secrets":["TOK"],"network":{"allow_out":["api.example.com"]}}`, 202), &created)
-	if op, err := mgr.Wait(ctx, created.Operation.ID); err != nil || op.State != api.OpSucceeded {
+	if op, err := mgr.Verbs().Wait(ctx, created.Operation.ID); err != nil || op.State != api.OpSucceeded {
 		t.Fatalf("create: %v %+v", err, op)
 	}
 	id := created.Sandbox.ID

@@ -303,12 +303,12 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		Network: netw, DefaultNetwork: nopts.Default, Tenants: tenants, Decider: eng, Audit: alog, PoolMemFloor: cfg.PoolMemFloor})
 	met.reg.MustRegister(&poolCollector{mgr: mgr})
 	if r, ok := netw.(interface{ OnRestart(func()) }); ok {
-		r.OnRestart(mgr.NetworkRestarted)
+		r.OnRestart(mgr.Networking().NetworkRestarted)
 	}
 	if gn, ok := netw.(*gatewayNetwork); ok {
 		gn.serveDecisions(mgr)
 	}
-	if err := mgr.Reconcile(ctx); err != nil {
+	if err := mgr.Reconciler().Reconcile(ctx); err != nil {
 		mgr.Close()
 		closeNetwork(netw, cfg.Logger)
 		alog.Close()
@@ -317,16 +317,16 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	// Build step sandboxes belong to the build that made them; builds do
 	// not survive a restart, so whatever is left of them goes now.
-	if n, err := mgr.DeleteBuildSandboxes(ctx); err != nil {
+	if n, err := mgr.Builds().DeleteBuildSandboxes(ctx); err != nil {
 		cfg.Logger.Warn("deleting leftover build sandboxes", "err", err)
 	} else if n > 0 {
 		cfg.Logger.Info("deleted leftover build sandboxes", "count", n)
 	}
-	if err := mgr.EnsureDefaultPool(ctx, cfg.PoolDefault); err != nil {
+	if err := mgr.WarmPools().EnsureDefaultPool(ctx, cfg.PoolDefault); err != nil {
 		cfg.Logger.Warn("the default warm pool could not be set", "err", err)
 	}
-	mgr.Run()
-	tsvc := templatesvc.New(templatesvc.Config{Templates: tmpl, Runtimes: rts, Sandboxes: mgr, Logger: cfg.Logger,
+	mgr.Reconciler().Run()
+	tsvc := templatesvc.New(templatesvc.Config{Templates: tmpl, Runtimes: rts, Sandboxes: mgr.TemplateUsers(), Logger: cfg.Logger,
 		MaxBytes: cfg.MaxTemplateBytes, AllowPrivateRegistries: cfg.AllowPrivateRegistries, Owners: keys})
 	tenants.tsvc = tsvc
 	s := srv
@@ -339,8 +339,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		Authenticate: keys.Authenticate,
 		Vouched:      replicaPrincipal,
 		Secret:       portSecret,
-		PortToken:    s.portToken,
-		Domain:       s.portDomain,
+		PortToken:    (portsAPI{s}).portToken,
+		Domain:       (portsAPI{s}).portDomain,
 		MaxFileBytes: cfg.MaxFileBytes,
 		Logger:       cfg.Logger.With("api", "e2b"),
 	})
@@ -573,63 +573,63 @@ func (s *Server) routeTable() []route {
 		{pattern: "POST /v1/sandboxes/{id}/commands/{cid}/signal", cluster: ForwardToNode, scope: "exec:write", handler: h(s.signalCommand)},
 		{pattern: "POST /v1/sandboxes/{id}/commands/{cid}/token", cluster: ForwardToNode, scope: "exec:write", handler: h(s.refreshToken)},
 		{pattern: "GET /v1/sandboxes/{id}/commands/{cid}/attach", cluster: ForwardToNode, access: attachToken, handler: h(s.attach)},
-		{pattern: "GET /v1/sandboxes/{id}/files", cluster: ForwardToNode, scope: "files:read", handler: h(s.readFile)},
-		{pattern: "PUT /v1/sandboxes/{id}/files", cluster: ForwardToNode, scope: "files:write", body: bodyStream, handler: h(s.writeFile)},
-		{pattern: "DELETE /v1/sandboxes/{id}/files", cluster: ForwardToNode, scope: "files:write", handler: h(s.removeFile)},
-		{pattern: "GET /v1/sandboxes/{id}/files/stat", cluster: ForwardToNode, scope: "files:read", handler: h(s.statFile)},
-		{pattern: "GET /v1/sandboxes/{id}/files/list", cluster: ForwardToNode, scope: "files:read", handler: h(s.listFiles)},
-		{pattern: "POST /v1/sandboxes/{id}/files/mkdir", cluster: ForwardToNode, scope: "files:write", handler: h(s.mkdir)},
-		{pattern: "POST /v1/sandboxes/{id}/files/rename", cluster: ForwardToNode, scope: "files:write", handler: h(s.rename)},
-		{pattern: "GET /v1/sandboxes/{id}/files/tar", cluster: ForwardToNode, scope: "files:read", handler: h(s.tarGet)},
-		{pattern: "PUT /v1/sandboxes/{id}/files/tar", cluster: ForwardToNode, scope: "files:write", body: bodyStream, handler: h(s.tarPut)},
-		{pattern: "GET /v1/sandboxes/{id}/files/watch", cluster: ForwardToNode, scope: "files:read", handler: h(s.watchDir)},
-		{pattern: "GET /v1/sandboxes/{id}/stats", cluster: ForwardToNode, scope: "sandbox:read", handler: h(s.sandboxStats)},
-		{pattern: "GET /v1/sandboxes/{id}/network", cluster: ForwardToNode, scope: "network:read", handler: h(s.getNetwork)},
-		{pattern: "PUT /v1/sandboxes/{id}/network", cluster: ForwardToNode, scope: "network:write", handler: h(s.putNetwork)},
-		{pattern: "GET /v1/sandboxes/{id}/network/events", cluster: ForwardToNode, scope: "network:read", handler: h(s.networkEvents)},
-		{pattern: "GET /v1/sandboxes/{id}/ports/{port}", cluster: ForwardToNode, scope: "network:read", handler: h(s.getPort)},
-		{pattern: "PUT /v1/sandboxes/{id}/ports/{port}", cluster: ForwardToNode, scope: "network:write", handler: h(s.putPort)},
-		{pattern: "GET /v1/sandboxes/{id}/ports/{port}/tcp", cluster: ForwardToNode, access: portToken, body: bodyStream, handler: h(s.portTCP)},
-		{pattern: "GET /v1/sandboxes/{id}/secrets", cluster: ForwardToNode, scope: "secrets:read", handler: h(s.listSandboxSecrets)},
-		{pattern: "PUT /v1/sandboxes/{id}/secrets/{name}", cluster: ForwardToNode, scope: "secrets:write", handler: h(s.grantSecret)},
-		{pattern: "DELETE /v1/sandboxes/{id}/secrets/{name}", cluster: ForwardToNode, scope: "secrets:write", handler: h(s.revokeSecret)},
-		{pattern: "GET /v1/secrets", cluster: ServeHere, scope: "secrets:read", handler: h(s.listSecrets)},
-		{pattern: "PUT /v1/secrets/{name}", cluster: ServeHere, scope: "secrets:write", handler: h(s.setSecret)},
-		{pattern: "GET /v1/secrets/{name}", cluster: ServeHere, scope: "secrets:read", handler: h(s.getSecret)},
-		{pattern: "DELETE /v1/secrets/{name}", cluster: ServeHere, scope: "secrets:write", handler: h(s.deleteSecret)},
-		{pattern: "GET /v1/policy/rules", cluster: ServeHere, scope: "policy:read", handler: h(s.listPolicyRules)},
-		{pattern: "GET /v1/policy/rules/{scope}", cluster: ServeHere, scope: "policy:read", handler: h(s.getPolicyRules)},
-		{pattern: "PUT /v1/policy/rules/{scope}", cluster: ServeHere, scope: "policy:write", handler: h(s.putPolicyRules)},
-		{pattern: "DELETE /v1/policy/rules/{scope}", cluster: ServeHere, scope: "policy:write", handler: h(s.deletePolicyRules)},
-		{pattern: "GET /v1/approvals", cluster: FanOut, scope: "policy:read", handler: h(s.listApprovals)},
-		{pattern: "POST /v1/approvals/{id}/approve", cluster: FanOut, scope: "policy:write", handler: h(s.approveApproval)},
-		{pattern: "POST /v1/approvals/{id}/deny", cluster: FanOut, scope: "policy:write", handler: h(s.denyApproval)},
-		{pattern: "GET /v1/templates", cluster: FanOut, scope: "templates:read", handler: h(s.listTemplates)},
-		{pattern: "POST /v1/templates", cluster: ServeHere, scope: "templates:write", body: bodyStream, handler: h(s.importTemplate)},
-		{pattern: "POST /v1/templates/base", cluster: Refuse, scope: "templates:write", handler: h(s.buildBase)},
-		{pattern: "POST /v1/templates/pull", cluster: ServeHere, scope: "templates:write", handler: h(s.pullTemplate)},
-		{pattern: "POST /v1/templates/build", cluster: ServeHere, scope: "templates:write", body: bodyStream, handler: h(s.buildTemplate)},
-		{pattern: "POST /v1/templates/gc", cluster: Refuse, scope: "admin", handler: h(s.gcTemplates)},
-		{pattern: "GET /v1/templates/{ref}", cluster: ServeHere, scope: "templates:read", handler: h(s.getTemplate)},
-		{pattern: "DELETE /v1/templates/{ref}", cluster: Refuse, scope: "templates:write", handler: h(s.removeTemplate)},
-		{pattern: "POST /v1/templates/{ref}/tags", cluster: Refuse, scope: "templates:write", handler: h(s.tagTemplate)},
-		{pattern: "GET /v1/templates/{ref}/export", cluster: ServeHere, scope: "templates:read", handler: h(s.exportTemplate)},
-		{pattern: "POST /v1/keys", cluster: ServeHere, scope: "admin", handler: h(s.createKey)},
-		{pattern: "GET /v1/keys", cluster: ServeHere, scope: "admin", handler: h(s.listKeys)},
-		{pattern: "DELETE /v1/keys/{keyid}", cluster: ServeHere, scope: "admin", handler: h(s.revokeKey)},
-		{pattern: "GET /v1/tenants", cluster: ServeHere, scope: "admin", handler: h(s.listTenants)},
-		{pattern: "GET /v1/pools", cluster: FanOut, scope: "admin", handler: h(s.listPools)},
-		{pattern: "PUT /v1/pools", cluster: ServeHere, scope: "admin", handler: h(s.putPool)},
-		{pattern: "GET /v1/pools/{id}", cluster: FanOut, scope: "admin", handler: h(s.getPool)},
-		{pattern: "DELETE /v1/pools/{id}", cluster: ServeHere, scope: "admin", handler: h(s.deletePool)},
-		{pattern: "GET /v1/tenants/{name}", cluster: ServeHere, handler: h(s.getTenant)},
-		{pattern: "PUT /v1/tenants/{name}", cluster: ServeHere, scope: "admin", handler: h(s.putTenant)},
-		{pattern: "GET /v1/audit", cluster: ServeHere, scope: "audit:read", handler: h(s.listAudit)},
-		{pattern: "GET /v1/audit/export", cluster: ServeHere, scope: "audit:read", handler: h(s.exportAudit)},
-		{pattern: "GET /v1/audit/key", cluster: ServeHere, scope: "audit:read", handler: h(s.auditKey)},
+		{pattern: "GET /v1/sandboxes/{id}/files", cluster: ForwardToNode, scope: "files:read", handler: h(filesAPI{s}.readFile)},
+		{pattern: "PUT /v1/sandboxes/{id}/files", cluster: ForwardToNode, scope: "files:write", body: bodyStream, handler: h(filesAPI{s}.writeFile)},
+		{pattern: "DELETE /v1/sandboxes/{id}/files", cluster: ForwardToNode, scope: "files:write", handler: h(filesAPI{s}.removeFile)},
+		{pattern: "GET /v1/sandboxes/{id}/files/stat", cluster: ForwardToNode, scope: "files:read", handler: h(filesAPI{s}.statFile)},
+		{pattern: "GET /v1/sandboxes/{id}/files/list", cluster: ForwardToNode, scope: "files:read", handler: h(filesAPI{s}.listFiles)},
+		{pattern: "POST /v1/sandboxes/{id}/files/mkdir", cluster: ForwardToNode, scope: "files:write", handler: h(filesAPI{s}.mkdir)},
+		{pattern: "POST /v1/sandboxes/{id}/files/rename", cluster: ForwardToNode, scope: "files:write", handler: h(filesAPI{s}.rename)},
+		{pattern: "GET /v1/sandboxes/{id}/files/tar", cluster: ForwardToNode, scope: "files:read", handler: h(filesAPI{s}.tarGet)},
+		{pattern: "PUT /v1/sandboxes/{id}/files/tar", cluster: ForwardToNode, scope: "files:write", body: bodyStream, handler: h(filesAPI{s}.tarPut)},
+		{pattern: "GET /v1/sandboxes/{id}/files/watch", cluster: ForwardToNode, scope: "files:read", handler: h(filesAPI{s}.watchDir)},
+		{pattern: "GET /v1/sandboxes/{id}/stats", cluster: ForwardToNode, scope: "sandbox:read", handler: h(networkAPI{s}.sandboxStats)},
+		{pattern: "GET /v1/sandboxes/{id}/network", cluster: ForwardToNode, scope: "network:read", handler: h(networkAPI{s}.getNetwork)},
+		{pattern: "PUT /v1/sandboxes/{id}/network", cluster: ForwardToNode, scope: "network:write", handler: h(networkAPI{s}.putNetwork)},
+		{pattern: "GET /v1/sandboxes/{id}/network/events", cluster: ForwardToNode, scope: "network:read", handler: h(networkAPI{s}.networkEvents)},
+		{pattern: "GET /v1/sandboxes/{id}/ports/{port}", cluster: ForwardToNode, scope: "network:read", handler: h(portsAPI{s}.getPort)},
+		{pattern: "PUT /v1/sandboxes/{id}/ports/{port}", cluster: ForwardToNode, scope: "network:write", handler: h(portsAPI{s}.putPort)},
+		{pattern: "GET /v1/sandboxes/{id}/ports/{port}/tcp", cluster: ForwardToNode, access: portToken, body: bodyStream, handler: h(portsAPI{s}.portTCP)},
+		{pattern: "GET /v1/sandboxes/{id}/secrets", cluster: ForwardToNode, scope: "secrets:read", handler: h(secretsAPI{s}.listSandboxSecrets)},
+		{pattern: "PUT /v1/sandboxes/{id}/secrets/{name}", cluster: ForwardToNode, scope: "secrets:write", handler: h(secretsAPI{s}.grantSecret)},
+		{pattern: "DELETE /v1/sandboxes/{id}/secrets/{name}", cluster: ForwardToNode, scope: "secrets:write", handler: h(secretsAPI{s}.revokeSecret)},
+		{pattern: "GET /v1/secrets", cluster: ServeHere, scope: "secrets:read", handler: h(secretsAPI{s}.listSecrets)},
+		{pattern: "PUT /v1/secrets/{name}", cluster: ServeHere, scope: "secrets:write", handler: h(secretsAPI{s}.setSecret)},
+		{pattern: "GET /v1/secrets/{name}", cluster: ServeHere, scope: "secrets:read", handler: h(secretsAPI{s}.getSecret)},
+		{pattern: "DELETE /v1/secrets/{name}", cluster: ServeHere, scope: "secrets:write", handler: h(secretsAPI{s}.deleteSecret)},
+		{pattern: "GET /v1/policy/rules", cluster: ServeHere, scope: "policy:read", handler: h(policyAPI{s}.listPolicyRules)},
+		{pattern: "GET /v1/policy/rules/{scope}", cluster: ServeHere, scope: "policy:read", handler: h(policyAPI{s}.getPolicyRules)},
+		{pattern: "PUT /v1/policy/rules/{scope}", cluster: ServeHere, scope: "policy:write", handler: h(policyAPI{s}.putPolicyRules)},
+		{pattern: "DELETE /v1/policy/rules/{scope}", cluster: ServeHere, scope: "policy:write", handler: h(policyAPI{s}.deletePolicyRules)},
+		{pattern: "GET /v1/approvals", cluster: FanOut, scope: "policy:read", handler: h(policyAPI{s}.listApprovals)},
+		{pattern: "POST /v1/approvals/{id}/approve", cluster: FanOut, scope: "policy:write", handler: h(policyAPI{s}.approveApproval)},
+		{pattern: "POST /v1/approvals/{id}/deny", cluster: FanOut, scope: "policy:write", handler: h(policyAPI{s}.denyApproval)},
+		{pattern: "GET /v1/templates", cluster: FanOut, scope: "templates:read", handler: h(templatesAPI{s}.listTemplates)},
+		{pattern: "POST /v1/templates", cluster: ServeHere, scope: "templates:write", body: bodyStream, handler: h(templatesAPI{s}.importTemplate)},
+		{pattern: "POST /v1/templates/base", cluster: Refuse, scope: "templates:write", handler: h(templatesAPI{s}.buildBase)},
+		{pattern: "POST /v1/templates/pull", cluster: ServeHere, scope: "templates:write", handler: h(templatesAPI{s}.pullTemplate)},
+		{pattern: "POST /v1/templates/build", cluster: ServeHere, scope: "templates:write", body: bodyStream, handler: h(templatesAPI{s}.buildTemplate)},
+		{pattern: "POST /v1/templates/gc", cluster: Refuse, scope: "admin", handler: h(templatesAPI{s}.gcTemplates)},
+		{pattern: "GET /v1/templates/{ref}", cluster: ServeHere, scope: "templates:read", handler: h(templatesAPI{s}.getTemplate)},
+		{pattern: "DELETE /v1/templates/{ref}", cluster: Refuse, scope: "templates:write", handler: h(templatesAPI{s}.removeTemplate)},
+		{pattern: "POST /v1/templates/{ref}/tags", cluster: Refuse, scope: "templates:write", handler: h(templatesAPI{s}.tagTemplate)},
+		{pattern: "GET /v1/templates/{ref}/export", cluster: ServeHere, scope: "templates:read", handler: h(templatesAPI{s}.exportTemplate)},
+		{pattern: "POST /v1/keys", cluster: ServeHere, scope: "admin", handler: h(keysAPI{s}.createKey)},
+		{pattern: "GET /v1/keys", cluster: ServeHere, scope: "admin", handler: h(keysAPI{s}.listKeys)},
+		{pattern: "DELETE /v1/keys/{keyid}", cluster: ServeHere, scope: "admin", handler: h(keysAPI{s}.revokeKey)},
+		{pattern: "GET /v1/tenants", cluster: ServeHere, scope: "admin", handler: h(keysAPI{s}.listTenants)},
+		{pattern: "GET /v1/pools", cluster: FanOut, scope: "admin", handler: h(templatesAPI{s}.listPools)},
+		{pattern: "PUT /v1/pools", cluster: ServeHere, scope: "admin", handler: h(templatesAPI{s}.putPool)},
+		{pattern: "GET /v1/pools/{id}", cluster: FanOut, scope: "admin", handler: h(templatesAPI{s}.getPool)},
+		{pattern: "DELETE /v1/pools/{id}", cluster: ServeHere, scope: "admin", handler: h(templatesAPI{s}.deletePool)},
+		{pattern: "GET /v1/tenants/{name}", cluster: ServeHere, handler: h(keysAPI{s}.getTenant)},
+		{pattern: "PUT /v1/tenants/{name}", cluster: ServeHere, scope: "admin", handler: h(keysAPI{s}.putTenant)},
+		{pattern: "GET /v1/audit", cluster: ServeHere, scope: "audit:read", handler: h(auditAPI{s}.listAudit)},
+		{pattern: "GET /v1/audit/export", cluster: ServeHere, scope: "audit:read", handler: h(auditAPI{s}.exportAudit)},
+		{pattern: "GET /v1/audit/key", cluster: ServeHere, scope: "audit:read", handler: h(auditAPI{s}.auditKey)},
 	}
 	for _, m := range proxyMethods {
-		rs = append(rs, route{pattern: m + " /v1/sandboxes/{id}/ports/{port}/{path...}", cluster: ForwardToNode, access: portToken, body: bodyStream, handler: h(s.proxyPath)})
+		rs = append(rs, route{pattern: m + " /v1/sandboxes/{id}/ports/{port}/{path...}", cluster: ForwardToNode, access: portToken, body: bodyStream, handler: h(portsAPI{s}.proxyPath)})
 	}
 	for _, verb := range lifecycleVerbs {
 		hv := s.lifecycle(verb)
@@ -649,7 +649,7 @@ func (s *Server) mux() (*http.ServeMux, map[string]bodyKind) {
 	for _, rt := range s.routeTable() {
 		h := noteRequest(rt.handler)
 		if rt.access == apiKey {
-			h = s.authed(rt.scope, h)
+			h = (keysAPI{s}).authed(rt.scope, h)
 		}
 		mux.Handle(rt.pattern, h)
 		bodies[rt.pattern] = rt.body
@@ -669,7 +669,7 @@ func (s *Server) routes() http.Handler {
 		// the API.
 		if id, port, ok := hostRoute(r.Host); ok {
 			guardBody(sw, r, bodyStream)
-			s.proxyHost(sw, r, id, port)
+			(portsAPI{s}).proxyHost(sw, r, id, port)
 			return
 		}
 		// Every API call is one audit record, when it ends (public
@@ -678,7 +678,7 @@ func (s *Server) routes() http.Handler {
 		auditKind := ""
 		defer func() {
 			if !publicPath(r.URL.Path) {
-				s.auditRequest(r, ra, sw.code, auditKind)
+				(auditAPI{s}).auditRequest(r, ra, sw.code, auditKind)
 			}
 		}()
 		// The E2B-compatible API authenticates and answers in its own

@@ -46,7 +46,8 @@ func parseInterval(q string) (time.Duration, error) {
 // ?follow=true an NDJSON stream of samples, one per ?interval, until the
 // client goes away or the sandbox is deleted. Errors known before the
 // first sample (bad query, unknown sandbox) are plain JSON errors.
-func (s *Server) sandboxStats(w http.ResponseWriter, r *http.Request) {
+func (part networkAPI) sandboxStats(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	q := r.URL.Query()
 	follow, err := parseBool(q.Get("follow"), "follow")
 	if err != nil {

@@ -18,7 +18,8 @@ import (
 // (templatesvc) and encode; the work, including preparing every new tree
 // for the runtimes, is the service's.
 
-func (s *Server) listTemplates(w http.ResponseWriter, r *http.Request) {
+func (part templatesAPI) listTemplates(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	ts, err := s.tmplsvc.List(r.Context())
 	if err != nil {
 		writeError(w, r, err)
@@ -31,7 +32,8 @@ func (s *Server) listTemplates(w http.ResponseWriter, r *http.Request) {
 }
 
 // getTemplate is inspect: the template plus the sandboxes created from it.
-func (s *Server) getTemplate(w http.ResponseWriter, r *http.Request) {
+func (part templatesAPI) getTemplate(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	t, err := s.tmplsvc.Inspect(r.Context(), r.PathValue("ref"))
 	if err != nil {
 		writeError(w, r, err)
@@ -42,7 +44,8 @@ func (s *Server) getTemplate(w http.ResponseWriter, r *http.Request) {
 
 // removeTemplate is DELETE /v1/templates/{ref}: a tag is untagged, a digest
 // forgotten (see template.Store.Remove).
-func (s *Server) removeTemplate(w http.ResponseWriter, r *http.Request) {
+func (part templatesAPI) removeTemplate(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	force, err := queryBool(r, "force")
 	if err != nil {
 		writeError(w, r, err)
@@ -57,7 +60,8 @@ func (s *Server) removeTemplate(w http.ResponseWriter, r *http.Request) {
 
 // tagTemplate is POST /v1/templates/{ref}/tags: point a tag at ref, moving
 // it if it points elsewhere. It answers the template as it now is.
-func (s *Server) tagTemplate(w http.ResponseWriter, r *http.Request) {
+func (part templatesAPI) tagTemplate(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	var req api.TagRequest
 	if err := decodeJSON(w, r, &req); err != nil {
 		writeError(w, r, err)
@@ -72,7 +76,8 @@ func (s *Server) tagTemplate(w http.ResponseWriter, r *http.Request) {
 }
 
 // gcTemplates is POST /v1/templates/gc.
-func (s *Server) gcTemplates(w http.ResponseWriter, r *http.Request) {
+func (part templatesAPI) gcTemplates(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	res, err := s.tmplsvc.GC(r.Context())
 	if err != nil {
 		writeError(w, r, err)
@@ -82,7 +87,8 @@ func (s *Server) gcTemplates(w http.ResponseWriter, r *http.Request) {
 }
 
 // exportTemplate is GET /v1/templates/{ref}/export: the template archive.
-func (s *Server) exportTemplate(w http.ResponseWriter, r *http.Request) {
+func (part templatesAPI) exportTemplate(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	ref := r.PathValue("ref")
 	t, err := s.tmplsvc.Get(r.Context(), ref)
 	if err != nil {
@@ -142,7 +148,8 @@ func (l *lazyWriter) Write(p []byte) (int, error) {
 }
 
 // importTemplate is POST /v1/templates?format=tar|oci|archive&tag=….
-func (s *Server) importTemplate(w http.ResponseWriter, r *http.Request) {
+func (part templatesAPI) importTemplate(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	format := r.URL.Query().Get("format")
 	tags := queryTags(r)
 	body, err := uploadBody(r, s.cfg.MaxTemplateBytes)
@@ -159,7 +166,8 @@ func (s *Server) importTemplate(w http.ResponseWriter, r *http.Request) {
 }
 
 // pullTemplate is POST /v1/templates/pull.
-func (s *Server) pullTemplate(w http.ResponseWriter, r *http.Request) {
+func (part templatesAPI) pullTemplate(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	var req api.PullRequest
 	if err := decodeJSON(w, r, &req); err != nil {
 		writeError(w, r, err)
@@ -180,7 +188,8 @@ const buildWriteTimeout = time.Minute
 // buildTemplate is POST /v1/templates/build?file=…&tag=…&no_cache=1: the
 // body is a tar of the build context; the answer an NDJSON stream of
 // api.BuildEvent once the build file has parsed.
-func (s *Server) buildTemplate(w http.ResponseWriter, r *http.Request) {
+func (part templatesAPI) buildTemplate(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	req := templatesvc.BuildRequest{File: r.URL.Query().Get("file"), Tags: queryTags(r)}
 	var err error
 	if req.NoCache, err = queryBool(r, "no_cache"); err == nil {
@@ -247,7 +256,8 @@ func queryBool(r *http.Request, name string) (bool, error) {
 }
 
 // buildBase streams the base template build's progress as NDJSON.
-func (s *Server) buildBase(w http.ResponseWriter, r *http.Request) {
+func (part templatesAPI) buildBase(w http.ResponseWriter, r *http.Request) {
+	s := part.s
 	nd := newNDJSON(w, 0)
 	progress := make(chan template.Progress, 64)
 	done := make(chan struct{})
