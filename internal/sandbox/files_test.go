@@ -8,6 +8,7 @@ import (
 	"net"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/actions"
@@ -250,5 +251,41 @@ func TestPortsDecidedAtTheDial(t *testing.T) {
 	c.Close()
 	if d.count(actions.Port, "") != 3 {
 		t.Errorf("%d port decisions, want 3 (the two dials and making 8000 public)", d.count(actions.Port, ""))
+	}
+}
+
+// TestDeadlineDecidedAsItsVerb: a caller a rule keeps from deleting cannot
+// set a deadline of now (earlier than the one there, or a short fuse where
+// there was none) instead; moving it later or removing it passes.
+func TestDeadlineDecidedAsItsVerb(t *testing.T) {
+	h, d, _ := newPolicyHarness(t, fakeruntime.Options{})
+	later := time.Now().Add(time.Hour)
+	sb := h.create(api.CreateSandboxRequest{})
+	ctx := h.ctx()
+	if _, err := h.m.Verbs().SetExpiry(ctx, sb.ID, &later); err != nil {
+		t.Fatal(err)
+	}
+	d.set(denyVerbs(api.OpDelete))
+	now := time.Now()
+	if _, err := h.m.Verbs().SetExpiry(ctx, sb.ID, &now); !errors.Is(err, errdefs.ErrPolicyDenied) {
+		t.Fatalf("a deadline of now under a rule against delete: %v", err)
+	}
+	got, _ := h.m.Get(ctx, sb.ID)
+	if got.ExpiresAt == nil || !got.ExpiresAt.Equal(later.UTC()) {
+		t.Fatalf("the refused deadline changed the record: %v", got.ExpiresAt)
+	}
+	evenLater := later.Add(time.Hour)
+	if _, err := h.m.Verbs().SetExpiry(ctx, sb.ID, &evenLater); err != nil {
+		t.Fatalf("moving the deadline later: %v", err)
+	}
+	if _, err := h.m.Verbs().SetExpiry(ctx, sb.ID, nil); err != nil {
+		t.Fatalf("removing the deadline: %v", err)
+	}
+	soon := time.Now().Add(time.Second)
+	if _, err := h.m.Verbs().SetExpiry(ctx, sb.ID, &soon); !errors.Is(err, errdefs.ErrPolicyDenied) {
+		t.Fatalf("a first deadline a second away: %v", err)
+	}
+	if _, err := h.m.Verbs().SetExpiry(ctx, sb.ID, &evenLater); err != nil {
+		t.Fatalf("a first deadline two hours away (as E2B's connect sets one): %v", err)
 	}
 }
