@@ -76,7 +76,10 @@ if [ ! -e "$CACHE/base-bookworm/complete" ]; then
 	echo "setup: building the Debian base root filesystem into $CACHE (once; a few minutes, alongside the builds)"
 fi
 spawn "base root filesystem" bin/space template build-base --local --cache "$CACHE"
-scripts/build.sh
+# Not the containerd shim: running the server does not need it, and it alone
+# brings in gRPC (≈ 85 packages). scripts/setup-test.sh builds it (its tests
+# do), as `make build` does.
+scripts/build.sh space-agent space-nsinit space-jail space-gateway
 
 # runsc (gVisor) for the gvisor runtime: a static build pinned to an exact
 # version. Debian's runsc is from 2022 (no systrap), and a cgo build fails
