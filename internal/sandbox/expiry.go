@@ -43,28 +43,15 @@ func (part *Verbs) SetExpiry(ctx context.Context, id string, at *time.Time) (api
 			}
 		}
 	}
-	e := m.entry(id)
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	sb, err := m.cfg.DB.GetSandbox(ctx, id)
-	if err != nil {
-		return api.Sandbox{}, err
-	}
-	if sb.State == api.StateDeleting {
-		return api.Sandbox{}, wrongState(id, sb.State, "set the deadline of")
-	}
-	if at != nil {
-		t := at.UTC()
-		sb.ExpiresAt = &t
-	} else {
-		sb.ExpiresAt = nil
-	}
-	sb.UpdatedAt = time.Now().UTC()
-	m.withActivity(&sb)
-	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
-		return api.Sandbox{}, err
-	}
-	return sb, nil
+	return m.updateRecord(ctx, id, "set the deadline of", func(sb *api.Sandbox) (bool, error) {
+		if at != nil {
+			t := at.UTC()
+			sb.ExpiresAt = &t
+		} else {
+			sb.ExpiresAt = nil
+		}
+		return true, nil
+	}, nil)
 }
 
 // shortFuse is how soon a first deadline must be to count as bringing the
