@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"strings"
 	"time"
 
 	"github.com/spacehq/space/api"
@@ -106,25 +105,13 @@ func (s *settings) putTenant(w http.ResponseWriter, req *http.Request, _ princip
 	server.WriteJSON(w, http.StatusOK, t)
 }
 
-// canScope is the single box's rule for who may see a policy scope, with
-// a sandbox's tenant read from its row.
+// canScope is the single box's rule for who may see a policy scope
+// (server.CanSeeScope), with a sandbox's tenant read from its row.
 func (s *settings) canScope(ctx context.Context, p principal.Principal, scope string) error {
-	kind, name, _ := strings.Cut(scope, ":")
-	switch kind {
-	case "server", "template":
-		if !p.Admin() {
-			return fmt.Errorf("rule sets of %s scope are administered with the admin scope: %w", kind, errdefs.ErrPermissionDenied)
-		}
-	case "tenant":
-		if !p.Sees(name) {
-			return fmt.Errorf("tenant %q: %w", name, errdefs.ErrNotFound)
-		}
-	case "sandbox":
-		if _, err := s.nodes.sandboxRow(ctx, name, &p); err != nil {
-			return err
-		}
-	}
-	return nil
+	return server.CanSeeScope(ctx, p, scope, func(ctx context.Context, id string) error {
+		_, err := s.nodes.sandboxRow(ctx, id, &p)
+		return err
+	})
 }
 
 func (s *settings) policyScope(req *http.Request, p principal.Principal) (string, error) {

@@ -41,5 +41,5 @@ func (part *Files) WatchDir(ctx context.Context, id string, req api.WatchRequest
 		return err
 	}
 	req.Path = ps[0]
-	return c.Watch(ctx, req, fn, opts[1:]...) // opts[0] is req.User's
+	return c.Watch(ctx, req, fn, opts...)
 }

@@ -31,12 +31,12 @@ func caller(ctx context.Context) principal.Principal {
 	return principal.System
 }
 
-// canScope checks the caller may see the rule set of scope: server- and
+// CanSeeScope checks p may see the rule set of scope: server- and
 // template-wide rules are the admin's; a tenant's its own; a sandbox's
-// whoever sees the sandbox. What the caller may not see is not found.
-func (part policyAPI) canScope(ctx context.Context, scope string) error {
-	s := part.s
-	p := caller(ctx)
+// whoever sees the sandbox, which seesSandbox says (the single box from
+// its manager, a cluster replica from the sandbox's row). What the caller
+// may not see is not found.
+func CanSeeScope(ctx context.Context, p principal.Principal, scope string, seesSandbox func(ctx context.Context, id string) error) error {
 	kind, name, _ := strings.Cut(scope, ":")
 	switch kind {
 	case "server", "template":
@@ -48,15 +48,25 @@ func (part policyAPI) canScope(ctx context.Context, scope string) error {
 			return fmt.Errorf("tenant %q: %w", name, errdefs.ErrNotFound)
 		}
 	case "sandbox":
-		sb, err := s.mgr.Get(ctx, name)
+		return seesSandbox(ctx, name)
+	}
+	return nil
+}
+
+// canScope is CanSeeScope for the request's caller, a sandbox's tenant
+// read from the manager.
+func (part policyAPI) canScope(ctx context.Context, scope string) error {
+	p := caller(ctx)
+	return CanSeeScope(ctx, p, scope, func(ctx context.Context, id string) error {
+		sb, err := part.s.mgr.Get(ctx, id)
 		if err != nil {
 			return err
 		}
 		if !p.Sees(sb.Tenant) {
-			return fmt.Errorf("sandbox %s: %w", name, errdefs.ErrNotFound)
+			return fmt.Errorf("sandbox %s: %w", id, errdefs.ErrNotFound)
 		}
-	}
-	return nil
+		return nil
+	})
 }
 
 func (part policyAPI) listPolicyRules(w http.ResponseWriter, r *http.Request) {
