@@ -57,7 +57,7 @@ func TestClusterMovesASuspendedSandbox(t *testing.T) {
 	// n2 prepares the base template first, so placement sends the
 	// sandbox to n1... unless n1 has it too; pin it by draining n2 for
 	// the create.
-	if err := c.cs.Drain(ctx, "n2", "test: create on n1"); err != nil {
+	if err := c.cs.Nodes().Drain(ctx, "n2", "test: create on n1"); err != nil {
 		t.Fatal(err)
 	}
 	sb, err := a.CreateSandboxAndWait(ctx, api.CreateSandboxRequest{Runtime: "gvisor"})
@@ -72,7 +72,7 @@ func TestClusterMovesASuspendedSandbox(t *testing.T) {
 			}
 		}
 	}()
-	if row, _ := c.cs.GetSandbox(ctx, sb.ID); row.Node != "n1" {
+	if row, _ := c.cs.Sandboxes().GetSandbox(ctx, sb.ID); row.Node != "n1" {
 		t.Fatalf("created on %s, want n1", row.Node)
 	}
 	// Ready again: heartbeats keep a drained node draining, so undo it
@@ -133,7 +133,7 @@ func TestClusterMovesASuspendedSandbox(t *testing.T) {
 		t.Fatalf("wake of a lost node's suspended sandbox: %v", err)
 	}
 	t.Logf("moved to another node and woken in %v", time.Since(t0).Round(time.Millisecond))
-	if row, _ := c.cs.GetSandbox(ctx, sb.ID); row.Node != "n2" {
+	if row, _ := c.cs.Sandboxes().GetSandbox(ctx, sb.ID); row.Node != "n2" {
 		t.Fatalf("after the wake the row says %s (%s), want n2", row.Node, row.State)
 	}
 	got, err := a.GetSandbox(ctx, sb.ID)

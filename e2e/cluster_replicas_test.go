@@ -195,7 +195,7 @@ func TestClusterReplicasAndNodes(t *testing.T) {
 		}
 	}
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		nodes, err := c.cs.Nodes(ctx)
+		nodes, err := c.cs.Nodes().Nodes(ctx)
 		if err == nil && len(nodes) == 2 && slices.Contains(nodes[0].Templates, "base:latest") && slices.Contains(nodes[1].Templates, "base:latest") {
 			break
 		}
@@ -217,7 +217,7 @@ func TestClusterReplicasAndNodes(t *testing.T) {
 		if sb.State != api.StateRunning {
 			t.Fatalf("create %d answered %s", i, sb.State)
 		}
-		row, err := c.cs.GetSandbox(ctx, sb.ID)
+		row, err := c.cs.Sandboxes().GetSandbox(ctx, sb.ID)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -383,7 +383,7 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 	defer mcs.Close()
 	msb := toolOK[mcpserver.SandboxInfo](t, mcs, "sandbox_create", map[string]any{"runtime": "native", "labels": map[string]any{"via": "mcp"}})
 	cleanup = append(cleanup, msb.ID)
-	if row, err := c.cs.GetSandbox(ctx, msb.ID); err != nil || (row.Node != "n1" && row.Node != "n2") {
+	if row, err := c.cs.Sandboxes().GetSandbox(ctx, msb.ID); err != nil || (row.Node != "n1" && row.Node != "n2") {
 		t.Fatalf("row of a sandbox an MCP tool made through a replica: %+v %v", row, err)
 	}
 	if run := toolOK[mcpserver.CommandRunOut](t, mcs, "command_run", map[string]any{"id": msb.ID, "cmd": "echo via-mcp"}); run.ExitCode != 0 || run.Stdout != "via-mcp\n" {
@@ -403,7 +403,7 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 		t.Fatalf("sandbox_delete through a replica: %+v", d)
 	}
 	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		if _, err := c.cs.GetSandbox(ctx, msb.ID); errors.Is(err, errdefs.ErrNotFound) {
+		if _, err := c.cs.Sandboxes().GetSandbox(ctx, msb.ID); errors.Is(err, errdefs.ErrNotFound) {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -654,7 +654,7 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 	if err != nil || sec.Version != 1 || sec.Tenant != "default" || !slices.Equal(sec.Hosts, []string{"api.example.test"}) {
 		t.Fatalf("a secret set through a replica: %+v %v", sec, err)
 	}
-	if row, err := c.cs.GetSecret(ctx, "default", "GH_TOKEN"); err != nil || len(row.Sealed) == 0 || bytes.Contains(row.Sealed, []byte(v1)) {
+	if row, err := c.cs.Secrets().GetSecret(ctx, "default", "GH_TOKEN"); err != nil || len(row.Sealed) == 0 || bytes.Contains(row.Sealed, []byte(v1)) {
 		t.Fatalf("the secret's row in PostgreSQL is not sealed: %v", err)
 	}
 	var grant *api.SecretGrant
@@ -718,7 +718,7 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 	if err != nil || pool.Ready != 0 || pool.Runtime != "native" {
 		t.Fatalf("a pool set through a replica: %+v %v", pool, err)
 	}
-	if st, err := c.cs.Settings(ctx); err != nil || st.Pools[pool.ID] != pool.Spec {
+	if st, err := c.cs.Settings().Settings(ctx); err != nil || st.Pools[pool.ID] != pool.Spec {
 		t.Fatalf("the pool's row: %+v %v", st.Pools, err)
 	}
 	waitPool := func(what string, ok func(*api.Pool, error) bool) *api.Pool {
@@ -737,7 +737,7 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 		return err == nil && p.Ready == 2 && len(p.Nodes) == 2 && p.Nodes[0].Ready == 1 && p.Nodes[1].Ready == 1
 	})
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		nodes, err := c.cs.Nodes(ctx)
+		nodes, err := c.cs.Nodes().Nodes(ctx)
 		if err == nil && slices.Contains(nodes[0].Warm, "base:latest") && slices.Contains(nodes[1].Warm, "base:latest") {
 			break
 		}
@@ -793,7 +793,7 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 	go a3.CreateSandboxAndWait(kctx, api.CreateSandboxRequest{Runtime: "native"})
 	var row clusterstore.Sandbox
 	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(5 * time.Millisecond) {
-		if row, err = c.cs.SandboxByKey(ctx, "default", "create-once-2"); err == nil {
+		if row, err = c.cs.Sandboxes().SandboxByKey(ctx, "default", "create-once-2"); err == nil {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -809,7 +809,7 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 	// After the orphan grace (3 s here) every sandbox on a node has a row
 	// and every row a sandbox.
 	time.Sleep(4 * time.Second)
-	rows, err := c.cs.Sandboxes(ctx, "")
+	rows, err := c.cs.Sandboxes().Sandboxes(ctx, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -862,7 +862,7 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 		t.Fatal(err)
 	}
 	cleanup = append(cleanup, sb.ID)
-	if r, _ := c.cs.GetSandbox(ctx, sb.ID); r.Node != "n1" {
+	if r, _ := c.cs.Sandboxes().GetSandbox(ctx, sb.ID); r.Node != "n1" {
 		t.Fatalf("a create while n2 is lost went to %s", r.Node)
 	}
 	if _, err := a1.Exec(ctx, onNode["n2"][0], api.ExecRequest{Cmd: []string{"true"}}); !errors.Is(err, sdk.ErrUnavailable) {
@@ -889,7 +889,7 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 		t.Fatal(err)
 	}
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		nodes, _ := c.cs.Nodes(ctx)
+		nodes, _ := c.cs.Nodes().Nodes(ctx)
 		if slices.ContainsFunc(nodes, func(n clusterstore.Node) bool { return n.ID == "n2" && slices.Contains(n.Templates, "tiny:1") }) {
 			break
 		}
@@ -909,7 +909,7 @@ h.HTTPServer(("0.0.0.0", 8001), E).serve_forever()`
 		t.Fatal(err)
 	}
 	cleanup = append(cleanup, moved.ID)
-	if r, _ := c.cs.GetSandbox(ctx, moved.ID); r.Node != "n1" || moved.TemplateDigest != tiny.Digest {
+	if r, _ := c.cs.Sandboxes().GetSandbox(ctx, moved.ID); r.Node != "n1" || moved.TemplateDigest != tiny.Digest {
 		t.Fatalf("the tiny sandbox: node %s digest %s, want n1 and %s", r.Node, moved.TemplateDigest, tiny.Digest)
 	}
 	res, err := a1.Exec(ctx, moved.ID, api.ExecRequest{Cmd: []string{"/bin/busybox", "echo", "moved"}})

@@ -52,7 +52,7 @@ func TestClusterNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cs.Close()
-	nodes, err := cs.Nodes(ctx)
+	nodes, err := cs.Nodes().Nodes(ctx)
 	if err != nil || len(nodes) != 1 || nodes[0].ID != "n1" || nodes[0].Address != "http://"+addr ||
 		nodes[0].State != clusterstore.NodeReady || nodes[0].MemFree <= 0 || nodes[0].CPUs <= 0 {
 		t.Fatalf("registered nodes %+v %v", nodes, err)
@@ -66,7 +66,7 @@ func TestClusterNode(t *testing.T) {
 			t.Fatal(err)
 		}
 		// The node wrote the row before it answered the create.
-		if r, err := cs.GetSandbox(ctx, sb.ID); err != nil || r.Node != "n1" || r.Desired != clusterstore.DesiredRunning {
+		if r, err := cs.Sandboxes().GetSandbox(ctx, sb.ID); err != nil || r.Node != "n1" || r.Desired != clusterstore.DesiredRunning {
 			t.Fatalf("row of a sandbox the node made: %+v %v", r, err)
 		}
 		return *sb
@@ -74,7 +74,7 @@ func TestClusterNode(t *testing.T) {
 	waitRow := func(id, what string, ok func(clusterstore.Sandbox, error) bool) {
 		t.Helper()
 		for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-			r, err := cs.GetSandbox(ctx, id)
+			r, err := cs.Sandboxes().GetSandbox(ctx, id)
 			if ok(r, err) {
 				return
 			}
@@ -94,7 +94,7 @@ func TestClusterNode(t *testing.T) {
 		{clusterstore.DesiredPaused, api.StatePaused},
 		{clusterstore.DesiredRunning, api.StateRunning},
 	} {
-		if err := cs.SetDesired(ctx, sb.ID, c2.desired); err != nil {
+		if err := cs.Sandboxes().SetDesired(ctx, sb.ID, c2.desired); err != nil {
 			t.Fatal(err)
 		}
 		waitRow(sb.ID, "applied "+c2.desired, applied(c2.state))
@@ -102,7 +102,7 @@ func TestClusterNode(t *testing.T) {
 			t.Fatalf("the node's own record after %s: %+v %v", c2.desired, got, err)
 		}
 	}
-	if err := cs.SetDesired(ctx, sb.ID, clusterstore.DesiredDeleted); err != nil {
+	if err := cs.Sandboxes().SetDesired(ctx, sb.ID, clusterstore.DesiredDeleted); err != nil {
 		t.Fatal(err)
 	}
 	waitRow(sb.ID, "removed", func(_ clusterstore.Sandbox, err error) bool { return errors.Is(err, errdefs.ErrNotFound) })
@@ -115,7 +115,7 @@ func TestClusterNode(t *testing.T) {
 	waitHead := func(what string, ok func(clusterstore.AuditHead) bool) clusterstore.AuditHead {
 		t.Helper()
 		for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-			h, err := cs.AuditHead(ctx, "n1")
+			h, err := cs.AuditHeads().AuditHead(ctx, "n1")
 			if err == nil && ok(h) {
 				return h
 			}
@@ -141,7 +141,7 @@ func TestClusterNode(t *testing.T) {
 	const window = 2 * time.Second
 	lost := make(chan time.Time, 1)
 	wctx, stopWatch := context.WithCancel(ctx)
-	watchDone, err := cluster.WatchLost(wctx, cs, window, func([]string) { lost <- time.Now() }, nil)
+	watchDone, err := cluster.WatchLost(wctx, cs.Nodes(), window, func([]string) { lost <- time.Now() }, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -158,14 +158,14 @@ func TestClusterNode(t *testing.T) {
 	}
 	stopWatch()
 	<-watchDone
-	r, err := cs.GetSandbox(ctx, kept.ID)
+	r, err := cs.Sandboxes().GetSandbox(ctx, kept.ID)
 	if err != nil || r.State != clusterstore.StateLost || !strings.Contains(r.StateReason, "node n1 lost: no heartbeat") {
 		t.Fatalf("the lost node's sandbox: %+v %v", r, err)
 	}
 
 	// While it is down, its audit log is rolled back to before the head
 	// it anchored (as restoring an older copy of the file would).
-	anchored, err := cs.AuditHead(ctx, "n1")
+	anchored, err := cs.AuditHeads().AuditHead(ctx, "n1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -199,14 +199,14 @@ func TestClusterNode(t *testing.T) {
 	}
 	// An admin who has looked into it forgets the head; the node anchors
 	// afresh.
-	if err := cs.ForgetAuditHead(ctx, "n1"); err != nil {
+	if err := cs.AuditHeads().ForgetAuditHead(ctx, "n1"); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := c.ExportAudit(ctx, "", "jsonl", io.Discard); err != nil {
 		t.Fatal(err)
 	}
 	waitHead("anchored afresh", func(h clusterstore.AuditHead) bool { return h.Problem == "" && h.Seq > 0 })
-	if nodes, _ := cs.Nodes(ctx); len(nodes) != 1 || nodes[0].State != clusterstore.NodeReady {
+	if nodes, _ := cs.Nodes().Nodes(ctx); len(nodes) != 1 || nodes[0].State != clusterstore.NodeReady {
 		t.Fatalf("node after its return: %+v", nodes)
 	}
 	// Deleted on the node directly: the row goes.

@@ -20,7 +20,7 @@ type Store interface {
 	MarkLost(ctx context.Context, window time.Duration) ([]string, error)
 }
 
-var _ Store = (*clusterstore.Store)(nil)
+var _ Store = (*clusterstore.NodeStore)(nil)
 
 // StatusFunc reports a node's current status for its next heartbeat.
 type StatusFunc func(ctx context.Context) (clusterstore.NodeStatus, error)

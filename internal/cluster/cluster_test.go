@@ -38,12 +38,12 @@ func TestStoppedNodeIsLostWithinWindow(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	alive, err := Beat(ctx, s, 100*time.Millisecond, status("alive"), quiet)
+	alive, err := Beat(ctx, s.Nodes(), 100*time.Millisecond, status("alive"), quiet)
 	if err != nil {
 		t.Fatal(err)
 	}
 	dyingCtx, kill := context.WithCancel(ctx)
-	dying, err := Beat(dyingCtx, s, 100*time.Millisecond, status("dying"), quiet)
+	dying, err := Beat(dyingCtx, s.Nodes(), 100*time.Millisecond, status("dying"), quiet)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -51,7 +51,7 @@ func TestStoppedNodeIsLostWithinWindow(t *testing.T) {
 	var lost []string
 	lostAt := make(chan time.Time, 4)
 	const window = 1 * time.Second
-	watch, err := WatchLost(ctx, s, window, func(ids []string) {
+	watch, err := WatchLost(ctx, s.Nodes(), window, func(ids []string) {
 		mu.Lock()
 		lost = append(lost, ids...)
 		mu.Unlock()
@@ -80,7 +80,7 @@ func TestStoppedNodeIsLostWithinWindow(t *testing.T) {
 		t.Fatalf("lost = %v, want [dying]", lost)
 	}
 	mu.Unlock()
-	nodes, err := s.Nodes(ctx)
+	nodes, err := s.Nodes().Nodes(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}

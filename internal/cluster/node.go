@@ -22,7 +22,7 @@ type NodeStore interface {
 	GetSandbox(ctx context.Context, id string) (clusterstore.Sandbox, error)
 }
 
-var _ NodeStore = (*clusterstore.Store)(nil)
+var _ NodeStore = (*clusterstore.SandboxStore)(nil)
 
 // Local is the node's own sandboxes, as its sandbox manager has them.
 type Local interface {

@@ -76,17 +76,17 @@ func newNodeEnv(t *testing.T) (*clusterstore.Store, *fakeLocal, *Node) {
 		t.Fatal(err)
 	}
 	t.Cleanup(s.Close)
-	if err := s.Heartbeat(context.Background(), clusterstore.NodeStatus{ID: "n1", Address: "https://127.0.0.1:1"}); err != nil {
+	if err := s.Nodes().Heartbeat(context.Background(), clusterstore.NodeStatus{ID: "n1", Address: "https://127.0.0.1:1"}); err != nil {
 		t.Fatal(err)
 	}
 	local := &fakeLocal{sbs: map[string]api.Sandbox{}, refuse: map[string]error{}}
-	n := &Node{ID: "n1", Store: s, Local: local, Log: quiet, OrphanGrace: 200 * time.Millisecond, started: time.Now(), reported: map[string]string{}}
+	n := &Node{ID: "n1", Store: s.Sandboxes(), Local: local, Log: quiet, OrphanGrace: 200 * time.Millisecond, started: time.Now(), reported: map[string]string{}}
 	return s, local, n
 }
 
 func row(t *testing.T, s *clusterstore.Store, id string) clusterstore.Sandbox {
 	t.Helper()
-	r, err := s.GetSandbox(context.Background(), id)
+	r, err := s.Sandboxes().GetSandbox(context.Background(), id)
 	if err != nil {
 		t.Fatalf("row %s: %v", id, err)
 	}
@@ -99,7 +99,7 @@ func TestNodeAppliesDesiredState(t *testing.T) {
 	s, local, n := newNodeEnv(t)
 	ctx := context.Background()
 	local.put("a", api.StateRunning, time.Now())
-	if err := s.AddSandbox(ctx, "a", "n1", "", api.CreateSandboxRequest{}); err != nil {
+	if err := s.Sandboxes().AddSandbox(ctx, "a", "n1", "", api.CreateSandboxRequest{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := n.Reconcile(ctx); err != nil {
@@ -114,7 +114,7 @@ func TestNodeAppliesDesiredState(t *testing.T) {
 		{clusterstore.DesiredSuspended, api.StateSuspended},
 		{clusterstore.DesiredRunning, api.StateRunning},
 	} {
-		if err := s.SetDesired(ctx, "a", c.desired); err != nil {
+		if err := s.Sandboxes().SetDesired(ctx, "a", c.desired); err != nil {
 			t.Fatal(err)
 		}
 		if err := n.Reconcile(ctx); err != nil {
@@ -128,7 +128,7 @@ func TestNodeAppliesDesiredState(t *testing.T) {
 	// A verb the runtime refuses: reported as the sandbox's error, and the
 	// row is no longer pending (no retry storm).
 	local.refuse[api.OpSuspend] = errors.New("runtime native cannot suspend")
-	if err := s.SetDesired(ctx, "a", clusterstore.DesiredSuspended); err != nil {
+	if err := s.Sandboxes().SetDesired(ctx, "a", clusterstore.DesiredSuspended); err != nil {
 		t.Fatal(err)
 	}
 	if err := n.Reconcile(ctx); err == nil {
@@ -138,10 +138,10 @@ func TestNodeAppliesDesiredState(t *testing.T) {
 	if r.Observed != r.Generation || !strings.Contains(r.StateReason, "cannot suspend") || r.State != api.StateRunning {
 		t.Fatalf("refused suspend: %+v", r)
 	}
-	if pending, _ := s.Pending(ctx, "n1"); len(pending) != 0 {
+	if pending, _ := s.Sandboxes().Pending(ctx, "n1"); len(pending) != 0 {
 		t.Fatalf("still pending after a refusal: %v", pending)
 	}
-	if err := s.SetDesired(ctx, "a", clusterstore.DesiredDeleted); err != nil {
+	if err := s.Sandboxes().SetDesired(ctx, "a", clusterstore.DesiredDeleted); err != nil {
 		t.Fatal(err)
 	}
 	if err := n.Reconcile(ctx); err != nil {
@@ -150,11 +150,11 @@ func TestNodeAppliesDesiredState(t *testing.T) {
 	if local.has("a") {
 		t.Fatal("desired deletion did not delete")
 	}
-	if _, err := s.GetSandbox(ctx, "a"); err == nil {
+	if _, err := s.Sandboxes().GetSandbox(ctx, "a"); err == nil {
 		t.Fatal("a deleted sandbox kept its row")
 	}
 	// A row for a sandbox this node does not have is reported as such.
-	if err := s.AddSandbox(ctx, "ghost", "n1", "", api.CreateSandboxRequest{}); err != nil {
+	if err := s.Sandboxes().AddSandbox(ctx, "ghost", "n1", "", api.CreateSandboxRequest{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := n.Reconcile(ctx); err != nil {
@@ -199,7 +199,7 @@ func TestNodeRunWakesOnNotify(t *testing.T) {
 	go func() { done <- n.Run(ctx) }()
 	local.put("b", api.StateRunning, time.Now())
 	time.Sleep(200 * time.Millisecond) // Run's first pass and its LISTEN
-	if err := s.AddSandbox(ctx, "b", "n1", "", api.CreateSandboxRequest{}); err != nil {
+	if err := s.Sandboxes().AddSandbox(ctx, "b", "n1", "", api.CreateSandboxRequest{}); err != nil {
 		t.Fatal(err)
 	}
 	deadline := time.Now().Add(5 * time.Second)
@@ -222,7 +222,7 @@ func TestNodeReportsDeletionsItWasNotAskedFor(t *testing.T) {
 	ctx := context.Background()
 	for _, id := range []string{"c", "d"} {
 		local.put(id, api.StateRunning, time.Now())
-		if err := s.AddSandbox(ctx, id, "n1", "", api.CreateSandboxRequest{}); err != nil {
+		if err := s.Sandboxes().AddSandbox(ctx, id, "n1", "", api.CreateSandboxRequest{}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -235,18 +235,18 @@ func TestNodeReportsDeletionsItWasNotAskedFor(t *testing.T) {
 	if err := n.Reconcile(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if r, err := s.GetSandbox(ctx, "c"); !errors.Is(err, errdefs.ErrNotFound) {
+	if r, err := s.Sandboxes().GetSandbox(ctx, "c"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("directly deleted sandbox: row %+v %v", r, err)
 	}
 	// The node process restarts; "d" went while it was down.
 	local.mu.Lock()
 	delete(local.sbs, "d")
 	local.mu.Unlock()
-	restarted := &Node{ID: "n1", Store: s, Local: local, Log: quiet, started: time.Now(), reported: map[string]string{}}
+	restarted := &Node{ID: "n1", Store: s.Sandboxes(), Local: local, Log: quiet, started: time.Now(), reported: map[string]string{}}
 	if err := restarted.Reconcile(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if r, err := s.GetSandbox(ctx, "d"); !errors.Is(err, errdefs.ErrNotFound) {
+	if r, err := s.Sandboxes().GetSandbox(ctx, "d"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("sandbox gone while the node was down: row %+v %v", r, err)
 	}
 }

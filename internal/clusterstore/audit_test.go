@@ -43,55 +43,55 @@ func TestAuditHeads(t *testing.T) {
 		return h
 	}
 	pub := l.PublicKey()
-	if _, err := s.AuditHead(ctx, "n1"); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := s.AuditHeads().AuditHead(ctx, "n1"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("head before any: %v", err)
 	}
 	h1, h2 := head(), head()
-	if err := s.AnchorAudit(ctx, "n1", h2.Line, pub); err != nil {
+	if err := s.AuditHeads().AnchorAudit(ctx, "n1", h2.Line, pub); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.AnchorAudit(ctx, "n1", h1.Line, pub); !errors.Is(err, ErrAuditHeadStale) {
+	if err := s.AuditHeads().AnchorAudit(ctx, "n1", h1.Line, pub); !errors.Is(err, ErrAuditHeadStale) {
 		t.Fatalf("an older head replaced a newer one: %v", err)
 	}
-	if err := s.AnchorAudit(ctx, "n1", h2.Line, pub); !errors.Is(err, ErrAuditHeadStale) {
+	if err := s.AuditHeads().AnchorAudit(ctx, "n1", h2.Line, pub); !errors.Is(err, ErrAuditHeadStale) {
 		t.Fatalf("the same head twice: %v", err)
 	}
 	other := make(ed25519.PublicKey, ed25519.PublicKeySize)
 	h3 := head()
-	if err := s.AnchorAudit(ctx, "n1", h3.Line, other); !errors.Is(err, errdefs.ErrInvalidArgument) {
+	if err := s.AuditHeads().AnchorAudit(ctx, "n1", h3.Line, other); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("a head whose signature does not hold: %v", err)
 	}
-	if err := s.AnchorAudit(ctx, "n1", strings.Replace(h3.Line, `"sign"`, `"sigN"`, 1), pub); !errors.Is(err, errdefs.ErrInvalidArgument) {
+	if err := s.AuditHeads().AnchorAudit(ctx, "n1", strings.Replace(h3.Line, `"sign"`, `"sigN"`, 1), pub); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("an altered head: %v", err)
 	}
-	if err := s.AnchorAudit(ctx, "n1", h3.Line, pub); err != nil {
+	if err := s.AuditHeads().AnchorAudit(ctx, "n1", h3.Line, pub); err != nil {
 		t.Fatal(err)
 	}
-	got, err := s.AuditHead(ctx, "n1")
+	got, err := s.AuditHeads().AuditHead(ctx, "n1")
 	if err != nil || got.Seq != h3.Seq || got.Hash != h3.Hash || got.Checkpoint != h3.Line || got.KeyID != l.KeyID() || got.Problem != "" {
 		t.Fatalf("head: %+v %v", got, err)
 	}
 
-	if err := s.ReportAuditProblem(ctx, "n1", "rolled back"); err != nil {
+	if err := s.AuditHeads().ReportAuditProblem(ctx, "n1", "rolled back"); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.ReportAuditProblem(ctx, "n1", "second report"); err != nil {
+	if err := s.AuditHeads().ReportAuditProblem(ctx, "n1", "second report"); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.AnchorAudit(ctx, "n1", head().Line, pub); !errors.Is(err, ErrAuditHeadStale) {
+	if err := s.AuditHeads().AnchorAudit(ctx, "n1", head().Line, pub); !errors.Is(err, ErrAuditHeadStale) {
 		t.Fatalf("a head published over a problem: %v", err)
 	}
-	heads, err := s.AuditHeads(ctx)
+	heads, err := s.AuditHeads().AuditHeads(ctx)
 	if err != nil || len(heads) != 1 || heads[0].Problem != "rolled back" || heads[0].ProblemAt == nil || heads[0].Seq != h3.Seq {
 		t.Fatalf("heads after a problem: %+v %v", heads, err)
 	}
-	if err := s.ForgetAuditHead(ctx, "n1"); err != nil {
+	if err := s.AuditHeads().ForgetAuditHead(ctx, "n1"); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.ForgetAuditHead(ctx, "n1"); !errors.Is(err, errdefs.ErrNotFound) {
+	if err := s.AuditHeads().ForgetAuditHead(ctx, "n1"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("forgetting twice: %v", err)
 	}
-	if err := s.AnchorAudit(ctx, "n1", head().Line, pub); err != nil {
+	if err := s.AuditHeads().AnchorAudit(ctx, "n1", head().Line, pub); err != nil {
 		t.Fatalf("anchoring afresh after forgetting: %v", err)
 	}
 }
@@ -103,27 +103,27 @@ func TestSecretsVersionUp(t *testing.T) {
 	ctx := context.Background()
 	var sealedFor []int
 	seal := func(v int) ([]byte, error) { sealedFor = append(sealedFor, v); return []byte{byte(v)}, nil }
-	sec, created, err := s.PutSecret(ctx, "acme", "TOKEN", nil, "", seal)
+	sec, created, err := s.Secrets().PutSecret(ctx, "acme", "TOKEN", nil, "", seal)
 	if err != nil || !created || sec.Version != 1 || sec.Hosts == nil {
 		t.Fatalf("first put: %+v %v %v", sec, created, err)
 	}
-	sec, created, err = s.PutSecret(ctx, "acme", "TOKEN", []string{"a.test"}, "X-Key: {}", seal)
+	sec, created, err = s.Secrets().PutSecret(ctx, "acme", "TOKEN", []string{"a.test"}, "X-Key: {}", seal)
 	if err != nil || created || sec.Version != 2 || sec.Header != "X-Key: {}" || string(sec.Sealed) != "\x02" {
 		t.Fatalf("second put: %+v %v %v", sec, created, err)
 	}
 	if len(sealedFor) != 2 || sealedFor[1] != 2 {
 		t.Fatalf("sealed for versions %v", sealedFor)
 	}
-	if list, err := s.Secrets(ctx, "other"); err != nil || len(list) != 0 {
+	if list, err := s.Secrets().Secrets(ctx, "other"); err != nil || len(list) != 0 {
 		t.Fatalf("another tenant's list: %+v %v", list, err)
 	}
-	if err := s.DeleteSecret(ctx, "acme", "TOKEN"); err != nil {
+	if err := s.Secrets().DeleteSecret(ctx, "acme", "TOKEN"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := s.GetSecret(ctx, "acme", "TOKEN"); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := s.Secrets().GetSecret(ctx, "acme", "TOKEN"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("after delete: %v", err)
 	}
-	if err := s.DeleteSecret(ctx, "acme", "TOKEN"); !errors.Is(err, errdefs.ErrNotFound) {
+	if err := s.Secrets().DeleteSecret(ctx, "acme", "TOKEN"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("second delete: %v", err)
 	}
 }

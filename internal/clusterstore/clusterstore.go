@@ -32,32 +32,54 @@ import (
 var ErrSchemaTooNew = errors.New("cluster database schema is newer than this binary")
 
 // Store is a connection pool to the cluster database, with the schema
-// migrated, and the parts of the cluster's state that share it. Embedding
-// makes each part's methods the Store's, so one *Store serves a caller that
-// needs several parts; a caller that needs one can take just that part
-// (store.NodeStore, store.SandboxStore, ...). Close closes the pool for all.
+// migrated, and the parts of the cluster's state that share it. The Store
+// itself only opens, migrates and closes; what is stored a caller reaches
+// through the part that keeps it (st.Nodes(), st.Sandboxes(), ...), and a
+// caller that needs one part takes just that part. Close closes the pool
+// for all.
 type Store struct {
 	pool *pgxpool.Pool
 
-	*NodeStore
-	*SandboxStore
-	*KeyStore
-	*SettingsStore
-	*SecretStore
-	*AuditHeadStore
+	nodes     *NodeStore
+	sandboxes *SandboxStore
+	keys      *KeyStore
+	settings  *SettingsStore
+	secrets   *SecretStore
+	audit     *AuditHeadStore
 }
 
 func newStore(pool *pgxpool.Pool) *Store {
 	return &Store{
-		pool:           pool,
-		NodeStore:      &NodeStore{pool: pool},
-		SandboxStore:   &SandboxStore{pool: pool},
-		KeyStore:       &KeyStore{pool: pool},
-		SettingsStore:  &SettingsStore{pool: pool},
-		SecretStore:    &SecretStore{pool: pool},
-		AuditHeadStore: &AuditHeadStore{pool: pool},
+		pool:      pool,
+		nodes:     &NodeStore{pool: pool},
+		sandboxes: &SandboxStore{pool: pool},
+		keys:      &KeyStore{pool: pool},
+		settings:  &SettingsStore{pool: pool},
+		secrets:   &SecretStore{pool: pool},
+		audit:     &AuditHeadStore{pool: pool},
 	}
 }
+
+// Nodes is the store's NodeStore part: nodes, heartbeats, placement.
+func (s *Store) Nodes() *NodeStore { return s.nodes }
+
+// Sandboxes is the store's SandboxStore part: sandbox rows, moves, the
+// nodes' wake-ups.
+func (s *Store) Sandboxes() *SandboxStore { return s.sandboxes }
+
+// Keys is the store's KeyStore part: API keys.
+func (s *Store) Keys() *KeyStore { return s.keys }
+
+// Settings is the store's SettingsStore part: tenants, policy rule sets,
+// warm pools.
+func (s *Store) Settings() *SettingsStore { return s.settings }
+
+// Secrets is the store's SecretStore part: sealed secrets.
+func (s *Store) Secrets() *SecretStore { return s.secrets }
+
+// AuditHeads is the store's AuditHeadStore part: each node's audit chain
+// head.
+func (s *Store) AuditHeads() *AuditHeadStore { return s.audit }
 
 // Open connects to the PostgreSQL database at dsn (a URL or key=value
 // string) and migrates its schema to this binary's version.

@@ -105,30 +105,30 @@ func TestHeartbeatAndLost(t *testing.T) {
 	s, dsn := open(t)
 	ctx := context.Background()
 	for _, id := range []string{"n1", "n2"} {
-		if err := s.Heartbeat(ctx, NodeStatus{ID: id, Address: "https://127.0.0.1:1", MemFree: 1 << 30, CPUs: 2}); err != nil {
+		if err := s.Nodes().Heartbeat(ctx, NodeStatus{ID: id, Address: "https://127.0.0.1:1", MemFree: 1 << 30, CPUs: 2}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := s.Heartbeat(ctx, NodeStatus{ID: "n3"}); !errors.Is(err, errdefs.ErrInvalidArgument) {
+	if err := s.Nodes().Heartbeat(ctx, NodeStatus{ID: "n3"}); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("heartbeat without address: %v", err)
 	}
-	if err := s.Heartbeat(ctx, NodeStatus{ID: "n3", Address: "x", MemFree: -1}); !errors.Is(err, errdefs.ErrInvalidArgument) {
+	if err := s.Nodes().Heartbeat(ctx, NodeStatus{ID: "n3", Address: "x", MemFree: -1}); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("heartbeat with negative memory: %v", err)
 	}
-	if lost, err := s.MarkLost(ctx, time.Minute); err != nil || len(lost) != 0 {
+	if lost, err := s.Nodes().MarkLost(ctx, time.Minute); err != nil || len(lost) != 0 {
 		t.Fatalf("fresh nodes marked lost: %v %v", lost, err)
 	}
 	// n1 stops beating: its last heartbeat is 90 s old by the database clock.
 	exec(t, dsn, `UPDATE nodes SET heartbeat_at = now() - interval '90 seconds' WHERE id = 'n1'`)
-	lost, err := s.MarkLost(ctx, time.Minute)
+	lost, err := s.Nodes().MarkLost(ctx, time.Minute)
 	if err != nil || len(lost) != 1 || lost[0] != "n1" {
 		t.Fatalf("lost = %v, %v; want [n1]", lost, err)
 	}
 	// A second caller (another replica) finds nothing new.
-	if again, err := s.MarkLost(ctx, time.Minute); err != nil || len(again) != 0 {
+	if again, err := s.Nodes().MarkLost(ctx, time.Minute); err != nil || len(again) != 0 {
 		t.Fatalf("second MarkLost = %v, %v", again, err)
 	}
-	nodes, err := s.Nodes(ctx)
+	nodes, err := s.Nodes().Nodes(ctx)
 	if err != nil || len(nodes) != 2 {
 		t.Fatalf("nodes %v %v", nodes, err)
 	}
@@ -140,14 +140,14 @@ func TestHeartbeatAndLost(t *testing.T) {
 		t.Fatalf("n2 = %+v, want ready", nodes[1])
 	}
 	// n1 comes back: ready again, reason cleared.
-	if err := s.Heartbeat(ctx, NodeStatus{ID: "n1", Address: "https://127.0.0.1:1"}); err != nil {
+	if err := s.Nodes().Heartbeat(ctx, NodeStatus{ID: "n1", Address: "https://127.0.0.1:1"}); err != nil {
 		t.Fatal(err)
 	}
-	nodes, _ = s.Nodes(ctx)
+	nodes, _ = s.Nodes().Nodes(ctx)
 	if nodes[0].State != NodeReady || nodes[0].StateReason != "" {
 		t.Fatalf("n1 after beating again = %+v", nodes[0])
 	}
-	if _, err := s.MarkLost(ctx, 0); !errors.Is(err, errdefs.ErrInvalidArgument) {
+	if _, err := s.Nodes().MarkLost(ctx, 0); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("zero window: %v", err)
 	}
 }
@@ -157,7 +157,7 @@ func TestPlacePrefersTemplateThenFreeMemory(t *testing.T) {
 	ctx := context.Background()
 	beat := func(id string, mem int64, templates ...string) {
 		t.Helper()
-		if err := s.Heartbeat(ctx, NodeStatus{ID: id, Address: "https://" + id, MemFree: mem, CPUs: 2, Templates: templates}); err != nil {
+		if err := s.Nodes().Heartbeat(ctx, NodeStatus{ID: id, Address: "https://" + id, MemFree: mem, CPUs: 2, Templates: templates}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -166,7 +166,7 @@ func TestPlacePrefersTemplateThenFreeMemory(t *testing.T) {
 	beat("tiny-with-template", 100<<20, "sha256:aa")
 	place := func(digest string, mem int64) string {
 		t.Helper()
-		n, err := s.Place(ctx, digest, mem, time.Minute)
+		n, err := s.Nodes().Place(ctx, digest, mem, time.Minute)
 		if err != nil {
 			t.Fatalf("place %s %d: %v", digest, mem, err)
 		}
@@ -181,7 +181,7 @@ func TestPlacePrefersTemplateThenFreeMemory(t *testing.T) {
 	if got := place("sha256:aa", 4<<30); got != "big" {
 		t.Fatalf("a node with the template but too little memory was chosen: %s", got)
 	}
-	if err := s.Drain(ctx, "big", "maintenance"); err != nil {
+	if err := s.Nodes().Drain(ctx, "big", "maintenance"); err != nil {
 		t.Fatal(err)
 	}
 	if got := place("sha256:bb", 1<<30); got != "small-with-template" {
@@ -192,10 +192,10 @@ func TestPlacePrefersTemplateThenFreeMemory(t *testing.T) {
 	if got := place("sha256:aa", 50<<20); got != "tiny-with-template" {
 		t.Fatalf("stale node chosen: %s", got)
 	}
-	if _, err := s.Place(ctx, "sha256:aa", 64<<30, time.Minute); !errors.Is(err, errdefs.ErrUnavailable) {
+	if _, err := s.Nodes().Place(ctx, "sha256:aa", 64<<30, time.Minute); !errors.Is(err, errdefs.ErrUnavailable) {
 		t.Fatalf("nothing fits: %v", err)
 	}
-	if err := s.Drain(ctx, "nope", ""); !errors.Is(err, errdefs.ErrNotFound) {
+	if err := s.Nodes().Drain(ctx, "nope", ""); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("drain unknown node: %v", err)
 	}
 }
@@ -206,14 +206,14 @@ func TestPlaceSpreadsABurst(t *testing.T) {
 	s, _ := open(t)
 	ctx := context.Background()
 	for _, id := range []string{"a", "b"} {
-		if err := s.Heartbeat(ctx, NodeStatus{ID: id, Address: "https://" + id, MemFree: 8 << 30, CPUs: 2, Templates: []string{"base:latest"}}); err != nil {
+		if err := s.Nodes().Heartbeat(ctx, NodeStatus{ID: id, Address: "https://" + id, MemFree: 8 << 30, CPUs: 2, Templates: []string{"base:latest"}}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	count := map[string]int{}
 	var excluded []string
 	for range 6 {
-		n, err := s.PlaceExcept(ctx, "base:latest", 512<<20, time.Minute, excluded)
+		n, err := s.Nodes().PlaceExcept(ctx, "base:latest", 512<<20, time.Minute, excluded)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -222,10 +222,10 @@ func TestPlaceSpreadsABurst(t *testing.T) {
 	if count["a"] != 3 || count["b"] != 3 {
 		t.Fatalf("six placements on two equal nodes: %v", count)
 	}
-	if n, err := s.PlaceExcept(ctx, "base:latest", 512<<20, time.Minute, []string{"a"}); err != nil || n.ID != "b" {
+	if n, err := s.Nodes().PlaceExcept(ctx, "base:latest", 512<<20, time.Minute, []string{"a"}); err != nil || n.ID != "b" {
 		t.Fatalf("placement excluding a: %+v %v", n, err)
 	}
-	nodes, _ := s.Nodes(ctx)
+	nodes, _ := s.Nodes().Nodes(ctx)
 	for _, n := range nodes {
 		if n.MemFree >= 8<<30 || n.Sandboxes < 3 {
 			t.Fatalf("node %s not charged: %+v", n.ID, n)
@@ -240,7 +240,7 @@ func TestPlacePrefersAWarmMemberAndTakesIt(t *testing.T) {
 	ctx := context.Background()
 	beat := func(id string, warm ...string) {
 		t.Helper()
-		if err := s.Heartbeat(ctx, NodeStatus{ID: id, Address: "https://" + id, MemFree: 8 << 30, CPUs: 2,
+		if err := s.Nodes().Heartbeat(ctx, NodeStatus{ID: id, Address: "https://" + id, MemFree: 8 << 30, CPUs: 2,
 			Templates: []string{"base:latest", "sha256:aa"}, Warm: warm}); err != nil {
 			t.Fatal(err)
 		}
@@ -249,7 +249,7 @@ func TestPlacePrefersAWarmMemberAndTakesIt(t *testing.T) {
 	beat("warm", "base:latest", "sha256:aa", "base:latest", "sha256:aa")
 	var got []string
 	for range 4 {
-		n, err := s.Place(ctx, "base:latest", 512<<20, time.Minute)
+		n, err := s.Nodes().Place(ctx, "base:latest", 512<<20, time.Minute)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -260,7 +260,7 @@ func TestPlacePrefersAWarmMemberAndTakesIt(t *testing.T) {
 	if got[0] != "warm" || got[1] != "warm" || got[2] != "cold" {
 		t.Fatalf("placements %v; want warm, warm, cold, …", got)
 	}
-	nodes, err := s.Nodes(ctx)
+	nodes, err := s.Nodes().Nodes(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -270,7 +270,7 @@ func TestPlacePrefersAWarmMemberAndTakesIt(t *testing.T) {
 		}
 	}
 	// A placement by digest now finds them.
-	if n, err := s.Place(ctx, "sha256:aa", 512<<20, time.Minute); err != nil || n.ID != "warm" {
+	if n, err := s.Nodes().Place(ctx, "sha256:aa", 512<<20, time.Minute); err != nil || n.ID != "warm" {
 		t.Fatalf("placement by digest: %+v %v", n, err)
 	}
 }
@@ -279,24 +279,24 @@ func TestPoolsAreSettings(t *testing.T) {
 	s, _ := open(t)
 	ctx := context.Background()
 	spec := api.PoolSpec{Template: "base:latest", Runtime: "auto", Min: 1, Max: 2}
-	if err := s.PutPool(ctx, "pool-1", spec); err != nil {
+	if err := s.Settings().PutPool(ctx, "pool-1", spec); err != nil {
 		t.Fatal(err)
 	}
 	spec.Max = 3
-	if err := s.PutPool(ctx, "pool-1", spec); err != nil {
+	if err := s.Settings().PutPool(ctx, "pool-1", spec); err != nil {
 		t.Fatal(err)
 	}
-	st, err := s.Settings(ctx)
+	st, err := s.Settings().Settings(ctx)
 	if err != nil || len(st.Pools) != 1 || st.Pools["pool-1"].Max != 3 {
 		t.Fatalf("pools %+v %v", st.Pools, err)
 	}
-	if err := s.DeletePool(ctx, "pool-1"); err != nil {
+	if err := s.Settings().DeletePool(ctx, "pool-1"); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.DeletePool(ctx, "pool-1"); !errors.Is(err, errdefs.ErrNotFound) {
+	if err := s.Settings().DeletePool(ctx, "pool-1"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("deleting a missing pool: %v", err)
 	}
-	if st, err := s.Settings(ctx); err != nil || len(st.Pools) != 0 {
+	if st, err := s.Settings().Settings(ctx); err != nil || len(st.Pools) != 0 {
 		t.Fatalf("pools after delete %+v %v", st.Pools, err)
 	}
 }

@@ -15,14 +15,14 @@ func TestPartsShareOnePool(t *testing.T) {
 	s, _ := open(t)
 	ctx := context.Background()
 	for name, p := range map[string]*pgxpool.Pool{
-		"NodeStore": s.NodeStore.pool, "SandboxStore": s.SandboxStore.pool, "KeyStore": s.KeyStore.pool,
-		"SettingsStore": s.SettingsStore.pool, "SecretStore": s.SecretStore.pool, "AuditHeadStore": s.AuditHeadStore.pool,
+		"Nodes": s.Nodes().pool, "Sandboxes": s.Sandboxes().pool, "Keys": s.Keys().pool,
+		"Settings": s.Settings().pool, "Secrets": s.Secrets().pool, "AuditHeads": s.AuditHeads().pool,
 	} {
 		if p != s.pool {
 			t.Errorf("%s has a pool of its own", name)
 		}
 	}
-	nodes, rows := s.NodeStore, s.SandboxStore
+	nodes, rows := s.Nodes(), s.Sandboxes()
 	if err := nodes.Heartbeat(ctx, NodeStatus{ID: "n1", Address: "https://n1:7443", MemFree: 1 << 30, CPUs: 2}); err != nil {
 		t.Fatal(err)
 	}

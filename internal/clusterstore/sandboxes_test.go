@@ -12,7 +12,7 @@ import (
 
 func beat(t *testing.T, s *Store, id string) {
 	t.Helper()
-	if err := s.Heartbeat(context.Background(), NodeStatus{ID: id, Address: "https://" + id, MemFree: 1 << 30}); err != nil {
+	if err := s.Nodes().Heartbeat(context.Background(), NodeStatus{ID: id, Address: "https://" + id, MemFree: 1 << 30}); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -23,16 +23,16 @@ func TestSandboxDesiredAndObserved(t *testing.T) {
 	beat(t, s, "n1")
 	beat(t, s, "n2")
 	req := api.CreateSandboxRequest{Template: "base:latest", Env: map[string]string{"A": "1"}}
-	if err := s.AddSandbox(ctx, "sb-1", "n1", "acme", req); err != nil {
+	if err := s.Sandboxes().AddSandbox(ctx, "sb-1", "n1", "acme", req); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.AddSandbox(ctx, "sb-1", "n2", "acme", req); !errors.Is(err, errdefs.ErrConflict) {
+	if err := s.Sandboxes().AddSandbox(ctx, "sb-1", "n2", "acme", req); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("second row with the same id: %v, want conflict", err)
 	}
-	if err := s.AddSandbox(ctx, "sb-2", "nowhere", "", req); !errors.Is(err, errdefs.ErrNotFound) {
+	if err := s.Sandboxes().AddSandbox(ctx, "sb-2", "nowhere", "", req); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("row on an unknown node: %v, want not found", err)
 	}
-	pending, err := s.Pending(ctx, "n1")
+	pending, err := s.Sandboxes().Pending(ctx, "n1")
 	if err != nil || len(pending) != 1 {
 		t.Fatalf("pending on n1 = %v, %v", pending, err)
 	}
@@ -41,46 +41,46 @@ func TestSandboxDesiredAndObserved(t *testing.T) {
 		p.Status != nil || p.Request.Env["A"] != "1" {
 		t.Fatalf("row = %+v", p)
 	}
-	if other, _ := s.Pending(ctx, "n2"); len(other) != 0 {
+	if other, _ := s.Sandboxes().Pending(ctx, "n2"); len(other) != 0 {
 		t.Fatalf("n2 sees n1's work: %v", other)
 	}
 	// n1 applies generation 1.
 	st := api.Sandbox{ID: "sb-1", State: api.StateRunning, Runtime: "gvisor"}
-	if err := s.Report(ctx, "n1", "sb-1", 1, st); err != nil {
+	if err := s.Sandboxes().Report(ctx, "n1", "sb-1", 1, st); err != nil {
 		t.Fatal(err)
 	}
-	if pending, _ := s.Pending(ctx, "n1"); len(pending) != 0 {
+	if pending, _ := s.Sandboxes().Pending(ctx, "n1"); len(pending) != 0 {
 		t.Fatalf("applied row still pending: %v", pending)
 	}
 	// Another node cannot overwrite it.
-	if err := s.Report(ctx, "n2", "sb-1", 1, api.Sandbox{State: api.StateError}); !errors.Is(err, errdefs.ErrNotFound) {
+	if err := s.Sandboxes().Report(ctx, "n2", "sb-1", 1, api.Sandbox{State: api.StateError}); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("report from the wrong node: %v", err)
 	}
 	// A late report of an older generation keeps observed where it is.
-	if err := s.SetDesired(ctx, "sb-1", DesiredPaused); err != nil {
+	if err := s.Sandboxes().SetDesired(ctx, "sb-1", DesiredPaused); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Report(ctx, "n1", "sb-1", 1, st); err != nil {
+	if err := s.Sandboxes().Report(ctx, "n1", "sb-1", 1, st); err != nil {
 		t.Fatal(err)
 	}
-	got, err := s.GetSandbox(ctx, "sb-1")
+	got, err := s.Sandboxes().GetSandbox(ctx, "sb-1")
 	if err != nil || got.Generation != 2 || got.Observed != 1 || got.Desired != DesiredPaused || got.Status.Runtime != "gvisor" {
 		t.Fatalf("after pause asked: %+v %v", got, err)
 	}
-	if err := s.SetDesired(ctx, "sb-1", "exploded"); !errors.Is(err, errdefs.ErrInvalidArgument) {
+	if err := s.Sandboxes().SetDesired(ctx, "sb-1", "exploded"); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("bad desired state: %v", err)
 	}
-	if err := s.SetDesired(ctx, "sb-none", DesiredDeleted); !errors.Is(err, errdefs.ErrNotFound) {
+	if err := s.Sandboxes().SetDesired(ctx, "sb-none", DesiredDeleted); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("desired state of a missing sandbox: %v", err)
 	}
 	// Deletion: desired, then reported deleted → the row is gone.
-	if err := s.SetDesired(ctx, "sb-1", DesiredDeleted); err != nil {
+	if err := s.Sandboxes().SetDesired(ctx, "sb-1", DesiredDeleted); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Report(ctx, "n1", "sb-1", 3, api.Sandbox{ID: "sb-1", State: api.StateDeleted}); err != nil {
+	if err := s.Sandboxes().Report(ctx, "n1", "sb-1", 3, api.Sandbox{ID: "sb-1", State: api.StateDeleted}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := s.GetSandbox(ctx, "sb-1"); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := s.Sandboxes().GetSandbox(ctx, "sb-1"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("deleted sandbox's row: %v", err)
 	}
 }
@@ -93,20 +93,20 @@ func TestLostNodeLosesItsSandboxes(t *testing.T) {
 	beat(t, s, "n1")
 	beat(t, s, "n2")
 	for id, node := range map[string]string{"a": "n1", "b": "n1", "c": "n2", "d": "n1"} {
-		if err := s.AddSandbox(ctx, id, node, "", api.CreateSandboxRequest{}); err != nil {
+		if err := s.Sandboxes().AddSandbox(ctx, id, node, "", api.CreateSandboxRequest{}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := s.SetDesired(ctx, "d", DesiredDeleted); err != nil {
+	if err := s.Sandboxes().SetDesired(ctx, "d", DesiredDeleted); err != nil {
 		t.Fatal(err)
 	}
 	exec(t, dsn, `UPDATE nodes SET heartbeat_at = now() - interval '1 minute' WHERE id = 'n1'`)
-	lost, err := s.MarkLost(ctx, 10*time.Second)
+	lost, err := s.Nodes().MarkLost(ctx, 10*time.Second)
 	if err != nil || len(lost) != 1 {
 		t.Fatalf("lost %v %v", lost, err)
 	}
 	for id, want := range map[string]string{"a": StateLost, "b": StateLost, "c": "creating", "d": "creating"} {
-		sb, err := s.GetSandbox(ctx, id)
+		sb, err := s.Sandboxes().GetSandbox(ctx, id)
 		if err != nil || sb.State != want {
 			t.Errorf("sandbox %s: %+v %v, want %s", id, sb, err, want)
 		}
@@ -114,13 +114,13 @@ func TestLostNodeLosesItsSandboxes(t *testing.T) {
 			t.Errorf("sandbox %s lost without a reason", id)
 		}
 	}
-	a, _ := s.GetSandbox(ctx, "a")
+	a, _ := s.Sandboxes().GetSandbox(ctx, "a")
 	t.Logf("reason: %s", a.StateReason)
 	beat(t, s, "n1")
-	if err := s.Report(ctx, "n1", "a", 1, api.Sandbox{ID: "a", State: api.StateRunning}); err != nil {
+	if err := s.Sandboxes().Report(ctx, "n1", "a", 1, api.Sandbox{ID: "a", State: api.StateRunning}); err != nil {
 		t.Fatal(err)
 	}
-	if a, _ := s.GetSandbox(ctx, "a"); a.State != api.StateRunning || a.StateReason != "" {
+	if a, _ := s.Sandboxes().GetSandbox(ctx, "a"); a.State != api.StateRunning || a.StateReason != "" {
 		t.Fatalf("after the node's report: %+v", a)
 	}
 }
@@ -134,16 +134,16 @@ func TestListenWakesTheNode(t *testing.T) {
 	defer cancel()
 	woke := make(chan struct{}, 16)
 	done := make(chan error, 1)
-	go func() { done <- s.Listen(ctx, "n1", func() { woke <- struct{}{} }) }()
+	go func() { done <- s.Sandboxes().Listen(ctx, "n1", func() { woke <- struct{}{} }) }()
 	select { // the wake after connecting
 	case <-woke:
 	case <-time.After(5 * time.Second):
 		t.Fatal("no wake after LISTEN")
 	}
-	if err := s.AddSandbox(ctx, "x", "n2", "", api.CreateSandboxRequest{}); err != nil {
+	if err := s.Sandboxes().AddSandbox(ctx, "x", "n2", "", api.CreateSandboxRequest{}); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.AddSandbox(ctx, "y", "n1", "", api.CreateSandboxRequest{}); err != nil {
+	if err := s.Sandboxes().AddSandbox(ctx, "y", "n1", "", api.CreateSandboxRequest{}); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -171,39 +171,39 @@ func TestMoveClaimsOnceAndSettles(t *testing.T) {
 		beat(t, s, n)
 	}
 	for _, id := range []string{"a", "b"} {
-		if err := s.AddSandbox(ctx, id, "n1", "", api.CreateSandboxRequest{}); err != nil {
+		if err := s.Sandboxes().AddSandbox(ctx, id, "n1", "", api.CreateSandboxRequest{}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := s.ClaimMove(ctx, "a", "n1", "n2"); !errors.Is(err, errdefs.ErrConflict) {
+	if err := s.Sandboxes().ClaimMove(ctx, "a", "n1", "n2"); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("claiming a sandbox that is not lost: %v", err)
 	}
 	exec(t, dsn, `UPDATE nodes SET heartbeat_at = now() - interval '1 hour' WHERE id = 'n1'`)
-	if _, err := s.MarkLost(ctx, time.Minute); err != nil {
+	if _, err := s.Nodes().MarkLost(ctx, time.Minute); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.ClaimMove(ctx, "a", "n1", "n2"); err != nil {
+	if err := s.Sandboxes().ClaimMove(ctx, "a", "n1", "n2"); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.ClaimMove(ctx, "a", "n1", "n3"); !errors.Is(err, errdefs.ErrConflict) {
+	if err := s.Sandboxes().ClaimMove(ctx, "a", "n1", "n3"); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("a second claim: %v", err)
 	}
-	if r, _ := s.GetSandbox(ctx, "a"); r.Node != "n2" || r.State != StateMoving {
+	if r, _ := s.Sandboxes().GetSandbox(ctx, "a"); r.Node != "n2" || r.State != StateMoving {
 		t.Fatalf("claimed row %+v", r)
 	}
-	if err := s.EndMove(ctx, "a", "n1", "n2", nil); err != nil {
+	if err := s.Sandboxes().EndMove(ctx, "a", "n1", "n2", nil); err != nil {
 		t.Fatal(err)
 	}
-	if r, _ := s.GetSandbox(ctx, "a"); r.Node != "n2" || r.State != api.StateSuspended {
+	if r, _ := s.Sandboxes().GetSandbox(ctx, "a"); r.Node != "n2" || r.State != api.StateSuspended {
 		t.Fatalf("moved row %+v", r)
 	}
-	if err := s.ClaimMove(ctx, "b", "n1", "n3"); err != nil {
+	if err := s.Sandboxes().ClaimMove(ctx, "b", "n1", "n3"); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.EndMove(ctx, "b", "n1", "n3", errors.New("no space")); err != nil {
+	if err := s.Sandboxes().EndMove(ctx, "b", "n1", "n3", errors.New("no space")); err != nil {
 		t.Fatal(err)
 	}
-	if r, _ := s.GetSandbox(ctx, "b"); r.Node != "n1" || r.State != StateLost || r.StateReason != "moving to n3 failed: no space" {
+	if r, _ := s.Sandboxes().GetSandbox(ctx, "b"); r.Node != "n1" || r.State != StateLost || r.StateReason != "moving to n3 failed: no space" {
 		t.Fatalf("a failed move's row %+v", r)
 	}
 }

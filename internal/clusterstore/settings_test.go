@@ -15,7 +15,7 @@ func TestSettingsWakeListeners(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	woke := make(chan struct{}, 16)
-	go s.ListenSettings(ctx, func() { woke <- struct{}{} })
+	go s.Settings().ListenSettings(ctx, func() { woke <- struct{}{} })
 	select {
 	case <-woke: // the wake after connecting
 	case <-time.After(5 * time.Second):
@@ -29,40 +29,40 @@ func TestSettingsWakeListeners(t *testing.T) {
 			t.Fatalf("no wake after %s", what)
 		}
 	}
-	if got, err := s.Tenant(ctx, "acme"); err != nil || got.Name != "acme" || got.Boundary != nil {
+	if got, err := s.Settings().Tenant(ctx, "acme"); err != nil || got.Name != "acme" || got.Boundary != nil {
 		t.Fatalf("unconfigured tenant: %+v %v", got, err)
 	}
 	b := &api.NetworkPolicy{AllowOut: []string{"example.com"}}
-	if err := s.PutTenant(ctx, api.Tenant{Name: "acme", Quotas: api.Quotas{Sandboxes: 2}, Boundary: b}); err != nil {
+	if err := s.Settings().PutTenant(ctx, api.Tenant{Name: "acme", Quotas: api.Quotas{Sandboxes: 2}, Boundary: b}); err != nil {
 		t.Fatal(err)
 	}
 	expectWake("a tenant change")
-	if err := s.PutRules(ctx, api.PolicyRuleSet{Scope: "tenant:acme", Rules: []api.PolicyRule{}}); err != nil {
+	if err := s.Settings().PutRules(ctx, api.PolicyRuleSet{Scope: "tenant:acme", Rules: []api.PolicyRule{}}); err != nil {
 		t.Fatal(err)
 	}
 	expectWake("a rule set change")
-	st, err := s.Settings(ctx)
+	st, err := s.Settings().Settings(ctx)
 	if err != nil || len(st.Tenants) != 1 || st.Tenants[0].Quotas.Sandboxes != 2 || st.Tenants[0].Boundary == nil ||
 		st.Tenants[0].UpdatedAt == nil || len(st.Rules) != 1 || st.Rules[0].Scope != "tenant:acme" {
 		t.Fatalf("settings %+v %v", st, err)
 	}
-	if err := s.DeleteRules(ctx, "tenant:acme"); err != nil {
+	if err := s.Settings().DeleteRules(ctx, "tenant:acme"); err != nil {
 		t.Fatal(err)
 	}
 	expectWake("a rule set removal")
-	if err := s.DeleteRules(ctx, "tenant:acme"); !errors.Is(err, errdefs.ErrNotFound) {
+	if err := s.Settings().DeleteRules(ctx, "tenant:acme"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("removing a missing rule set: %v", err)
 	}
 	beat(t, s, "n1")
 	for _, id := range []string{"a", "b"} {
-		if err := s.AddSandbox(ctx, id, "n1", "acme", api.CreateSandboxRequest{}); err != nil {
+		if err := s.Sandboxes().AddSandbox(ctx, id, "n1", "acme", api.CreateSandboxRequest{}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := s.SetDesired(ctx, "b", DesiredDeleted); err != nil {
+	if err := s.Sandboxes().SetDesired(ctx, "b", DesiredDeleted); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := s.CountSandboxes(ctx, "acme"); err != nil || n != 1 {
+	if n, err := s.Sandboxes().CountSandboxes(ctx, "acme"); err != nil || n != 1 {
 		t.Fatalf("acme counts %d %v, want 1 (one is being deleted)", n, err)
 	}
 }

@@ -27,7 +27,7 @@ import (
 type e2bAPI struct {
 	nodes         *nodeClient
 	keys          *keyring
-	quota         quotaStore
+	quota         sandboxQuota
 	defaultMemMiB int64
 }
 
@@ -131,7 +131,7 @@ func (e *e2bAPI) create(w http.ResponseWriter, req *http.Request, p principal.Pr
 		e2b.WriteError(w, req, fmt.Errorf("the create's body is not JSON: %v: %w", err, errdefs.ErrInvalidArgument))
 		return
 	}
-	if err := checkSandboxQuota(req.Context(), e.quota, p); err != nil {
+	if err := e.quota.check(req.Context(), p); err != nil {
 		e2b.WriteError(w, req, err)
 		return
 	}

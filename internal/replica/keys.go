@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/clusterstore"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/server"
@@ -30,6 +31,8 @@ type keyStore interface {
 	AddKey(ctx context.Context, k api.APIKey, digest string) error
 	RevokeKey(ctx context.Context, id string) (api.APIKey, error)
 }
+
+var _ keyStore = (*clusterstore.KeyStore)(nil)
 
 // keyring is the cluster's API keys as a replica sees them: kept in
 // PostgreSQL, looked up by digest and cached for keyCacheTTL. It

@@ -14,19 +14,29 @@ import (
 	"github.com/spacehq/space/internal/server"
 )
 
-// nodeAdminStore is what the node routes keep in the cluster store.
+// nodeAdminStore is what the node routes change of the cluster's nodes.
 type nodeAdminStore interface {
 	Drain(ctx context.Context, id, reason string) error
 	Undrain(ctx context.Context, id string) error
+}
+
+var _ nodeAdminStore = (*clusterstore.NodeStore)(nil)
+
+// auditHeadStore is what the node routes read and forget of the nodes'
+// audit chain heads.
+type auditHeadStore interface {
 	AuditHeads(ctx context.Context) ([]clusterstore.AuditHead, error)
 	ForgetAuditHead(ctx context.Context, node string) error
 }
+
+var _ auditHeadStore = (*clusterstore.AuditHeadStore)(nil)
 
 // nodeAdmin serves the routes about the nodes themselves: GET /v1/nodes
 // and drain/undrain (`space nodes`), each node's audit log (?node=) and
 // the heads anchored in PostgreSQL, and /v1/info from a ready node.
 type nodeAdmin struct {
 	store nodeAdminStore
+	heads auditHeadStore
 	nodes *nodeClient
 }
 
@@ -104,7 +114,7 @@ func (a *nodeAdmin) info(w http.ResponseWriter, req *http.Request, p principal.P
 // auditHeads lists every node's audit chain head as anchored in the
 // cluster.
 func (a *nodeAdmin) auditHeads(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
-	heads, err := a.store.AuditHeads(req.Context())
+	heads, err := a.heads.AuditHeads(req.Context())
 	if err != nil {
 		server.WriteError(w, req, err)
 		return
@@ -125,7 +135,7 @@ func (a *nodeAdmin) auditHeads(w http.ResponseWriter, req *http.Request, _ princ
 // forgetAuditHead drops a node's head and its problem: the node anchors
 // afresh from its newest checkpoint.
 func (a *nodeAdmin) forgetAuditHead(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
-	if err := a.store.ForgetAuditHead(req.Context(), req.PathValue("node")); err != nil {
+	if err := a.heads.ForgetAuditHead(req.Context(), req.PathValue("node")); err != nil {
 		server.WriteError(w, req, err)
 		return
 	}

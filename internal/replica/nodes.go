@@ -26,12 +26,20 @@ import (
 	"github.com/spacehq/space/internal/server"
 )
 
-// nodeStore is what reaching nodes reads of the cluster store.
+// nodeStore is what reaching nodes reads of the cluster's nodes.
 type nodeStore interface {
 	Nodes(ctx context.Context) ([]clusterstore.Node, error)
-	GetSandbox(ctx context.Context, id string) (clusterstore.Sandbox, error)
 	PlaceExcept(ctx context.Context, digest string, mem int64, window time.Duration, exclude []string) (clusterstore.Node, error)
 }
+
+var _ nodeStore = (*clusterstore.NodeStore)(nil)
+
+// rowStore is how reaching nodes finds the node a sandbox's row names.
+type rowStore interface {
+	GetSandbox(ctx context.Context, id string) (clusterstore.Sandbox, error)
+}
+
+var _ rowStore = (*clusterstore.SandboxStore)(nil)
 
 // nodeClient reaches the cluster's nodes: it finds the node of a sandbox
 // (or by name, or by placement), and calls it over mutual TLS from the
@@ -39,6 +47,7 @@ type nodeStore interface {
 // whole, making one call, or asking every ready node.
 type nodeClient struct {
 	store       nodeStore
+	rows        rowStore
 	id          *clustertls.Identity
 	log         *slog.Logger
 	nodeTimeout time.Duration
@@ -51,8 +60,8 @@ type nodeClient struct {
 	forwarded  *prometheus.HistogramVec // time to a node's answer headers, by node
 }
 
-func newNodeClient(st nodeStore, id *clustertls.Identity, log *slog.Logger, nodeTimeout time.Duration) *nodeClient {
-	return &nodeClient{store: st, id: id, log: log, nodeTimeout: nodeTimeout, transports: map[string]*http.Transport{},
+func newNodeClient(st nodeStore, rows rowStore, id *clustertls.Identity, log *slog.Logger, nodeTimeout time.Duration) *nodeClient {
+	return &nodeClient{store: st, rows: rows, id: id, log: log, nodeTimeout: nodeTimeout, transports: map[string]*http.Transport{},
 		placements: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "space_replica_placements_total", Help: "Creates a cluster replica placed, by node."}, []string{"node"}),
 		nodeErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "space_replica_node_errors_total", Help: "Calls to a node that got no answer, by node."}, []string{"node"}),
 		forwarded: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "space_replica_node_seconds", Help: "Time from a proxied call to the node's answer headers, by node.",
@@ -93,7 +102,7 @@ func (t countingTransport) RoundTrip(req *http.Request) (*http.Response, error) 
 // sandboxRow is the row of a sandbox the caller may see (404 otherwise,
 // exactly as for a sandbox that does not exist).
 func (c *nodeClient) sandboxRow(ctx context.Context, id string, p *principal.Principal) (clusterstore.Sandbox, error) {
-	row, err := c.store.GetSandbox(ctx, id)
+	row, err := c.rows.GetSandbox(ctx, id)
 	if err != nil {
 		return row, err
 	}

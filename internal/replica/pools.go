@@ -29,6 +29,8 @@ type poolStore interface {
 	DeletePool(ctx context.Context, id string) error
 }
 
+var _ poolStore = (*clusterstore.SettingsStore)(nil)
+
 // pools serves the cluster's warm pools.
 type pools struct {
 	store poolStore

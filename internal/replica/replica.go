@@ -112,7 +112,7 @@ func New(ctx context.Context, cfg Config) (*Replica, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := assemble(cfg, cs, id)
+	r := assemble(cfg, partsOf(cs), id)
 	r.store = cs
 	if cfg.SecretsKeyFile != "" {
 		if r.secrets.sealer, err = server.LoadClusterSealer(cfg.SecretsKeyFile); err != nil {
@@ -127,32 +127,49 @@ func New(ctx context.Context, cfg Config) (*Replica, error) {
 	return r, nil
 }
 
-// store is the whole of what a replica uses of the cluster store
-// (*clusterstore.Store); each part holds only its own piece.
-type store interface {
-	nodeStore
-	keyStore
-	sandboxStore
-	settingsStore
-	nodeAdminStore
-	poolStore
-	secretStore
+// storeParts is what a replica uses of the cluster store, part by part:
+// each field is one of clusterstore.Store's parts, seen through the narrow
+// interfaces of the replica's pieces that use it, and each piece gets only
+// the parts it needs (tests give fakes).
+type storeParts struct {
+	nodes interface {
+		nodeStore
+		nodeAdminStore
+	}
+	sandboxes interface {
+		sandboxStore
+		sandboxCounter
+	}
+	keys     keyStore
+	settings interface {
+		settingsStore
+		poolStore
+	}
+	secrets secretStore
+	audit   auditHeadStore
 }
 
-// assemble makes a replica's parts over st (tests give a fake store).
-func assemble(cfg Config, st store, id *clustertls.Identity) *Replica {
+// partsOf is the parts of cluster store cs.
+func partsOf(cs *clusterstore.Store) storeParts {
+	return storeParts{nodes: cs.Nodes(), sandboxes: cs.Sandboxes(), keys: cs.Keys(),
+		settings: cs.Settings(), secrets: cs.Secrets(), audit: cs.AuditHeads()}
+}
+
+// assemble makes a replica's pieces over the store's parts.
+func assemble(cfg Config, st storeParts, id *clustertls.Identity) *Replica {
 	cfg.defaults()
-	nodes := newNodeClient(st, id, cfg.Logger, cfg.NodeTimeout)
-	keys := newKeyring(st)
+	nodes := newNodeClient(st.nodes, st.sandboxes, id, cfg.Logger, cfg.NodeTimeout)
+	keys := newKeyring(st.keys)
+	quota := sandboxQuota{tenants: st.settings, rows: st.sandboxes}
 	r := &Replica{cfg: cfg, id: id, nodes: nodes, keys: keys,
-		sandboxes: &sandboxes{store: st, nodes: nodes, keys: keys, defaultMemMiB: cfg.DefaultMemMiB, log: cfg.Logger},
-		settings:  &settings{store: st, nodes: nodes},
+		sandboxes: &sandboxes{store: st.sandboxes, quota: quota, nodes: nodes, keys: keys, defaultMemMiB: cfg.DefaultMemMiB, log: cfg.Logger},
+		settings:  &settings{store: st.settings, rows: st.sandboxes, nodes: nodes},
 		templates: &templates{nodes: nodes},
-		nodeAdmin: &nodeAdmin{store: st, nodes: nodes},
+		nodeAdmin: &nodeAdmin{store: st.nodes, heads: st.audit, nodes: nodes},
 		approvals: &approvals{nodes: nodes},
-		pools:     &pools{store: st, nodes: nodes},
-		secrets:   &clusterSecrets{store: st},
-		e2b:       &e2bAPI{nodes: nodes, keys: keys, quota: st, defaultMemMiB: cfg.DefaultMemMiB},
+		pools:     &pools{store: st.settings, nodes: nodes},
+		secrets:   &clusterSecrets{store: st.secrets},
+		e2b:       &e2bAPI{nodes: nodes, keys: keys, quota: quota, defaultMemMiB: cfg.DefaultMemMiB},
 	}
 	r.self = server.NewSelfConn(func() *http.Server { return server.NewHTTPServer(r.Handler()) })
 	r.reg = prometheus.NewRegistry()
@@ -183,7 +200,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	wctx, stop := context.WithCancel(ctx)
 	defer stop()
-	watched, err := cluster.WatchLost(wctx, r.store, r.cfg.NodeTimeout, func(ids []string) {
+	watched, err := cluster.WatchLost(wctx, r.store.Nodes(), r.cfg.NodeTimeout, func(ids []string) {
 		r.cfg.Logger.Warn("cluster nodes lost", "nodes", ids, "timeout", r.cfg.NodeTimeout)
 	}, r.cfg.Logger)
 	if err != nil {

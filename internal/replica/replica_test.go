@@ -95,7 +95,7 @@ func TestReplicaServesEveryRouteAsMarked(t *testing.T) {
 		calls[name] = nc
 		st.nodes = append(st.nodes, clusterstore.Node{NodeStatus: clusterstore.NodeStatus{ID: name, Address: ts.URL, Templates: []string{"base:latest"}}, State: clusterstore.NodeReady})
 	}
-	r := assemble(Config{Logger: slog.New(slog.DiscardHandler)}, st, issue(clustertls.RoleReplica, "r1", nil))
+	r := assemble(Config{Logger: slog.New(slog.DiscardHandler)}, st.parts(), issue(clustertls.RoleReplica, "r1", nil))
 	t.Cleanup(r.Close)
 	mux, err := r.mux()
 	if err != nil {
@@ -209,6 +209,12 @@ func (n *nodeCalls) all() []nodeCall {
 type fakeStore struct {
 	key   string
 	nodes []clusterstore.Node
+}
+
+// parts gives the fake as every part of the store (each through the
+// replica's narrow interfaces for that part).
+func (f *fakeStore) parts() storeParts {
+	return storeParts{nodes: f, sandboxes: f, keys: f, settings: f, secrets: f, audit: f}
 }
 
 var errFake = fmt.Errorf("not in the fake store: %w", errdefs.ErrNotFound)

@@ -19,10 +19,9 @@ import (
 	"github.com/spacehq/space/internal/server"
 )
 
-// sandboxStore is what the sandbox routes read and write of the cluster
-// store beyond finding nodes.
+// sandboxStore is what the sandbox routes read and write of the cluster's
+// sandbox rows beyond finding nodes.
 type sandboxStore interface {
-	quotaStore
 	Sandboxes(ctx context.Context, tenant string) ([]clusterstore.Sandbox, error)
 	SandboxByKey(ctx context.Context, tenant, key string) (clusterstore.Sandbox, error)
 	SetDesired(ctx context.Context, id, desired string) error
@@ -31,6 +30,8 @@ type sandboxStore interface {
 	EndMove(ctx context.Context, id, from, to string, failure error) error
 }
 
+var _ sandboxStore = (*clusterstore.SandboxStore)(nil)
+
 // sandboxes serves the sandbox routes: creates placed and forwarded, lists
 // from the rows, every call naming a sandbox proxied to its node (a lost
 // node's sandboxes answered from their rows, a wake of one suspended
@@ -38,6 +39,7 @@ type sandboxStore interface {
 // them.
 type sandboxes struct {
 	store         sandboxStore
+	quota         sandboxQuota
 	nodes         *nodeClient
 	keys          *keyring
 	defaultMemMiB int64
@@ -249,7 +251,7 @@ func (s *sandboxes) create(w http.ResponseWriter, req *http.Request, p principal
 	if idem != "" && s.answerExisting(w, req, p, idem) {
 		return
 	}
-	if err := checkSandboxQuota(req.Context(), s.store, p); err != nil {
+	if err := s.quota.check(req.Context(), p); err != nil {
 		server.WriteError(w, req, err)
 		return
 	}
@@ -291,21 +293,38 @@ func (s *sandboxes) create(w http.ResponseWriter, req *http.Request, p principal
 	server.WriteError(w, req, fmt.Errorf("no node answered the create (tried %s): %w", strings.Join(tried, ", "), errdefs.ErrUnavailable))
 }
 
-// quotaStore is what the cluster-wide sandbox quota reads.
-type quotaStore interface {
+// tenantStore is where the cluster-wide sandbox quota reads a tenant's
+// quota: the cluster's settings.
+type tenantStore interface {
 	Tenant(ctx context.Context, name string) (api.Tenant, error)
+}
+
+var _ tenantStore = (*clusterstore.SettingsStore)(nil)
+
+// sandboxCounter is where the cluster-wide sandbox quota counts a tenant's
+// sandboxes: the sandbox rows.
+type sandboxCounter interface {
 	CountSandboxes(ctx context.Context, tenant string) (int, error)
 }
 
-// checkSandboxQuota refuses a create over the tenant's sandbox quota,
-// which holds across the cluster; its other quotas each node enforces on
-// its own sandboxes.
-func checkSandboxQuota(ctx context.Context, st quotaStore, p principal.Principal) error {
-	t, err := st.Tenant(ctx, tenantName(p.Tenant))
+var _ sandboxCounter = (*clusterstore.SandboxStore)(nil)
+
+// sandboxQuota is the cluster-wide sandbox quota: the tenant's quota from
+// the settings, its sandboxes counted in the rows.
+type sandboxQuota struct {
+	tenants tenantStore
+	rows    sandboxCounter
+}
+
+// check refuses a create over the tenant's sandbox quota, which holds
+// across the cluster; its other quotas each node enforces on its own
+// sandboxes.
+func (q sandboxQuota) check(ctx context.Context, p principal.Principal) error {
+	t, err := q.tenants.Tenant(ctx, tenantName(p.Tenant))
 	if err != nil || t.Quotas.Sandboxes <= 0 {
 		return err
 	}
-	n, err := st.CountSandboxes(ctx, tenantName(p.Tenant))
+	n, err := q.rows.CountSandboxes(ctx, tenantName(p.Tenant))
 	if err != nil {
 		return err
 	}

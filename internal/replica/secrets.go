@@ -27,6 +27,8 @@ type secretStore interface {
 	DeleteSecret(ctx context.Context, tenant, name string) error
 }
 
+var _ secretStore = (*clusterstore.SecretStore)(nil)
+
 // clusterSecrets serves the cluster's secrets.
 type clusterSecrets struct {
 	store  secretStore

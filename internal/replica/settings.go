@@ -16,22 +16,25 @@ import (
 	"github.com/spacehq/space/internal/tenancy"
 )
 
-// settingsStore is what tenants and policy rule sets keep in the cluster
-// store.
+// settingsStore is what tenants and policy rule sets keep in the cluster's
+// settings.
 type settingsStore interface {
-	quotaStore
+	tenantStore
 	Settings(ctx context.Context) (clusterstore.Settings, error)
 	PutTenant(ctx context.Context, t api.Tenant) error
 	PutRules(ctx context.Context, rs api.PolicyRuleSet) error
 	DeleteRules(ctx context.Context, scope string) error
 }
 
+var _ settingsStore = (*clusterstore.SettingsStore)(nil)
+
 // settings serves tenants and policy rule sets: checked here as a single
 // box checks them, stored in PostgreSQL, mirrored by every node within
 // its poll (NOTIFY makes it sooner).
 type settings struct {
 	store settingsStore
-	nodes *nodeClient // a sandbox scope's row
+	rows  sandboxCounter // a tenant's usage
+	nodes *nodeClient    // a sandbox scope's row
 }
 
 func (s *settings) listTenants(w http.ResponseWriter, req *http.Request, _ principal.Principal) {
@@ -58,7 +61,7 @@ func (s *settings) getTenant(w http.ResponseWriter, req *http.Request, p princip
 		server.WriteError(w, req, err)
 		return
 	}
-	n, err := s.store.CountSandboxes(req.Context(), name)
+	n, err := s.rows.CountSandboxes(req.Context(), name)
 	if err != nil {
 		server.WriteError(w, req, err)
 		return

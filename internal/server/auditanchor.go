@@ -18,7 +18,7 @@ import (
 // node reports the problem on its head (which stays as the evidence),
 // records it in its own log, and publishes nothing more until an admin
 // forgets the head (DELETE /v1/audit/heads/{node} through a replica).
-func (part auditAPI) anchorAudit(ctx context.Context, cs *clusterstore.Store, node string, interval time.Duration) {
+func (part auditAPI) anchorAudit(ctx context.Context, cs *clusterstore.AuditHeadStore, node string, interval time.Duration) {
 	s := part.s
 	if s.auditLog == nil {
 		return // a test server without a log
@@ -38,7 +38,7 @@ func (part auditAPI) anchorAudit(ctx context.Context, cs *clusterstore.Store, no
 	}
 }
 
-func (part auditAPI) anchorOnce(ctx context.Context, cs *clusterstore.Store, node string) error {
+func (part auditAPI) anchorOnce(ctx context.Context, cs *clusterstore.AuditHeadStore, node string) error {
 	s := part.s
 	anchored, err := cs.AuditHead(ctx, node)
 	switch {
@@ -66,7 +66,7 @@ func (part auditAPI) anchorOnce(ctx context.Context, cs *clusterstore.Store, nod
 	return err
 }
 
-func (part auditAPI) auditMismatch(ctx context.Context, cs *clusterstore.Store, node, problem string) error {
+func (part auditAPI) auditMismatch(ctx context.Context, cs *clusterstore.AuditHeadStore, node, problem string) error {
 	s := part.s
 	s.cfg.Logger.Error("this node's audit log does not continue the head anchored in the cluster; publishing stops until an admin forgets the head",
 		"node", node, "problem", problem)

@@ -107,7 +107,7 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 			return nil, err
 		}
 	}
-	rows := &clusterRows{store: cs, node: o.NodeID}
+	rows := &clusterRows{store: cs.Sandboxes(), node: o.NodeID}
 	s.mgr.Creates().SetCreated(rows.recordSandbox)
 	local := &clusterLocal{mgr: s.mgr}
 	status := func(ctx context.Context) (clusterstore.NodeStatus, error) {
@@ -156,17 +156,17 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 		}
 		<-served
 	}
-	beat, err := cluster.Beat(ctx, cs, o.Heartbeat, status, s.cfg.Logger)
+	beat, err := cluster.Beat(ctx, cs.Nodes(), o.Heartbeat, status, s.cfg.Logger)
 	if err != nil {
 		stopListener()
 		s.mgr.Creates().SetCreated(nil)
 		cs.Close()
 		return nil, fmt.Errorf("joining the cluster: %w", err)
 	}
-	node := &cluster.Node{ID: o.NodeID, Store: cs, Local: local, Log: s.cfg.Logger, OrphanGrace: o.OrphanGrace}
+	node := &cluster.Node{ID: o.NodeID, Store: cs.Sandboxes(), Local: local, Log: s.cfg.Logger, OrphanGrace: o.OrphanGrace}
 	s.mgr.SetOperationDone(func(api.Operation) { node.Wake() })
 	if o.SuspendShare != "" {
-		node.Changed = func(ctx context.Context, id string, sb *api.Sandbox) { s.syncShare(ctx, cs, o, id, sb) }
+		node.Changed = func(ctx context.Context, id string, sb *api.Sandbox) { s.syncShare(ctx, cs.Sandboxes(), o, id, sb) }
 	}
 	done := make(chan struct{})
 	go func() {
@@ -178,7 +178,7 @@ func (s *Server) startClusterNode(ctx context.Context, o ClusterNodeOptions) (wa
 		}()
 		go func() {
 			defer close(anchored)
-			(auditAPI{s}).anchorAudit(ctx, cs, o.NodeID, o.Heartbeat)
+			(auditAPI{s}).anchorAudit(ctx, cs.AuditHeads(), o.NodeID, o.Heartbeat)
 		}()
 		node.Run(ctx)
 		<-mirrored
@@ -218,7 +218,7 @@ func listenCluster(o ClusterNodeOptions) (net.Listener, error) {
 
 // clusterRows is where a node records the sandboxes it creates.
 type clusterRows struct {
-	store *clusterstore.Store
+	store *clusterstore.SandboxStore
 	node  string
 }
 
@@ -380,7 +380,7 @@ func (l *clusterLocal) wait(ctx context.Context, op api.Operation, err error, ve
 // removed), woken by NOTIFY and polling every interval anyway.
 func (s *Server) mirrorSettings(ctx context.Context, cs *clusterstore.Store, sealer *secrets.Sealer, every time.Duration) {
 	wake := make(chan struct{}, 1)
-	go cs.ListenSettings(ctx, func() {
+	go cs.Settings().ListenSettings(ctx, func() {
 		select {
 		case wake <- struct{}{}:
 		default:
@@ -389,11 +389,11 @@ func (s *Server) mirrorSettings(ctx context.Context, cs *clusterstore.Store, sea
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
-		if err := s.applySettings(ctx, cs); err != nil && ctx.Err() == nil {
+		if err := s.applySettings(ctx, cs.Settings()); err != nil && ctx.Err() == nil {
 			s.cfg.Logger.Warn("cluster: mirroring tenants and policies", "err", err)
 		}
 		if sealer != nil {
-			if err := s.applySecrets(ctx, cs, sealer); err != nil && ctx.Err() == nil {
+			if err := s.applySecrets(ctx, cs.Secrets(), sealer); err != nil && ctx.Err() == nil {
 				s.cfg.Logger.Warn("cluster: mirroring secrets", "err", err)
 			}
 		}
@@ -407,7 +407,7 @@ func (s *Server) mirrorSettings(ctx context.Context, cs *clusterstore.Store, sea
 }
 
 // applySettings makes one pass of mirrorSettings.
-func (s *Server) applySettings(ctx context.Context, cs *clusterstore.Store) error {
+func (s *Server) applySettings(ctx context.Context, cs *clusterstore.SettingsStore) error {
 	want, err := cs.Settings(ctx)
 	if err != nil {
 		return err
@@ -528,7 +528,7 @@ func shareDir(o ClusterNodeOptions, id string) string {
 // sandbox that became suspended is exported; one that left that state (or
 // is gone) loses its export — but only while its row is this node's: after
 // a move the share belongs to the node that has the row.
-func (s *Server) syncShare(ctx context.Context, cs *clusterstore.Store, o ClusterNodeOptions, id string, sb *api.Sandbox) {
+func (s *Server) syncShare(ctx context.Context, cs *clusterstore.SandboxStore, o ClusterNodeOptions, id string, sb *api.Sandbox) {
 	dir := shareDir(o, id)
 	if sb != nil && sb.State == api.StateSuspended {
 		if _, err := os.Stat(dir); err == nil {

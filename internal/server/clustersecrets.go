@@ -43,7 +43,7 @@ func loadSealer(path string) (*secrets.Sealer, error) { return LoadClusterSealer
 // whose value, hosts or header differ is set (a rotation reaches the
 // sandboxes holding it), each one the cluster does not have is deleted
 // (its grants revoked).
-func (s *Server) applySecrets(ctx context.Context, cs *clusterstore.Store, sealer *secrets.Sealer) error {
+func (s *Server) applySecrets(ctx context.Context, cs *clusterstore.SecretStore, sealer *secrets.Sealer) error {
 	st, err := (secretsAPI{s}).secretStore()
 	if err != nil {
 		return err
