@@ -13,6 +13,7 @@ import (
 	"github.com/coder/websocket"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/sandbox"
 )
@@ -264,40 +265,24 @@ func (p *processes) follow(ctx context.Context, id, cmdID string, tty, closeStdi
 	}
 	defer att.Close()
 	conn := att.Conn
-	conn.SetReadLimit(api.MaxFrame)
+	frames := agentclient.Frames(conn)
 	if closeStdin {
 		if err := conn.Write(ctx, websocket.MessageBinary, []byte{api.FrameCloseStdin}); err != nil {
 			return fmt.Errorf("closing stdin: %w: %w", err, errdefs.ErrUnavailable)
 		}
 	}
-	started := false
+	// The reader holds the agent to the stream's order: started first,
+	// once; exit last.
 	for {
-		typ, b, err := conn.Read(ctx)
+		f, _, err := frames.Next(ctx)
 		if err != nil {
-			if ctx.Err() != nil {
-				return ctx.Err()
-			}
-			return fmt.Errorf("the sandbox's agent went away: %w", errdefs.ErrUnavailable)
-		}
-		if typ != websocket.MessageBinary {
-			return fmt.Errorf("the agent sent a malformed frame: %w", errdefs.ErrUnavailable)
-		}
-		f, err := api.DecodeFrame(b)
-		if err != nil {
-			return fmt.Errorf("the agent sent a malformed frame: %w", errdefs.ErrUnavailable)
+			return err
 		}
 		var ev processEvent
 		switch f.Type {
 		case api.FrameStarted:
-			if started {
-				continue
-			}
-			started = true
 			ev.Start = &startEvent{Pid: uint32(f.Started.Pid)}
 		case api.FrameStdout, api.FrameStderr:
-			if !started {
-				return fmt.Errorf("the agent sent output before the process started: %w", errdefs.ErrUnavailable)
-			}
 			data := append([]byte(nil), f.Data...)
 			switch {
 			case tty:
@@ -313,11 +298,6 @@ func (p *processes) follow(ctx context.Context, id, cmdID string, tty, closeStdi
 			continue
 		case api.FrameExit:
 			st := att.Exited(context.WithoutCancel(ctx), f.Exit)
-			if !started {
-				if err := s.send(eventResponse{Event: processEvent{Start: &startEvent{}}}); err != nil {
-					return nil
-				}
-			}
 			end := &endEvent{ExitCode: int32(st.ExitCode), Exited: st.Signal == "", Status: exitStatus(st)}
 			if st.Reason != "" {
 				reason := st.Reason
@@ -326,8 +306,6 @@ func (p *processes) follow(ctx context.Context, id, cmdID string, tty, closeStdi
 			s.send(eventResponse{Event: processEvent{End: end}})
 			p.forget(id, cmdID)
 			return nil
-		default:
-			return fmt.Errorf("the agent sent an unexpected frame type %d: %w", f.Type, errdefs.ErrUnavailable)
 		}
 		if err := s.send(eventResponse{Event: ev}); err != nil {
 			// The client went away; the process goes on.

@@ -20,6 +20,7 @@ import (
 	"github.com/coder/websocket"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/agentproto"
 	"github.com/spacehq/space/internal/build"
 	"github.com/spacehq/space/internal/errdefs"
@@ -247,50 +248,26 @@ func (part *Builds) runStepCommand(ctx context.Context, id string, s build.Step,
 }
 
 // copyStepOutput reads attach frames from the agent (untrusted: every
-// frame is checked) until the exit frame, writing stdout and stderr to out
-// in the order they come.
+// frame is checked, replayed output is written once) until the exit
+// frame, writing stdout and stderr to out in the order they come.
 func copyStepOutput(ctx context.Context, conn *websocket.Conn, out io.Writer) (api.ExitStatus, error) {
-	conn.SetReadLimit(api.MaxFrame)
-	var next [3]int64 // next expected offset of stdout (1) and stderr (2)
+	frames := agentclient.Frames(conn, agentclient.TrimOverlap())
 	for {
-		typ, b, err := conn.Read(ctx)
+		f, _, err := frames.Next(ctx)
 		if err != nil {
-			if ctx.Err() != nil {
-				return api.ExitStatus{}, ctx.Err()
-			}
-			return api.ExitStatus{}, fmt.Errorf("build step: the sandbox's agent went away before the command exited: %w: %w", err, errdefs.ErrUnavailable)
-		}
-		if typ != websocket.MessageBinary {
-			return api.ExitStatus{}, fmt.Errorf("build step: the agent sent a malformed frame: %w", errdefs.ErrUnavailable)
-		}
-		f, err := api.DecodeFrame(b)
-		if err != nil {
-			return api.ExitStatus{}, fmt.Errorf("build step: the agent sent a malformed frame: %w: %w", err, errdefs.ErrUnavailable)
+			return api.ExitStatus{}, fmt.Errorf("build step: %w", err)
 		}
 		switch f.Type {
 		case api.FrameStdout, api.FrameStderr:
-			off, data := f.Offset, f.Data
-			// Skip a replayed overlap; a gap was announced by FrameDropped.
-			if skip := next[f.Type] - off; skip > 0 {
-				if skip >= int64(len(data)) {
-					continue
-				}
-				data = data[skip:]
-				off += skip
-			}
-			next[f.Type] = off + int64(len(data))
-			if _, err := out.Write(data); err != nil {
+			if _, err := out.Write(f.Data); err != nil {
 				return api.ExitStatus{}, fmt.Errorf("build step: writing its output: %w", err)
 			}
 		case api.FrameDropped:
 			if d := f.Dropped; d.To > d.From {
 				fmt.Fprintf(out, "\n[space] %d bytes of %s output were lost (the reader fell behind)\n", d.To-d.From, d.Stream)
 			}
-		case api.FrameStarted:
 		case api.FrameExit:
 			return f.Exit, nil
-		default:
-			return api.ExitStatus{}, fmt.Errorf("build step: the agent sent an unexpected frame type %d: %w", f.Type, errdefs.ErrUnavailable)
 		}
 	}
 }

@@ -17,8 +17,6 @@ import (
 	"unicode"
 	"unicode/utf8"
 
-	"github.com/coder/websocket"
-
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/agentproto"
@@ -336,23 +334,14 @@ func (w *startWatch) run(c *agentclient.Client, id string) {
 		return
 	}
 	defer conn.CloseNow()
+	frames := agentclient.Frames(conn)
 	for {
-		typ, data, err := conn.Read(w.ctx)
+		f, _, err := frames.Next(w.ctx)
 		if err != nil {
 			if w.ctx.Err() == nil {
-				w.fallback(c, id) // the stream broke, not us: ask once more
+				w.fallback(c, id) // the stream broke or went bad, not us: ask once more
 			}
 			return
-		}
-		if typ != websocket.MessageBinary {
-			continue
-		}
-		f, err := api.DecodeFrame(data)
-		if err != nil {
-			if len(data) > 0 && data[0] == api.FrameExit {
-				return // a malformed exit frame still ends the stream, without a status
-			}
-			continue
 		}
 		switch f.Type {
 		case api.FrameStdout, api.FrameStderr:

@@ -9,6 +9,7 @@ import (
 	"github.com/coder/websocket"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/errdefs"
 )
 
@@ -54,7 +55,7 @@ func (s *Server) execStream(w http.ResponseWriter, r *http.Request) {
 	}
 	defer att.Close()
 	agent := att.Conn
-	agent.SetReadLimit(api.MaxFrame)
+	frames := agentclient.Frames(agent)
 	for b := []byte(stdin); len(b) > 0; {
 		n := min(len(b), api.MaxFrame-1)
 		if err := agent.Write(ctx, websocket.MessageBinary, append([]byte{api.FrameStdin}, b[:n]...)); err != nil {
@@ -83,24 +84,15 @@ func (s *Server) execStream(w http.ResponseWriter, r *http.Request) {
 		}
 		return rc.Flush()
 	}
-	// The agent's frames are checked as the attach proxy checks them: the
-	// agent may be hostile. A bad one ends the stream without an exit.
+	// The agent may be hostile: its frames are checked by the reader the
+	// attach proxy uses. A bad one ends the stream without an exit.
 	for {
-		typ, b, err := agent.Read(ctx)
-		if err != nil || typ != websocket.MessageBinary {
-			return
-		}
-		f, err := api.DecodeFrame(b)
+		f, b, err := frames.Next(ctx)
 		if err != nil {
 			return
 		}
-		switch f.Type {
-		case api.FrameStdout, api.FrameStderr, api.FrameStarted, api.FrameDropped:
-		case api.FrameExit:
-			out := exitFrame(ctx, att, f.Exit)
-			_ = send(out)
-			return
-		default:
+		if f.Type == api.FrameExit {
+			_ = send(exitFrame(ctx, att, f.Exit))
 			return
 		}
 		if err := send(b); err != nil {

@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -13,6 +14,7 @@ import (
 	"github.com/coder/websocket"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/agentclient"
 	"github.com/spacehq/space/internal/errdefs"
 	"github.com/spacehq/space/internal/sandbox"
 )
@@ -321,7 +323,7 @@ func (s *Server) attach(w http.ResponseWriter, r *http.Request) {
 	defer client.CloseNow()
 	client.SetReadLimit(api.MaxFrame)
 	agent := att.Conn
-	agent.SetReadLimit(api.MaxFrame)
+	frames := agentclient.Frames(agent)
 
 	// client → agent
 	go func() {
@@ -348,31 +350,19 @@ func (s *Server) attach(w http.ResponseWriter, r *http.Request) {
 	}()
 	// agent → client
 	for {
-		typ, b, err := agent.Read(ctx)
-		if err != nil {
+		f, b, err := frames.Next(ctx)
+		switch {
+		case errors.Is(err, agentclient.ErrBadFrame):
+			client.Close(websocket.StatusInternalError, "the agent sent a malformed frame")
+			return
+		case err != nil:
 			if ctx.Err() == nil {
 				client.Close(websocket.StatusGoingAway, "the sandbox's agent went away")
 			}
 			return
-		}
-		if typ != websocket.MessageBinary {
-			client.Close(websocket.StatusInternalError, "the agent sent a malformed frame")
-			return
-		}
-		f, err := api.DecodeFrame(b)
-		if err != nil {
-			client.Close(websocket.StatusInternalError, "the agent sent a malformed frame")
-			return
-		}
-		switch f.Type {
-		case api.FrameStdout, api.FrameStderr, api.FrameStarted, api.FrameDropped:
-		case api.FrameExit:
-			out := exitFrame(ctx, att, f.Exit)
-			client.Write(ctx, websocket.MessageBinary, out)
+		case f.Type == api.FrameExit:
+			client.Write(ctx, websocket.MessageBinary, exitFrame(ctx, att, f.Exit))
 			client.Close(websocket.StatusNormalClosure, "exited")
-			return
-		default:
-			client.Close(websocket.StatusInternalError, fmt.Sprintf("the agent sent an unexpected frame type %d", f.Type))
 			return
 		}
 		if err := client.Write(ctx, websocket.MessageBinary, b); err != nil {

@@ -26,10 +26,11 @@ import (
 
 // ptySession drives an attached TTY process.
 type ptySession struct {
-	t    *testing.T
-	conn *websocket.Conn
-	out  bytes.Buffer
-	exit *api.ExitStatus
+	t      *testing.T
+	conn   *websocket.Conn
+	frames *agentclient.FrameReader
+	out    bytes.Buffer
+	exit   *api.ExitStatus
 }
 
 func (p *ptySession) send(typ byte, payload []byte) {
@@ -47,16 +48,9 @@ func (p *ptySession) expect(want string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	for !strings.Contains(p.out.String(), want) {
-		typ, msg, err := p.conn.Read(ctx)
+		f, _, err := p.frames.Next(ctx)
 		if err != nil {
 			p.t.Fatalf("waiting for %q in PTY output %q: %v", want, p.out.String(), err)
-		}
-		if typ != websocket.MessageBinary {
-			continue
-		}
-		f, err := api.DecodeFrame(msg)
-		if err != nil {
-			p.t.Fatalf("attach frame from the agent: %v", err)
 		}
 		switch f.Type {
 		case api.FrameStdout, api.FrameStderr:
@@ -85,7 +79,7 @@ func testPTY(t *testing.T, h Harness) {
 		t.Fatalf("Attach: %v", err)
 	}
 	defer conn.CloseNow()
-	p := &ptySession{t: t, conn: conn}
+	p := &ptySession{t: t, conn: conn, frames: agentclient.Frames(conn)}
 	p.send(api.FrameStdin, []byte("tty; echo SIZE=$(stty size)\n"))
 	p.expect("SIZE=24 80")
 	if !strings.Contains(p.out.String(), "/dev/pts/") {
@@ -113,15 +107,11 @@ func testPTY(t *testing.T, h Harness) {
 	rctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
 	for p.exit == nil {
-		typ, msg, err := conn.Read(rctx)
+		f, _, err := p.frames.Next(rctx)
 		if err != nil {
 			t.Fatalf("waiting for exit frame: %v", err)
 		}
-		if typ == websocket.MessageBinary && len(msg) > 0 && msg[0] == api.FrameExit {
-			f, err := api.DecodeFrame(msg)
-			if err != nil {
-				t.Fatal(err)
-			}
+		if f.Type == api.FrameExit {
 			p.exit = &f.Exit
 		}
 	}
