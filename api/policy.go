@@ -37,27 +37,35 @@ type PolicyRuleSetList struct {
 	RuleSets []PolicyRuleSet `json:"rule_sets"`
 }
 
-// PolicyAction is an action as policies and approvals see it: an exec
-// start, a files API call, a DNS query, a connection, an intercepted HTTP
-// request, a secret use, a port exposure or a lifecycle verb.
+// PolicyAction is one thing that is about to happen to or in a sandbox, as
+// the platform sees it — an exec start, a files API call, a DNS query, a
+// connection, an intercepted HTTP request, a secret use, a port exposure or
+// a lifecycle verb. It is the one action type: what deciders get
+// (internal/actions.Action is this type), what the policy engine's rules see
+// (the cel tags are the field names rules use: action.path, h.kind), what
+// approvals, `space policy test` and the gateway's decision stream carry.
+// Which fields a kind sets is listed with the kinds in internal/actions.
 type PolicyAction struct {
-	Kind     string    `json:"kind"`
-	Time     time.Time `json:"time"`
-	Sandbox  string    `json:"sandbox,omitempty"`
-	Tenant   string    `json:"tenant,omitempty"`
-	Template string    `json:"template,omitempty"`
-	Argv     []string  `json:"argv,omitempty"`
-	User     string    `json:"user,omitempty"`
-	Cwd      string    `json:"cwd,omitempty"`
-	Path     string    `json:"path,omitempty"`
-	Name     string    `json:"name,omitempty"`
-	IP       string    `json:"ip,omitempty"`
-	Port     int       `json:"port,omitempty"`
-	SNI      string    `json:"sni,omitempty"`
-	Method   string    `json:"method,omitempty"`
-	Secret   string    `json:"secret,omitempty"`
-	Verb     string    `json:"verb,omitempty"`
-	Exe      string    `json:"exe,omitempty"`
+	Kind     string    `json:"kind" cel:"kind"`
+	Time     time.Time `json:"time" cel:"time"`
+	Sandbox  string    `json:"sandbox,omitempty" cel:"sandbox"`
+	Tenant   string    `json:"tenant,omitempty" cel:"tenant"`
+	Template string    `json:"template,omitempty" cel:"template"`
+	Argv     []string  `json:"argv,omitempty" cel:"argv"`
+	User     string    `json:"user,omitempty" cel:"user"`
+	Cwd      string    `json:"cwd,omitempty" cel:"cwd"`
+	// Path is a file path (files API) or an HTTP request path.
+	Path   string `json:"path,omitempty" cel:"path"`
+	Name   string `json:"name,omitempty" cel:"name"`
+	IP     string `json:"ip,omitempty" cel:"ip"`
+	Port   int    `json:"port,omitempty" cel:"port"`
+	SNI    string `json:"sni,omitempty" cel:"sni"`
+	Method string `json:"method,omitempty" cel:"method"`
+	Secret string `json:"secret,omitempty" cel:"secret"`
+	Verb   string `json:"verb,omitempty" cel:"verb"`
+	// Exe is the executable that opened a connection, as the host saw it
+	// without trusting the sandbox; empty where the host cannot see it.
+	Exe string `json:"exe,omitempty" cel:"exe"`
 }
 
 // Approval is an action a rule said "ask" for, held until someone answers

@@ -95,13 +95,12 @@ func BenchmarkPolicyEvaluation(b *testing.B) {
 	}
 	h := policy.NewHistory(0)
 	for i := range policy.DefaultHistoryLen {
-		a := mix(i)
-		h.Append(policy.Act{Kind: a.Kind, Path: a.Path, Name: a.Name, Argv: a.Argv, Time: a.Time, Verdict: "allow"})
+		h.Append(mix(i), actions.Allow)
 	}
 	var ss samples
 	for i := range 50 {
 		start := time.Now()
-		r := policy.Evaluate(ctx, []*policy.RuleSet{scan}, policy.Act{Kind: actions.Exec}, h, t0.Add(time.Duration(i)))
+		r := policy.Evaluate(ctx, []*policy.RuleSet{scan}, actions.Action{Kind: actions.Exec}, h, t0.Add(time.Duration(i)))
 		ss = append(ss, time.Since(start))
 		if r.Verdict != actions.Allow {
 			b.Fatalf("scan rule: %+v", r)

@@ -3,14 +3,15 @@
 // connection, an intercepted HTTP request, a secret use, a port exposure, a
 // lifecycle verb — and the verdict a policy gives it.
 //
-// It is a leaf package so that every layer that sees actions (the sandbox
-// manager, the server, the gateway process) can ask one Decider without
-// importing the policy engine.
+// It imports only the api package (the wire types, itself a leaf) so that
+// every layer that sees actions (the sandbox manager, the server, the
+// gateway process) can ask one Decider without importing the policy engine.
 package actions
 
 import (
 	"context"
-	"time"
+
+	"github.com/spacehq/space/api"
 )
 
 // Kinds of action.
@@ -27,30 +28,12 @@ const (
 	Lifecycle  = "lifecycle"   // Verb
 )
 
-// Action is one thing that is about to happen to or in a sandbox.
-type Action struct {
-	Kind     string    `json:"kind"`
-	Time     time.Time `json:"time"`
-	Sandbox  string    `json:"sandbox,omitempty"`
-	Tenant   string    `json:"tenant,omitempty"`
-	Template string    `json:"template,omitempty"`
-
-	Argv []string `json:"argv,omitempty"`
-	User string   `json:"user,omitempty"`
-	Cwd  string   `json:"cwd,omitempty"`
-	// Path is a file path (files API) or an HTTP request path.
-	Path   string `json:"path,omitempty"`
-	Name   string `json:"name,omitempty"`
-	IP     string `json:"ip,omitempty"`
-	Port   int    `json:"port,omitempty"`
-	SNI    string `json:"sni,omitempty"`
-	Method string `json:"method,omitempty"`
-	Secret string `json:"secret,omitempty"`
-	Verb   string `json:"verb,omitempty"`
-	// Exe is the executable that opened a connection, as the host saw it
-	// without trusting the sandbox; empty where the host cannot see it.
-	Exe string `json:"exe,omitempty"`
-}
+// Action is one thing that is about to happen to or in a sandbox. It is
+// api.PolicyAction, the one action type: deciders get it, the policy
+// engine's rules and history see it (with its verdict), approvals, `space
+// policy test` and the gateway's decision stream carry it. The alias keeps
+// this package the vocabulary every layer speaks.
+type Action = api.PolicyAction
 
 // Verdict is a policy's answer.
 type Verdict string

@@ -20,7 +20,7 @@ import (
 // to run the action).
 func (e *Engine) ask(ctx context.Context, a actions.Action, r Result) actions.Decision {
 	now := e.cfg.Now().UTC()
-	ap := api.Approval{ID: newApprovalID(), Sandbox: a.Sandbox, Tenant: a.Tenant, Action: ToAPI(a), Rule: r.Rule,
+	ap := api.Approval{ID: newApprovalID(), Sandbox: a.Sandbox, Tenant: a.Tenant, Action: a, Rule: r.Rule,
 		Reason: r.Reason, State: api.ApprovalPending, CreatedAt: now, ExpiresAt: now.Add(e.cfg.ApprovalTimeout)}
 	ch := make(chan api.Approval, 1)
 	e.amu.Lock()

@@ -287,10 +287,9 @@ func (e *Engine) Decide(ctx context.Context, a actions.Action) actions.Decision 
 		a.Tenant = principal.DefaultTenant
 	}
 	sets := e.setsFor(&a)
-	act := actOf(a)
 	if a.Sandbox == "" {
 		// Nothing to remember it in (a create): rules see an empty history.
-		r := Evaluate(ctx, sets, act, NewHistory(1), a.Time)
+		r := Evaluate(ctx, sets, a, NewHistory(1), a.Time)
 		if r.Verdict == actions.Ask {
 			return e.ask(ctx, a, r)
 		}
@@ -298,34 +297,18 @@ func (e *Engine) Decide(ctx context.Context, a actions.Action) actions.Decision 
 	}
 	sh := e.history(a.Sandbox)
 	sh.mu.Lock()
-	r := Evaluate(ctx, sets, act, sh.h, a.Time)
+	r := Evaluate(ctx, sets, a, sh.h, a.Time)
 	if r.Verdict != actions.Ask {
-		act.Verdict = string(r.Verdict)
-		sh.h.Append(act)
+		sh.h.Append(a, r.Verdict)
 		sh.mu.Unlock()
 		return actions.Decision{Verdict: r.Verdict, Reason: r.Reason, Rule: r.Rule}
 	}
 	sh.mu.Unlock()
 	d := e.ask(ctx, a, r)
 	sh.mu.Lock()
-	act.Verdict = string(d.Verdict)
-	sh.h.Append(act)
+	sh.h.Append(a, d.Verdict)
 	sh.mu.Unlock()
 	return d
-}
-
-// ToAPI converts an action to its wire form.
-func ToAPI(a actions.Action) api.PolicyAction {
-	return api.PolicyAction{Kind: a.Kind, Time: a.Time, Sandbox: a.Sandbox, Tenant: a.Tenant, Template: a.Template,
-		Argv: a.Argv, User: a.User, Cwd: a.Cwd, Path: a.Path, Name: a.Name, IP: a.IP, Port: a.Port, SNI: a.SNI,
-		Method: a.Method, Secret: a.Secret, Verb: a.Verb, Exe: a.Exe}
-}
-
-// FromAPI converts an action from its wire form.
-func FromAPI(a api.PolicyAction) actions.Action {
-	return actions.Action{Kind: a.Kind, Time: a.Time, Sandbox: a.Sandbox, Tenant: a.Tenant, Template: a.Template,
-		Argv: a.Argv, User: a.User, Cwd: a.Cwd, Path: a.Path, Name: a.Name, IP: a.IP, Port: a.Port, SNI: a.SNI,
-		Method: a.Method, Secret: a.Secret, Verb: a.Verb, Exe: a.Exe}
 }
 
 func newApprovalID() string {

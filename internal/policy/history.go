@@ -9,36 +9,21 @@ import (
 )
 
 // Act is an action as CEL rules see it: `action` is one, `history` a list
-// of them (oldest first, each with the verdict it got). The cel tags are
-// the field names rules use; a name not here is a compile error.
+// of them (oldest first, each with the verdict it got). It is the one
+// action type (actions.Action, whose cel tags are the field names rules
+// use; a name not there is a compile error) and its verdict. The action is
+// embedded through an unexported name so that CEL sees its fields and not
+// the embedded struct itself.
 type Act struct {
-	Kind     string    `cel:"kind"`
-	Time     time.Time `cel:"time"`
-	Sandbox  string    `cel:"sandbox"`
-	Tenant   string    `cel:"tenant"`
-	Template string    `cel:"template"`
-	Argv     []string  `cel:"argv"`
-	User     string    `cel:"user"`
-	Cwd      string    `cel:"cwd"`
-	Path     string    `cel:"path"`
-	Name     string    `cel:"name"`
-	IP       string    `cel:"ip"`
-	Port     int       `cel:"port"`
-	SNI      string    `cel:"sni"`
-	Method   string    `cel:"method"`
-	Secret   string    `cel:"secret"`
-	Verb     string    `cel:"verb"`
-	Exe      string    `cel:"exe"`
+	action
 	// Verdict is what the action got ("allow" or "deny"); "" for the
 	// action being decided.
 	Verdict string `cel:"verdict"`
 }
 
-func actOf(a actions.Action) Act {
-	return Act{Kind: a.Kind, Time: a.Time, Sandbox: a.Sandbox, Tenant: a.Tenant, Template: a.Template,
-		Argv: a.Argv, User: a.User, Cwd: a.Cwd, Path: a.Path, Name: a.Name, IP: a.IP, Port: a.Port,
-		SNI: a.SNI, Method: a.Method, Secret: a.Secret, Verb: a.Verb, Exe: a.Exe}
-}
+// action names actions.Action for embedding in Act without an exported
+// (CEL-visible) field name.
+type action = actions.Action
 
 // subject is what seen() matches a prefix against: the path of files and
 // HTTP actions, the name of DNS queries, connections and secrets' hosts,
@@ -130,10 +115,11 @@ func (h *History) Acts() []Act { return h.acts[h.start:] }
 
 func (h *History) at(seq uint64) *Act { return &h.acts[seq-h.first] }
 
-// Append records a decided action. Times are kept non-decreasing (an
-// earlier time than the last one's is raised to it) so windows can be
-// binary-searched.
-func (h *History) Append(a Act) {
+// Append records a decided action with the verdict it got. Times are kept
+// non-decreasing (an earlier time than the last one's is raised to it) so
+// windows can be binary-searched.
+func (h *History) Append(act actions.Action, v actions.Verdict) {
+	a := Act{action: act, Verdict: string(v)}
 	if a.Time.Before(h.last) {
 		a.Time = h.last
 	}

@@ -58,19 +58,17 @@ func Test(rs api.PolicyRuleSet, history []api.PolicyAction, extra *api.PolicyAct
 	h := NewHistory(len(history) + 1)
 	var last time.Time
 	var out []api.PolicyTestResult
-	run := func(line int, a api.PolicyAction) Act {
+	run := func(line int, a api.PolicyAction) (api.PolicyAction, actions.Verdict) {
 		if a.Time.IsZero() {
 			a.Time = last
 		}
 		last = a.Time
-		act := actOf(FromAPI(a))
-		r := Evaluate(context.Background(), sets, act, h, a.Time)
+		r := Evaluate(context.Background(), sets, a, h, a.Time)
 		out = append(out, api.PolicyTestResult{Line: line, Action: a, Verdict: string(r.Verdict), Rule: r.Rule, Reason: r.Reason})
-		act.Verdict = string(r.Verdict)
 		if r.Verdict == actions.Ask {
-			act.Verdict = string(actions.Deny)
+			return a, actions.Deny
 		}
-		return act
+		return a, r.Verdict
 	}
 	for i, a := range history {
 		h.Append(run(i+1, a))

@@ -295,18 +295,18 @@ func (ev *evaluation) seen(_ string, args ...ref.Val) ref.Val {
 	return types.Bool(ev.hist.Seen(string(kind), prefix))
 }
 
-// Evaluate runs every rule of sets (in order) on act given hist: deny wins
+// Evaluate runs every rule of sets (in order) on action a given hist: deny wins
 // over ask, ask over allow, no match allows; a deny stops the evaluation.
 // A rule that fails to evaluate — over its cost limit, too slow, a runtime
 // error — denies (fail closed) with a reason saying so. hist is only read.
-func Evaluate(ctx context.Context, sets []*RuleSet, act Act, hist *History, now time.Time) Result {
+func Evaluate(ctx context.Context, sets []*RuleSet, a actions.Action, hist *History, now time.Time) Result {
 	res := Result{Verdict: actions.Allow}
 	if len(sets) == 0 {
 		return res
 	}
 	ev := &evaluation{hist: hist, now: now}
 	vars, err := cel.FunctionVars(map[string]any{
-		"action":  act,
+		"action":  Act{action: a}, // no verdict yet
 		"history": func() any { return hist.Acts() },
 		"now":     now,
 	}, map[string]cel.LateBoundFunction{"count": ev.count, "seen": ev.seen})

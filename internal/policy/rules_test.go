@@ -32,16 +32,16 @@ func mustCompile(t testing.TB, rules ...api.PolicyRule) *RuleSet {
 
 // decideSeq decides each action in turn with the ones before as history,
 // as the engine does, and returns the verdicts.
-func decideSeq(t testing.TB, rs *RuleSet, acts []Act) []Result {
+func decideSeq(t testing.TB, rs *RuleSet, acts []actions.Action) []Result {
 	h := NewHistory(0)
 	var out []Result
 	for _, a := range acts {
 		r := Evaluate(context.Background(), []*RuleSet{rs}, a, h, a.Time)
-		a.Verdict = string(r.Verdict)
-		if r.Verdict == actions.Ask {
-			a.Verdict = string(actions.Deny)
+		v := r.Verdict
+		if v == actions.Ask {
+			v = actions.Deny
 		}
-		h.Append(a)
+		h.Append(a, v)
 		out = append(out, r)
 	}
 	return out
@@ -50,7 +50,7 @@ func decideSeq(t testing.TB, rs *RuleSet, acts []Act) []Result {
 func TestPIIThenEgressOnlyToInternal(t *testing.T) {
 	rs := mustCompile(t, api.PolicyRule{Name: "pii-egress", Match: piiRule, Verdict: "deny", Reason: "after reading PII, egress only to api.internal"})
 	t0 := time.Unix(1_800_000_000, 0)
-	acts := []Act{
+	acts := []actions.Action{
 		{Kind: "dns", Name: "pypi.org", Time: t0},                            // before: allowed
 		{Kind: "file.read", Path: "/data/piix/a", Time: t0.Add(time.Second)}, // not under /data/pii
 		{Kind: "connect", Name: "pypi.org", Port: 443, Time: t0.Add(2 * time.Second)},
@@ -75,14 +75,14 @@ func TestPIIMemoryOutlivesEviction(t *testing.T) {
 	rs := mustCompile(t, api.PolicyRule{Name: "pii-egress", Match: piiRule, Verdict: "deny"})
 	h := NewHistory(100)
 	t0 := time.Unix(1_800_000_000, 0)
-	h.Append(Act{Kind: "file.read", Path: "/data/pii/x", Time: t0, Verdict: "allow"})
+	h.Append(actions.Action{Kind: "file.read", Path: "/data/pii/x", Time: t0}, actions.Allow)
 	for i := range 500 {
-		h.Append(Act{Kind: "exec", Argv: []string{"true"}, Time: t0.Add(time.Duration(i) * time.Millisecond), Verdict: "allow"})
+		h.Append(actions.Action{Kind: "exec", Argv: []string{"true"}, Time: t0.Add(time.Duration(i) * time.Millisecond)}, actions.Allow)
 	}
 	if h.Len() != 100 {
 		t.Fatalf("history len %d, want 100", h.Len())
 	}
-	r := Evaluate(context.Background(), []*RuleSet{rs}, Act{Kind: "dns", Name: "x.example", Time: t0.Add(time.Hour)}, h, t0.Add(time.Hour))
+	r := Evaluate(context.Background(), []*RuleSet{rs}, actions.Action{Kind: "dns", Name: "x.example", Time: t0.Add(time.Hour)}, h, t0.Add(time.Hour))
 	if r.Verdict != actions.Deny {
 		t.Fatalf("PII read forgotten after eviction: %+v", r)
 	}
@@ -91,16 +91,16 @@ func TestPIIMemoryOutlivesEviction(t *testing.T) {
 func TestAtMost20PostsPerMinute(t *testing.T) {
 	rs := mustCompile(t, api.PolicyRule{Name: "post-rate", Match: postRule, Verdict: "deny", Reason: "at most 20 POSTs per minute to api.example.com"})
 	t0 := time.Unix(1_800_000_000, 0)
-	var acts []Act
+	var acts []actions.Action
 	for i := range 25 { // 25 POSTs in 25 s: the 21st..25th are denied
-		acts = append(acts, Act{Kind: "http", Method: "POST", Name: "api.example.com", Path: "/v1/x", Time: t0.Add(time.Duration(i) * time.Second)})
+		acts = append(acts, actions.Action{Kind: "http", Method: "POST", Name: "api.example.com", Path: "/v1/x", Time: t0.Add(time.Duration(i) * time.Second)})
 		// GETs and POSTs elsewhere do not count.
-		acts = append(acts, Act{Kind: "http", Method: "GET", Name: "api.example.com", Time: t0.Add(time.Duration(i) * time.Second)})
-		acts = append(acts, Act{Kind: "http", Method: "POST", Name: "other.example.com", Time: t0.Add(time.Duration(i) * time.Second)})
+		acts = append(acts, actions.Action{Kind: "http", Method: "GET", Name: "api.example.com", Time: t0.Add(time.Duration(i) * time.Second)})
+		acts = append(acts, actions.Action{Kind: "http", Method: "POST", Name: "other.example.com", Time: t0.Add(time.Duration(i) * time.Second)})
 	}
 	// A minute after the first POST, the window has room again: the POSTs
 	// of seconds 0..1 left it, and denied ones never counted.
-	acts = append(acts, Act{Kind: "http", Method: "POST", Name: "api.example.com", Time: t0.Add(61500 * time.Millisecond)})
+	acts = append(acts, actions.Action{Kind: "http", Method: "POST", Name: "api.example.com", Time: t0.Add(61500 * time.Millisecond)})
 	got := decideSeq(t, rs, acts)
 	for i, r := range got {
 		a := acts[i]
@@ -119,7 +119,7 @@ func TestCurlNeedsApproval(t *testing.T) {
 	for argv, want := range map[string]actions.Verdict{
 		"curl https://x": actions.Ask, "/usr/bin/wget x": actions.Ask, "ls -l": actions.Allow, "mycurl": actions.Allow, "echo curl": actions.Allow,
 	} {
-		r := Evaluate(context.Background(), []*RuleSet{rs}, Act{Kind: "exec", Argv: strings.Fields(argv)}, NewHistory(0), time.Now())
+		r := Evaluate(context.Background(), []*RuleSet{rs}, actions.Action{Kind: "exec", Argv: strings.Fields(argv)}, NewHistory(0), time.Now())
 		if r.Verdict != want {
 			t.Errorf("%q: %s, want %s", argv, r.Verdict, want)
 		}
@@ -135,13 +135,13 @@ func TestPrecedence(t *testing.T) {
 	sbx := mustCompile(t, deny)
 	sbx.Scope = "sandbox:sb_1"
 	for _, c := range []struct {
-		act  Act
+		act  actions.Action
 		want actions.Verdict
 		rule string
 	}{
-		{Act{Kind: "exec", User: "root"}, actions.Deny, "sandbox:sb_1/d"},
-		{Act{Kind: "exec", User: "user"}, actions.Ask, "server/q"},
-		{Act{Kind: "file.read", Path: "/x"}, actions.Allow, "server/a"},
+		{actions.Action{Kind: "exec", User: "root"}, actions.Deny, "sandbox:sb_1/d"},
+		{actions.Action{Kind: "exec", User: "user"}, actions.Ask, "server/q"},
+		{actions.Action{Kind: "file.read", Path: "/x"}, actions.Allow, "server/a"},
 	} {
 		r := Evaluate(context.Background(), []*RuleSet{server, sbx}, c.act, NewHistory(0), time.Now())
 		if r.Verdict != c.want || r.Rule != c.rule {
@@ -149,7 +149,7 @@ func TestPrecedence(t *testing.T) {
 		}
 	}
 	// No rule sets, or none matching: allow.
-	if r := Evaluate(context.Background(), nil, Act{Kind: "exec"}, NewHistory(0), time.Now()); r.Verdict != actions.Allow {
+	if r := Evaluate(context.Background(), nil, actions.Action{Kind: "exec"}, NewHistory(0), time.Now()); r.Verdict != actions.Allow {
 		t.Errorf("no rules: %+v", r)
 	}
 }
@@ -158,10 +158,10 @@ func TestCostLimitDenies(t *testing.T) {
 	rs := mustCompile(t, api.PolicyRule{Name: "quadratic", Match: `history.all(a, history.all(b, a.kind == b.kind || true))`, Verdict: "allow"})
 	h := NewHistory(0)
 	for i := range 10000 {
-		h.Append(Act{Kind: "exec", Time: time.Unix(int64(i), 0), Verdict: "allow"})
+		h.Append(actions.Action{Kind: "exec", Time: time.Unix(int64(i), 0)}, actions.Allow)
 	}
 	start := time.Now()
-	r := Evaluate(context.Background(), []*RuleSet{rs}, Act{Kind: "exec"}, h, time.Now())
+	r := Evaluate(context.Background(), []*RuleSet{rs}, actions.Action{Kind: "exec"}, h, time.Now())
 	if r.Verdict != actions.Deny || !strings.Contains(r.Reason, "cost limit") || !strings.Contains(r.Reason, "failing closed") {
 		t.Fatalf("over-cost rule: %+v", r)
 	}
@@ -170,7 +170,7 @@ func TestCostLimitDenies(t *testing.T) {
 	}
 	// A single scan of the full history is within the limit.
 	rs = mustCompile(t, api.PolicyRule{Name: "scan", Match: `history.exists(a, a.path == "/nope")`, Verdict: "deny"})
-	if r := Evaluate(context.Background(), []*RuleSet{rs}, Act{Kind: "exec"}, h, time.Now()); r.Verdict != actions.Allow {
+	if r := Evaluate(context.Background(), []*RuleSet{rs}, actions.Action{Kind: "exec"}, h, time.Now()); r.Verdict != actions.Allow {
 		t.Fatalf("full scan: %+v", r)
 	}
 }
