@@ -147,7 +147,7 @@ func (part *Verbs) fork(ctx context.Context, id string, req api.ForkRequest, dec
 	}
 	children := op.Children
 	m.aud.noteCaller(ctx, op.ID, sb.Tenant)
-	m.start(op, func(ctx context.Context, p *phases) error {
+	m.ops.start(op, func(ctx context.Context, p *phases) error {
 		defer func() {
 			for _, ce := range kids {
 				ce.mu.Unlock()

@@ -133,7 +133,7 @@ func (part *Verbs) lifecycle(ctx context.Context, id, verb string, force, decide
 		return op, err
 	}
 	m.aud.noteCaller(ctx, op.ID, sb.Tenant)
-	m.start(op, fn)
+	m.ops.start(op, fn)
 	return op, nil
 }
 
@@ -399,7 +399,7 @@ func (part *Verbs) ensureRunning(ctx context.Context, id string) (*entry, *agent
 				return nil, nil, api.Sandbox{}, err
 			}
 			e.mu.Lock()
-			err := m.runOp(ctx, &op, func(ctx context.Context, p *phases) error { return m.verbs.doVerb(ctx, p, id, api.OpWake) })
+			err := m.ops.run(ctx, &op, func(ctx context.Context, p *phases) error { return m.verbs.doVerb(ctx, p, id, api.OpWake) })
 			e.mu.Unlock()
 			if err != nil {
 				return nil, nil, api.Sandbox{}, fmt.Errorf("waking sandbox %s: %w", id, err)

@@ -90,21 +90,16 @@ type Manager struct {
 	obs Observer
 	// created, when set, hears of every sandbox a caller makes (SetCreated).
 	created atomic.Pointer[CreatedFunc]
-	opEnded atomic.Pointer[func(api.Operation)]
 
 	mu      sync.Mutex
 	entries map[string]*entry
-	opDone  map[string]chan struct{} // closed when the operation finishes
 
 	ctx    context.Context // cancelled on Close: background loops and watchers
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
-	// Operations get their own context so Close can let them finish (a
-	// half-done create would otherwise end in the error state) before
-	// cancelling what is left.
-	opCtx    context.Context
-	opCancel context.CancelFunc
-	opWG     sync.WaitGroup
+	// ops runs operations under their sandbox's entry lock and keeps their
+	// records (ops.go); Close lets running ones finish.
+	ops *opEngine
 
 	netKick chan struct{} // NetworkRestarted → reconcile the links now
 
@@ -181,9 +176,8 @@ func New(cfg Config) *Manager {
 		cfg.PoolMemFloor = DefaultPoolMemFloor
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	opCtx, opCancel := context.WithCancel(context.Background())
-	m := &Manager{netKick: make(chan struct{}, 1), cfg: cfg, log: cfg.Logger, obs: cfg.Observer, entries: map[string]*entry{}, opDone: map[string]chan struct{}{},
-		ctx: ctx, cancel: cancel, opCtx: opCtx, opCancel: opCancel, poolKick: make(chan struct{}, 1)}
+	m := &Manager{netKick: make(chan struct{}, 1), cfg: cfg, log: cfg.Logger, obs: cfg.Observer, entries: map[string]*entry{},
+		ctx: ctx, cancel: cancel, poolKick: make(chan struct{}, 1)}
 	m.pools = newPools(m)
 	m.secrets = &Secrets{m}
 	m.net = &Networking{m}
@@ -196,6 +190,12 @@ func New(cfg Config) *Manager {
 	m.recon = &Reconciler{m}
 	m.files = &Files{m}
 	m.creates = &Creates{m}
+	lockEntry := func(id string) func() {
+		e := m.entry(id)
+		e.mu.Lock()
+		return e.mu.Unlock
+	}
+	m.ops = newOpEngine(cfg.DB, cfg.Observer, cfg.Logger, lockEntry, m.aud.auditOp)
 	return m
 }
 
@@ -205,16 +205,7 @@ func (m *Manager) Close() {
 	m.cancel()
 	m.wg.Wait()
 	m.net.stopNetAudit()
-	done := make(chan struct{})
-	go func() { m.opWG.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(closeGrace):
-		m.log.Warn("operations still running at shutdown; cancelling them (the next start re-drives creates and deletes)")
-		m.opCancel()
-		<-done
-	}
-	m.opCancel()
+	m.ops.close(closeGrace)
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for _, e := range m.entries {
@@ -281,89 +272,12 @@ type CreatedFunc func(ctx context.Context, sb api.Sandbox, op api.Operation, req
 // that ended (after its record is stored). It must not block: a cluster
 // node nudges its reconciler with it, so the cluster's rows catch up at
 // once instead of at the next poll.
-func (m *Manager) SetOperationDone(f func(api.Operation)) {
-	if f == nil {
-		m.opEnded.Store(nil)
-		return
-	}
-	m.opEnded.Store(&f)
-}
+func (m *Manager) SetOperationDone(f func(api.Operation)) { m.ops.setDone(f) }
 
-// phases records the timing of each step of an operation.
-type phases struct {
-	kind string
-	obs  Observer
-	mu   sync.Mutex
-	list []api.Phase
-}
-
-func (p *phases) run(name string, fn func() error) error {
-	t := time.Now()
-	err := fn()
-	d := time.Since(t)
-	p.mu.Lock()
-	p.list = append(p.list, api.Phase{Name: name, DurationMS: float64(d.Microseconds()) / 1000})
-	p.mu.Unlock()
-	p.obs.OperationPhase(p.kind, name, d)
-	return err
-}
-
-// start runs fn as operation op in the background, holding the sandbox's lock.
+// start runs fn as operation op in the background, holding the sandbox's
+// entry lock (opEngine.start; kept for create.go and claim.go).
 func (m *Manager) start(op api.Operation, fn func(ctx context.Context, p *phases) error) {
-	m.opChannel(op.ID)
-	m.opWG.Add(1)
-	go func() {
-		defer m.opWG.Done()
-		e := m.entry(op.SandboxID)
-		e.mu.Lock()
-		defer e.mu.Unlock()
-		m.runOp(m.opCtx, &op, fn)
-	}()
-}
-
-// runOp executes fn as op; the caller holds the entry lock.
-func (m *Manager) runOp(ctx context.Context, op *api.Operation, fn func(ctx context.Context, p *phases) error) error {
-	t0 := time.Now()
-	done := m.opChannel(op.ID)
-	defer func() {
-		m.mu.Lock()
-		delete(m.opDone, op.ID)
-		m.mu.Unlock()
-		close(done)
-	}()
-	op.State = api.OpRunning
-	m.putOp(*op)
-	p := &phases{kind: op.Kind, obs: m.obs}
-	err := fn(ctx, p)
-	fin := time.Now().UTC()
-	op.FinishedAt = &fin
-	op.Phases = p.list
-	if op.Phases == nil {
-		op.Phases = []api.Phase{}
-	}
-	if err != nil {
-		op.State = api.OpFailed
-		op.Error = &api.ErrorBody{Code: errdefs.Code(err), Message: err.Error()}
-		m.log.Warn("operation failed", "op", op.ID, "kind", op.Kind, "sandbox", op.SandboxID, "err", err)
-	} else {
-		op.State = api.OpSucceeded
-	}
-	m.putOp(*op)
-	if f := m.opEnded.Load(); f != nil {
-		(*f)(*op)
-	}
-	m.obs.OperationDone(op.Kind, op.State, time.Since(t0))
-	m.aud.auditOp(ctx, *op, err)
-	return err
-}
-
-func (m *Manager) putOp(op api.Operation) {
-	// Operation records must survive even when the request context is gone.
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
-		m.log.Error("persisting operation", "op", op.ID, "err", err)
-	}
+	m.ops.start(op, fn)
 }
 
 // setState persists a sandbox state change (and optional error note).
@@ -439,46 +353,10 @@ func (m *Manager) List(ctx context.Context, state string, labels map[string]stri
 	return mine, nil
 }
 
-// GetOperation returns an operation, waiting up to wait for it to finish.
+// GetOperation returns an operation, waiting up to wait for it to finish
+// (a ctx that ends stops the wait and returns the record as it stands).
 func (m *Manager) GetOperation(ctx context.Context, id string, wait time.Duration) (api.Operation, error) {
-	if err := ValidID(id); err != nil {
-		return api.Operation{}, err
-	}
-	deadline := time.Now().Add(wait)
-	for {
-		// Take the channel before reading the record so a finish between
-		// the two cannot be missed.
-		m.mu.Lock()
-		done := m.opDone[id]
-		m.mu.Unlock()
-		op, err := m.cfg.DB.GetOperation(ctx, id)
-		left := time.Until(deadline)
-		if err != nil || op.Done() || left <= 0 {
-			return op, err
-		}
-		tick := 50 * time.Millisecond // an operation this process is not running yet
-		if done != nil {
-			tick = left
-		}
-		select {
-		case <-ctx.Done():
-			return op, nil
-		case <-done:
-		case <-time.After(min(tick, left)):
-		}
-	}
-}
-
-// opChannel registers the completion channel of an operation.
-func (m *Manager) opChannel(id string) chan struct{} {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	ch := m.opDone[id]
-	if ch == nil {
-		ch = make(chan struct{})
-		m.opDone[id] = ch
-	}
-	return ch
+	return m.ops.get(ctx, id, wait)
 }
 
 // runtimeOf returns the runtime a sandbox was created with.
@@ -488,8 +366,4 @@ func (m *Manager) runtimeOf(sb api.Sandbox) (runtime.Runtime, error) {
 		return nil, fmt.Errorf("runtime %s is not registered in this server: %w", sb.Runtime, errdefs.ErrUnprocessable)
 	}
 	return rt, nil
-}
-
-func newOperation(kind, sandboxID string) api.Operation {
-	return api.Operation{ID: newID("op"), Kind: kind, SandboxID: sandboxID, State: api.OpPending, Phases: []api.Phase{}, CreatedAt: time.Now().UTC()}
 }

@@ -699,12 +699,10 @@ func (ps *pools) round(ctx context.Context) {
 			ps.destroyAsync(id, "pool member no longer wanted")
 		}
 		if need {
-			m.opWG.Add(1)
-			go func() {
-				defer m.opWG.Done()
+			m.ops.spawn(func() {
 				defer func() { <-ps.fillSem }()
 				ps.fill(p, digest, rt, idle)
-			}()
+			})
 		}
 	}
 }
@@ -725,7 +723,7 @@ func (ps *pools) alive(id string) bool {
 // fill makes one member of p by the normal create path.
 func (ps *pools) fill(p *pool, digest, rtName, idle string) {
 	m := ps.m
-	ctx := m.opCtx
+	ctx := m.ops.baseCtx()
 	t0 := time.Now()
 	rt, ok := m.cfg.Runtimes[rtName]
 	var err error
@@ -843,11 +841,7 @@ func (ps *pools) shedNewest(why string) {
 }
 
 func (ps *pools) destroyAsync(id, why string) {
-	ps.m.opWG.Add(1)
-	go func() {
-		defer ps.m.opWG.Done()
-		ps.destroy(id, why)
-	}()
+	ps.m.ops.spawn(func() { ps.destroy(id, why) })
 }
 
 // destroy deletes member id: instance, host resources, record.

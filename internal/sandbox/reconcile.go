@@ -44,7 +44,7 @@ func (part *Reconciler) Reconcile(ctx context.Context) error {
 		fin := time.Now().UTC()
 		op.State, op.FinishedAt = api.OpFailed, &fin
 		op.Error = &api.ErrorBody{Code: "interrupted", Message: "the server restarted while this operation ran; retry it"}
-		m.putOp(op)
+		m.ops.put(op)
 	}
 	for _, sb := range sbs {
 		if isPoolMember(sb) {
@@ -102,10 +102,10 @@ func (part *Reconciler) reconcileOne(ctx context.Context, sb api.Sandbox, redriv
 			e.cmu.Unlock()
 			m.setState(sb.ID, api.StateCreating, "", op.ID)
 			log.Info("re-driving interrupted create", "op", op.ID)
-			m.start(op, func(ctx context.Context, p *phases) error { return m.creates.doCreate(ctx, p, sb.ID, true) })
+			m.ops.start(op, func(ctx context.Context, p *phases) error { return m.creates.doCreate(ctx, p, sb.ID, true) })
 		case api.OpDelete:
 			log.Info("re-driving interrupted delete", "op", op.ID)
-			m.start(op, func(ctx context.Context, p *phases) error { return m.verbs.doDelete(ctx, p, sb.ID) })
+			m.ops.start(op, func(ctx context.Context, p *phases) error { return m.verbs.doDelete(ctx, p, sb.ID) })
 		}
 		return
 	}
@@ -177,8 +177,8 @@ func (part *Reconciler) reconcileOne(ctx context.Context, sb api.Sandbox, redriv
 		m.setState(sb.ID, api.StateError, msg, "")
 	case api.StateDeleting:
 		op := newOperation(api.OpDelete, sb.ID)
-		m.putOp(op)
-		m.start(op, func(ctx context.Context, p *phases) error { return m.verbs.doDelete(ctx, p, sb.ID) })
+		m.ops.put(op)
+		m.ops.start(op, func(ctx context.Context, p *phases) error { return m.verbs.doDelete(ctx, p, sb.ID) })
 	}
 }
 
