@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -57,8 +59,26 @@ func TestCreateWait(t *testing.T) {
 		t.Fatalf("exec right after the create answered: %v %+v", err, res)
 	}
 
-	code, out, body = post("?wait=60s", `{"runtime":"native","template":"nope:v1"}`)
-	if code != 200 || out.Operation.State != api.OpFailed || out.Operation.Error == nil || out.Sandbox.State != api.StateError {
+	// A template that does not exist is the create's plan's 404, before
+	// anything is written.
+	code, _, body = post("?wait=60s", `{"runtime":"native","template":"nope:v1"}`)
+	if code != 404 || !strings.Contains(body, "nope:v1") {
+		t.Fatalf("create from a missing template: %d %s", code, body)
+	}
+	// A create that fails in its operation (the template's start command
+	// exits before it is ready) answers with the failed operation and the sandbox in error.
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "Dockerfile"), []byte("FROM base:latest\nSTART sh -c 'echo boom >&2; exit 3'\nREADY --timeout=20s sh -c 'exit 1'\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	const failing = "e2e-create-fails:v1"
+	t.Cleanup(func() { e.client.RemoveTemplate(context.Background(), failing, true) })
+	if _, err := e.client.BuildTemplate(ctx, dir, sdk.BuildOptions{Tags: []string{failing}}, nil); err != nil {
+		t.Fatalf("build: %v", err)
+	}
+	code, out, body = post("?wait=60s", `{"runtime":"native","template":"`+failing+`"}`)
+	if code != 200 || out.Operation.State != api.OpFailed || out.Operation.Error == nil || out.Sandbox.State != api.StateError ||
+		!strings.Contains(out.Operation.Error.Message, "boom") {
 		t.Fatalf("failing create with wait: %d %s", code, body)
 	}
 

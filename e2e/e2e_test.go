@@ -391,7 +391,7 @@ func TestBadInputs(t *testing.T) {
 		{"bad label filter", "GET", "/v1/sandboxes?label=novalue", "", 400, "label"},
 		{"bad state filter", "GET", "/v1/sandboxes?state=melting", "", 400, "state"},
 		{"wrong method", "PATCH", "/v1/sandboxes", "", 405, ""},
-		{"unknown template", "POST", "/v1/sandboxes", `{"template":"nope:v1"}`, 202, ""},
+		{"unknown template", "POST", "/v1/sandboxes", `{"template":"nope:v1"}`, 404, "nope:v1"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

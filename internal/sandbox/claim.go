@@ -10,23 +10,20 @@ import (
 	"github.com/spacehq/space/internal/runtime"
 )
 
-// claim tries to serve create request req (validated; runtime rt picked;
-// limits lim resolved) from a warm pool. handled false: no pool matched or
-// it had no member (a miss, counted) — the caller creates as usual. A
-// member whose record became the caller's is the caller's sandbox; its id
-// is the member's, drawn by the same generator and never shown before.
-func (part *WarmPools) claim(ctx context.Context, req api.CreateSandboxRequest, rt runtime.Runtime, caps runtime.Capabilities, lim api.Limits, tenant string) (sb api.Sandbox, op api.Operation, handled bool, err error) {
+// claim tries to serve the create pl plans, whose record sb is built
+// (everything but its id), from a warm pool. handled false: no pool
+// matched or it had no member (a miss, counted) — the caller creates cold.
+// A member whose record became the caller's is the caller's sandbox; its
+// id is the member's, drawn by the same generator and never shown before.
+func (part *WarmPools) claim(ctx context.Context, pl *createPlan, sb api.Sandbox) (_ api.Sandbox, op api.Operation, handled bool, err error) {
 	m := part.m
 	// Secrets and header rules need placeholders, a CA and a broker
-	// config at create: such a create is served cold (DECISIONS.md).
-	if len(req.Secrets) > 0 || (req.Network != nil && len(req.Network.Rules) > 0) || req.Labels[BuildLabel] != "" {
+	// config at create: such a create is served cold (DECISIONS.md). So is
+	// one whose template is built on first need: no pool holds it yet.
+	if pl.tmpl == nil || len(pl.req.Secrets) > 0 || len(sb.Network.Rules) > 0 || sb.Labels[BuildLabel] != "" {
 		return sb, op, false, nil
 	}
-	tmpl, err := m.cfg.Templates.Get(ctx, req.Template)
-	if err != nil {
-		return sb, op, false, nil // the normal path reports it
-	}
-	p := m.pools.match(tmpl.Digest, rt.Name(), lim)
+	p := m.pools.match(sb.TemplateDigest, sb.Runtime, sb.Limits)
 	if p == nil {
 		return sb, op, false, nil
 	}
@@ -35,47 +32,17 @@ func (part *WarmPools) claim(ctx context.Context, req api.CreateSandboxRequest, 
 		m.pools.count(p, false)
 		return sb, op, false, nil
 	}
-	now := time.Now().UTC()
-	sb = api.Sandbox{
-		ID: mb.id, Tenant: tenant, State: api.StateCreating, Runtime: rt.Name(), Isolation: caps.Isolation,
-		Template: req.Template, TemplateDigest: tmpl.Digest, Limits: lim, Env: req.Env, Workdir: req.Workdir, User: req.User, Labels: req.Labels,
-		TTLSeconds: req.TTLSeconds, OnExpiry: req.OnExpiry, AllPortsPublic: req.AllPortsPublic, Idle: req.Idle, Network: req.Network,
-		CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
-	}
-	if req.TTLSeconds > 0 {
-		exp := now.Add(time.Duration(req.TTLSeconds) * time.Second)
-		sb.ExpiresAt = &exp
-	}
-	giveBack := func() { m.pools.giveBack(p, mb) }
-	if err := applyTemplateDefaults(&sb, tmpl.Config); err != nil {
-		giveBack()
-		return sb, op, false, nil // the normal create fails the same way, on its record
-	}
-	if sb.Network == nil {
-		pol := ClonePolicy(m.cfg.DefaultNetwork)
-		sb.Network = &pol
-	}
-	if len(sb.Network.Rules) > 0 {
-		giveBack()
-		return sb, op, false, nil
-	}
-	if err := m.tenancy.bound(ctx, TenantOf(sb), *sb.Network); err != nil {
-		giveBack()
-		return sb, op, false, nil
-	}
-	op = newOperation(api.OpCreate, sb.ID)
-	sb.OperationID = op.ID
-	if err := m.tenancy.admitAndPut(ctx, tenant, func() error { return m.cfg.DB.PutSandbox(ctx, sb) }, sb.Limits); err != nil {
-		giveBack()
-		return api.Sandbox{}, api.Operation{}, true, err
-	}
-	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
+	sb.ID = mb.id
+	op, written, err := m.creates.persist(ctx, &sb)
+	if err != nil {
+		if !written {
+			m.pools.giveBack(p, mb)
+		}
 		return api.Sandbox{}, api.Operation{}, true, err
 	}
 	m.pools.count(p, true)
-	m.aud.noteCaller(ctx, op.ID, sb.Tenant)
-	start := tmpl.Config.Start
-	m.start(op, func(ctx context.Context, ph *phases) error { return m.warm.doClaim(ctx, ph, sb.ID, mb, start) })
+	start := pl.tmpl.Config.Start
+	m.ops.start(op, func(ctx context.Context, ph *phases) error { return m.warm.doClaim(ctx, ph, sb.ID, mb, start) })
 	return sb, op, true, nil
 }
 
@@ -148,7 +115,7 @@ func (part *WarmPools) doClaim(ctx context.Context, p *phases, id string, mb mem
 		e.cmu.Lock()
 		e.inst = nil
 		e.cmu.Unlock()
-		return m.creates.doCreate(ctx, p, id, false)
+		return m.creates.doCreate(ctx, p, id, false, nil)
 	}
 	if start != nil {
 		e.cmu.RLock()

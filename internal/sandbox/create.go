@@ -86,72 +86,170 @@ func (part *Creates) Create(ctx context.Context, req api.CreateSandboxRequest) (
 
 func (part *Creates) create(ctx context.Context, req api.CreateSandboxRequest) (api.Sandbox, api.Operation, error) {
 	m := part.m
-	lim, err := validateCreate(&req)
+	pl, err := part.plan(ctx, req)
 	if err != nil {
 		return api.Sandbox{}, api.Operation{}, err
 	}
-	if err := validateUser("user", req.User); err != nil {
+	defer pl.release()
+	sb, err := part.record(ctx, pl)
+	if err != nil {
 		return api.Sandbox{}, api.Operation{}, err
+	}
+	if sb, op, handled, err := m.warm.claim(ctx, pl, sb); handled {
+		return sb, op, err
+	}
+	sb.ID = newID("sb")
+	undoSecrets, err := m.secrets.createSecrets(ctx, &sb, pl.req.Secrets)
+	if err != nil {
+		return api.Sandbox{}, api.Operation{}, err
+	}
+	op, written, err := part.persist(ctx, &sb)
+	if err != nil {
+		if !written {
+			undoSecrets()
+		}
+		return api.Sandbox{}, api.Operation{}, err
+	}
+	tmpl := pl.tmpl
+	m.ops.start(op, func(ctx context.Context, p *phases) error { return m.creates.doCreate(ctx, p, sb.ID, false, tmpl) })
+	return sb, op, nil
+}
+
+// createPlan is a create request decided once, before any way of serving
+// it is chosen: validated, its runtime picked, its template looked up (one
+// lookup) and the caller's right to use it checked. A cold create and a
+// warm pool's claim build their record from it with the one record
+// builder (Creates.record) and write it with the one writer
+// (Creates.persist).
+type createPlan struct {
+	req    api.CreateSandboxRequest // validated; Template defaulted; Network cloned
+	tenant string
+	rt     runtime.Runtime
+	caps   runtime.Capabilities
+	lim    api.Limits
+	// tmpl is the template req names; nil when it does not exist yet (the
+	// base template, which the create builds on first need).
+	tmpl *api.Template
+	// release lets a gc collect tmpl again once the record names it.
+	release func()
+}
+
+// plan decides req: everything a create checks before it writes anything.
+func (part *Creates) plan(ctx context.Context, req api.CreateSandboxRequest) (*createPlan, error) {
+	m := part.m
+	lim, err := validateCreate(&req)
+	if err != nil {
+		return nil, err
+	}
+	if err := validateUser("user", req.User); err != nil {
+		return nil, err
 	}
 	if req.Network != nil {
 		if err := validatePolicy(*req.Network); err != nil {
-			return api.Sandbox{}, api.Operation{}, err
+			return nil, err
 		}
 		p := ClonePolicy(*req.Network)
 		req.Network = &p
 	}
-	tenant := tenantOf(ctx)
-	if req.Network != nil {
-		if err := m.tenancy.bound(ctx, tenant, *req.Network); err != nil {
-			return api.Sandbox{}, api.Operation{}, err
-		}
-	}
-	rt, caps, err := m.creates.pickRuntime(ctx, req.Runtime)
+	rt, caps, err := part.pickRuntime(ctx, req.Runtime)
 	if err != nil {
-		return api.Sandbox{}, api.Operation{}, err
+		return nil, err
 	}
 	if req.Idle != nil && !caps.Verbs[req.Idle.Action] {
-		return api.Sandbox{}, api.Operation{}, runtime.NotSupported(rt.Name(), req.Idle.Action, caps.VerbReasons[req.Idle.Action])
+		return nil, runtime.NotSupported(rt.Name(), req.Idle.Action, caps.VerbReasons[req.Idle.Action])
 	}
 	if req.Template == "" {
 		req.Template = m.cfg.BaseTemplateRef
 	}
+	pl := &createPlan{req: req, tenant: tenantOf(ctx), rt: rt, caps: caps, lim: lim, release: func() {}}
+	switch t, err := m.cfg.Templates.Get(ctx, req.Template); {
+	case err == nil:
+		pl.tmpl = &t
+		pl.release = m.cfg.Templates.Hold(t.Digest)
+	case errors.Is(err, errdefs.ErrNotFound) && isBaseRef(req.Template, m.cfg.BaseTemplateRef):
+		// Built by the create's operation, on first need.
+	case errors.Is(err, errdefs.ErrNotFound):
+		return nil, fmt.Errorf("template %q not found: %w", req.Template, errdefs.ErrNotFound)
+	default:
+		return nil, fmt.Errorf("template %s: %w", req.Template, err)
+	}
 	// A build's step runs on the build's own intermediate templates; the
 	// build checked its FROM.
-	if req.Labels[BuildLabel] != BuildLabelStep {
-		if err := m.cfg.Tenants.UseTemplate(ctx, req.Template); err != nil {
-			return api.Sandbox{}, api.Operation{}, err
+	if pl.tmpl != nil && req.Labels[BuildLabel] != BuildLabelStep {
+		if err := m.cfg.Tenants.UseTemplate(ctx, req.Template, *pl.tmpl); err != nil {
+			pl.release()
+			return nil, err
 		}
 	}
-	if sb, op, handled, err := m.warm.claim(ctx, req, rt, caps, lim, tenant); handled {
-		return sb, op, err
+	// Without the template the record's final policy is not known yet:
+	// the requested one is held to the boundary now (a 4xx, not a failed
+	// operation), the final one by the operation (completeRecord).
+	if pl.tmpl == nil && req.Network != nil {
+		if err := m.tenancy.bound(ctx, pl.tenant, *req.Network); err != nil {
+			return nil, err
+		}
 	}
+	return pl, nil
+}
+
+// record builds the sandbox record pl creates, without its id (a cold
+// create draws one, a claim takes its member's). With the template known,
+// the record is complete: its digest, the template's defaults, the network
+// policy and the boundary check.
+func (part *Creates) record(ctx context.Context, pl *createPlan) (api.Sandbox, error) {
+	req := pl.req
 	now := time.Now().UTC()
 	sb := api.Sandbox{
-		ID: newID("sb"), Tenant: tenant, State: api.StateCreating, Runtime: rt.Name(), Isolation: caps.Isolation,
-		Template: req.Template, Limits: lim, Env: req.Env, Workdir: req.Workdir, User: req.User, Labels: req.Labels,
-		TTLSeconds: req.TTLSeconds, OnExpiry: req.OnExpiry, AllPortsPublic: req.AllPortsPublic, Idle: req.Idle, Network: req.Network, CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
+		Tenant: pl.tenant, State: api.StateCreating, Runtime: pl.rt.Name(), Isolation: pl.caps.Isolation,
+		Template: req.Template, Limits: pl.lim, Env: req.Env, Workdir: req.Workdir, User: req.User, Labels: req.Labels,
+		TTLSeconds: req.TTLSeconds, OnExpiry: req.OnExpiry, AllPortsPublic: req.AllPortsPublic, Idle: req.Idle, Network: req.Network,
+		CreatedAt: now, UpdatedAt: now, LastActiveAt: now,
 	}
 	if req.TTLSeconds > 0 {
 		exp := now.Add(time.Duration(req.TTLSeconds) * time.Second)
 		sb.ExpiresAt = &exp
 	}
-	undoSecrets, err := m.secrets.createSecrets(ctx, &sb, req.Secrets)
-	if err != nil {
-		return api.Sandbox{}, api.Operation{}, err
+	if pl.tmpl != nil {
+		if err := part.completeRecord(ctx, &sb, *pl.tmpl); err != nil {
+			return api.Sandbox{}, err
+		}
 	}
-	op := newOperation(api.OpCreate, sb.ID)
+	return sb, nil
+}
+
+// completeRecord makes tmpl's what sb runs: its digest, its defaults (the
+// sandbox's own from now on, so a later template change — a moved tag —
+// never changes how an existing sandbox runs) and, without a policy from
+// the request or the template, the server's default one. The final policy
+// is held to the tenant's boundary, whichever it is.
+func (part *Creates) completeRecord(ctx context.Context, sb *api.Sandbox, tmpl api.Template) error {
+	m := part.m
+	sb.TemplateDigest = tmpl.Digest
+	if err := applyTemplateDefaults(sb, tmpl.Config); err != nil {
+		return fmt.Errorf("template %s: %w", sb.Template, err)
+	}
+	if sb.Network == nil {
+		p := ClonePolicy(m.cfg.DefaultNetwork)
+		sb.Network = &p
+	}
+	return m.tenancy.bound(ctx, TenantOf(*sb), *sb.Network)
+}
+
+// persist writes sb (admitted against its tenant's quotas) and its create
+// operation; written says whether the record was written, so a caller
+// knows what to undo.
+func (part *Creates) persist(ctx context.Context, sb *api.Sandbox) (op api.Operation, written bool, err error) {
+	m := part.m
+	op = newOperation(api.OpCreate, sb.ID)
 	sb.OperationID = op.ID
-	if err := m.tenancy.admitAndPut(ctx, tenant, func() error { return m.cfg.DB.PutSandbox(ctx, sb) }, sb.Limits); err != nil {
-		undoSecrets()
-		return api.Sandbox{}, api.Operation{}, err
+	if err := m.tenancy.admitAndPut(ctx, TenantOf(*sb), func() error { return m.cfg.DB.PutSandbox(ctx, *sb) }, sb.Limits); err != nil {
+		return api.Operation{}, false, err
 	}
 	if err := m.cfg.DB.PutOperation(ctx, op); err != nil {
-		return api.Sandbox{}, api.Operation{}, err
+		return api.Operation{}, true, err
 	}
 	m.aud.noteCaller(ctx, op.ID, sb.Tenant)
-	m.start(op, func(ctx context.Context, p *phases) error { return m.creates.doCreate(ctx, p, sb.ID, false) })
-	return sb, op, nil
+	return op, true, nil
 }
 
 // newSpec builds a runtime spec; runtimes key what they derive from a
@@ -180,8 +278,10 @@ func (part *Creates) spec(ctx context.Context, sb api.Sandbox) (runtime.Spec, ru
 }
 
 // doCreate runs a create operation; redriven is true when reconcile runs
-// it again after a crash.
-func (part *Creates) doCreate(ctx context.Context, p *phases, id string, redriven bool) error {
+// it again after a crash. planned is the template the create's plan looked
+// up (nil: look it up again, by the digest the record names if it names
+// one, building the base template on first need).
+func (part *Creates) doCreate(ctx context.Context, p *phases, id string, redriven bool, planned *api.Template) error {
 	m := part.m
 	e := m.entry(id)
 	sb, err := m.cfg.DB.GetSandbox(ctx, id)
@@ -201,40 +301,39 @@ func (part *Creates) doCreate(ctx context.Context, p *phases, id string, redrive
 		rootfs string
 	)
 	if err := p.run("resolve_template", func() error {
-		tmpl, rootfs, err = m.cfg.Templates.Resolve(ctx, sb.Template)
-		if errors.Is(err, errdefs.ErrNotFound) && isBaseRef(sb.Template, m.cfg.BaseTemplateRef) {
-			m.log.Info("building the base template on first need (this takes a few minutes once)")
-			_, err = m.cfg.Templates.EnsureBase(ctx, func(pr template.Progress) {
-				m.log.Debug("base template", "phase", pr.Phase, "done", pr.Done, "total", pr.Total, "msg", pr.Message)
-			})
-			if err == nil {
-				tmpl, rootfs, err = m.cfg.Templates.Resolve(ctx, sb.Template)
+		switch {
+		case planned != nil:
+			tmpl = *planned
+			rootfs, err = m.cfg.Templates.Content(tmpl)
+		case sb.TemplateDigest != "":
+			tmpl, rootfs, err = m.cfg.Templates.Resolve(ctx, sb.TemplateDigest)
+		default:
+			tmpl, rootfs, err = m.cfg.Templates.Resolve(ctx, sb.Template)
+			if errors.Is(err, errdefs.ErrNotFound) && isBaseRef(sb.Template, m.cfg.BaseTemplateRef) {
+				m.log.Info("building the base template on first need (this takes a few minutes once)")
+				_, err = m.cfg.Templates.EnsureBase(ctx, func(pr template.Progress) {
+					m.log.Debug("base template", "phase", pr.Phase, "done", pr.Done, "total", pr.Total, "msg", pr.Message)
+				})
+				if err == nil {
+					tmpl, rootfs, err = m.cfg.Templates.Resolve(ctx, sb.Template)
+				}
 			}
 		}
 		return err
 	}); err != nil {
 		return fail(fmt.Errorf("template %s: %w", sb.Template, err))
 	}
-	// Until the record below names it, nothing but this create keeps an
-	// untagged template from a concurrent gc.
+	// Until the record names it, nothing but this create keeps an untagged
+	// template from a concurrent gc.
 	defer m.cfg.Templates.Hold(tmpl.Digest)()
-	sb.TemplateDigest = tmpl.Digest
-	// The template's defaults become the sandbox's own, so a later template
-	// change (a moved tag) never changes how an existing sandbox runs.
-	if err := applyTemplateDefaults(&sb, tmpl.Config); err != nil {
-		return fail(fmt.Errorf("template %s: %w", sb.Template, err))
-	}
-	if sb.Network == nil {
-		p := ClonePolicy(m.cfg.DefaultNetwork)
-		sb.Network = &p
-	}
-	// A policy from the template or the server default is held to the
-	// tenant's boundary like a requested one.
-	if err := m.tenancy.bound(ctx, TenantOf(sb), *sb.Network); err != nil {
-		return fail(err)
-	}
-	if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
-		return fail(err)
+	if sb.TemplateDigest == "" {
+		// The plan had no template to complete the record with.
+		if err := part.completeRecord(ctx, &sb, tmpl); err != nil {
+			return fail(err)
+		}
+		if err := m.cfg.DB.PutSandbox(ctx, sb); err != nil {
+			return fail(err)
+		}
 	}
 	// Sessions left by an attempt that crashed died with its instance. A
 	// first attempt has none: no read of them on every create.

@@ -274,12 +274,6 @@ type CreatedFunc func(ctx context.Context, sb api.Sandbox, op api.Operation, req
 // once instead of at the next poll.
 func (m *Manager) SetOperationDone(f func(api.Operation)) { m.ops.setDone(f) }
 
-// start runs fn as operation op in the background, holding the sandbox's
-// entry lock (opEngine.start; kept for create.go and claim.go).
-func (m *Manager) start(op api.Operation, fn func(ctx context.Context, p *phases) error) {
-	m.ops.start(op, fn)
-}
-
 // setState persists a sandbox state change (and optional error note).
 func (m *Manager) setState(id, state, errMsg, opID string) (api.Sandbox, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

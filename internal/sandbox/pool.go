@@ -26,6 +26,7 @@ import (
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/agentproto"
 	"github.com/spacehq/space/internal/errdefs"
+	"github.com/spacehq/space/internal/principal"
 	"github.com/spacehq/space/internal/runtime"
 	"github.com/spacehq/space/internal/store"
 )
@@ -725,21 +726,28 @@ func (ps *pools) fill(p *pool, digest, rtName, idle string) {
 	m := ps.m
 	ctx := m.ops.baseCtx()
 	t0 := time.Now()
-	rt, ok := m.cfg.Runtimes[rtName]
 	var err error
 	id := newID("sb")
-	paused := false
-	if !ok {
-		err = fmt.Errorf("runtime %s is not registered", rtName)
-	} else {
-		now := time.Now().UTC()
-		sb := api.Sandbox{ID: id, State: api.StateCreating, Runtime: rtName, Isolation: rt.Probe(ctx).Isolation,
-			Template: digest, Limits: p.spec.Limits, Labels: map[string]string{PoolLabel: p.id},
-			CreatedAt: now, UpdatedAt: now, LastActiveAt: now}
-		if err = m.cfg.DB.PutSandbox(ctx, sb); err == nil {
+	paused, written := false, false
+	// A member is the server's own sandbox, planned as any create is (so
+	// its record is the one a claim would build) but written without a
+	// tenant's admission: nobody's quota pays for a pool.
+	sctx := principal.With(ctx, principal.System)
+	pl, err := m.creates.plan(sctx, api.CreateSandboxRequest{Template: digest, Runtime: rtName, Limits: p.spec.Limits})
+	if err == nil {
+		var sb api.Sandbox
+		sb, err = m.creates.record(sctx, pl)
+		// The label a caller may not set marks the record as a member.
+		sb.ID, sb.Tenant, sb.Labels = id, "", map[string]string{PoolLabel: p.id}
+		if err == nil {
+			err = m.cfg.DB.PutSandbox(ctx, sb)
+			written = err == nil
+		}
+		pl.release()
+		if err == nil {
 			e := m.entry(id)
 			e.mu.Lock()
-			err = m.creates.doCreate(ctx, &phases{kind: "pool_fill", obs: nopObserver{}}, id, false)
+			err = m.creates.doCreate(ctx, &phases{kind: "pool_fill", obs: nopObserver{}}, id, false, pl.tmpl)
 			if err == nil {
 				ps.warm(ctx, e)
 			}
@@ -766,7 +774,7 @@ func (ps *pools) fill(p *pool, digest, rtName, idle string) {
 	if err != nil {
 		m.log.Warn("filling a warm pool failed", "pool", p.id, "err", err)
 	}
-	if !keep && ok {
+	if !keep && written {
 		ps.destroy(id, "pool member not wanted after its fill")
 	}
 	if err == nil {

@@ -102,7 +102,7 @@ func (part *Reconciler) reconcileOne(ctx context.Context, sb api.Sandbox, redriv
 			e.cmu.Unlock()
 			m.setState(sb.ID, api.StateCreating, "", op.ID)
 			log.Info("re-driving interrupted create", "op", op.ID)
-			m.ops.start(op, func(ctx context.Context, p *phases) error { return m.creates.doCreate(ctx, p, sb.ID, true) })
+			m.ops.start(op, func(ctx context.Context, p *phases) error { return m.creates.doCreate(ctx, p, sb.ID, true, nil) })
 		case api.OpDelete:
 			log.Info("re-driving interrupted delete", "op", op.ID)
 			m.ops.start(op, func(ctx context.Context, p *phases) error { return m.verbs.doDelete(ctx, p, sb.ID) })

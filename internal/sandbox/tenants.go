@@ -20,8 +20,8 @@ type Tenants interface {
 	// (invalid argument) names every entry of p outside it.
 	Bound(ctx context.Context, tenant string, p api.NetworkPolicy) error
 	// UseTemplate checks that the caller in ctx may create a sandbox from
-	// template ref (ErrNotFound if it may not see it).
-	UseTemplate(ctx context.Context, ref string) error
+	// template t, which ref names (ErrNotFound if it may not see it).
+	UseTemplate(ctx context.Context, ref string, t api.Template) error
 	// ClaimTag checks that the caller in ctx may point template tag at a
 	// new template; OwnTag records it as the tag's owner after.
 	ClaimTag(ctx context.Context, tag string) error
@@ -31,11 +31,11 @@ type Tenants interface {
 // noTenants has no quotas and no boundaries.
 type noTenants struct{}
 
-func (noTenants) Quotas(context.Context, string) (api.Quotas, error)     { return api.Quotas{}, nil }
-func (noTenants) Bound(context.Context, string, api.NetworkPolicy) error { return nil }
-func (noTenants) UseTemplate(context.Context, string) error              { return nil }
-func (noTenants) ClaimTag(context.Context, string) error                 { return nil }
-func (noTenants) OwnTag(context.Context, string) error                   { return nil }
+func (noTenants) Quotas(context.Context, string) (api.Quotas, error)      { return api.Quotas{}, nil }
+func (noTenants) Bound(context.Context, string, api.NetworkPolicy) error  { return nil }
+func (noTenants) UseTemplate(context.Context, string, api.Template) error { return nil }
+func (noTenants) ClaimTag(context.Context, string) error                  { return nil }
+func (noTenants) OwnTag(context.Context, string) error                    { return nil }
 
 var _ Tenants = noTenants{}
 

@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/http"
 	"net/netip"
@@ -110,20 +109,11 @@ type tenantsOf struct {
 	allowPrivate []netip.Prefix
 }
 
-func (t *tenantsOf) UseTemplate(ctx context.Context, ref string) error {
+func (t *tenantsOf) UseTemplate(ctx context.Context, ref string, tmpl api.Template) error {
 	if t.tsvc == nil {
 		return nil
 	}
-	// A template that does not exist yet (the base template, built on
-	// first use) is the create's problem, not a visibility one.
-	if err := t.tsvc.Visible(ctx, ref); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
-		return err
-	} else if err != nil {
-		if _, gerr := t.tsvc.Get(principal.With(ctx, principal.System), ref); gerr == nil {
-			return err
-		}
-	}
-	return nil
+	return t.tsvc.Usable(ctx, ref, tmpl)
 }
 
 func (t *tenantsOf) ClaimTag(ctx context.Context, tag string) error {

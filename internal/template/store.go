@@ -321,11 +321,21 @@ func (s *Store) Resolve(ctx context.Context, ref string) (api.Template, string, 
 	if err != nil {
 		return api.Template{}, "", err
 	}
-	rootfs := s.rootfsDir(t.TreeDigest)
-	if _, err := os.Stat(rootfs); err != nil {
-		return api.Template{}, "", fmt.Errorf("template %s: content missing at %s: %w", t.Digest, rootfs, errdefs.ErrNotFound)
+	rootfs, err := s.Content(t)
+	if err != nil {
+		return api.Template{}, "", err
 	}
 	return t, rootfs, nil
+}
+
+// Content returns the directory holding the root filesystem of t, a
+// template Get returned (Resolve without the lookup).
+func (s *Store) Content(t api.Template) (string, error) {
+	rootfs := s.rootfsDir(t.TreeDigest)
+	if _, err := os.Stat(rootfs); err != nil {
+		return "", fmt.Errorf("template %s: content missing at %s: %w", t.Digest, rootfs, errdefs.ErrNotFound)
+	}
+	return rootfs, nil
 }
 
 func (s *Store) rootfsDir(digest string) string {

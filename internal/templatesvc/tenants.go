@@ -93,6 +93,14 @@ func (s *Service) checkVisible(ctx context.Context, ref string, t api.Template) 
 	return t, nil
 }
 
+// Usable checks that the caller in ctx may use template t, which ref
+// names and the caller looked up itself (a create's plan): Visible
+// without a second lookup.
+func (s *Service) Usable(ctx context.Context, ref string, t api.Template) error {
+	_, err := s.checkVisible(ctx, ref, t)
+	return err
+}
+
 // Visible checks that the caller in ctx may use template ref (create a
 // sandbox from it, build FROM it); the error is ErrNotFound otherwise.
 func (s *Service) Visible(ctx context.Context, ref string) error {
