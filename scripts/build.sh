@@ -6,6 +6,8 @@
 # bin/space-gateway and bin/containerd-shim-space-v2. All are static
 # (CGO_ENABLED=0) and built by one `go build`, so the packages they share
 # compile once; Go's build cache makes an unchanged rebuild take seconds.
+# Without DWARF or a symbol table (-gcflags=all=-dwarf=false, -s -w): stack
+# traces and pprof need neither, and a cold compile is shorter without them.
 #
 #   scripts/build.sh            all of them
 #   scripts/build.sh NAME...    only those (setup.sh builds space and
@@ -33,5 +35,5 @@ done
 
 mkdir -p bin
 start=$SECONDS
-CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/ "${pkgs[@]}"
+CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -gcflags=all=-dwarf=false -o bin/ "${pkgs[@]}"
 echo "build: ${want[*]} are in bin/ ($((SECONDS - start)) s)"
