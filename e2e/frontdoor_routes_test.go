@@ -12,14 +12,15 @@ import (
 	"time"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/e2b"
 	"github.com/spacehq/space/internal/server"
 	"github.com/spacehq/space/sdk"
 )
 
-// The REST routes the matrix's other rows do not reach (reads, the exec
+// The REST and E2B routes the matrix's other rows do not reach (reads, the exec
 // stream, command sessions, ports, the lifecycle verbs that need a sandbox
 // in another state), and the check that every route which can cause a
-// policy action (server.FrontDoorActions) has a row: a new route without
+// policy action (server.FrontDoorActions, e2b.FrontDoorActions) has a row: a new route without
 // one fails TestFrontDoorPolicy.
 
 const (
@@ -56,10 +57,19 @@ var fdRouteOf = []struct{ prefix, route string }{
 	{"rest/fork", "POST /v1/sandboxes/{id}/fork"},
 	{"rest/delete-sandbox", "DELETE /v1/sandboxes/{id}"},
 	{"mcp/", "POST /mcp"},
+	{"e2b/files.write/", "POST /e2b/envd/files"},
+	{"e2b/allow/files.write-tmp", "POST /e2b/envd/files"},
+	{"e2b/files.makeDir/", "POST /e2b/envd/filesystem.Filesystem/MakeDir"},
+	{"e2b/files.rename-into/", "POST /e2b/envd/filesystem.Filesystem/Move"},
+	{"e2b/files.remove/", "POST /e2b/envd/filesystem.Filesystem/Remove"},
+	{"e2b/uploadUrl/", "POST /files"},
+	{"e2b/commands.run", "POST /e2b/envd/process.Process/Start"},
+	{"e2b/pause/", "POST /e2b/sandboxes/{id}/pause"},
+	{"e2b/fork", "POST /e2b/sandboxes/{id}/fork"},
+	{"e2b/Sandbox.kill", "DELETE /e2b/sandboxes/{id}"},
 }
 
-// fdRowRoute is the route a row reaches ("" for E2B's doors, which have
-// their own mux).
+// fdRowRoute is the route a row reaches, in space's table or E2B's.
 func fdRowRoute(r fdRow) string {
 	if r.route != "" {
 		return r.route
@@ -81,9 +91,11 @@ func checkRouteCoverage(t *testing.T, rows []fdRow) {
 		covered[fdRowRoute(r)] = true
 	}
 	var missing []string
-	for pattern, kinds := range server.FrontDoorActions {
-		if len(kinds) > 0 && !covered[pattern] {
-			missing = append(missing, fmt.Sprintf("%s (%s)", pattern, strings.Join(kinds, ", ")))
+	for _, table := range []map[string][]string{server.FrontDoorActions, e2b.FrontDoorActions} {
+		for pattern, kinds := range table {
+			if len(kinds) > 0 && !covered[pattern] {
+				missing = append(missing, fmt.Sprintf("%s (%s)", pattern, strings.Join(kinds, ", ")))
+			}
 		}
 	}
 	sort.Strings(missing)
@@ -181,7 +193,81 @@ func (fd *frontDoor) routeRows(nat string, ch fdChurn) []fdRow {
 		verb("wake", ch.paused, api.OpWake, func() (*api.Operation, error) { return c.Wake(ctx, ch.paused) }, api.StatePaused),
 		verb("restore", ch.suspended, api.OpRestore, func() (*api.Operation, error) { return c.Restore(ctx, ch.suspended) }, api.StateSuspended),
 	)
-	return rows
+	return append(rows, fd.e2bRouteRows(nat, ch)...)
+}
+
+// e2bRouteRows reach the E2B routes e2bRows' calls do not: reads through
+// the SDK, and the routes its version never calls, raw (as E2B's other
+// SDKs and older versions call them).
+func (fd *frontDoor) e2bRouteRows(nat string, ch fdChurn) []fdRow {
+	js := func(name, op string, args map[string]any) func(t *testing.T) fdOutcome {
+		return func(t *testing.T) fdOutcome {
+			req := map[string]any{"door": "e2b", "op": op}
+			for k, v := range args {
+				req[k] = v
+			}
+			return fd.js.call(t, req)
+		}
+	}
+	read := func(name, route, op, path, audit string) fdRow {
+		return fdRow{name: "e2b/" + name, route: route, want: fdDeny, sb: nat, deny: fdSecretReason, audit: audit,
+			do: js(name, op, map[string]any{"sandbox": nat, "path": path})}
+	}
+	fs := "/e2b/envd/filesystem.Filesystem/"
+	wake := func(name, route string, do func(t *testing.T) fdOutcome) fdRow {
+		return fdRow{name: "e2b/" + name, route: route, want: fdDeny, sb: ch.paused, deny: fdChurnReason, audit: "lifecycle wake",
+			do: do, after: fd.inState(ch.paused, api.StatePaused)}
+	}
+	return []fdRow{
+		read("files.read/dotdot", "GET /e2b/envd/files", "read", "/tmp/../etc/fd-secret/s", "file.read of /etc/fd-secret/s"),
+		read("files.getInfo/symlink", "POST "+fs+"Stat", "stat", "/tmp/l/fd-secret/s", "file.read of /etc/fd-secret/s"),
+		read("files.list/dslash", "POST "+fs+"ListDir", "list", "//etc/fd-secret", "file.read of /etc/fd-secret"),
+		read("files.watchDir", "POST "+fs+"WatchDir", "watch", "/etc/./fd-secret", "file.read of /etc/fd-secret"),
+		read("downloadUrl", "GET /files", "downloadUrl", "/etc/fd-secret/s", "file.read of /etc/fd-secret/s"),
+		{name: "e2b/raw/CreateWatcher", route: "POST " + fs + "CreateWatcher", want: fdDeny, sb: nat, deny: fdSecretReason,
+			audit: "file.read of /etc/fd-secret",
+			do: func(t *testing.T) fdOutcome {
+				return fd.e2bRaw(t, "POST", fs+"CreateWatcher", nat, `{"path":"/tmp/l/fd-secret"}`)
+			}},
+		// A deadline brought closer decides the verb it will apply.
+		{name: "e2b/setTimeout", route: "POST /e2b/sandboxes/{id}/timeout", want: fdDeny, sb: nat, deny: fdKeepReason,
+			audit: "lifecycle delete", do: js("setTimeout", "setTimeout", map[string]any{"sandbox": nat, "ms": 10_000})},
+		{name: "e2b/raw/refreshes", route: "POST /e2b/sandboxes/{id}/refreshes", want: fdDeny, sb: nat, deny: fdKeepReason,
+			audit: "lifecycle delete",
+			do: func(t *testing.T) fdOutcome {
+				return fd.e2bRaw(t, "POST", "/e2b/sandboxes/"+nat+"/refreshes", "", `{"duration":10}`)
+			}},
+		wake("Sandbox.connect", "POST /e2b/v2/sandboxes/{id}/connect", js("connect", "connect", map[string]any{"sandbox": ch.paused})),
+		wake("raw/resume", "POST /e2b/sandboxes/{id}/resume", func(t *testing.T) fdOutcome {
+			return fd.e2bRaw(t, "POST", "/e2b/sandboxes/"+ch.paused+"/resume", "", `{}`)
+		}),
+	}
+}
+
+// e2bRaw makes one E2B call with plain HTTP and the API key (envd calls
+// name their sandbox in E2b-Sandbox-Id and act as root), as E2B's SDKs
+// other than the JS one do; Connect's unary calls are JSON.
+func (fd *frontDoor) e2bRaw(t *testing.T, method, path, sb, body string) fdOutcome {
+	req, err := http.NewRequest(method, fd.e.url+path, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("X-API-Key", fd.e.key)
+	req.Header.Set("Content-Type", "application/json")
+	if sb != "" {
+		req.Header.Set("E2b-Sandbox-Id", sb)
+		req.SetBasicAuth("root", "")
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fdOutcome{Message: err.Error()}
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+	if resp.StatusCode < 300 {
+		return fdOutcome{OK: true, Status: resp.StatusCode, Message: string(b)}
+	}
+	return fdOutcome{Status: resp.StatusCode, Message: string(b), Class: "http"}
 }
 
 // proxy sends one request through the path-routed port proxy with the API

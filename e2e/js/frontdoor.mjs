@@ -53,6 +53,25 @@ const ops = {
     async rename (req) { await (await e2b(req.sandbox)).files.rename(req.from, req.to, root) },
     async remove (req) { await (await e2b(req.sandbox)).files.remove(req.path, root) },
     async run (req) { await (await e2b(req.sandbox)).commands.run(req.cmd, root) },
+    async read (req) { await (await e2b(req.sandbox)).files.read(req.path, root) },
+    async stat (req) { await (await e2b(req.sandbox)).files.getInfo(req.path, root) },
+    async list (req) { await (await e2b(req.sandbox)).files.list(req.path, root) },
+    async watch (req) {
+      const handle = await (await e2b(req.sandbox)).files.watchDir(req.path, () => {}, root)
+      await handle.stop()
+    },
+    // A signed download URL, fetched as a browser would.
+    async downloadUrl (req) {
+      const url = await (await e2b(req.sandbox)).downloadUrl(req.path, root)
+      const res = await fetch(url)
+      const body = await res.text()
+      let message = body
+      try { message = JSON.parse(body).message ?? body } catch {}
+      return { ok: res.ok, status: res.status, message }
+    },
+    async setTimeout (req) { await (await e2b(req.sandbox)).setTimeout(req.ms) },
+    // Sandbox.connect itself, not the cached handle: it wakes a paused one.
+    async connect (req) { await Sandbox.connect(req.sandbox) },
     // A signed upload URL, POSTed with plain fetch as a browser would.
     async uploadUrl (req) {
       const url = await (await e2b(req.sandbox)).uploadUrl(req.path, root)

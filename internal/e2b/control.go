@@ -38,26 +38,26 @@ const (
 
 func (h *Handler) controlRoutes() {
 	a := h.authAPI
-	h.mux.HandleFunc("POST "+Prefix+"/v2/sandboxes", a(h.create))
-	h.mux.HandleFunc("POST "+Prefix+"/sandboxes", a(h.create))
-	h.mux.HandleFunc("GET "+Prefix+"/v2/sandboxes", a(h.list))
-	h.mux.HandleFunc("GET "+Prefix+"/sandboxes", a(h.list))
-	h.mux.HandleFunc("GET "+Prefix+"/sandboxes/{id}", a(h.get))
-	h.mux.HandleFunc("DELETE "+Prefix+"/sandboxes/{id}", a(h.kill))
-	h.mux.HandleFunc("POST "+Prefix+"/sandboxes/{id}/timeout", a(h.setTimeout))
-	h.mux.HandleFunc("POST "+Prefix+"/sandboxes/{id}/refreshes", a(h.refresh))
-	h.mux.HandleFunc("POST "+Prefix+"/sandboxes/{id}/pause", a(h.pause))
-	h.mux.HandleFunc("POST "+Prefix+"/v2/sandboxes/{id}/connect", a(h.connect))
-	h.mux.HandleFunc("POST "+Prefix+"/sandboxes/{id}/resume", a(h.connect))
-	h.mux.HandleFunc("POST "+Prefix+"/sandboxes/{id}/fork", a(h.fork))
-	h.mux.HandleFunc("GET "+Prefix+"/sandboxes/{id}/metrics", a(h.metrics))
-	h.mux.HandleFunc("PUT "+Prefix+"/sandboxes/{id}/network", a(h.updateNetwork))
-	h.mux.HandleFunc("POST "+Prefix+"/sandboxes/{id}/snapshots", a(h.createSnapshot))
-	h.mux.HandleFunc("GET "+Prefix+"/snapshots", a(h.listSnapshots))
-	h.mux.HandleFunc("DELETE "+Prefix+"/templates/{id}", a(h.deleteTemplate))
+	h.route("POST "+Prefix+"/v2/sandboxes", a(h.create))
+	h.route("POST "+Prefix+"/sandboxes", a(h.create))
+	h.route("GET "+Prefix+"/v2/sandboxes", a(h.list))
+	h.route("GET "+Prefix+"/sandboxes", a(h.list))
+	h.route("GET "+Prefix+"/sandboxes/{id}", a(h.get))
+	h.route("DELETE "+Prefix+"/sandboxes/{id}", a(h.kill))
+	h.route("POST "+Prefix+"/sandboxes/{id}/timeout", a(h.setTimeout))
+	h.route("POST "+Prefix+"/sandboxes/{id}/refreshes", a(h.refresh))
+	h.route("POST "+Prefix+"/sandboxes/{id}/pause", a(h.pause))
+	h.route("POST "+Prefix+"/v2/sandboxes/{id}/connect", a(h.connect))
+	h.route("POST "+Prefix+"/sandboxes/{id}/resume", a(h.connect))
+	h.route("POST "+Prefix+"/sandboxes/{id}/fork", a(h.fork))
+	h.route("GET "+Prefix+"/sandboxes/{id}/metrics", a(h.metrics))
+	h.route("PUT "+Prefix+"/sandboxes/{id}/network", a(h.updateNetwork))
+	h.route("POST "+Prefix+"/sandboxes/{id}/snapshots", a(h.createSnapshot))
+	h.route("GET "+Prefix+"/snapshots", a(h.listSnapshots))
+	h.route("DELETE "+Prefix+"/templates/{id}", a(h.deleteTemplate))
 	// Everything else under the prefix that is not envd: E2B's error
 	// shape, saying what is not served.
-	h.mux.HandleFunc(Prefix+"/", a(func(w http.ResponseWriter, r *http.Request) {
+	h.route(Prefix+"/", a(func(w http.ResponseWriter, r *http.Request) {
 		h.writeAPIError(w, r, fmt.Errorf("%s %s is not part of the E2B API this server implements (sandboxes, commands, PTY, files and network are; templates, volumes, secrets and teams are managed with space's own API): %w",
 			r.Method, strings.TrimPrefix(r.URL.Path, Prefix), errdefs.ErrNotFound))
 	}))
@@ -790,7 +790,7 @@ func (h *Handler) updateNetwork(w http.ResponseWriter, r *http.Request) {
 }
 
 // Snapshots are templates: createSnapshot saves a running sandbox's
-// filesystem as a template new sandboxes start from (Manager.Snapshot: a
+// filesystem as a template new sandboxes start from (Verbs.Snapshot: a
 // fork of it is committed, the sandbox runs on); its id is the template's
 // tag, which Sandbox.create takes as its template. Memory is not kept.
 func (h *Handler) createSnapshot(w http.ResponseWriter, r *http.Request) {

@@ -85,6 +85,7 @@ type Handler struct {
 	proc     *processes
 	watchers *watchers
 	watch    dirWatcher
+	patterns []string // every route registered (route)
 }
 
 // New returns the layer's handler, to be mounted at Prefix.

@@ -91,19 +91,19 @@ func (part filesystemAPI) filesystemRoutes() {
 	h := part.h
 	a := func(f http.HandlerFunc) http.HandlerFunc { return h.authEnvd(false, f) }
 	p := EnvdPrefix + "/filesystem.Filesystem/"
-	h.mux.HandleFunc("POST "+p+"Stat", a(unary((filesystemAPI{h}).stat)))
-	h.mux.HandleFunc("POST "+p+"MakeDir", a(unary((filesystemAPI{h}).makeDir)))
-	h.mux.HandleFunc("POST "+p+"Move", a(unary((filesystemAPI{h}).move)))
-	h.mux.HandleFunc("POST "+p+"ListDir", a(unary((filesystemAPI{h}).listDir)))
-	h.mux.HandleFunc("POST "+p+"Remove", a(unary((filesystemAPI{h}).remove)))
+	h.route("POST "+p+"Stat", a(unary((filesystemAPI{h}).stat)))
+	h.route("POST "+p+"MakeDir", a(unary((filesystemAPI{h}).makeDir)))
+	h.route("POST "+p+"Move", a(unary((filesystemAPI{h}).move)))
+	h.route("POST "+p+"ListDir", a(unary((filesystemAPI{h}).listDir)))
+	h.route("POST "+p+"Remove", a(unary((filesystemAPI{h}).remove)))
 	h.watchRoutes(p)
 	// envd's REST file transfer: with the SDK's headers under
 	// E2B_SANDBOX_URL, and signed URLs (no headers) at the root.
-	h.mux.HandleFunc("GET "+EnvdPrefix+"/files", h.authEnvd(true, (filesystemAPI{h}).getFiles))
-	h.mux.HandleFunc("POST "+EnvdPrefix+"/files", h.authEnvd(true, (filesystemAPI{h}).postFiles))
-	h.mux.HandleFunc("GET "+SignedFilesPath, (filesystemAPI{h}).signedFiles((filesystemAPI{h}).getFiles))
-	h.mux.HandleFunc("POST "+SignedFilesPath, (filesystemAPI{h}).signedFiles((filesystemAPI{h}).postFiles))
-	h.mux.HandleFunc(SignedFilesPath, func(w http.ResponseWriter, r *http.Request) {
+	h.route("GET "+EnvdPrefix+"/files", h.authEnvd(true, (filesystemAPI{h}).getFiles))
+	h.route("POST "+EnvdPrefix+"/files", h.authEnvd(true, (filesystemAPI{h}).postFiles))
+	h.route("GET "+SignedFilesPath, (filesystemAPI{h}).signedFiles((filesystemAPI{h}).getFiles))
+	h.route("POST "+SignedFilesPath, (filesystemAPI{h}).signedFiles((filesystemAPI{h}).postFiles))
+	h.route(SignedFilesPath, func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusMethodNotAllowed, apiError{Code: http.StatusMethodNotAllowed, Message: r.Method + " is not allowed on /files: GET downloads, POST uploads"})
 	})
 }

@@ -110,18 +110,18 @@ func keepalive() any { return eventResponse{Event: processEvent{Keepalive: &stru
 func (h *Handler) envdRoutes() {
 	a := func(f http.HandlerFunc) http.HandlerFunc { return h.authEnvd(false, f) }
 	p := EnvdPrefix + "/process.Process/"
-	h.mux.HandleFunc("POST "+p+"Start", a(serverStream(keepalive, h.proc.start)))
-	h.mux.HandleFunc("POST "+p+"Connect", a(serverStream(keepalive, h.proc.connect)))
-	h.mux.HandleFunc("POST "+p+"List", a(unary(h.proc.list)))
-	h.mux.HandleFunc("POST "+p+"SendInput", a(unary(h.proc.sendInput)))
-	h.mux.HandleFunc("POST "+p+"SendSignal", a(unary(h.proc.sendSignal)))
-	h.mux.HandleFunc("POST "+p+"Update", a(unary(h.proc.update)))
-	h.mux.HandleFunc("POST "+p+"CloseStdin", a(unary(h.proc.closeStdin)))
-	h.mux.HandleFunc("POST "+p+"StreamInput", a(func(w http.ResponseWriter, r *http.Request) {
+	h.route("POST "+p+"Start", a(serverStream(keepalive, h.proc.start)))
+	h.route("POST "+p+"Connect", a(serverStream(keepalive, h.proc.connect)))
+	h.route("POST "+p+"List", a(unary(h.proc.list)))
+	h.route("POST "+p+"SendInput", a(unary(h.proc.sendInput)))
+	h.route("POST "+p+"SendSignal", a(unary(h.proc.sendSignal)))
+	h.route("POST "+p+"Update", a(unary(h.proc.update)))
+	h.route("POST "+p+"CloseStdin", a(unary(h.proc.closeStdin)))
+	h.route("POST "+p+"StreamInput", a(func(w http.ResponseWriter, r *http.Request) {
 		writeUnaryError(w, r.Context(), rpcErrorf(codeUnimplemented, "StreamInput (client streaming) is not served: use SendInput"))
 	}))
 	(filesystemAPI{h}).filesystemRoutes()
-	h.mux.HandleFunc("GET "+EnvdPrefix+"/health", func(w http.ResponseWriter, r *http.Request) {
+	h.route("GET "+EnvdPrefix+"/health", func(w http.ResponseWriter, r *http.Request) {
 		// E2B's SDK probes this to tell a dead sandbox (502) from a
 		// dropped connection.
 		id := r.Header.Get("E2b-Sandbox-Id")
@@ -133,7 +133,7 @@ func (h *Handler) envdRoutes() {
 		}
 		w.WriteHeader(http.StatusNoContent)
 	})
-	h.mux.HandleFunc(EnvdPrefix+"/", func(w http.ResponseWriter, r *http.Request) {
+	h.route(EnvdPrefix+"/", func(w http.ResponseWriter, r *http.Request) {
 		writeUnaryError(w, r.Context(), rpcErrorf(codeUnimplemented, "%s %s is not an envd call this server implements", r.Method, r.URL.Path))
 	})
 }

@@ -99,10 +99,10 @@ var errEventsLost = errors.New("events were lost")
 func (h *Handler) watchRoutes(p string) {
 	a := func(f http.HandlerFunc) http.HandlerFunc { return h.authEnvd(false, f) }
 	ping := func() any { return watchDirResponse{Keepalive: &struct{}{}} }
-	h.mux.HandleFunc("POST "+p+"WatchDir", a(serverStream(ping, h.watchDir)))
-	h.mux.HandleFunc("POST "+p+"CreateWatcher", a(unary(h.watchers.create)))
-	h.mux.HandleFunc("POST "+p+"GetWatcherEvents", a(unary(h.watchers.events)))
-	h.mux.HandleFunc("POST "+p+"RemoveWatcher", a(unary(h.watchers.remove)))
+	h.route("POST "+p+"WatchDir", a(serverStream(ping, h.watchDir)))
+	h.route("POST "+p+"CreateWatcher", a(unary(h.watchers.create)))
+	h.route("POST "+p+"GetWatcherEvents", a(unary(h.watchers.events)))
+	h.route("POST "+p+"RemoveWatcher", a(unary(h.watchers.remove)))
 }
 
 // watchTarget resolves a watch request to its sandbox path and user.
