@@ -1,7 +1,8 @@
 // Package clusterstore holds cluster mode's shared desired state in
 // PostgreSQL: the nodes that run sandboxes, their heartbeats and free
 // capacity, and (as cluster mode grows) what every API replica must agree
-// on. The single-box server never imports it; SQLite stays its store.
+// on. A single box never opens one (internal/server uses it only as a
+// cluster node); SQLite stays its store.
 //
 // Open returns a Store: the one connection pool and the schema, and the
 // parts that keep what is stored, which share that pool — NodeStore

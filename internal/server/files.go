@@ -254,7 +254,7 @@ const watchWriteTimeout = 30 * time.Second
 // watchDir streams api.FileEvent lines. Errors known before the watch is
 // armed (an unknown sandbox, a path that is missing or not a directory)
 // are plain JSON errors; the stream starts with the "watching" event and
-// simply ends otherwise (see sandbox.Manager.WatchDir for why).
+// simply ends otherwise (see sandbox.Files.WatchDir for why).
 func (part filesAPI) watchDir(w http.ResponseWriter, r *http.Request) {
 	s := part.s
 	q := r.URL.Query()

@@ -5,8 +5,8 @@ import "github.com/spacehq/space/internal/actions"
 // FrontDoorActions is, for every route of the server's table, the policy
 // action kinds a request to it can cause. None of them is decided here:
 // files in sandbox.FileSession, exec and command start in the manager's
-// exec path, lifecycle verbs in Manager.Lifecycle and Manager.Fork, ports
-// in Manager.DialPort (every connection in) and Manager.SetPortPublic. The list
+// exec path, lifecycle verbs in Verbs.Lifecycle and Verbs.Fork, ports
+// in Networking.DialPort (every connection in) and Networking.SetPortPublic. The list
 // exists so that a new route must say what it does (TestEveryRouteSaysItsActions)
 // and the e2e front-door matrix must try each pair (e2e/frontdoor_test.go).
 // An empty list: the route causes no action a policy rule decides

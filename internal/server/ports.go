@@ -43,7 +43,7 @@ import (
 //
 // and /v1/sandboxes/{id}/ports/{port}/tcp (a WebSocket) carries one raw
 // TCP connection (space port-forward). Every byte goes through the
-// sandbox's own NIC: Manager.DialPort → the gateway dials the sandbox's
+// sandbox's own NIC: Networking.DialPort → the gateway dials the sandbox's
 // address from its side of the link.
 //
 // A port is reached with the sandbox's access token (header
