@@ -3,7 +3,6 @@ package agent
 import (
 	"context"
 	"net"
-	"os"
 	"testing"
 	"time"
 
@@ -14,8 +13,18 @@ import (
 	"github.com/spacehq/space/internal/agentproto"
 )
 
-// fileConn adapts a character device to net.Conn for the client side.
-type fileConn struct{ *os.File }
+// fileConn adapts a character device to net.Conn for the client side: the
+// file's reads, writes, close and deadlines, not its whole method set.
+type fileConn struct{ fileIO }
+
+type fileIO interface {
+	Read([]byte) (int, error)
+	Write([]byte) (int, error)
+	Close() error
+	SetDeadline(time.Time) error
+	SetReadDeadline(time.Time) error
+	SetWriteDeadline(time.Time) error
+}
 
 func (fileConn) LocalAddr() net.Addr  { return &net.UnixAddr{Name: "serial", Net: "unix"} }
 func (fileConn) RemoteAddr() net.Addr { return &net.UnixAddr{Name: "serial", Net: "unix"} }

@@ -8,7 +8,6 @@ import (
 	"github.com/spacehq/space/internal/actions"
 	"github.com/spacehq/space/internal/audit"
 	"github.com/spacehq/space/internal/errdefs"
-	"github.com/spacehq/space/internal/principal"
 )
 
 // Decide asks the temporal policy (Config.Decider) whether a, an action on
@@ -24,10 +23,7 @@ func (m *Manager) Decide(ctx context.Context, id string, a actions.Action) error
 }
 
 func (m *Manager) decide(ctx context.Context, sb api.Sandbox, a actions.Action) error {
-	a.Sandbox, a.Tenant, a.Template = sb.ID, sb.Tenant, sb.Template
-	if a.Tenant == "" {
-		a.Tenant = principal.DefaultTenant
-	}
+	a.Sandbox, a.Tenant, a.Template = sb.ID, TenantOf(sb), sb.Template
 	d := m.cfg.Decider.Decide(ctx, a)
 	if d.Rule != "" || d.Approval != "" || !d.Allowed() {
 		// Not a plain allow: a rule (or an approver) had a say.
