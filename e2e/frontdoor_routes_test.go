@@ -258,16 +258,7 @@ func (fd *frontDoor) e2bRaw(t *testing.T, method, path, sb, body string) fdOutco
 		req.Header.Set("E2b-Sandbox-Id", sb)
 		req.SetBasicAuth("root", "")
 	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return fdOutcome{Message: err.Error()}
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-	if resp.StatusCode < 300 {
-		return fdOutcome{OK: true, Status: resp.StatusCode, Message: string(b)}
-	}
-	return fdOutcome{Status: resp.StatusCode, Message: string(b), Class: "http"}
+	return httpOutcome(req)
 }
 
 // proxy sends one request through the path-routed port proxy with the API
@@ -278,6 +269,12 @@ func (fd *frontDoor) proxy(t *testing.T, method, id string, port int) fdOutcome 
 		t.Fatal(err)
 	}
 	req.Header.Set("Authorization", "Bearer "+fd.e.key)
+	return httpOutcome(req)
+}
+
+// httpOutcome sends req and reports the answer: its status and (the start
+// of) its body.
+func httpOutcome(req *http.Request) fdOutcome {
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return fdOutcome{Message: err.Error()}
