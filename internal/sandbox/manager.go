@@ -103,9 +103,6 @@ type Manager struct {
 
 	netKick chan struct{} // NetworkRestarted → reconcile the links now
 
-	// admitMu makes a tenant's quota check and the insert it admits one
-	// step (tenants.go).
-	admitMu sync.Mutex
 	// Audit state (audit.go, netaudit.go): who asked for each running
 	// operation, and the follower recording each link's network verdicts.
 	opCallers    sync.Map // operation id → opCaller
@@ -184,7 +181,7 @@ func New(cfg Config) *Manager {
 	m.cmds = &Commands{m}
 	m.warm = &WarmPools{m}
 	m.builds = &Builds{m}
-	m.tenancy = &Tenancy{m}
+	m.tenancy = newTenancy(cfg.DB, cfg.Tenants, m.Get)
 	m.aud = &Auditor{m}
 	m.verbs = &Verbs{m}
 	m.recon = &Reconciler{m}

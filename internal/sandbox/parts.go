@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"context"
+	"sync"
 
 	"github.com/spacehq/space/api"
 	"github.com/spacehq/space/internal/build"
@@ -53,7 +54,14 @@ func (m *Manager) Builds() *Builds { return m.builds }
 
 // Tenancy is tenants' usage and quotas: admission of a create, the network
 // boundary, visibility (tenants.go).
-type Tenancy struct{ m *Manager }
+type Tenancy struct {
+	sandboxes sandboxLister
+	tenants   Tenants
+	get       func(ctx context.Context, id string) (api.Sandbox, error)
+	// admitMu makes a tenant's quota check and the insert it admits one
+	// step.
+	admitMu sync.Mutex
+}
 
 // Tenancy is the manager's Tenancy part.
 func (m *Manager) Tenancy() *Tenancy { return m.tenancy }

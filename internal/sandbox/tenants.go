@@ -57,10 +57,23 @@ func TenantOf(sb api.Sandbox) string {
 	return sb.Tenant
 }
 
+// sandboxLister is what the Tenancy part reads of the store.
+type sandboxLister interface {
+	ListSandboxes(ctx context.Context, f store.SandboxFilter) ([]api.Sandbox, error)
+}
+
+var _ sandboxLister = (*store.DB)(nil)
+
+// newTenancy makes the Tenancy part from what it needs, not the Manager:
+// the sandbox records (for usage), the tenants' quotas and boundaries, and
+// get, which returns a sandbox by id (for Visible).
+func newTenancy(sandboxes sandboxLister, tenants Tenants, get func(ctx context.Context, id string) (api.Sandbox, error)) *Tenancy {
+	return &Tenancy{sandboxes: sandboxes, tenants: tenants, get: get}
+}
+
 // Usage sums what the sandboxes of tenant hold now.
 func (part *Tenancy) Usage(ctx context.Context, tenant string) (api.Usage, error) {
-	m := part.m
-	sbs, err := m.cfg.DB.ListSandboxes(ctx, store.SandboxFilter{})
+	sbs, err := part.sandboxes.ListSandboxes(ctx, store.SandboxFilter{})
 	if err != nil {
 		return api.Usage{}, err
 	}
@@ -79,31 +92,29 @@ func (part *Tenancy) Usage(ctx context.Context, tenant string) (api.Usage, error
 // cannot both take the last unit of a quota. A tenant without quotas
 // takes no lock.
 func (part *Tenancy) admit(ctx context.Context, tenant string, add ...api.Limits) (release func(), err error) {
-	m := part.m
-	q, err := m.cfg.Tenants.Quotas(ctx, tenant)
+	q, err := part.tenants.Quotas(ctx, tenant)
 	if err != nil {
 		return nil, err
 	}
 	if q == (api.Quotas{}) {
 		return func() {}, nil
 	}
-	m.admitMu.Lock()
-	u, err := m.tenancy.Usage(ctx, tenant)
+	part.admitMu.Lock()
+	u, err := part.Usage(ctx, tenant)
 	if err == nil {
 		err = tenancy.Admit(q, u, add...)
 	}
 	if err != nil {
-		m.admitMu.Unlock()
+		part.admitMu.Unlock()
 		return nil, err
 	}
-	return m.admitMu.Unlock, nil
+	return part.admitMu.Unlock, nil
 }
 
 // admitAndPut stores new sandbox records if their tenant's quotas allow
 // them (admit).
 func (part *Tenancy) admitAndPut(ctx context.Context, tenant string, put func() error, add ...api.Limits) error {
-	m := part.m
-	release, err := m.tenancy.admit(ctx, tenant, add...)
+	release, err := part.admit(ctx, tenant, add...)
 	if err != nil {
 		return err
 	}
@@ -113,8 +124,7 @@ func (part *Tenancy) admitAndPut(ctx context.Context, tenant string, put func() 
 
 // bound checks p against tenant's boundary.
 func (part *Tenancy) bound(ctx context.Context, tenant string, p api.NetworkPolicy) error {
-	m := part.m
-	if err := m.cfg.Tenants.Bound(ctx, tenant, p); err != nil {
+	if err := part.tenants.Bound(ctx, tenant, p); err != nil {
 		return fmt.Errorf("network policy outside tenant %s's boundary: %w", tenant, err)
 	}
 	return nil
@@ -123,8 +133,7 @@ func (part *Tenancy) bound(ctx context.Context, tenant string, p api.NetworkPoli
 // Visible returns sandbox id if the caller in ctx may see it; another
 // tenant's sandbox is not found, exactly like one that does not exist.
 func (part *Tenancy) Visible(ctx context.Context, id string) (api.Sandbox, error) {
-	m := part.m
-	sb, err := m.Get(ctx, id)
+	sb, err := part.get(ctx, id)
 	if err != nil {
 		return api.Sandbox{}, err
 	}
