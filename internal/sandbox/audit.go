@@ -40,38 +40,49 @@ type opCaller struct {
 	tenant string // the sandbox's tenant
 }
 
+// sandboxGetter is what the Auditor part reads of the store: a sandbox's
+// tenant, for an operation record without a caller.
+type sandboxGetter interface {
+	GetSandbox(ctx context.Context, id string) (api.Sandbox, error)
+}
+
+var _ sandboxGetter = (*store.DB)(nil)
+
+// newAuditor makes the Auditor part from the audit sink and the sandbox
+// records, not the Manager.
+func newAuditor(sink audit.Sink, records sandboxGetter) *Auditor {
+	return &Auditor{sink: sink, records: records}
+}
+
 // noteCaller remembers ctx's principal (and the sandbox's tenant) for
 // operation opID's audit record.
 func (part *Auditor) noteCaller(ctx context.Context, opID, tenant string) {
-	m := part.m
-	if m.aud.auditOff() {
+	if part.auditOff() {
 		return
 	}
 	p, _ := principal.From(ctx)
-	m.opCallers.Store(opID, opCaller{p: p, tenant: tenant})
+	part.callers.Store(opID, opCaller{p: p, tenant: tenant})
 }
 
 func (part *Auditor) auditOff() bool {
-	m := part.m
-	_, nop := m.cfg.Audit.(audit.Nop)
+	_, nop := part.sink.(audit.Nop)
 	return nop
 }
 
 // auditOp records the end of op (err: how it failed).
 func (part *Auditor) auditOp(ctx context.Context, op api.Operation, err error) {
-	m := part.m
-	if m.aud.auditOff() {
+	if part.auditOff() {
 		return
 	}
 	ev := audit.Event{Kind: audit.KindLifecycle, Action: op.Kind, Sandbox: op.SandboxID, Target: op.ID, Result: op.State}
-	if c, ok := m.opCallers.LoadAndDelete(op.ID); ok {
+	if c, ok := part.callers.LoadAndDelete(op.ID); ok {
 		oc := c.(opCaller)
 		ev.KeyID, ev.Tenant = oc.p.KeyID, oc.tenant
 	} else if p, ok := principal.From(ctx); ok {
 		ev.KeyID = p.KeyID
 	}
 	if ev.Tenant == "" {
-		ev.Tenant = m.aud.tenantOf(op.SandboxID)
+		ev.Tenant = part.tenantOf(op.SandboxID)
 	}
 	d := map[string]any{"operation": op.ID}
 	if op.FinishedAt != nil {
@@ -84,16 +95,15 @@ func (part *Auditor) auditOp(ctx context.Context, op api.Operation, err error) {
 		}
 	}
 	ev.Detail = d
-	m.cfg.Audit.Record(ctx, ev)
+	part.sink.Record(ctx, ev)
 }
 
 // tenantOf is the tenant of sandbox id ("" when unknown: the log makes it
 // the caller's or the default).
 func (part *Auditor) tenantOf(id string) string {
-	m := part.m
 	ctx, cancel := context.WithTimeout(context.Background(), auditLookupTimeout)
 	defer cancel()
-	if sb, err := m.cfg.DB.GetSandbox(ctx, id); err == nil {
+	if sb, err := part.records.GetSandbox(ctx, id); err == nil {
 		return sb.Tenant
 	}
 	return ""
@@ -120,8 +130,7 @@ func cappedArgv(argv []string) ([]string, bool) {
 // auditCommandStart records that command cmdID of sb started (err nil) or
 // failed to.
 func (part *Auditor) auditCommandStart(ctx context.Context, sb api.Sandbox, cmdID, how string, argv []string, user, cwd string, err error) {
-	m := part.m
-	if m.aud.auditOff() {
+	if part.auditOff() {
 		return
 	}
 	a, cut := cappedArgv(argv)
@@ -134,17 +143,16 @@ func (part *Auditor) auditCommandStart(ctx context.Context, sb api.Sandbox, cmdI
 		res = "failed"
 		d["error"] = truncate(err.Error(), 1024)
 	}
-	m.cfg.Audit.Record(ctx, audit.Event{Kind: audit.KindCommand, Action: "start", Sandbox: sb.ID, Target: cmdID, Result: res, Tenant: sb.Tenant, Detail: d})
+	part.sink.Record(ctx, audit.Event{Kind: audit.KindCommand, Action: "start", Sandbox: sb.ID, Target: cmdID, Result: res, Tenant: sb.Tenant, Detail: d})
 }
 
 // auditCommandExit records how command cmdID of sandbox id ended.
 func (part *Auditor) auditCommandExit(ctx context.Context, id, tenant, cmdID string, st api.ExitStatus) {
-	m := part.m
-	if m.aud.auditOff() {
+	if part.auditOff() {
 		return
 	}
 	if tenant == "" {
-		tenant = m.aud.tenantOf(id)
+		tenant = part.tenantOf(id)
 	}
 	d := map[string]any{"exit_code": st.ExitCode}
 	if st.Signal != "" {
@@ -156,7 +164,7 @@ func (part *Auditor) auditCommandExit(ctx context.Context, id, tenant, cmdID str
 	if st.Reason != "" {
 		d["reason"] = truncate(st.Reason, 256)
 	}
-	m.cfg.Audit.Record(ctx, audit.Event{Kind: audit.KindCommand, Action: "exit", Sandbox: id, Target: cmdID, Result: strconv.Itoa(st.ExitCode), Tenant: tenant, Detail: d})
+	part.sink.Record(ctx, audit.Event{Kind: audit.KindCommand, Action: "exit", Sandbox: id, Target: cmdID, Result: strconv.Itoa(st.ExitCode), Tenant: tenant, Detail: d})
 }
 
 // AuditFiles records a files API change of sandbox id: action is write,
@@ -164,8 +172,7 @@ func (part *Auditor) auditCommandExit(ctx context.Context, id, tenant, cmdID str
 // Callers are the server's and the E2B API's files handlers, which reach
 // the agent directly.
 func (part *Auditor) AuditFiles(ctx context.Context, id, action, path, to string, err error) {
-	m := part.m
-	if m == nil || m.aud.auditOff() {
+	if part == nil || part.auditOff() {
 		return
 	}
 	res := "ok"
@@ -177,11 +184,11 @@ func (part *Auditor) AuditFiles(ctx context.Context, id, action, path, to string
 	if to != "" {
 		d["to"] = truncate(to, 4096)
 	}
-	ev := audit.Event{Kind: audit.KindFiles, Action: action, Sandbox: id, Target: truncate(path, 4096), Result: res, Tenant: m.aud.tenantOf(id)}
+	ev := audit.Event{Kind: audit.KindFiles, Action: action, Sandbox: id, Target: truncate(path, 4096), Result: res, Tenant: part.tenantOf(id)}
 	if len(d) > 0 {
 		ev.Detail = d
 	}
-	m.cfg.Audit.Record(ctx, ev)
+	part.sink.Record(ctx, ev)
 }
 
 // commandHow says what kind of command rec is, for its start record.
@@ -194,10 +201,9 @@ func commandHow(rec *store.CommandRecord) string {
 
 // auditExecExit records how a synchronous exec ended.
 func (part *Auditor) auditExecExit(ctx context.Context, sb api.Sandbox, res api.ExecResult) {
-	m := part.m
 	st := api.ExitStatus{ExitCode: res.ExitCode, Signal: res.Signal, OOMKilled: res.OOMKilled}
 	if res.TimedOut {
 		st.Reason = "timed out"
 	}
-	m.aud.auditCommandExit(ctx, sb.ID, sb.Tenant, "exec", st)
+	part.auditCommandExit(ctx, sb.ID, sb.Tenant, "exec", st)
 }

@@ -103,9 +103,8 @@ type Manager struct {
 
 	netKick chan struct{} // NetworkRestarted → reconcile the links now
 
-	// Audit state (audit.go, netaudit.go): who asked for each running
-	// operation, and the follower recording each link's network verdicts.
-	opCallers    sync.Map // operation id → opCaller
+	// Network audit state (netaudit.go): the follower recording each
+	// link's network verdicts.
 	netAuditMu   sync.Mutex
 	netFollowers map[string]*netFollower
 	netWG        sync.WaitGroup
@@ -182,7 +181,7 @@ func New(cfg Config) *Manager {
 	m.warm = &WarmPools{m}
 	m.builds = &Builds{m}
 	m.tenancy = newTenancy(cfg.DB, cfg.Tenants, m.Get)
-	m.aud = &Auditor{m}
+	m.aud = newAuditor(cfg.Audit, cfg.DB)
 	m.verbs = &Verbs{m}
 	m.recon = &Reconciler{m}
 	m.files = &Files{m}

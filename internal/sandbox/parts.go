@@ -5,6 +5,7 @@ import (
 	"sync"
 
 	"github.com/spacehq/space/api"
+	"github.com/spacehq/space/internal/audit"
 	"github.com/spacehq/space/internal/build"
 )
 
@@ -68,7 +69,11 @@ func (m *Manager) Tenancy() *Tenancy { return m.tenancy }
 
 // Auditor writes the manager's audit records: operations with their callers,
 // command starts and exits, files changes (audit.go).
-type Auditor struct{ m *Manager }
+type Auditor struct {
+	sink    audit.Sink
+	records sandboxGetter
+	callers sync.Map // operation id → opCaller: who asked for each running operation
+}
 
 // Auditor is the manager's Auditor part.
 func (m *Manager) Auditor() *Auditor { return m.aud }
