@@ -33,7 +33,7 @@ test: lint
 # raw tool in the same run, then the idle-density run (SPACE_BENCH_IDLE sandboxes).
 bench: setup-bench
 	SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent SPACE_JAIL_BIN=$(CURDIR)/bin/space-jail SPACE_GATEWAY_BIN=$(CURDIR)/bin/space-gateway go test -run '^$$' -bench . -benchtime 200x -timeout 30m ./bench/
-	SPACE_BENCH=1 SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent SPACE_JAIL_BIN=$(CURDIR)/bin/space-jail SPACE_GATEWAY_BIN=$(CURDIR)/bin/space-gateway go test -run 'TestTemplate|TestCreateTimeBySize|TestGvisorCheckpointBench|TestGvisorColdCreateBench|TestMicroVMBench|TestNetworkBench|TestDecideBench|TestE2BBench|TestMITMBench|TestAuditBench|TestCLIBench|TestExecBench|TestColdCreateBench|TestPoolBench|TestClusterBench' -v -timeout 30m ./bench/
+	SPACE_BENCH=1 SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent SPACE_JAIL_BIN=$(CURDIR)/bin/space-jail SPACE_GATEWAY_BIN=$(CURDIR)/bin/space-gateway go test -run 'TestTemplate|TestCreateTimeBySize|TestGvisorCheckpointBench|TestGvisorColdCreateBench|TestMicroVMBench|TestNetworkBench|TestDecideBench|TestE2BBench|TestMITMBench|TestAuditBench|TestCLIBench|TestExecBench|TestColdCreateBench|TestPoolBench|TestClusterBench|TestCheckpointPause' -v -timeout 30m ./bench/
 	SPACE_BENCH=1 SPACE_AGENT_BIN=$(CURDIR)/bin/space-agent SPACE_JAIL_BIN=$(CURDIR)/bin/space-jail SPACE_GATEWAY_BIN=$(CURDIR)/bin/space-gateway go test -run 'TestIdleDensity|TestGvisorSuspendedDensity' -v -timeout 60m ./bench/
 
 # go vet and the pinned staticcheck (scripts/setup-test.sh installs it into bin/).
