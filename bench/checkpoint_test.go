@@ -254,19 +254,7 @@ func TestCheckpointPauseMicroVM(t *testing.T) {
 	caps := rtI.Probe(ctx)
 	testenv.Require(t, "microvm", caps.Available, caps.Reason)
 	accel := caps.Details["accel"]
-	k, err := microvm.FindKernel(testenv.CacheDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	initrd, err := microvm.BuildInitramfs(k, agent, filepath.Join(dir, "boot"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	images := &microvm.Images{Dir: filepath.Join(dir, "images"), AgentBinary: agent}
-	rootImage, err := images.Prepare(ctx, mvDigest, rootfs)
-	if err != nil {
-		t.Fatal(err)
-	}
+	k, initrd, rootImage := rawBootFiles(t, ctx, dir, agent, rootfs)
 	disk := filepath.Join(dir, "disk.img")
 	if err := hostfs.FormatExt4(ctx, disk, mvLimits.DiskMiB, 100000000); err != nil {
 		t.Fatal(err)

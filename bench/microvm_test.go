@@ -65,19 +65,7 @@ func TestMicroVMBench(t *testing.T) {
 	}
 	defer rt.Sweep(context.Background(), func(string) bool { return false })
 
-	k, err := microvm.FindKernel(testenv.CacheDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	initrd, err := microvm.BuildInitramfs(k, agent, filepath.Join(dir, "boot"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	images := &microvm.Images{Dir: filepath.Join(dir, "images"), AgentBinary: agent}
-	rootImage, err := images.Prepare(ctx, mvDigest, rootfs)
-	if err != nil {
-		t.Fatal(err)
-	}
+	k, initrd, rootImage := rawBootFiles(t, ctx, dir, agent, rootfs)
 	rawVM := func(sub string) (microvm.VM, error) {
 		d := filepath.Join(dir, sub)
 		if err := os.MkdirAll(d, 0o700); err != nil {
@@ -363,4 +351,25 @@ func (h *phaseHandler) WithAttrs(as []slog.Attr) slog.Handler {
 
 func (h *phaseHandler) WithGroup(name string) slog.Handler {
 	return &phaseHandler{Handler: h.Handler.WithGroup(name), p: h.p}
+}
+
+// rawBootFiles makes what a raw QEMU of the microvm benches boots from
+// under dir: the guest kernel, the initramfs with agent, and the root
+// image of rootfs.
+func rawBootFiles(t *testing.T, ctx context.Context, dir, agent, rootfs string) (k microvm.Kernel, initrd, rootImage string) {
+	t.Helper()
+	k, err := microvm.FindKernel(testenv.CacheDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	initrd, err = microvm.BuildInitramfs(k, agent, filepath.Join(dir, "boot"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	images := &microvm.Images{Dir: filepath.Join(dir, "images"), AgentBinary: agent}
+	rootImage, err = images.Prepare(ctx, mvDigest, rootfs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k, initrd, rootImage
 }
