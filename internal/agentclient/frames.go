@@ -112,7 +112,7 @@ func (r *FrameReader) Next(ctx context.Context) (api.Frame, []byte, error) {
 				}
 				f.Offset, f.Data = *next, f.Data[skip:]
 				b = api.EncodeOutput(f.Type, f.Offset, f.Data)
-				f.Data = b[9:]
+				f.Data = b[len(b)-len(f.Data):] // alias the re-encoded bytes, as untrimmed frames do
 			}
 			*next = f.Offset + int64(len(f.Data))
 		}
