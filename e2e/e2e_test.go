@@ -473,6 +473,10 @@ func TestIdlePolicyAndTTL(t *testing.T) {
 func TestMetricsAndOpenAPI(t *testing.T) {
 	e := setup(t)
 	sb := newSandbox(t, e, api.CreateSandboxRequest{})
+	// An exec of its own, so space_exec_total exists when the test runs alone.
+	if _, code := sh(t, e, sb.ID, "true"); code != 0 {
+		t.Fatalf("exec: exit %d", code)
+	}
 	resp, err := http.Get(e.url + "/metrics")
 	if err != nil {
 		t.Fatal(err)
